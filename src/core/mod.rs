@@ -1,0 +1,6 @@
+//! The cluster model and the resource contract: plain data, no I/O.
+
+pub mod cluster;
+pub mod quantity;
+pub mod resources;
+pub mod topology;

@@ -1,0 +1,9 @@
+//! gpuplace: fractional and topology-aware GPU placement for Kubernetes.
+//!
+//! - [`core`]: the cluster model, the resource contract and GPU topologies (pure data).
+//! - [`placement`]: the placement engine and its scorers (pure, deterministic).
+//! - [`sim`]: the trace simulator behind `gpuplace simulate`.
+
+pub mod core;
+pub mod placement;
+pub mod sim;

@@ -1,0 +1,212 @@
+//! Whether and how a pod fits on one node, with the exact GPUs it would get, and a reason a person
+//! understands when it does not.
+
+use crate::core::cluster::{ContainerAssignment, GpuSlice, Node, PodAssignment};
+use crate::core::resources::{ContainerDemand, GpuDemand, NumaPolicy, PackingPolicy, PodRequest};
+use crate::placement::gpu_select::{choose_one, choose_set, FreeState, ShareChoice};
+
+/// Why a pod does not fit on a node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Infeasible {
+    /// Would not fit even on the node emptied of every pod: preemption cannot help.
+    Unresolvable(String),
+    /// Fits on the empty node, so evicting pods could make room.
+    Preemptable(String),
+}
+
+impl Infeasible {
+    pub fn reason(&self) -> &str {
+        match self {
+            Infeasible::Unresolvable(r) | Infeasible::Preemptable(r) => r,
+        }
+    }
+
+    pub fn is_unresolvable(&self) -> bool {
+        matches!(self, Infeasible::Unresolvable(_))
+    }
+}
+
+/// How GPUs are picked on a node.
+#[derive(Debug, Clone, Copy)]
+pub struct GpuChoice<'a> {
+    pub policy: PackingPolicy,
+    pub numa: NumaPolicy,
+    /// Single-GPU shares: pack by policy, or minimize fragmentation for this mix.
+    pub share: ShareChoice<'a>,
+}
+
+/// A pod's GPUs on one node, ready to be allocated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Placement {
+    pub assignment: PodAssignment,
+    /// Topology score of each container's set (0 for one GPU).
+    pub set_scores: Vec<u32>,
+}
+
+impl Placement {
+    /// Every GPU index the app containers use.
+    pub fn gpus(&self) -> Vec<u32> {
+        self.assignment.gpus()
+    }
+}
+
+fn describe(node: &Node, c: &ContainerDemand) -> String {
+    match c.demand {
+        GpuDemand::Whole { gpus } => format!("container {:?} needs {gpus} whole GPU(s)", c.name),
+        GpuDemand::Shared { gpus, core_pct, .. } => {
+            let mem = node.gpus.first().map(|g| c.demand.mem_on(g.memory_mib)).unwrap_or(0);
+            format!("container {:?} needs {gpus} GPU(s) with {mem} MiB and {core_pct}% free each", c.name)
+        }
+    }
+}
+
+fn capacity_summary(node: &Node, state: &FreeState, demand: &GpuDemand) -> String {
+    let eligible: Vec<usize> = (0..node.gpus.len()).filter(|&g| state.eligible[g]).collect();
+    if eligible.is_empty() {
+        return "no usable GPU (all unhealthy or of another model)".into();
+    }
+    if demand.is_whole() {
+        let idle = eligible.iter().filter(|&&g| state.idle[g]).count();
+        return format!("{idle} of {} usable GPUs are idle", eligible.len());
+    }
+    let best = eligible.iter().map(|&g| (state.mem[g], state.core[g])).max().unwrap_or((0, 0));
+    let fits = eligible.iter().filter(|&&g| state.fits(node, g, demand)).count();
+    format!("{fits} usable GPU(s) have room; most free is {} MiB / {}%", best.0, best.1)
+}
+
+/// Places containers on `state` (mutated). Returns the container assignments in spec order.
+fn assign(
+    node: &Node,
+    req: &PodRequest,
+    mut state: FreeState,
+    how: &GpuChoice<'_>,
+) -> Result<(Vec<ContainerAssignment>, Vec<u32>), String> {
+    let before = state.clone();
+    // Largest demands first: they have the fewest options.
+    let mut order: Vec<usize> = (0..req.containers.len()).collect();
+    order.sort_by_key(|&i| {
+        let d = &req.containers[i].demand;
+        std::cmp::Reverse((d.gpus(), d.is_whole(), d.core_on(), d.mem_on(u64::MAX / 1000)))
+    });
+    let mut out: Vec<Option<(ContainerAssignment, u32)>> = vec![None; req.containers.len()];
+    for i in order {
+        let c = &req.containers[i];
+        let (slices, score) = place_container(node, &mut state, c, how, &[])?;
+        out[i] = Some((ContainerAssignment { name: c.name.clone(), init: false, slices }, score));
+    }
+    let (mut containers, mut scores): (Vec<_>, Vec<_>) = out.into_iter().flatten().unzip();
+    // Each init container runs alone before the app containers: it may use what was free before this
+    // pod, and reusing the app containers' GPUs costs nothing extra.
+    let app_gpus: Vec<usize> = containers.iter().flat_map(|c| c.slices.iter().map(|s| s.gpu as usize)).collect();
+    for c in &req.init_containers {
+        let mut init_state = before.clone();
+        let (slices, score) = place_container(node, &mut init_state, c, how, &app_gpus)?;
+        containers.push(ContainerAssignment { name: c.name.clone(), init: true, slices });
+        scores.push(score);
+    }
+    Ok((containers, scores))
+}
+
+fn place_container(
+    node: &Node,
+    state: &mut FreeState,
+    c: &ContainerDemand,
+    how: &GpuChoice<'_>,
+    prefer: &[usize],
+) -> Result<(Vec<GpuSlice>, u32), String> {
+    let k = c.demand.gpus() as usize;
+    let all: Vec<usize> = (0..node.gpus.len()).filter(|&g| state.fits(node, g, &c.demand)).collect();
+    let preferred: Vec<usize> = all.iter().copied().filter(|g| prefer.contains(g)).collect();
+    let fail = |state: &FreeState| format!("{}; {}", describe(node, c), capacity_summary(node, state, &c.demand));
+    if all.len() < k {
+        return Err(fail(state));
+    }
+    let pick = |cands: &[usize]| -> Option<Vec<usize>> {
+        if cands.len() < k {
+            None
+        } else if k == 1 {
+            let share = if c.demand.is_whole() { ShareChoice::Pack(how.policy) } else { how.share };
+            choose_one(node, state, cands, &c.demand, share).map(|g| vec![g])
+        } else {
+            choose_set(node, state, cands, k, how.numa, how.policy, &c.demand)
+        }
+    };
+    let chosen = pick(&preferred).or_else(|| pick(&all)).ok_or_else(|| {
+        format!("{}; numa: required and no NUMA node has {k} such GPUs", describe(node, c))
+    })?;
+    let score = node.topology.set_score(&chosen);
+    let slices = chosen
+        .iter()
+        .map(|&g| {
+            let (mem_mib, core_pct) = state.take(node, g, &c.demand);
+            GpuSlice { gpu: g as u32, mem_mib, core_pct, exclusive: c.demand.is_whole() }
+        })
+        .collect();
+    Ok((slices, score))
+}
+
+fn host_check(node: &Node, req: &PodRequest) -> Result<(), Infeasible> {
+    for (what, need, cap, free) in [
+        ("millicores of CPU", req.cpu_milli, node.cpu_milli, node.cpu_free()),
+        ("MiB of host memory", req.memory_mib, node.memory_mib, node.mem_free()),
+    ] {
+        if cap == 0 || need == 0 {
+            continue;
+        }
+        if need > cap {
+            return Err(Infeasible::Unresolvable(format!("needs {need} {what}; node has {cap}")));
+        }
+        if need > free {
+            return Err(Infeasible::Preemptable(format!("needs {need} {what}; {free} free")));
+        }
+    }
+    Ok(())
+}
+
+/// Where the pod's containers would go on this node now, or why they cannot.
+pub fn place_on_node(node: &Node, req: &PodRequest, how: &GpuChoice<'_>) -> Result<Placement, Infeasible> {
+    if !req.allowed_models.is_empty() && !node.gpus.iter().any(|g| req.allows_model(&g.model)) {
+        let have: Vec<&str> = {
+            let mut m: Vec<&str> = node.gpus.iter().map(|g| g.model.as_str()).collect();
+            m.dedup();
+            m
+        };
+        return Err(Infeasible::Unresolvable(format!(
+            "gpu-model {:?} allowed; node has {:?}",
+            req.allowed_models, have
+        )));
+    }
+    let allows = |m: &str| req.allows_model(m);
+    let current = FreeState::current(node, allows);
+    let result = match assign(node, req, current, how) {
+        Ok(r) => Ok(r),
+        Err(now) => match assign(node, req, FreeState::empty(node, allows), how) {
+            Err(ever) => Err(Infeasible::Unresolvable(ever)),
+            Ok(_) => Err(Infeasible::Preemptable(now)),
+        },
+    };
+    let (containers, set_scores) = match result {
+        Ok(r) => {
+            host_check(node, req)?;
+            r
+        }
+        Err(e) => {
+            // an unresolvable host shortfall outranks a GPU shortfall that preemption could fix
+            return Err(match (host_check(node, req), e) {
+                (Err(host @ Infeasible::Unresolvable(_)), _) => host,
+                (_, gpu) => gpu,
+            });
+        }
+    };
+    Ok(Placement {
+        assignment: PodAssignment {
+            pod: req.key.clone(),
+            node: node.name.clone(),
+            containers,
+            cpu_milli: req.cpu_milli,
+            memory_mib: req.memory_mib,
+            group: req.group.as_ref().map(|g| g.key.clone()),
+        },
+        set_scores,
+    })
+}

@@ -1,0 +1,306 @@
+//! Which GPUs of one node a pod gets: a share goes on one GPU chosen by the GPU policy; a set of
+//! several GPUs is the best-connected set in the NVLink/NVSwitch/PCIe graph.
+//!
+//! Set choice is lexicographic, so it is exact on the oracle boards:
+//! 1. the highest set score (sum of pair scores, NVSwitch lanes counted);
+//! 2. fewest NUMA nodes (the pair score already ranks cross-socket paths lowest);
+//! 3. packing: shared slices go where GPUs are already busy (or idle, under `spread`);
+//! 4. look-ahead: among equals, take the GPUs least connected to the GPUs that stay free, so the
+//!    best-connected groups are left for the next request;
+//! 5. lowest indices.
+
+use crate::core::cluster::Node;
+use crate::core::resources::{GpuDemand, NumaPolicy, PackingPolicy};
+
+/// Free capacity of the GPUs of one node while a pod's containers are being placed.
+#[derive(Debug, Clone)]
+pub struct FreeState {
+    pub mem: Vec<u64>,
+    pub core: Vec<u32>,
+    /// Nobody holds anything on the GPU.
+    pub idle: Vec<bool>,
+    /// Healthy and of an allowed model.
+    pub eligible: Vec<bool>,
+}
+
+impl FreeState {
+    /// The node as it is now.
+    pub fn current(node: &Node, allows_model: impl Fn(&str) -> bool) -> Self {
+        let n = node.gpus.len();
+        let mut s = Self::empty(node, allows_model);
+        for g in 0..n {
+            let u = node.usage(g);
+            s.mem[g] = if u.exclusive { 0 } else { node.free_mem(g) };
+            s.core[g] = if u.exclusive { 0 } else { node.free_core(g) };
+            s.idle[g] = u.holders == 0;
+        }
+        s
+    }
+
+    /// The node with every allocation removed: "would it ever fit here?"
+    pub fn empty(node: &Node, allows_model: impl Fn(&str) -> bool) -> Self {
+        Self {
+            mem: node.gpus.iter().map(|g| g.memory_mib).collect(),
+            core: vec![100; node.gpus.len()],
+            idle: vec![true; node.gpus.len()],
+            eligible: node.gpus.iter().map(|g| g.healthy && allows_model(&g.model)).collect(),
+        }
+    }
+
+    /// Whether GPU `g` can take one slice of `demand`.
+    pub fn fits(&self, node: &Node, g: usize, demand: &GpuDemand) -> bool {
+        if !self.eligible[g] {
+            return false;
+        }
+        if demand.is_whole() {
+            return self.idle[g];
+        }
+        self.mem[g] >= demand.mem_on(node.gpus[g].memory_mib) && self.core[g] >= demand.core_on()
+    }
+
+    /// Takes one slice of `demand` from GPU `g`; returns (MiB, percent).
+    pub fn take(&mut self, node: &Node, g: usize, demand: &GpuDemand) -> (u64, u32) {
+        let mem = demand.mem_on(node.gpus[g].memory_mib);
+        let core = demand.core_on();
+        self.mem[g] = self.mem[g].saturating_sub(mem);
+        self.core[g] = self.core[g].saturating_sub(core);
+        self.idle[g] = false;
+        if demand.is_whole() {
+            self.mem[g] = 0;
+            self.core[g] = 0;
+        }
+        (mem, core)
+    }
+
+    /// Free share of GPU `g` in thousandths: the smaller of its free compute and memory fractions.
+    pub fn free_milli(&self, node: &Node, g: usize) -> u32 {
+        let cap = node.gpus[g].memory_mib;
+        let mem = if cap == 0 { 0 } else { (self.mem[g] * 1000 / cap) as u32 };
+        (self.core[g] * 10).min(mem)
+    }
+}
+
+/// How the GPU of a single-GPU share is picked.
+#[derive(Debug, Clone, Copy)]
+pub enum ShareChoice<'a> {
+    Pack(PackingPolicy),
+    /// Minimize the node's fragmentation for the workload mix (FGD's GPU choice).
+    Fragmentation(&'a crate::placement::scorers::fragmentation::WorkloadMix),
+}
+
+/// Upper bound on subsets examined exactly; larger searches use a greedy seed and swap search.
+const EXACT_SEARCH_LIMIT: u64 = 300_000;
+
+fn binomial(n: u64, k: u64) -> u64 {
+    let k = k.min(n - k.min(n));
+    let mut r: u64 = 1;
+    for i in 0..k {
+        r = r.saturating_mul(n - i) / (i + 1);
+    }
+    r
+}
+
+/// The key sets are compared by; larger is better.
+#[derive(Debug, Clone, Copy, PartialEq, PartialOrd)]
+struct SetKey {
+    score: u32,
+    neg_numa: i32,
+    pack: f64,
+    neg_connect: i64,
+}
+
+struct SetSearch<'a> {
+    node: &'a Node,
+    cands: &'a [usize],
+    k: usize,
+    numa: NumaPolicy,
+    pack_value: &'a [f64],
+    degree: &'a [i64],
+    best: Option<(SetKey, Vec<usize>)>,
+    stack: Vec<usize>,
+}
+
+impl SetSearch<'_> {
+    fn key(&self, set: &[usize], score: u32) -> Option<SetKey> {
+        // GPUs without a known NUMA node are taken as NUMA node 0 (single-socket hosts report none)
+        let numas: u64 = set.iter().fold(0, |m, &g| m | 1 << self.node.gpus[g].numa_node.unwrap_or(0).min(63));
+        let numa_count = numas.count_ones() as i32;
+        if self.numa == NumaPolicy::Required && numa_count > 1 {
+            return None;
+        }
+        Some(SetKey {
+            score,
+            neg_numa: if self.numa == NumaPolicy::None { 0 } else { -numa_count },
+            pack: set.iter().map(|&g| self.pack_value[g]).sum(),
+            neg_connect: -set.iter().map(|&g| self.degree[g]).sum::<i64>(),
+        })
+    }
+
+    fn consider(&mut self, set: &[usize], score: u32) {
+        let Some(key) = self.key(set, score) else { return };
+        let better = match &self.best {
+            None => true,
+            // ties keep the earlier (lexicographically smaller) set
+            Some((b, _)) => key > *b,
+        };
+        if better {
+            self.best = Some((key, set.to_vec()));
+        }
+    }
+
+    fn exhaustive(&mut self, start: usize, score: u32) {
+        if self.stack.len() == self.k {
+            let set = std::mem::take(&mut self.stack);
+            self.consider(&set, score);
+            self.stack = set;
+            return;
+        }
+        let need = self.k - self.stack.len();
+        for i in start..=self.cands.len() - need {
+            let g = self.cands[i];
+            let add: u32 = self.stack.iter().map(|&s| self.node.topology.pair_score(s, g)).sum();
+            self.stack.push(g);
+            self.exhaustive(i + 1, score + add);
+            self.stack.pop();
+        }
+    }
+
+    /// For very large nodes: grow a set greedily from every seed, then improve by single swaps.
+    fn heuristic(&mut self) {
+        let topo = &self.node.topology;
+        for &seed in self.cands {
+            let mut set = vec![seed];
+            while set.len() < self.k {
+                let next = self
+                    .cands
+                    .iter()
+                    .filter(|g| !set.contains(g))
+                    .max_by_key(|&&g| (set.iter().map(|&s| topo.pair_score(s, g)).sum::<u32>(), std::cmp::Reverse(g)));
+                match next {
+                    Some(&g) => set.push(g),
+                    None => return,
+                }
+            }
+            let mut improved = true;
+            while improved {
+                improved = false;
+                for i in 0..set.len() {
+                    for &g in self.cands {
+                        if set.contains(&g) {
+                            continue;
+                        }
+                        let mut trial = set.clone();
+                        trial[i] = g;
+                        if topo.set_score(&trial) > topo.set_score(&set) {
+                            set = trial;
+                            improved = true;
+                        }
+                    }
+                }
+            }
+            set.sort_unstable();
+            let score = topo.set_score(&set);
+            self.consider(&set, score);
+        }
+    }
+}
+
+/// Chooses `k` GPUs among `cands` (sorted by index) for one container. `None` when no set satisfies
+/// the NUMA policy.
+pub fn choose_set(
+    node: &Node,
+    state: &FreeState,
+    cands: &[usize],
+    k: usize,
+    numa: NumaPolicy,
+    pack: PackingPolicy,
+    demand: &GpuDemand,
+) -> Option<Vec<usize>> {
+    if k == 0 || cands.len() < k {
+        return None;
+    }
+    let n = node.gpus.len();
+    let topo = &node.topology;
+    // How strongly each candidate is tied to the GPUs that stay free: take weakly tied ones first.
+    let free: Vec<usize> = (0..n).filter(|&g| state.fits(node, g, demand)).collect();
+    let mut degree = vec![0i64; n];
+    for &g in cands {
+        degree[g] = free.iter().filter(|&&o| o != g).map(|&o| i64::from(topo.pair_score(g, o))).sum();
+    }
+    // Packing value: busier GPUs first under binpack, idler ones under spread.
+    let mut pack_value = vec![0.0; n];
+    if !demand.is_whole() {
+        for &g in cands {
+            let free_frac = f64::from(state.free_milli(node, g)) / 1000.0;
+            pack_value[g] = match pack {
+                PackingPolicy::Binpack => -free_frac,
+                PackingPolicy::Spread => free_frac,
+            };
+        }
+    }
+    let mut search = SetSearch {
+        node,
+        cands,
+        k,
+        numa,
+        pack_value: &pack_value,
+        degree: &degree,
+        best: None,
+        stack: Vec::with_capacity(k),
+    };
+    if binomial(cands.len() as u64, k as u64) <= EXACT_SEARCH_LIMIT {
+        search.exhaustive(0, 0);
+    } else {
+        search.heuristic();
+    }
+    let mut best = search.best.map(|(_, s)| s)?;
+    best.sort_unstable();
+    Some(best)
+}
+
+/// Picks the GPU for a one-GPU container.
+pub fn choose_one(node: &Node, state: &FreeState, cands: &[usize], demand: &GpuDemand, how: ShareChoice<'_>) -> Option<usize> {
+    if cands.is_empty() {
+        return None;
+    }
+    let topo = &node.topology;
+    let free: Vec<usize> = (0..node.gpus.len()).filter(|&g| state.fits(node, g, demand)).collect();
+    let connect = |g: usize| -> i64 { free.iter().filter(|&&o| o != g).map(|&o| i64::from(topo.pair_score(g, o))).sum() };
+    match how {
+        ShareChoice::Pack(policy) => {
+            // whole GPUs: all candidates are idle, so only the look-ahead and the index decide
+            let mut best: Option<(i64, i64, usize)> = None;
+            for &g in cands {
+                let left = i64::from(state.free_milli(node, g));
+                let pack = if demand.is_whole() {
+                    0
+                } else {
+                    match policy {
+                        PackingPolicy::Binpack => -left,
+                        PackingPolicy::Spread => left,
+                    }
+                };
+                let key = (pack, -connect(g), g);
+                if best.is_none_or(|(p, c, _)| (key.0, key.1) > (p, c)) {
+                    best = Some(key);
+                }
+            }
+            best.map(|(_, _, g)| g)
+        }
+        ShareChoice::Fragmentation(mix) => {
+            let mut best: Option<(f64, i64, usize)> = None;
+            let mut trial = state.clone();
+            for &g in cands {
+                let before = (trial.mem[g], trial.core[g], trial.idle[g]);
+                trial.take(node, g, demand);
+                let frag = mix.node_fragmentation(node, &trial);
+                (trial.mem[g], trial.core[g], trial.idle[g]) = before;
+                let key = (-frag, -connect(g), g);
+                if best.is_none_or(|(f, c, _)| (key.0, key.1) > (f, c)) {
+                    best = Some(key);
+                }
+            }
+            best.map(|(_, _, g)| g)
+        }
+    }
+}

@@ -1,0 +1,8 @@
+//! The placement engine: pure, deterministic, no I/O.
+
+pub mod engine;
+pub mod feasibility;
+pub mod gpu_select;
+pub mod profile;
+pub mod scorer;
+pub mod scorers;

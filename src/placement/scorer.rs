@@ -1,0 +1,32 @@
+//! The scorer plug-in point: each concern rates a candidate placement from 0.0 (worst) to 1.0 (best),
+//! and a [`Profile`](crate::placement::profile::Profile) weighs them, as kube-scheduler's framework does.
+
+use crate::core::cluster::{Cluster, Node};
+use crate::core::resources::{PackingPolicy, PodRequest};
+use crate::placement::feasibility::Placement;
+use crate::placement::scorers::fragmentation::WorkloadMix;
+use crate::placement::scorers::network::GroupView;
+
+/// What every scorer may look at besides the node itself.
+#[derive(Debug, Clone, Copy)]
+pub struct ScoreContext<'a> {
+    pub cluster: &'a Cluster,
+    pub request: &'a PodRequest,
+    /// Node packing policy after per-pod overrides.
+    pub node_policy: PackingPolicy,
+    /// The typical request mix, for fragmentation.
+    pub mix: &'a WorkloadMix,
+    /// Now, in Unix milliseconds (utilization samples older than `max_sample_age_ms` are ignored).
+    pub now_unix_ms: i64,
+    pub max_sample_age_ms: i64,
+    /// Where the pod's group stands (`None` for pods without a group).
+    pub group: Option<&'a GroupView>,
+}
+
+/// One concern of node choice.
+pub trait Scorer: Send + Sync + std::fmt::Debug {
+    /// Short name used in placement logs and profiles.
+    fn name(&self) -> &'static str;
+    /// 0.0 (worst) ..= 1.0 (best) for putting the pod on `node` as `placement` says.
+    fn score(&self, ctx: &ScoreContext<'_>, node: &Node, placement: &Placement) -> f64;
+}

@@ -1,0 +1,36 @@
+//! Topology quality: how well the chosen GPUs of each container are connected, relative to the best
+//! set of that size the node's board offers at all (so H100 NVSwitch and L40S PCIe boards compare
+//! fairly).
+
+use crate::core::cluster::Node;
+use crate::placement::feasibility::Placement;
+use crate::placement::scorer::{ScoreContext, Scorer};
+
+#[derive(Debug, Default, Clone, Copy)]
+pub struct TopologyScorer;
+
+impl Scorer for TopologyScorer {
+    fn name(&self) -> &'static str {
+        "topology"
+    }
+
+    fn score(&self, _ctx: &ScoreContext<'_>, node: &Node, placement: &Placement) -> f64 {
+        let mut total = 0.0;
+        let mut counted = 0;
+        for (c, &got) in placement.assignment.containers.iter().zip(&placement.set_scores) {
+            let k = c.slices.len();
+            if c.init || k < 2 {
+                continue;
+            }
+            let best = node.topology.best_set_score(k);
+            total += if best == 0 { 1.0 } else { (f64::from(got) / f64::from(best)).min(1.0) };
+            counted += 1;
+        }
+        // single-GPU pods: topology does not separate nodes
+        if counted == 0 {
+            1.0
+        } else {
+            total / counted as f64
+        }
+    }
+}
