@@ -1,6 +1,7 @@
 //! The cluster model and the resource contract: plain data, no I/O.
 
 pub mod cluster;
+pub mod inventory;
 pub mod quantity;
 pub mod resources;
 pub mod topology;

@@ -100,14 +100,18 @@ fn binomial(n: u64, k: u64) -> u64 {
     r
 }
 
-/// The key sets are compared by; larger is better.
+/// The primary key sets are compared by; larger is better.
 #[derive(Debug, Clone, Copy, PartialEq, PartialOrd)]
 struct SetKey {
     score: u32,
     neg_numa: i32,
     pack: f64,
-    neg_connect: i64,
 }
+
+/// Tied sets kept for the look-ahead; more are very unlikely to differ in what they leave.
+const MAX_TIES: usize = 4096;
+/// Tied sets whose leftovers are examined in full (the rest are ranked by connectivity only).
+const LOOKAHEAD_CANDIDATES: usize = 24;
 
 struct SetSearch<'a> {
     node: &'a Node,
@@ -115,8 +119,8 @@ struct SetSearch<'a> {
     k: usize,
     numa: NumaPolicy,
     pack_value: &'a [f64],
-    degree: &'a [i64],
-    best: Option<(SetKey, Vec<usize>)>,
+    best: Option<SetKey>,
+    ties: Vec<Vec<usize>>,
     stack: Vec<usize>,
 }
 
@@ -132,19 +136,19 @@ impl SetSearch<'_> {
             score,
             neg_numa: if self.numa == NumaPolicy::None { 0 } else { -numa_count },
             pack: set.iter().map(|&g| self.pack_value[g]).sum(),
-            neg_connect: -set.iter().map(|&g| self.degree[g]).sum::<i64>(),
         })
     }
 
     fn consider(&mut self, set: &[usize], score: u32) {
         let Some(key) = self.key(set, score) else { return };
-        let better = match &self.best {
-            None => true,
-            // ties keep the earlier (lexicographically smaller) set
-            Some((b, _)) => key > *b,
-        };
-        if better {
-            self.best = Some((key, set.to_vec()));
+        match self.best.map(|b| key.partial_cmp(&b)) {
+            None | Some(Some(std::cmp::Ordering::Greater)) => {
+                self.best = Some(key);
+                self.ties.clear();
+                self.ties.push(set.to_vec());
+            }
+            Some(Some(std::cmp::Ordering::Equal)) if self.ties.len() < MAX_TIES => self.ties.push(set.to_vec()),
+            _ => {}
         }
     }
 
@@ -205,6 +209,68 @@ impl SetSearch<'_> {
     }
 }
 
+/// The best set of `s` GPUs within `gpus` and its score (first found on ties; `None` when fewer).
+fn best_within(node: &Node, gpus: &[usize], s: usize) -> Option<(u32, Vec<usize>)> {
+    fn rec(node: &Node, gpus: &[usize], start: usize, s: usize, set: &mut Vec<usize>, score: u32, best: &mut Option<(u32, Vec<usize>)>) {
+        if set.len() == s {
+            if best.as_ref().is_none_or(|(b, _)| score > *b) {
+                *best = Some((score, set.clone()));
+            }
+            return;
+        }
+        for i in start..=gpus.len() - (s - set.len()) {
+            let g = gpus[i];
+            let add: u32 = set.iter().map(|&o| node.topology.pair_score(o, g)).sum();
+            set.push(g);
+            rec(node, gpus, i + 1, s, set, score + add, best);
+            set.pop();
+        }
+    }
+    if s == 0 || gpus.len() < s {
+        return None;
+    }
+    let mut best = None;
+    rec(node, gpus, 0, s, &mut Vec::with_capacity(s), 0, &mut best);
+    best
+}
+
+/// What a set of free GPUs is worth to the next requests: its best quad plus the best pair left
+/// beside that quad (both could be asked for), or its best pair when no quad is left.
+fn leftover_value(node: &Node, left: &[usize]) -> u32 {
+    match best_within(node, left, 4) {
+        Some((quad, set)) => {
+            let rest: Vec<usize> = left.iter().copied().filter(|g| !set.contains(g)).collect();
+            quad + best_within(node, &rest, 2).map_or(0, |(p, _)| p)
+        }
+        None => best_within(node, left, 2).map_or(0, |(p, _)| p),
+    }
+}
+
+/// Among equally good sets, the one that leaves the most for later (see the module comment).
+fn pick_lookahead(node: &Node, free: &[usize], mut ties: Vec<Vec<usize>>) -> Option<Vec<usize>> {
+    if ties.len() <= 1 {
+        return ties.pop();
+    }
+    let topo = &node.topology;
+    let connect = |set: &[usize]| -> i64 {
+        set.iter()
+            .map(|&g| free.iter().filter(|o| !set.contains(o)).map(|&o| i64::from(topo.pair_score(g, o))).sum::<i64>())
+            .sum()
+    };
+    // cheap pre-rank: weakly tied to what stays free first (stable, so index order breaks ties)
+    ties.sort_by_cached_key(|s| connect(s));
+    ties.truncate(LOOKAHEAD_CANDIDATES);
+    let mut best: Option<(u32, Vec<usize>)> = None;
+    for set in ties {
+        let left: Vec<usize> = free.iter().copied().filter(|g| !set.contains(g)).collect();
+        let v = leftover_value(node, &left);
+        if best.as_ref().is_none_or(|(b, _)| v > *b) {
+            best = Some((v, set));
+        }
+    }
+    best.map(|(_, s)| s)
+}
+
 /// Chooses `k` GPUs among `cands` (sorted by index) for one container. `None` when no set satisfies
 /// the NUMA policy.
 pub fn choose_set(
@@ -220,13 +286,7 @@ pub fn choose_set(
         return None;
     }
     let n = node.gpus.len();
-    let topo = &node.topology;
-    // How strongly each candidate is tied to the GPUs that stay free: take weakly tied ones first.
     let free: Vec<usize> = (0..n).filter(|&g| state.fits(node, g, demand)).collect();
-    let mut degree = vec![0i64; n];
-    for &g in cands {
-        degree[g] = free.iter().filter(|&&o| o != g).map(|&o| i64::from(topo.pair_score(g, o))).sum();
-    }
     // Packing value: busier GPUs first under binpack, idler ones under spread.
     let mut pack_value = vec![0.0; n];
     if !demand.is_whole() {
@@ -244,8 +304,8 @@ pub fn choose_set(
         k,
         numa,
         pack_value: &pack_value,
-        degree: &degree,
         best: None,
+        ties: Vec::new(),
         stack: Vec::with_capacity(k),
     };
     if binomial(cands.len() as u64, k as u64) <= EXACT_SEARCH_LIMIT {
@@ -253,7 +313,7 @@ pub fn choose_set(
     } else {
         search.heuristic();
     }
-    let mut best = search.best.map(|(_, s)| s)?;
+    let mut best = pick_lookahead(node, &free, search.ties)?;
     best.sort_unstable();
     Some(best)
 }
@@ -267,18 +327,17 @@ pub fn choose_one(node: &Node, state: &FreeState, cands: &[usize], demand: &GpuD
     let free: Vec<usize> = (0..node.gpus.len()).filter(|&g| state.fits(node, g, demand)).collect();
     let connect = |g: usize| -> i64 { free.iter().filter(|&&o| o != g).map(|&o| i64::from(topo.pair_score(g, o))).sum() };
     match how {
+        ShareChoice::Pack(_) if demand.is_whole() => {
+            // all candidates are idle: only what stays free for later decides
+            pick_lookahead(node, &free, cands.iter().map(|&g| vec![g]).collect()).map(|s| s[0])
+        }
         ShareChoice::Pack(policy) => {
-            // whole GPUs: all candidates are idle, so only the look-ahead and the index decide
             let mut best: Option<(i64, i64, usize)> = None;
             for &g in cands {
                 let left = i64::from(state.free_milli(node, g));
-                let pack = if demand.is_whole() {
-                    0
-                } else {
-                    match policy {
-                        PackingPolicy::Binpack => -left,
-                        PackingPolicy::Spread => left,
-                    }
+                let pack = match policy {
+                    PackingPolicy::Binpack => -left,
+                    PackingPolicy::Spread => left,
                 };
                 let key = (pack, -connect(g), g);
                 if best.is_none_or(|(p, c, _)| (key.0, key.1) > (p, c)) {

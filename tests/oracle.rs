@@ -1,0 +1,171 @@
+//! GPU-set choice against NVIDIA go-gpuallocator's picks and the brute-force optimum
+//! (`shared/topologies/oracle/`).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use gpuplace::core::cluster::{Cluster, ContainerAssignment, GpuSlice, PodAssignment};
+use gpuplace::core::inventory::{load_topology_file, ResolvedBoard};
+use gpuplace::core::resources::{GpuDemand, PodRequest};
+use gpuplace::placement::engine::Engine;
+use serde_json::Value;
+
+fn shared() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/topologies")
+}
+
+struct Oracle {
+    name: String,
+    n: usize,
+    pairs: Vec<Vec<u32>>,
+    sequences: Vec<Value>,
+    board: ResolvedBoard,
+}
+
+fn oracles() -> Vec<Oracle> {
+    let dir = shared().join("oracle");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .collect();
+    files.sort();
+    assert!(files.len() >= 5, "expected the oracle files in {}", dir.display());
+    files
+        .into_iter()
+        .map(|f| {
+            let v: Value = serde_json::from_str(&std::fs::read_to_string(&f).unwrap()).unwrap();
+            let name = v["topology"].as_str().unwrap().to_string();
+            let topo = load_topology_file(&shared().join(format!("{name}.json"))).unwrap();
+            let pairs: Vec<Vec<u32>> = serde_json::from_value(v["pair_scores"].clone()).unwrap();
+            Oracle {
+                n: topo.gpus.len(),
+                board: ResolvedBoard::from_file(&topo).unwrap(),
+                name,
+                pairs,
+                sequences: v["sequences"].as_array().unwrap().clone(),
+            }
+        })
+        .collect()
+}
+
+fn upstream_score(o: &Oracle, set: &[usize]) -> u32 {
+    let mut s = 0;
+    for (i, &a) in set.iter().enumerate() {
+        for &b in &set[i + 1..] {
+            s += o.pairs[a][b];
+        }
+    }
+    s
+}
+
+/// A one-node cluster where every GPU outside `free` is held by a filler pod.
+fn cluster_with_free(o: &Oracle, free: &[usize]) -> Cluster {
+    let mut c = Cluster::new(vec![o.board.node("n", BTreeMap::new(), 0, 0)]);
+    for g in (0..o.n).filter(|g| !free.contains(g)) {
+        take(&mut c, &format!("filler/{g}"), &[g]);
+    }
+    c
+}
+
+fn take(c: &mut Cluster, pod: &str, gpus: &[usize]) {
+    let mem = c.nodes()[0].gpus[0].memory_mib;
+    c.allocate(PodAssignment {
+        pod: pod.into(),
+        node: "n".into(),
+        containers: vec![ContainerAssignment {
+            name: "c".into(),
+            init: false,
+            slices: gpus.iter().map(|&g| GpuSlice { gpu: g as u32, mem_mib: mem, core_pct: 100, exclusive: true }).collect(),
+        }],
+        cpu_milli: 0,
+        memory_mib: 0,
+        group: None,
+    })
+    .unwrap();
+}
+
+fn pick(engine: &Engine, c: &Cluster, k: usize) -> Option<Vec<usize>> {
+    let req = PodRequest::single("ns/p", GpuDemand::Whole { gpus: k as u32 });
+    engine.place(c, &req, 0).ok().map(|p| p.gpus().into_iter().map(|g| g as usize).collect())
+}
+
+fn as_set(v: &Value) -> Vec<usize> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as usize).collect()
+}
+
+#[test]
+fn every_step_is_optimal_and_never_below_upstream() {
+    let engine = Engine::default();
+    let mut steps = 0;
+    for o in oracles() {
+        for seq in &o.sequences {
+            for (i, step) in seq["steps"].as_array().unwrap().iter().enumerate() {
+                let k = step["request"].as_u64().unwrap() as usize;
+                let free = as_set(&step["free_before"]);
+                let c = cluster_with_free(&o, &free);
+                let got = pick(&engine, &c, k);
+                let ctx = format!("{} {} step {i} (k={k}, free={free:?})", o.name, seq["name"]);
+                if k > free.len() {
+                    assert_eq!(got, None, "{ctx}: must refuse");
+                    continue;
+                }
+                let got = got.unwrap_or_else(|| panic!("{ctx}: no pick"));
+                assert_eq!(got.len(), k, "{ctx}");
+                assert!(got.iter().all(|g| free.contains(g)), "{ctx}: picked a busy GPU {got:?}");
+                let s = upstream_score(&o, &got);
+                let up = step["upstream"]["score"].as_u64().unwrap() as u32;
+                assert!(s >= up, "{ctx}: {got:?} scores {s} < upstream {up}");
+                if o.n <= 8 {
+                    let best = step["best"]["score"].as_u64().unwrap() as u32;
+                    assert_eq!(s, best, "{ctx}: {got:?} scores {s}, optimum {best}");
+                }
+                steps += 1;
+            }
+        }
+    }
+    assert!(steps > 200, "only {steps} steps checked");
+}
+
+/// Replays each sequence with our own picks. Totals must reach the greedy step-optimal replay, and
+/// upstream's total wherever a step-optimal policy can (see docs/architecture.md for the sequences
+/// where upstream's look-ahead sacrifices a step on purpose).
+#[test]
+fn sequence_totals() {
+    let engine = Engine::default();
+    let mut report = Vec::new();
+    let mut below_upstream = Vec::new();
+    for o in oracles() {
+        for seq in &o.sequences {
+            let mut c = cluster_with_free(&o, &(0..o.n).collect::<Vec<_>>());
+            let mut total = 0;
+            for (i, k) in seq["sizes"].as_array().unwrap().iter().enumerate() {
+                if let Some(set) = pick(&engine, &c, k.as_u64().unwrap() as usize) {
+                    total += upstream_score(&o, &set);
+                    take(&mut c, &format!("seq/{i}"), &set);
+                }
+            }
+            let t = &seq["totals"];
+            let up = t["upstream"].as_u64().unwrap() as u32;
+            let greedy = t["greedy_step_optimal"].as_u64().unwrap() as u32;
+            report.push(format!("{} {}: ours {total}, upstream {up}, greedy {greedy}", o.name, seq["name"]));
+            assert!(total >= greedy, "{} {}: {total} < greedy {greedy}", o.name, seq["name"]);
+            if total < up {
+                below_upstream.push(format!("{} {}", o.name, seq["name"].as_str().unwrap()));
+            }
+        }
+    }
+    eprintln!("{}", report.join("\n"));
+    // a step-optimal policy cannot reach these totals: upstream gives up score on an earlier step
+    // (upstream's own step there is below the step optimum that the per-step test demands)
+    let allowed = [
+        "dgx1-volta extra_mixed_2_2_4",
+        "dgx1-volta extra_mixed_4_2_2",
+        "dgx1-volta extra_mixed_2_4_2",
+        "pcie-l40s-8 extra_mixed_3_3_2",
+    ];
+    for b in &below_upstream {
+        assert!(allowed.contains(&b.as_str()), "{b}: total below upstream");
+    }
+}
+
