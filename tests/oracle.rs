@@ -76,7 +76,10 @@ fn take(c: &mut Cluster, pod: &str, gpus: &[usize]) {
         containers: vec![ContainerAssignment {
             name: "c".into(),
             init: false,
-            slices: gpus.iter().map(|&g| GpuSlice { gpu: g as u32, mem_mib: mem, core_pct: 100, exclusive: true }).collect(),
+            slices: gpus
+                .iter()
+                .map(|&g| GpuSlice { gpu: g as u32, mem_mib: mem, core_pct: 100, exclusive: true })
+                .collect(),
         }],
         cpu_milli: 0,
         memory_mib: 0,
@@ -168,4 +171,3 @@ fn sequence_totals() {
         assert!(allowed.contains(&b.as_str()), "{b}: total below upstream");
     }
 }
-

@@ -296,11 +296,8 @@ impl Node {
         if u.exclusive {
             return 1.0;
         }
-        let mem = if self.gpus[gpu].memory_mib == 0 {
-            0.0
-        } else {
-            u.mem_mib as f64 / self.gpus[gpu].memory_mib as f64
-        };
+        let mem =
+            if self.gpus[gpu].memory_mib == 0 { 0.0 } else { u.mem_mib as f64 / self.gpus[gpu].memory_mib as f64 };
         (f64::from(u.core_pct) / 100.0).max(mem).min(1.0)
     }
 
@@ -538,10 +535,7 @@ impl Cluster {
 
     /// Nodes that hold pods of a group.
     pub fn group_nodes(&self, group: &str) -> Vec<&Node> {
-        self.nodes
-            .iter()
-            .filter(|n| n.pods.values().any(|p| p.group.as_deref() == Some(group)))
-            .collect()
+        self.nodes.iter().filter(|n| n.pods.values().any(|p| p.group.as_deref() == Some(group))).collect()
     }
 
     /// Number of pods of a group already placed.

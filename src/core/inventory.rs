@@ -85,7 +85,8 @@ fn read(path: &Path) -> Result<String, InventoryError> {
 
 /// Reads a topology file.
 pub fn load_topology_file(path: &Path) -> Result<TopologyFile, InventoryError> {
-    serde_json::from_str(&read(path)?).map_err(|e| InventoryError::Parse { path: path.to_path_buf(), message: e.to_string() })
+    serde_json::from_str(&read(path)?)
+        .map_err(|e| InventoryError::Parse { path: path.to_path_buf(), message: e.to_string() })
 }
 
 /// A deterministic UUID-shaped id for a simulated GPU (real nodes publish NVML's).
@@ -144,7 +145,10 @@ impl ResolvedBoard {
         let gpus = self
             .gpus
             .iter()
-            .map(|g| Gpu { uuid: if g.uuid.is_empty() { synthetic_uuid(name, g.index) } else { g.uuid.clone() }, ..g.clone() })
+            .map(|g| Gpu {
+                uuid: if g.uuid.is_empty() { synthetic_uuid(name, g.index) } else { g.uuid.clone() },
+                ..g.clone()
+            })
             .collect();
         Node::new(name, labels, gpus, self.topology.clone(), cpu_milli, memory_mib)
     }
@@ -177,7 +181,8 @@ impl Board {
                         links.push((a, b, Link { nvlinks: *nvlinks, pcie }));
                     }
                 }
-                let t = GpuTopology::new(list.len(), NvlinkFabric::Nvswitch, links, PcieLevel::Sys).map_err(topo_err)?;
+                let t =
+                    GpuTopology::new(list.len(), NvlinkFabric::Nvswitch, links, PcieLevel::Sys).map_err(topo_err)?;
                 Ok(ResolvedBoard { gpus: list, topology: Arc::new(t) })
             }
             Board::Pcie { model, memory_mib, sockets, switches_per_socket, gpus_per_switch } => {

@@ -79,9 +79,7 @@ pub fn parse(input: &str) -> Result<Quantity, QuantityError> {
         b'+' => (false, &s[1..]),
         _ => (false, s),
     };
-    let num_end = body
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(body.len());
+    let num_end = body.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(body.len());
     let (number, suffix) = body.split_at(num_end);
     if number.is_empty() || number == "." || number.matches('.').count() > 1 {
         return Err(malformed());
@@ -113,10 +111,7 @@ pub fn parse(input: &str) -> Result<Quantity, QuantityError> {
         "P" => exp10 += 15,
         "E" => exp10 += 18,
         _ => {
-            let rest = suffix
-                .strip_prefix('e')
-                .or_else(|| suffix.strip_prefix('E'))
-                .ok_or_else(malformed)?;
+            let rest = suffix.strip_prefix('e').or_else(|| suffix.strip_prefix('E')).ok_or_else(malformed)?;
             let e: i32 = rest.parse().map_err(|_| malformed())?;
             if !(-40..=40).contains(&e) {
                 return Err(overflow());
@@ -174,9 +169,6 @@ mod tests {
         for bad in ["", "abc", "1.2.3", "Gi", "1Zi", "1e", "--1", "."] {
             assert!(parse(bad).is_err(), "{bad:?} should be refused");
         }
-        assert!(matches!(
-            parse("99999999999999999999999999999Ei"),
-            Err(QuantityError::Overflow(_))
-        ));
+        assert!(matches!(parse("99999999999999999999999999999Ei"), Err(QuantityError::Overflow(_))));
     }
 }

@@ -60,8 +60,9 @@ impl GpuDemand {
         match *self {
             GpuDemand::Whole { .. } => gpu_memory_mib,
             GpuDemand::Shared { memory: MemoryDemand::Mib(m), .. } => m,
+            // rounded down, so that shares adding up to 100% also fit in memory
             GpuDemand::Shared { memory: MemoryDemand::ProportionalToCore, core_pct, .. } => {
-                (gpu_memory_mib * u64::from(core_pct)).div_ceil(100)
+                gpu_memory_mib * u64::from(core_pct) / 100
             }
         }
     }
@@ -148,11 +149,7 @@ pub struct PodRequest {
 impl PodRequest {
     /// A pod with one GPU container and default policies: the shape most tests and the simulator use.
     pub fn single(key: impl Into<String>, demand: GpuDemand) -> Self {
-        Self {
-            key: key.into(),
-            containers: vec![ContainerDemand { name: "main".into(), demand }],
-            ..Self::empty("")
-        }
+        Self { key: key.into(), containers: vec![ContainerDemand { name: "main".into(), demand }], ..Self::empty("") }
     }
 
     fn empty(key: &str) -> Self {
@@ -218,7 +215,9 @@ pub enum RequestError {
     RequestLimitMismatch { container: String, resource: &'static str, request: String, limit: String },
     #[error("container {container:?}: {resource} without {gpu}; add `{gpu}: 1` (or the number of GPUs to span), because kubelet only calls the device plugin for {gpu}", gpu = RESOURCE_GPU)]
     MissingGpuCount { container: String, resource: &'static str },
-    #[error("container {container:?}: {resource} {total} does not split evenly over {gpus} GPUs; use a multiple of {gpus}")]
+    #[error(
+        "container {container:?}: {resource} {total} does not split evenly over {gpus} GPUs; use a multiple of {gpus}"
+    )]
     UnevenSplit { container: String, resource: &'static str, total: i128, gpus: u32 },
     #[error("container {container:?}: {RESOURCE_GPU_CORE} {total} over {gpus} GPUs is {per_gpu}% per GPU, more than one GPU (100%); ask for more GPUs or whole GPUs")]
     CoreAboveWholeGpu { container: String, total: i128, gpus: u32, per_gpu: i128 },
@@ -232,16 +231,15 @@ pub enum RequestError {
     BadAnnotation { key: &'static str, value: String, allowed: &'static str },
     #[error("annotation {ANNOTATION_GROUP_SIZE}: {value:?} must be a whole number from 1 to {MAX_GROUP_SIZE}")]
     BadGroupSize { value: String },
-    #[error("label {LABEL_GROUP} {group:?} needs annotation {ANNOTATION_GROUP_SIZE} with the number of pods in the group")]
+    #[error(
+        "label {LABEL_GROUP} {group:?} needs annotation {ANNOTATION_GROUP_SIZE} with the number of pods in the group"
+    )]
     MissingGroupSize { group: String },
 }
 
 const MAX_MIB_PER_GPU: i128 = 1 << 20;
 
-fn quantity_of(
-    c: &ContainerResources,
-    resource: &'static str,
-) -> Result<Option<(Quantity, String)>, RequestError> {
+fn quantity_of(c: &ContainerResources, resource: &'static str) -> Result<Option<(Quantity, String)>, RequestError> {
     let req = c.requests.get(resource);
     let lim = c.limits.get(resource);
     let raw = match (req, lim) {
@@ -271,16 +269,10 @@ fn quantity_of(
     Ok(Some((q, raw.clone())))
 }
 
-fn positive_integer(
-    c: &ContainerResources,
-    resource: &'static str,
-) -> Result<Option<i128>, RequestError> {
+fn positive_integer(c: &ContainerResources, resource: &'static str) -> Result<Option<i128>, RequestError> {
     let Some((q, raw)) = quantity_of(c, resource)? else { return Ok(None) };
-    let v = q.as_integer().ok_or_else(|| RequestError::NotInteger {
-        container: c.name.clone(),
-        resource,
-        value: raw,
-    })?;
+    let v =
+        q.as_integer().ok_or_else(|| RequestError::NotInteger { container: c.name.clone(), resource, value: raw })?;
     if v <= 0 {
         return Err(RequestError::NotPositive { container: c.name.clone(), resource, value: v });
     }
@@ -290,7 +282,9 @@ fn positive_integer(
 /// Reads one container's GPU demand; `Ok(None)` when it asks for no gpuplace resource.
 pub fn container_demand(c: &ContainerResources) -> Result<Option<GpuDemand>, RequestError> {
     for key in c.requests.keys().chain(c.limits.keys()) {
-        if key.starts_with("gpuplace.io/") && ![RESOURCE_GPU, RESOURCE_GPU_MEM, RESOURCE_GPU_CORE].contains(&key.as_str()) {
+        if key.starts_with("gpuplace.io/")
+            && ![RESOURCE_GPU, RESOURCE_GPU_MEM, RESOURCE_GPU_CORE].contains(&key.as_str())
+        {
             return Err(RequestError::UnknownResource { container: c.name.clone(), resource: key.clone() });
         }
     }
@@ -300,8 +294,12 @@ pub fn container_demand(c: &ContainerResources) -> Result<Option<GpuDemand>, Req
     let Some(gpus) = gpus else {
         return match (mem, core) {
             (None, None) => Ok(None),
-            (Some(_), _) => Err(RequestError::MissingGpuCount { container: c.name.clone(), resource: RESOURCE_GPU_MEM }),
-            (None, Some(_)) => Err(RequestError::MissingGpuCount { container: c.name.clone(), resource: RESOURCE_GPU_CORE }),
+            (Some(_), _) => {
+                Err(RequestError::MissingGpuCount { container: c.name.clone(), resource: RESOURCE_GPU_MEM })
+            }
+            (None, Some(_)) => {
+                Err(RequestError::MissingGpuCount { container: c.name.clone(), resource: RESOURCE_GPU_CORE })
+            }
         };
     };
     if gpus > i128::from(MAX_GPUS_PER_CONTAINER) {
@@ -331,7 +329,12 @@ pub fn container_demand(c: &ContainerResources) -> Result<Option<GpuDemand>, Req
         Some(total) => {
             let per = split(RESOURCE_GPU_CORE, total)?;
             if per > 100 {
-                return Err(RequestError::CoreAboveWholeGpu { container: c.name.clone(), total, gpus: n, per_gpu: per });
+                return Err(RequestError::CoreAboveWholeGpu {
+                    container: c.name.clone(),
+                    total,
+                    gpus: n,
+                    per_gpu: per,
+                });
             }
             per as u32
         }
@@ -374,16 +377,16 @@ pub fn pod_request(pod: &PodSpecView) -> Result<PodRequest, RequestError> {
         Some(v) if v == "preferred" => NumaPolicy::Preferred,
         Some(v) if v == "none" => NumaPolicy::None,
         Some(v) => {
-            return Err(RequestError::BadAnnotation { key: ANNOTATION_NUMA, value: v, allowed: "required | preferred | none" })
+            return Err(RequestError::BadAnnotation {
+                key: ANNOTATION_NUMA,
+                value: v,
+                allowed: "required | preferred | none",
+            })
         }
     };
     if let Some(models) = pod.annotations.get(ANNOTATION_GPU_MODEL) {
-        req.allowed_models = models
-            .split([',', '|'])
-            .map(str::trim)
-            .filter(|m| !m.is_empty())
-            .map(str::to_string)
-            .collect();
+        req.allowed_models =
+            models.split([',', '|']).map(str::trim).filter(|m| !m.is_empty()).map(str::to_string).collect();
     }
     if let Some(group) = pod.labels.get(LABEL_GROUP) {
         let raw = pod
@@ -412,9 +415,13 @@ mod tests {
 
     #[test]
     fn issue_example_splits_evenly() {
-        let d = container_demand(&container(&[(RESOURCE_GPU, "3"), (RESOURCE_GPU_MEM, "18432"), (RESOURCE_GPU_CORE, "240")]))
-            .unwrap()
-            .unwrap();
+        let d = container_demand(&container(&[
+            (RESOURCE_GPU, "3"),
+            (RESOURCE_GPU_MEM, "18432"),
+            (RESOURCE_GPU_CORE, "240"),
+        ]))
+        .unwrap()
+        .unwrap();
         assert_eq!(d, GpuDemand::Shared { gpus: 3, memory: MemoryDemand::Mib(6144), core_pct: 80 });
     }
 

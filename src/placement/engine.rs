@@ -140,7 +140,12 @@ impl Engine {
     }
 
     /// Places the pod on the best node and counts the allocation.
-    pub fn schedule(&self, cluster: &mut Cluster, req: &PodRequest, now_unix_ms: i64) -> Result<PodAssignment, ScheduleError> {
+    pub fn schedule(
+        &self,
+        cluster: &mut Cluster,
+        req: &PodRequest,
+        now_unix_ms: i64,
+    ) -> Result<PodAssignment, ScheduleError> {
         let ev = self.evaluate_all(cluster, req, now_unix_ms);
         let Some(best) = ev.ranked.into_iter().next() else {
             return Err(ScheduleError::NoFit(

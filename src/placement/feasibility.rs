@@ -131,9 +131,9 @@ fn place_container(
             choose_set(node, state, cands, k, how.numa, how.policy, &c.demand)
         }
     };
-    let chosen = pick(&preferred).or_else(|| pick(&all)).ok_or_else(|| {
-        format!("{}; numa: required and no NUMA node has {k} such GPUs", describe(node, c))
-    })?;
+    let chosen = pick(&preferred)
+        .or_else(|| pick(&all))
+        .ok_or_else(|| format!("{}; numa: required and no NUMA node has {k} such GPUs", describe(node, c)))?;
     let score = node.topology.set_score(&chosen);
     let slices = chosen
         .iter()

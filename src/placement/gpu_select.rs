@@ -75,7 +75,7 @@ impl FreeState {
     /// Free share of GPU `g` in thousandths: the smaller of its free compute and memory fractions.
     pub fn free_milli(&self, node: &Node, g: usize) -> u32 {
         let cap = node.gpus[g].memory_mib;
-        let mem = if cap == 0 { 0 } else { (self.mem[g] * 1000 / cap) as u32 };
+        let mem = (self.mem[g] * 1000).checked_div(cap).unwrap_or(0) as u32;
         (self.core[g] * 10).min(mem)
     }
 }
@@ -175,11 +175,10 @@ impl SetSearch<'_> {
         for &seed in self.cands {
             let mut set = vec![seed];
             while set.len() < self.k {
-                let next = self
-                    .cands
-                    .iter()
-                    .filter(|g| !set.contains(g))
-                    .max_by_key(|&&g| (set.iter().map(|&s| topo.pair_score(s, g)).sum::<u32>(), std::cmp::Reverse(g)));
+                let next =
+                    self.cands.iter().filter(|g| !set.contains(g)).max_by_key(|&&g| {
+                        (set.iter().map(|&s| topo.pair_score(s, g)).sum::<u32>(), std::cmp::Reverse(g))
+                    });
                 match next {
                     Some(&g) => set.push(g),
                     None => return,
@@ -211,7 +210,15 @@ impl SetSearch<'_> {
 
 /// The best set of `s` GPUs within `gpus` and its score (first found on ties; `None` when fewer).
 fn best_within(node: &Node, gpus: &[usize], s: usize) -> Option<(u32, Vec<usize>)> {
-    fn rec(node: &Node, gpus: &[usize], start: usize, s: usize, set: &mut Vec<usize>, score: u32, best: &mut Option<(u32, Vec<usize>)>) {
+    fn rec(
+        node: &Node,
+        gpus: &[usize],
+        start: usize,
+        s: usize,
+        set: &mut Vec<usize>,
+        score: u32,
+        best: &mut Option<(u32, Vec<usize>)>,
+    ) {
         if set.len() == s {
             if best.as_ref().is_none_or(|(b, _)| score > *b) {
                 *best = Some((score, set.clone()));
@@ -319,13 +326,20 @@ pub fn choose_set(
 }
 
 /// Picks the GPU for a one-GPU container.
-pub fn choose_one(node: &Node, state: &FreeState, cands: &[usize], demand: &GpuDemand, how: ShareChoice<'_>) -> Option<usize> {
+pub fn choose_one(
+    node: &Node,
+    state: &FreeState,
+    cands: &[usize],
+    demand: &GpuDemand,
+    how: ShareChoice<'_>,
+) -> Option<usize> {
     if cands.is_empty() {
         return None;
     }
     let topo = &node.topology;
     let free: Vec<usize> = (0..node.gpus.len()).filter(|&g| state.fits(node, g, demand)).collect();
-    let connect = |g: usize| -> i64 { free.iter().filter(|&&o| o != g).map(|&o| i64::from(topo.pair_score(g, o))).sum() };
+    let connect =
+        |g: usize| -> i64 { free.iter().filter(|&&o| o != g).map(|&o| i64::from(topo.pair_score(g, o))).sum() };
     match how {
         ShareChoice::Pack(_) if demand.is_whole() => {
             // all candidates are idle: only what stays free for later decides

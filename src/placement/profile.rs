@@ -5,8 +5,8 @@ use serde::{Deserialize, Serialize};
 use crate::core::resources::{NumaPolicy, PackingPolicy};
 use crate::placement::scorer::Scorer;
 use crate::placement::scorers::{
-    fragmentation::FragmentationScorer, network::NetworkScorer, packing::PackingScorer,
-    topology::TopologyScorer, utilization::UtilizationScorer,
+    fragmentation::FragmentationScorer, network::NetworkScorer, packing::PackingScorer, topology::TopologyScorer,
+    utilization::UtilizationScorer,
 };
 
 /// Scorer weights; a weight of 0 switches a scorer off.

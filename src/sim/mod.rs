@@ -1,1 +1,53 @@
-//! Trace simulator.
+//! The trace simulator behind `gpuplace simulate`: replays a GPU-sharing workload on a cluster under
+//! several policies with the FGD paper's protocol, and reports unallocated GPU capacity.
+
+pub mod paper;
+pub mod policies;
+pub mod protocol;
+pub mod report;
+pub mod run;
+pub mod state;
+pub mod trace;
+
+use std::path::Path;
+use std::time::Instant;
+
+use rayon::prelude::*;
+
+use crate::sim::policies::PolicyKind;
+use crate::sim::report::PolicyReport;
+use crate::sim::trace::TraceError;
+
+/// Simulation settings.
+#[derive(Debug, Clone)]
+pub struct SimConfig {
+    pub workload: String,
+    pub policies: Vec<PolicyKind>,
+    pub seeds: Vec<u64>,
+    /// Workload size as a multiple of cluster GPU capacity (the paper: 1.3).
+    pub tune: f64,
+    /// Profile of the `gpuplace` policy.
+    pub profile: crate::placement::profile::ProfileConfig,
+}
+
+/// Replays the workload in `trace_dir` under each policy and seed.
+pub fn simulate(trace_dir: &Path, cfg: &SimConfig) -> Result<Vec<PolicyReport>, TraceError> {
+    let nodes = trace::load_nodes(trace_dir)?;
+    let pods = trace::load_pods(trace_dir, &cfg.workload)?;
+    let mix = protocol::typical_mix(&pods);
+    let paper = paper::PaperResults::load(trace_dir).ok();
+    let mut reports = Vec::new();
+    for &kind in &cfg.policies {
+        let start = Instant::now();
+        let results: Vec<run::SeedResult> = cfg
+            .seeds
+            .par_iter()
+            .map(|&seed| run::run_seed(&nodes, &pods, &mix, kind, &cfg.profile, seed, cfg.tune))
+            .collect();
+        let mut r = PolicyReport::new(kind.name(), &cfg.workload, &results, start.elapsed().as_secs_f64());
+        r.paper_unallocated_gpu_pct_at_100 =
+            paper.as_ref().and_then(|p| p.unallocated_at(&cfg.workload, kind, 100, &cfg.seeds));
+        reports.push(r);
+    }
+    Ok(reports)
+}

@@ -168,7 +168,7 @@ pub fn free_milli_now(node: &Node, g: usize) -> u32 {
     if u.exclusive || !gpu.healthy {
         return 0;
     }
-    let mem = if gpu.memory_mib == 0 { 0 } else { (node.free_mem(g) * 1000 / gpu.memory_mib) as u32 };
+    let mem = (node.free_mem(g) * 1000).checked_div(gpu.memory_mib).unwrap_or(0) as u32;
     (node.free_core(g) * 10).min(mem)
 }
 

@@ -1,0 +1,100 @@
+//! Aggregating seeds into the figures `gpuplace simulate` prints.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use crate::sim::run::SeedResult;
+
+/// Columns shown in the table and JSON (arrived workload, % of GPU capacity).
+pub const REPORT_COLUMNS: [usize; 12] = [75, 80, 85, 90, 95, 100, 105, 110, 115, 120, 125, 130];
+
+/// One policy's results over all seeds: the JSON object `--json` prints.
+#[derive(Debug, Clone, Serialize)]
+pub struct PolicyReport {
+    pub policy: String,
+    pub workload: String,
+    pub seeds: Vec<u64>,
+    /// Mean over seeds of the unallocated GPU share (%) by arrived-workload column ("75".."130").
+    pub unallocated_gpu_pct: BTreeMap<String, f64>,
+    /// Mean fragment rate (% of idle GPU capacity that is fragmented) at 80 % arrived workload.
+    pub frag_rate_pct_at_80: f64,
+    /// Mean over seeds of pods that could not be placed.
+    pub failed_pods: f64,
+    pub failed_pods_per_seed: Vec<usize>,
+    pub pods_per_seed: f64,
+    /// Wall time of all seeds of this policy (run in parallel).
+    pub wall_s: f64,
+    /// Pods placed or refused per second of single-core time.
+    pub pods_per_s: f64,
+    /// The paper's mean unallocated GPU % at 100 % arrival, where `fgd-paper-results/` has it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub paper_unallocated_gpu_pct_at_100: Option<f64>,
+}
+
+fn mean(xs: impl Iterator<Item = f64>) -> f64 {
+    let (s, n) = xs.fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
+    if n == 0 {
+        f64::NAN
+    } else {
+        s / n as f64
+    }
+}
+
+fn round2(x: f64) -> f64 {
+    (x * 100.0).round() / 100.0
+}
+
+impl PolicyReport {
+    pub fn new(policy: &str, workload: &str, results: &[SeedResult], wall_s: f64) -> Self {
+        let mut unallocated = BTreeMap::new();
+        for k in REPORT_COLUMNS {
+            let m = mean(results.iter().filter_map(|r| r.allocated_pct[k]).map(|a| 100.0 - a));
+            if m.is_finite() {
+                unallocated.insert(k.to_string(), round2(m));
+            }
+        }
+        let pods: usize = results.iter().map(|r| r.pods).sum();
+        let cpu_s: f64 = results.iter().map(|r| r.wall_s).sum();
+        Self {
+            policy: policy.to_string(),
+            workload: workload.to_string(),
+            seeds: results.iter().map(|r| r.seed).collect(),
+            unallocated_gpu_pct: unallocated,
+            frag_rate_pct_at_80: round2(mean(results.iter().filter_map(|r| r.frag_rate_pct[80]))),
+            failed_pods: mean(results.iter().map(|r| r.failed_pods as f64)),
+            failed_pods_per_seed: results.iter().map(|r| r.failed_pods).collect(),
+            pods_per_seed: mean(results.iter().map(|r| r.pods as f64)),
+            wall_s,
+            pods_per_s: if cpu_s > 0.0 { (pods as f64 / cpu_s).round() } else { 0.0 },
+            paper_unallocated_gpu_pct_at_100: None,
+        }
+    }
+}
+
+/// The results table.
+pub fn table(reports: &[PolicyReport]) -> String {
+    let mut out = String::new();
+    let cols = [75usize, 90, 100, 110, 130];
+    out.push_str("Unallocated GPU % by arrived workload (% of cluster GPU capacity), mean over seeds\n");
+    out.push_str(&format!("{:<11} {:<9}", "policy", "workload"));
+    for c in cols {
+        out.push_str(&format!(" {:>6}", format!("@{c}")));
+    }
+    out.push_str(&format!(" {:>7} {:>9} {:>8} {:>7} {:>9}\n", "paper", "frag@80", "failed", "wall_s", "pods/s"));
+    for r in reports {
+        out.push_str(&format!("{:<11} {:<9}", r.policy, r.workload));
+        for c in cols {
+            match r.unallocated_gpu_pct.get(&c.to_string()) {
+                Some(v) => out.push_str(&format!(" {v:>6.2}")),
+                None => out.push_str(&format!(" {:>6}", "-")),
+            }
+        }
+        let paper = r.paper_unallocated_gpu_pct_at_100.map_or("-".to_string(), |p| format!("{p:.2}"));
+        out.push_str(&format!(
+            " {paper:>7} {:>9.2} {:>8.1} {:>7.2} {:>9.0}\n",
+            r.frag_rate_pct_at_80, r.failed_pods, r.wall_s, r.pods_per_s
+        ));
+    }
+    out
+}
