@@ -2,7 +2,7 @@
 //!
 //! A cluster file lists node groups, each a board, a count and labels. A board is either a topology
 //! file (the `shared/topologies/` schema) or one of the generators below, so examples need no data
-//! from outside the repository.
+//! from outside the repository. Boards are written `{kind: nvswitch, gpus: 8, ...}`.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -28,10 +28,10 @@ pub enum InventoryError {
 
 /// A GPU board: what one node of a group looks like inside.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case", deny_unknown_fields)]
+#[serde(rename_all = "snake_case", tag = "kind", deny_unknown_fields)]
 pub enum Board {
     /// A topology file, relative to the cluster file.
-    File(PathBuf),
+    File { path: PathBuf },
     /// All GPUs on NVSwitch with `nvlinks` lanes each; PCIe NODE inside a socket, SYS across.
     Nvswitch { gpus: u32, model: String, memory_mib: u64, numa_nodes: u32, nvlinks: u32 },
     /// PCIe only: sockets x switches x GPUs; PIX under one switch, NODE in a socket, SYS across.
@@ -170,7 +170,7 @@ impl Board {
     pub fn resolve(&self, base: &Path) -> Result<ResolvedBoard, InventoryError> {
         let topo_err = |source| InventoryError::Topology { context: "board".into(), source };
         match self {
-            Board::File(p) => ResolvedBoard::from_file(&load_topology_file(&base.join(p))?),
+            Board::File { path } => ResolvedBoard::from_file(&load_topology_file(&base.join(path))?),
             Board::Nvswitch { gpus, model, memory_mib, numa_nodes, nvlinks } => {
                 let per = gpus.div_ceil((*numa_nodes).max(1)).max(1);
                 let list: Vec<Gpu> = (0..*gpus).map(|i| gpu(i, model, *memory_mib, i / per)).collect();
