@@ -532,16 +532,6 @@ impl Cluster {
     pub fn network_path<'a>(&'a self, node: &'a Node) -> impl Iterator<Item = Option<&'a str>> + 'a {
         self.network_levels.iter().map(move |k| node.labels.get(k).map(String::as_str))
     }
-
-    /// Nodes that hold pods of a group.
-    pub fn group_nodes(&self, group: &str) -> Vec<&Node> {
-        self.nodes.iter().filter(|n| n.pods.values().any(|p| p.group.as_deref() == Some(group))).collect()
-    }
-
-    /// Number of pods of a group already placed.
-    pub fn group_placed(&self, group: &str) -> usize {
-        self.nodes.iter().map(|n| n.pods.values().filter(|p| p.group.as_deref() == Some(group)).count()).sum()
-    }
 }
 
 #[cfg(test)]

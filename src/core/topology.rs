@@ -177,22 +177,9 @@ impl GpuTopology {
         if k < 2 || k > self.n {
             return 0;
         }
-        fn rec(t: &GpuTopology, start: usize, k: usize, set: &mut Vec<usize>, score: u32, best: &mut u32) {
-            if set.len() == k {
-                *best = (*best).max(score);
-                return;
-            }
-            for g in start..=t.n - (k - set.len()) {
-                let add: u32 = set.iter().map(|&s| t.pair_score(s, g)).sum();
-                set.push(g);
-                rec(t, g + 1, k, set, score + add, best);
-                set.pop();
-            }
-        }
         if self.n <= 16 {
-            let mut best = 0;
-            rec(self, 0, k, &mut Vec::with_capacity(k), 0, &mut best);
-            best
+            let all: Vec<usize> = (0..self.n).collect();
+            self.best_subset(&all, k).map_or(0, |(score, _)| score)
         } else {
             // boards this large are rare; a greedy set is a fine yardstick there
             let mut set = vec![0];
@@ -204,6 +191,40 @@ impl GpuTopology {
             }
             self.set_score(&set)
         }
+    }
+
+    /// The highest-scoring set of `k` GPUs drawn from `gpus`, by exhaustive search (first found on
+    /// ties); `None` when `k` is 0 or more than `gpus` holds.
+    pub fn best_subset(&self, gpus: &[usize], k: usize) -> Option<(u32, Vec<usize>)> {
+        fn rec(
+            t: &GpuTopology,
+            gpus: &[usize],
+            start: usize,
+            k: usize,
+            set: &mut Vec<usize>,
+            score: u32,
+            best: &mut Option<(u32, Vec<usize>)>,
+        ) {
+            if set.len() == k {
+                if best.as_ref().is_none_or(|(b, _)| score > *b) {
+                    *best = Some((score, set.clone()));
+                }
+                return;
+            }
+            for i in start..=gpus.len() - (k - set.len()) {
+                let g = gpus[i];
+                let add: u32 = set.iter().map(|&o| t.pair_score(o, g)).sum();
+                set.push(g);
+                rec(t, gpus, i + 1, k, set, score + add, best);
+                set.pop();
+            }
+        }
+        if k == 0 || gpus.len() < k {
+            return None;
+        }
+        let mut best = None;
+        rec(self, gpus, 0, k, &mut Vec::with_capacity(k), 0, &mut best);
+        best
     }
 
     /// Sum of pair scores over every unordered pair of the set (0 for a single GPU).

@@ -208,48 +208,16 @@ impl SetSearch<'_> {
     }
 }
 
-/// The best set of `s` GPUs within `gpus` and its score (first found on ties; `None` when fewer).
-fn best_within(node: &Node, gpus: &[usize], s: usize) -> Option<(u32, Vec<usize>)> {
-    fn rec(
-        node: &Node,
-        gpus: &[usize],
-        start: usize,
-        s: usize,
-        set: &mut Vec<usize>,
-        score: u32,
-        best: &mut Option<(u32, Vec<usize>)>,
-    ) {
-        if set.len() == s {
-            if best.as_ref().is_none_or(|(b, _)| score > *b) {
-                *best = Some((score, set.clone()));
-            }
-            return;
-        }
-        for i in start..=gpus.len() - (s - set.len()) {
-            let g = gpus[i];
-            let add: u32 = set.iter().map(|&o| node.topology.pair_score(o, g)).sum();
-            set.push(g);
-            rec(node, gpus, i + 1, s, set, score + add, best);
-            set.pop();
-        }
-    }
-    if s == 0 || gpus.len() < s {
-        return None;
-    }
-    let mut best = None;
-    rec(node, gpus, 0, s, &mut Vec::with_capacity(s), 0, &mut best);
-    best
-}
-
 /// What a set of free GPUs is worth to the next requests: its best quad plus the best pair left
 /// beside that quad (both could be asked for), or its best pair when no quad is left.
 fn leftover_value(node: &Node, left: &[usize]) -> u32 {
-    match best_within(node, left, 4) {
+    let topo = &node.topology;
+    match topo.best_subset(left, 4) {
         Some((quad, set)) => {
             let rest: Vec<usize> = left.iter().copied().filter(|g| !set.contains(g)).collect();
-            quad + best_within(node, &rest, 2).map_or(0, |(p, _)| p)
+            quad + topo.best_subset(&rest, 2).map_or(0, |(p, _)| p)
         }
-        None => best_within(node, left, 2).map_or(0, |(p, _)| p),
+        None => topo.best_subset(left, 2).map_or(0, |(p, _)| p),
     }
 }
 
