@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use serde::Serialize;
+use serde::{Serialize, Serializer};
 
 use crate::sim::run::SeedResult;
 
@@ -15,9 +15,12 @@ pub struct PolicyReport {
     pub policy: String,
     pub workload: String,
     pub seeds: Vec<u64>,
-    /// Mean over seeds of the unallocated GPU share (%) by arrived-workload column ("75".."130").
+    /// Mean over seeds of the unallocated GPU share (%) by arrived-workload column ("75".."130"),
+    /// only for columns the arrivals reached; written in numeric column order.
+    #[serde(serialize_with = "columns_in_numeric_order")]
     pub unallocated_gpu_pct: BTreeMap<String, f64>,
-    /// Mean fragment rate (% of idle GPU capacity that is fragmented) at 80 % arrived workload.
+    /// Mean fragment rate (% of idle GPU capacity that is fragmented) at 80 % arrived workload;
+    /// NaN (`null` in JSON) when the arrivals never reached 80 %.
     pub frag_rate_pct_at_80: f64,
     /// Mean over seeds of pods that could not be placed.
     pub failed_pods: f64,
@@ -30,6 +33,13 @@ pub struct PolicyReport {
     /// The paper's mean unallocated GPU % at 100 % arrival, where `fgd-paper-results/` has it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub paper_unallocated_gpu_pct_at_100: Option<f64>,
+}
+
+/// The map's own order is by string ("100" before "75"); readers of the JSON expect 75..130.
+fn columns_in_numeric_order<S: Serializer>(m: &BTreeMap<String, f64>, s: S) -> Result<S::Ok, S::Error> {
+    let mut entries: Vec<(&String, &f64)> = m.iter().collect();
+    entries.sort_by_key(|(k, _)| (k.parse::<u64>().unwrap_or(u64::MAX), k.as_str()));
+    s.collect_map(entries)
 }
 
 fn mean(xs: impl Iterator<Item = f64>) -> f64 {
@@ -91,10 +101,53 @@ pub fn table(reports: &[PolicyReport]) -> String {
             }
         }
         let paper = r.paper_unallocated_gpu_pct_at_100.map_or("-".to_string(), |p| format!("{p:.2}"));
+        // no figure at 80 % (the arrivals stopped short of it): a dash, as for the columns
+        let frag =
+            if r.frag_rate_pct_at_80.is_finite() { format!("{:.2}", r.frag_rate_pct_at_80) } else { "-".to_string() };
         out.push_str(&format!(
-            " {paper:>7} {:>9.2} {:>8.1} {:>7.2} {:>9.0}\n",
-            r.frag_rate_pct_at_80, r.failed_pods, r.wall_s, r.pods_per_s
+            " {paper:>7} {frag:>9} {:>8.1} {:>7.2} {:>9.0}\n",
+            r.failed_pods, r.wall_s, r.pods_per_s
         ));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(columns: &[usize], frag: f64) -> PolicyReport {
+        PolicyReport {
+            policy: "fgd".into(),
+            workload: "default".into(),
+            seeds: vec![1],
+            unallocated_gpu_pct: columns.iter().map(|c| (c.to_string(), 1.5)).collect(),
+            frag_rate_pct_at_80: frag,
+            failed_pods: 0.0,
+            failed_pods_per_seed: vec![0],
+            pods_per_seed: 10.0,
+            wall_s: 0.1,
+            pods_per_s: 100.0,
+            paper_unallocated_gpu_pct_at_100: None,
+        }
+    }
+
+    #[test]
+    fn json_columns_in_numeric_order() {
+        let json = serde_json::to_string(&report(&REPORT_COLUMNS, 3.0)).unwrap();
+        let at: Vec<usize> = REPORT_COLUMNS.iter().map(|c| json.find(&format!("\"{c}\":")).unwrap()).collect();
+        assert!(at.windows(2).all(|w| w[0] < w[1]), "{json}");
+        assert!(!json.contains("paper_unallocated"), "absent paper figure is left out: {json}");
+    }
+
+    #[test]
+    fn missing_figures_are_null_in_json_and_dashes_in_the_table() {
+        let r = report(&[], f64::NAN);
+        let v: serde_json::Value = serde_json::to_value(&r).unwrap();
+        assert!(v["frag_rate_pct_at_80"].is_null());
+        let t = table(&[r]);
+        assert!(!t.contains("NaN"), "{t}");
+        let row = t.lines().last().unwrap();
+        assert_eq!(row.split_whitespace().filter(|w| *w == "-").count(), 7, "5 columns, paper, frag: {row}");
+    }
 }

@@ -1,0 +1,174 @@
+//! The `gpuplace` binary itself: `simulate --json` output shape, and clear errors for bad arguments.
+
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+const COLUMNS: [&str; 12] = ["75", "80", "85", "90", "95", "100", "105", "110", "115", "120", "125", "130"];
+
+/// Runs the real binary from a directory outside the checkout, so the bundled example must be found
+/// through the crate's own location.
+fn gpuplace(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_gpuplace"))
+        .args(args)
+        .current_dir(std::env::temp_dir())
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("run gpuplace")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// `simulate --json` output: one JSON object per line (JSON Lines), one line per policy.
+fn json_lines(out: &Output) -> Vec<(String, Value)> {
+    assert!(out.status.success(), "exit {:?}; stderr: {}", out.status, text(&out.stderr));
+    let stdout = text(&out.stdout);
+    stdout
+        .lines()
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).unwrap_or_else(|e| panic!("not one JSON object per line: {e}\n{l}"));
+            assert!(v.is_object(), "{l}");
+            (l.to_string(), v)
+        })
+        .collect()
+}
+
+fn pct(v: &Value, what: &str) -> f64 {
+    let x = v.as_f64().unwrap_or_else(|| panic!("{what}: not a number: {v}"));
+    assert!((0.0..=100.0).contains(&x), "{what}: {x} outside 0..=100");
+    x
+}
+
+#[test]
+fn simulate_json_has_every_field() {
+    let out = gpuplace(&["simulate", "--policy", "fgd,bestfit,gpuplace", "--seeds", "42-43", "--json"]);
+    let lines = json_lines(&out);
+    let policies: Vec<&str> = lines.iter().map(|(_, v)| v["policy"].as_str().expect("policy is a string")).collect();
+    assert_eq!(policies, ["fgd", "bestfit", "gpuplace"], "one object per policy, in the order asked");
+    for (line, r) in &lines {
+        let p = r["policy"].as_str().unwrap_or_default();
+        assert_eq!(r["workload"], "default", "{p}");
+        assert_eq!(r["seeds"], serde_json::json!([42, 43]), "{p}");
+
+        let unalloc = r["unallocated_gpu_pct"].as_object().unwrap_or_else(|| panic!("{p}: unallocated_gpu_pct"));
+        let keys: Vec<&str> = unalloc.keys().map(String::as_str).collect();
+        let mut expected = COLUMNS.to_vec();
+        expected.sort_unstable(); // serde_json's map iterates in string order
+        assert_eq!(keys, expected, "{p}: the demo reaches 130 %, so every column is present");
+        for (k, v) in unalloc {
+            pct(v, &format!("{p} unallocated_gpu_pct[{k}]"));
+        }
+        // more arrived work leaves less unallocated: far less at 130 % than at 75 %
+        assert!(pct(&unalloc["130"], p) < pct(&unalloc["75"], p), "{p}: {unalloc:?}");
+        // the columns are written in numeric order, 75 first
+        let at: Vec<usize> = COLUMNS.iter().map(|c| line.find(&format!("\"{c}\":")).expect("column in line")).collect();
+        assert!(at.windows(2).all(|w| w[0] < w[1]), "{p}: columns out of order in {line}");
+
+        pct(&r["frag_rate_pct_at_80"], &format!("{p} frag_rate_pct_at_80"));
+
+        let per_seed: Vec<u64> = r["failed_pods_per_seed"]
+            .as_array()
+            .unwrap_or_else(|| panic!("{p}: failed_pods_per_seed"))
+            .iter()
+            .map(|x| x.as_u64().expect("a count"))
+            .collect();
+        assert_eq!(per_seed.len(), 2, "{p}: one count per seed");
+        let failed = r["failed_pods"].as_f64().unwrap_or_else(|| panic!("{p}: failed_pods"));
+        assert_eq!(failed, per_seed.iter().sum::<u64>() as f64 / 2.0, "{p}: failed_pods is the mean over seeds");
+        let pods = r["pods_per_seed"].as_f64().unwrap_or_else(|| panic!("{p}: pods_per_seed"));
+        assert!(pods > 0.0 && failed <= pods, "{p}: {failed} failed of {pods}");
+
+        let wall = r["wall_s"].as_f64().unwrap_or_else(|| panic!("{p}: wall_s"));
+        assert!((0.0..60.0).contains(&wall), "{p}: wall_s {wall}");
+        let rate = r["pods_per_s"].as_f64().unwrap_or_else(|| panic!("{p}: pods_per_s"));
+        assert!(rate.is_finite() && rate > 0.0, "{p}: pods_per_s {rate}");
+    }
+    // nothing but the objects on stdout, so the output can be piped into jq
+    assert!(!text(&out.stdout).contains("trace:"));
+}
+
+#[test]
+fn simulate_json_is_deterministic_apart_from_timings() {
+    let args = ["simulate", "--policy", "gpuplace,fgd", "--seeds", "7,9", "--json"];
+    let strip = |out: &Output| -> Vec<Value> {
+        json_lines(out)
+            .into_iter()
+            .map(|(_, mut v)| {
+                let o = v.as_object_mut().expect("object");
+                o.remove("wall_s").expect("wall_s");
+                o.remove("pods_per_s").expect("pods_per_s");
+                v
+            })
+            .collect()
+    };
+    let (a, b) = (strip(&gpuplace(&args)), strip(&gpuplace(&args)));
+    assert_eq!(a.len(), 2);
+    assert_eq!(a, b);
+    assert_eq!(a[0]["seeds"], serde_json::json!([7, 9]));
+}
+
+#[test]
+fn simulate_json_leaves_out_columns_the_arrivals_never_reach() {
+    // half the cluster's capacity arrives: no column from 75 % on, and no fragment rate at 80 %
+    let out = gpuplace(&["simulate", "--policy", "fgd", "--seeds", "42", "--tune", "0.5", "--json"]);
+    let lines = json_lines(&out);
+    assert_eq!(lines.len(), 1);
+    let r = &lines[0].1;
+    assert_eq!(r["unallocated_gpu_pct"], serde_json::json!({}));
+    assert!(r["frag_rate_pct_at_80"].is_null(), "{}", r["frag_rate_pct_at_80"]);
+    // and the table shows a dash there, not NaN
+    let table = gpuplace(&["simulate", "--policy", "fgd", "--seeds", "42", "--tune", "0.5"]);
+    assert!(table.status.success());
+    let t = text(&table.stdout);
+    assert!(t.contains("frag@80") && !t.contains("NaN"), "{t}");
+}
+
+#[test]
+fn simulate_table_by_default() {
+    let out = gpuplace(&["simulate", "--policy", "bestfit", "--seeds", "1"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let t = text(&out.stdout);
+    assert!(t.contains("examples/traces/demo"), "{t}");
+    assert!(t.lines().any(|l| l.starts_with("bestfit")), "{t}");
+    assert!(serde_json::from_str::<Value>(t.lines().next().unwrap_or_default()).is_err());
+}
+
+/// Fails with a non-zero exit, nothing on stdout, and a message on stderr that names the problem.
+fn assert_refused(args: &[&str], needles: &[&str]) {
+    let out = gpuplace(args);
+    let err = text(&out.stderr);
+    assert!(!out.status.success(), "{args:?} succeeded");
+    assert!(out.status.code().is_some(), "{args:?}: killed by a signal");
+    assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
+    assert!(err.contains("error"), "{args:?}: {err}");
+    for n in needles {
+        assert!(err.contains(n), "{args:?}: stderr lacks {n:?}: {err}");
+    }
+    assert!(out.stdout.is_empty(), "{args:?}: stdout {}", text(&out.stdout));
+}
+
+#[test]
+fn bad_arguments_are_refused_clearly() {
+    assert_refused(&["simulate", "--policy", "fgd,nosuch", "--json"], &["unknown policy \"nosuch\"", "choose from"]);
+    assert_refused(&["simulate", "--seeds", "51-42", "--json"], &["bad seed range \"51-42\""]);
+    assert_refused(&["simulate", "--seeds", "4x", "--json"], &["bad seed \"4x\""]);
+    assert_refused(&["simulate", "--seeds", ",", "--json"], &["no seeds given"]);
+    assert_refused(&["simulate", "--tune", "0", "--seeds", "1", "--json"], &["--tune must be in (0, 10]"]);
+    assert_refused(&["simulate", "--bogus"], &["--bogus"]);
+}
+
+#[test]
+fn missing_trace_data_is_refused_clearly() {
+    assert_refused(
+        &["simulate", "--trace", "/nonexistent/trace-dir", "--seeds", "1", "--json"],
+        &["/nonexistent/trace-dir", "openb_node_list_gpu_node.csv"],
+    );
+    assert_refused(&["simulate", "--workload", "nosuch", "--seeds", "1", "--json"], &["openb_pod_list_nosuch.csv"]);
+    let missing = std::env::temp_dir().join("gpuplace-cli-test-no-such-profile.yaml");
+    assert_refused(
+        &["simulate", "--profile", missing.to_str().unwrap_or_default(), "--seeds", "1"],
+        &["profile", "gpuplace-cli-test-no-such-profile.yaml"],
+    );
+}
