@@ -9,10 +9,15 @@ use crate::placement::scorer::{ScoreContext, Scorer};
 #[derive(Debug, Default, Clone, Copy)]
 pub struct UtilizationScorer;
 
+/// Samples stamped this far ahead of now are taken as clock skew; further ahead, as garbage.
+const FUTURE_SKEW_MS: i64 = 60_000;
+
 /// How far a GPU's measured load exceeds its allocation, 0.0..=1.0 (0 when unknown or stale).
 pub fn excess(ctx: &ScoreContext<'_>, node: &Node, g: usize) -> f64 {
     let Some(sample) = node.utilization(g) else { return 0.0 };
-    if ctx.now_unix_ms - sample.at_unix_ms > ctx.max_sample_age_ms || sample.at_unix_ms > ctx.now_unix_ms + 60_000 {
+    // saturating: a corrupt timestamp must read as stale, not overflow (a panic, or a wrap to "fresh")
+    let age = ctx.now_unix_ms.saturating_sub(sample.at_unix_ms);
+    if age > ctx.max_sample_age_ms || age < -FUTURE_SKEW_MS {
         return 0.0;
     }
     let u = node.usage(g);
@@ -36,5 +41,173 @@ impl Scorer for UtilizationScorer {
         }
         let worst = gpus.iter().map(|&g| excess(ctx, node, g as usize)).fold(0.0, f64::max);
         1.0 - worst
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+    use std::path::Path;
+
+    use super::*;
+    use crate::core::cluster::{Cluster, ContainerAssignment, GpuSlice, PodAssignment, UtilSample};
+    use crate::core::inventory::Board;
+    use crate::core::resources::{GpuDemand, PackingPolicy, PodRequest};
+    use crate::placement::engine::Engine;
+    use crate::placement::profile::{Profile, ProfileConfig, Weights};
+    use crate::placement::scorers::fragmentation::WorkloadMix;
+
+    const MEM: u64 = 16000;
+    const NOW: i64 = 1_700_000_000_000;
+    const MAX_AGE: i64 = 60_000;
+
+    fn cluster(names: &[&str]) -> Cluster {
+        let board = Board::Flat { gpus: 4, model: "V100".into(), memory_mib: MEM }.resolve(Path::new(".")).unwrap();
+        Cluster::new(names.iter().map(|n| board.node(n, BTreeMap::new(), 0, 0)).collect())
+    }
+
+    fn assignment(pod: &str, node: &str, slices: Vec<GpuSlice>) -> PodAssignment {
+        PodAssignment {
+            pod: pod.into(),
+            node: node.into(),
+            containers: vec![ContainerAssignment { name: "c".into(), init: false, slices }],
+            cpu_milli: 0,
+            memory_mib: 0,
+            group: None,
+        }
+    }
+
+    fn sample(sm_pct: u32, mem_used_mib: u64, at_unix_ms: i64) -> Option<UtilSample> {
+        Some(UtilSample { sm_pct, mem_used_mib, at_unix_ms })
+    }
+
+    /// The utilization score of a placement on `gpus` of node "n" at time `now`.
+    fn score_at(c: &Cluster, gpus: &[u32], now: i64) -> f64 {
+        let slices = gpus.iter().map(|&gpu| GpuSlice { gpu, mem_mib: 1000, core_pct: 10, exclusive: false }).collect();
+        let placement = Placement { assignment: assignment("ns/new", "n", slices), set_scores: vec![0] };
+        let req = PodRequest::single("ns/new", GpuDemand::Whole { gpus: 1 });
+        let mix = WorkloadMix::default();
+        let ctx = ScoreContext {
+            cluster: c,
+            request: &req,
+            node_policy: PackingPolicy::Binpack,
+            mix: &mix,
+            now_unix_ms: now,
+            max_sample_age_ms: MAX_AGE,
+            group: None,
+        };
+        UtilizationScorer.score(&ctx, &c.nodes()[0], &placement)
+    }
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() < 1e-9
+    }
+
+    #[test]
+    fn busier_than_allocated_is_penalized_in_proportion() {
+        let mut c = cluster(&["n"]);
+        // GPU 1: a 30 % / 4000 MiB share; GPU 2: held whole
+        c.allocate(assignment(
+            "a/share",
+            "n",
+            vec![GpuSlice { gpu: 1, mem_mib: 4000, core_pct: 30, exclusive: false }],
+        ))
+        .unwrap();
+        c.allocate(assignment("a/whole", "n", vec![GpuSlice { gpu: 2, mem_mib: MEM, core_pct: 100, exclusive: true }]))
+            .unwrap();
+        let n = c.node_mut("n").unwrap();
+        n.set_utilization(0, sample(80, 0, NOW)); // nothing allocated, 80 % busy
+        n.set_utilization(1, sample(50, 4000, NOW)); // 20 points over its share
+        n.set_utilization(2, sample(100, MEM, NOW)); // busy, but it is all allocated
+        n.set_utilization(3, sample(0, 12000, NOW)); // memory nobody asked for: 75 % of the GPU
+        assert!(close(score_at(&c, &[0], NOW), 0.2));
+        assert!(close(score_at(&c, &[1], NOW), 0.8));
+        assert!(close(score_at(&c, &[2], NOW), 1.0));
+        assert!(close(score_at(&c, &[3], NOW), 0.25));
+        // a set is as good as its worst GPU
+        assert!(close(score_at(&c, &[1, 2], NOW), 0.8));
+        assert!(close(score_at(&c, &[0, 1, 2, 3], NOW), 0.2));
+        // within its allocation is no penalty
+        c.node_mut("n").unwrap().set_utilization(1, sample(30, 3000, NOW));
+        assert!(close(score_at(&c, &[1], NOW), 1.0));
+    }
+
+    #[test]
+    fn the_penalty_is_bounded() {
+        let mut c = cluster(&["n"]);
+        let n = c.node_mut("n").unwrap();
+        n.set_utilization(0, sample(u32::MAX, u64::MAX, NOW));
+        n.set_utilization(1, sample(100, MEM * 3, NOW));
+        for g in [0, 1] {
+            let s = score_at(&c, &[g], NOW);
+            assert!((0.0..=1.0).contains(&s), "GPU {g}: {s}");
+            assert!(close(s, 0.0), "GPU {g}: {s}");
+        }
+        // no GPU in the placement, nothing to penalize
+        assert_eq!(score_at(&c, &[], NOW), 1.0);
+    }
+
+    #[test]
+    fn stale_and_future_samples_are_ignored() {
+        let mut c = cluster(&["n"]);
+        let n = c.node_mut("n").unwrap();
+        n.set_utilization(0, sample(100, 0, NOW - MAX_AGE - 1)); // just too old
+        n.set_utilization(1, sample(100, 0, NOW - MAX_AGE)); // just fresh enough
+        n.set_utilization(2, sample(100, 0, NOW + 61_000)); // from the future: garbage
+        n.set_utilization(3, sample(100, 0, NOW + 30_000)); // clock skew: counted
+        assert_eq!(score_at(&c, &[0], NOW), 1.0);
+        assert!(close(score_at(&c, &[1], NOW), 0.0));
+        assert_eq!(score_at(&c, &[2], NOW), 1.0);
+        assert!(close(score_at(&c, &[3], NOW), 0.0));
+        // extreme timestamps read as stale rather than overflowing
+        let n = c.node_mut("n").unwrap();
+        n.set_utilization(0, sample(100, 0, i64::MIN));
+        n.set_utilization(1, sample(100, 0, i64::MAX));
+        assert_eq!(score_at(&c, &[0], NOW), 1.0);
+        assert_eq!(score_at(&c, &[1], NOW), 1.0);
+        assert_eq!(score_at(&c, &[0], i64::MAX), 1.0);
+        assert_eq!(score_at(&c, &[1], i64::MIN), 1.0);
+        // no sample at all: no penalty
+        assert_eq!(score_at(&cluster(&["n"]), &[0, 1, 2, 3], NOW), 1.0);
+    }
+
+    #[test]
+    fn never_a_filter() {
+        // "hot": every GPU measured fully busy with nothing allocated; "cool": no samples
+        let mut c = cluster(&["cool", "hot"]);
+        let hot = c.node_mut("hot").unwrap();
+        for g in 0..4 {
+            hot.set_utilization(g, sample(100, MEM, NOW));
+        }
+        let req = PodRequest::single("ns/p", GpuDemand::Whole { gpus: 2 });
+        let engine = Engine::default();
+        let ev = engine.evaluate_all(&c, &req, NOW);
+        assert!(ev.rejected.is_empty(), "{:?}", ev.rejected);
+        let names: Vec<&str> = ev.ranked.iter().map(|r| c.nodes()[r.node].name.as_str()).collect();
+        assert_eq!(names, ["cool", "hot"]);
+        let (cool, hot) = (&ev.ranked[0].score, &ev.ranked[1].score);
+        assert!(hot.total > 0.0, "{hot:?}");
+        let util = |s: &crate::placement::engine::NodeScore| s.parts.iter().find(|p| p.0 == "utilization").unwrap().1;
+        assert!(close(util(hot), 0.0) && util(cool) > 0.0);
+        // the whole difference is the utilization scorer's weighted share
+        let share = engine.profile.config.weights.utilization / engine.profile.total_weight();
+        assert!(close(cool.total - hot.total, share), "{} vs {}", cool.total - hot.total, share);
+        // with utilization as the only scorer the hot node scores 0 but is still feasible
+        let weights = Weights { fragmentation: 0.0, packing: 0.0, topology: 0.0, network: 0.0, utilization: 1.0 };
+        let only =
+            Engine::new(Profile::new(ProfileConfig { weights, ..ProfileConfig::default() }), WorkloadMix::default());
+        let ev = only.evaluate_all(&c, &req, NOW);
+        assert_eq!(ev.ranked.len(), 2);
+        assert!(ev.rejected.is_empty());
+        // it is still chosen when it is the only node with room
+        let mut c = c;
+        c.allocate(assignment(
+            "x/fill",
+            "cool",
+            (0..4).map(|gpu| GpuSlice { gpu, mem_mib: MEM, core_pct: 100, exclusive: true }).collect(),
+        ))
+        .unwrap();
+        let a = only.schedule(&mut c, &req, NOW).unwrap();
+        assert_eq!(a.node, "hot");
     }
 }
