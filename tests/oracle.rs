@@ -171,3 +171,70 @@ fn sequence_totals() {
         assert!(allowed.contains(&b.as_str()), "{b}: total below upstream");
     }
 }
+
+/// The `cases` of `dgx1-volta` (go-gpuallocator's own test cases, with must-include GPUs): the set
+/// search with required GPUs finds the optimum, never below upstream, and refuses what upstream
+/// refuses with an error.
+#[test]
+fn cases_with_required_gpus() {
+    let o = oracles().into_iter().find(|o| o.name == "dgx1-volta").expect("dgx1-volta oracle");
+    let v: Value =
+        serde_json::from_str(&std::fs::read_to_string(shared().join("oracle/dgx1-volta.json")).unwrap()).unwrap();
+    let cases = v["cases"].as_array().expect("cases array");
+    assert!(cases.len() >= 11, "expected the 11 upstream cases, got {}", cases.len());
+    let topo = &o.board.topology;
+    let (mut solved, mut refused, mut with_required) = (0, 0, 0);
+    for case in cases {
+        let available = as_set(&case["available"]);
+        let required = as_set(&case["required"]);
+        let k = case["request"].as_u64().unwrap() as usize;
+        let ctx = format!("case {} (available {available:?}, required {required:?}, request {k})", case["name"]);
+        let got = topo.best_subset_including(&available, &required, k);
+        if case["best"].is_null() {
+            // upstream returns nothing: required GPUs missing, more required than requested, or too few
+            assert!(case["upstream"]["gpus"].as_array().unwrap().is_empty(), "{ctx}");
+            let err = got.expect_err(&ctx);
+            assert!(!err.to_string().is_empty());
+            refused += 1;
+            continue;
+        }
+        let (score, set) = got.unwrap_or_else(|e| panic!("{ctx}: {e}"));
+        assert_eq!(set.len(), k, "{ctx}: {set:?}");
+        assert!(set.windows(2).all(|w| w[0] < w[1]), "{ctx}: {set:?} not sorted and distinct");
+        assert!(set.iter().all(|g| available.contains(g)), "{ctx}: {set:?} takes an unavailable GPU");
+        assert!(required.iter().all(|g| set.contains(g)), "{ctx}: {set:?} misses a required GPU");
+        let s = upstream_score(&o, &set);
+        assert_eq!(s, score, "{ctx}: reported score differs from the oracle's scoring");
+        let up = case["upstream"]["score"].as_u64().unwrap() as u32;
+        assert!(s >= up, "{ctx}: {set:?} scores {s} < upstream {up}");
+        let best = case["best"]["score"].as_u64().unwrap() as u32;
+        assert_eq!(s, best, "{ctx}: {set:?} scores {s}, optimum {best}");
+        let optimal: Vec<Vec<usize>> = case["best"]["optimal_sets"].as_array().unwrap().iter().map(as_set).collect();
+        assert!(optimal.contains(&set), "{ctx}: {set:?} is not among the optimal sets {optimal:?}");
+        solved += 1;
+        with_required += usize::from(!required.is_empty());
+    }
+    assert_eq!((solved, refused), (8, 3), "cases solved / refused");
+    assert!(with_required >= 4, "only {with_required} solved cases had required GPUs");
+}
+
+/// Bad required-GPU input on a real board is an error with a clear message, never a panic.
+#[test]
+fn required_gpus_bad_input() {
+    let o = oracles().into_iter().find(|o| o.name == "dgx1-volta").expect("dgx1-volta oracle");
+    let topo = &o.board.topology;
+    let all: Vec<usize> = (0..o.n).collect();
+    let msg = |a: &[usize], r: &[usize], k: usize| match topo.best_subset_including(a, r, k) {
+        Ok(x) => panic!("{a:?} {r:?} {k}: expected an error, got {x:?}"),
+        Err(e) => e.to_string(),
+    };
+    assert!(msg(&[1, 2, 3], &[0, 1], 2).contains("required GPU 0 is not available"));
+    assert!(msg(&all, &[0, 1, 2], 2).contains("3 GPUs are required but only 2 requested"));
+    assert!(msg(&[0, 1, 2], &[0], 4).contains("4 GPUs requested but only 3 available"));
+    assert!(msg(&all, &[], 9).contains("only 8 available"));
+    assert!(msg(&all, &[], 0).contains("0 GPUs"));
+    assert!(msg(&[0, 1, 8], &[], 2).contains("GPU 8 is not on this board"));
+    assert!(msg(&[], &[], 1).contains("only 0 available"));
+    // a required GPU already taken (not in available) is refused even when it would fit the count
+    assert!(msg(&[4, 5, 6, 7], &[3], 4).contains("required GPU 3"));
+}

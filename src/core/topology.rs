@@ -3,6 +3,8 @@
 //! Pair scores use go-gpuallocator's scale (PCIe points plus 100 per NVLink lane) so that our choices
 //! can be compared with NVIDIA's, but NVSwitch lanes are counted, which upstream misses.
 
+use std::cmp::Reverse;
+
 use petgraph::graph::{NodeIndex, UnGraph};
 use serde::{Deserialize, Serialize};
 
@@ -84,6 +86,42 @@ pub enum TopologyError {
     SelfLink { a: u32, b: u32 },
     #[error("link {a}-{b} is given twice")]
     DuplicateLink { a: u32, b: u32 },
+}
+
+/// Why [`GpuTopology::best_subset_including`] has no answer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SubsetError {
+    #[error("a request for 0 GPUs has no set")]
+    EmptyRequest,
+    #[error("GPU {gpu} is not on this board (it has {n})")]
+    UnknownGpu { gpu: usize, n: usize },
+    #[error("required GPU {gpu} is not available")]
+    RequiredUnavailable { gpu: usize },
+    #[error("{required} GPUs are required but only {request} requested")]
+    TooManyRequired { required: usize, request: usize },
+    #[error("{request} GPUs requested but only {available} available")]
+    NotEnoughAvailable { available: usize, request: usize },
+}
+
+/// Candidate sets [`GpuTopology::best_subset_including`] enumerates before it turns greedy: a few
+/// milliseconds, and more than any board up to 16 GPUs needs.
+pub const SUBSET_SEARCH_LIMIT: u64 = 300_000;
+
+/// Whether `n` choose `k` is above `limit` (without overflow).
+fn combinations_exceed(n: usize, k: usize, limit: u64) -> bool {
+    let k = k.min(n.saturating_sub(k)) as u64;
+    let mut c: u64 = 1;
+    for i in 0..k {
+        // exact at every step: c * (n - i) is divisible by (i + 1)
+        c = match c.checked_mul(n as u64 - i) {
+            Some(x) => x / (i + 1),
+            None => return true,
+        };
+        if c > limit {
+            return true;
+        }
+    }
+    false
 }
 
 impl GpuTopology {
@@ -196,6 +234,56 @@ impl GpuTopology {
     /// The highest-scoring set of `k` GPUs drawn from `gpus`, by exhaustive search (first found on
     /// ties); `None` when `k` is 0 or more than `gpus` holds.
     pub fn best_subset(&self, gpus: &[usize], k: usize) -> Option<(u32, Vec<usize>)> {
+        if k == 0 || gpus.len() < k {
+            return None;
+        }
+        Some(self.exhaustive_subset(gpus, &[], k))
+    }
+
+    /// The highest-scoring set of `k` GPUs drawn from `available` that holds every GPU of `required`
+    /// (kubelet's must-include devices in `GetPreferredAllocation`), sorted by index. Exhaustive up to
+    /// [`SUBSET_SEARCH_LIMIT`] candidate sets, greedy with single swaps beyond. Bad input is an error,
+    /// never a panic: the lists come from outside the process.
+    pub fn best_subset_including(
+        &self,
+        available: &[usize],
+        required: &[usize],
+        k: usize,
+    ) -> Result<(u32, Vec<usize>), SubsetError> {
+        if k == 0 {
+            return Err(SubsetError::EmptyRequest);
+        }
+        if let Some(&gpu) = available.iter().chain(required).find(|&&g| g >= self.n) {
+            return Err(SubsetError::UnknownGpu { gpu, n: self.n });
+        }
+        let mut available = available.to_vec();
+        available.sort_unstable();
+        available.dedup();
+        let mut required = required.to_vec();
+        required.sort_unstable();
+        required.dedup();
+        if let Some(&gpu) = required.iter().find(|g| available.binary_search(g).is_err()) {
+            return Err(SubsetError::RequiredUnavailable { gpu });
+        }
+        if required.len() > k {
+            return Err(SubsetError::TooManyRequired { required: required.len(), request: k });
+        }
+        if available.len() < k {
+            return Err(SubsetError::NotEnoughAvailable { available: available.len(), request: k });
+        }
+        let rest: Vec<usize> = available.into_iter().filter(|g| required.binary_search(g).is_err()).collect();
+        let (score, mut set) = if combinations_exceed(rest.len(), k - required.len(), SUBSET_SEARCH_LIMIT) {
+            self.greedy_subset(&rest, &required, k)
+        } else {
+            self.exhaustive_subset(&rest, &required, k)
+        };
+        set.sort_unstable();
+        Ok((score, set))
+    }
+
+    /// Best `k`-set made of `fixed` plus GPUs of `gpus` (first found on ties). Callers guarantee
+    /// `fixed.len() <= k <= fixed.len() + gpus.len()`.
+    fn exhaustive_subset(&self, gpus: &[usize], fixed: &[usize], k: usize) -> (u32, Vec<usize>) {
         fn rec(
             t: &GpuTopology,
             gpus: &[usize],
@@ -219,12 +307,46 @@ impl GpuTopology {
                 set.pop();
             }
         }
-        if k == 0 || gpus.len() < k {
-            return None;
-        }
+        let mut set = Vec::with_capacity(k);
+        set.extend_from_slice(fixed);
         let mut best = None;
-        rec(self, gpus, 0, k, &mut Vec::with_capacity(k), 0, &mut best);
-        best
+        rec(self, gpus, 0, k, &mut set, self.set_score(fixed), &mut best);
+        // unreachable under the caller's guarantee; the fixed set alone is the safe answer
+        best.unwrap_or_else(|| (self.set_score(fixed), fixed.to_vec()))
+    }
+
+    /// For searches too large to enumerate: grow from `fixed` by the best-connected GPU, then swap
+    /// single free GPUs while the score improves (the fixed GPUs never move).
+    fn greedy_subset(&self, gpus: &[usize], fixed: &[usize], k: usize) -> (u32, Vec<usize>) {
+        let gain = |set: &[usize], g: usize| set.iter().map(|&o| self.pair_score(o, g)).sum::<u32>();
+        let mut set = fixed.to_vec();
+        while set.len() < k {
+            // with nothing fixed, the first pick is the GPU best connected to all the others
+            let base: &[usize] = if set.is_empty() { gpus } else { &set };
+            let next = gpus.iter().copied().filter(|g| !set.contains(g)).max_by_key(|&g| (gain(base, g), Reverse(g)));
+            match next {
+                Some(g) => set.push(g),
+                None => break,
+            }
+        }
+        let mut improved = true;
+        while improved {
+            improved = false;
+            for i in fixed.len()..set.len() {
+                for &g in gpus {
+                    if set.contains(&g) {
+                        continue;
+                    }
+                    let mut trial = set.clone();
+                    trial[i] = g;
+                    if self.set_score(&trial) > self.set_score(&set) {
+                        set = trial;
+                        improved = true;
+                    }
+                }
+            }
+        }
+        (self.set_score(&set), set)
     }
 
     /// Sum of pair scores over every unordered pair of the set (0 for a single GPU).
@@ -312,5 +434,85 @@ mod tests {
         assert!(GpuTopology::new(2, NvlinkFabric::None, [(0, 2, l)], PcieLevel::Sys).is_err());
         assert!(GpuTopology::new(2, NvlinkFabric::None, [(1, 1, l)], PcieLevel::Sys).is_err());
         assert!(GpuTopology::new(2, NvlinkFabric::None, [(0, 1, l), (1, 0, l)], PcieLevel::Sys).is_err());
+    }
+
+    /// Two quads joined by NVLink inside (0-3, 4-7) and SYS between them.
+    fn two_quads() -> GpuTopology {
+        let nv = Link { nvlinks: 1, pcie: PcieLevel::Node };
+        let links = (0..8u32)
+            .flat_map(|a| (a + 1..8).map(move |b| (a, b)))
+            .filter(|(a, b)| a / 4 == b / 4)
+            .map(|(a, b)| (a, b, nv));
+        GpuTopology::new(8, NvlinkFabric::Direct, links, PcieLevel::Sys).unwrap()
+    }
+
+    #[test]
+    fn required_gpus_are_kept_and_the_rest_chosen_around_them() {
+        let t = two_quads();
+        let all: Vec<usize> = (0..8).collect();
+        // without a requirement the best pair is inside a quad; requiring 5 pulls it into the second quad
+        let (s, set) = t.best_subset_including(&all, &[5], 2).unwrap();
+        assert!(set.contains(&5) && set.iter().all(|&g| g >= 4), "{set:?}");
+        assert_eq!(s, 120);
+        // requiring one GPU of each quad: the other two go with whichever quad gains most (a tie, so
+        // either way the score is the optimum over all 4-sets holding 0 and 4)
+        let (s, set) = t.best_subset_including(&all, &[0, 4], 4).unwrap();
+        assert!(set.contains(&0) && set.contains(&4) && set.len() == 4, "{set:?}");
+        let brute = (0..8)
+            .flat_map(|a| (a + 1..8).map(move |b| (a, b)))
+            .filter(|&(a, b)| ![a, b].iter().any(|g| [0, 4].contains(g)))
+            .map(|(a, b)| t.set_score(&[0, 4, a, b]))
+            .max()
+            .unwrap();
+        assert_eq!(s, brute);
+        assert_eq!(s, t.set_score(&set));
+        // the whole request required: the answer is exactly the required set, in index order
+        assert_eq!(t.best_subset_including(&all, &[6, 1, 3], 3).unwrap().1, vec![1, 3, 6]);
+        // nothing required is the plain best subset
+        assert_eq!(t.best_subset_including(&all, &[], 4).unwrap().0, t.best_subset(&all, 4).unwrap().0);
+    }
+
+    #[test]
+    fn required_gpus_bad_input_is_an_error_not_a_panic() {
+        let t = two_quads();
+        let e = |a: &[usize], r: &[usize], k| t.best_subset_including(a, r, k).unwrap_err();
+        assert_eq!(e(&[1, 2, 3], &[0], 2), SubsetError::RequiredUnavailable { gpu: 0 });
+        assert_eq!(e(&[0, 1, 2, 3], &[0, 1, 2], 2), SubsetError::TooManyRequired { required: 3, request: 2 });
+        assert_eq!(e(&[0, 1], &[], 3), SubsetError::NotEnoughAvailable { available: 2, request: 3 });
+        assert_eq!(e(&[0, 1], &[], 0), SubsetError::EmptyRequest);
+        assert_eq!(e(&[0, 8], &[], 1), SubsetError::UnknownGpu { gpu: 8, n: 8 });
+        assert_eq!(e(&[0, 1], &[99], 1), SubsetError::UnknownGpu { gpu: 99, n: 8 });
+        // duplicates are one GPU, not two
+        assert_eq!(e(&[1, 1, 1], &[], 2), SubsetError::NotEnoughAvailable { available: 1, request: 2 });
+        assert!(e(&[1, 2], &[3], 1).to_string().contains("required GPU 3"));
+        assert_eq!(t.best_subset_including(&[2, 1, 2], &[1, 1], 2).unwrap().1, vec![1, 2]);
+    }
+
+    #[test]
+    fn large_searches_turn_greedy_and_still_honour_required() {
+        // 64 GPUs in 8 NVLink islands: C(63, 7) sets is far past the exhaustive limit
+        let nv = Link { nvlinks: 2, pcie: PcieLevel::Pix };
+        let links = (0..64u32)
+            .flat_map(|a| (a + 1..64).map(move |b| (a, b)))
+            .filter(|(a, b)| a / 8 == b / 8)
+            .map(|(a, b)| (a, b, nv));
+        let t = GpuTopology::new(64, NvlinkFabric::Direct, links, PcieLevel::Sys).unwrap();
+        assert!(combinations_exceed(63, 7, SUBSET_SEARCH_LIMIT));
+        let all: Vec<usize> = (0..64).collect();
+        let (s, set) = t.best_subset_including(&all, &[42], 8).unwrap();
+        // the required GPU's island is the only optimum
+        assert_eq!(set, (40..48).collect::<Vec<_>>());
+        assert_eq!(s, 28 * 250);
+        let (_, set) = t.best_subset_including(&all, &[3, 60], 8).unwrap();
+        assert!(set.contains(&3) && set.contains(&60) && set.len() == 8, "{set:?}");
+    }
+
+    #[test]
+    fn combination_counts() {
+        assert!(!combinations_exceed(16, 8, SUBSET_SEARCH_LIMIT)); // 12,870
+        assert!(combinations_exceed(40, 10, SUBSET_SEARCH_LIMIT));
+        assert!(!combinations_exceed(3, 5, 0)); // no sets at all
+        assert!(combinations_exceed(10_000, 5_000, u64::MAX)); // overflow counts as too many
+        assert!(!combinations_exceed(5, 2, 10) && combinations_exceed(5, 2, 9));
     }
 }
