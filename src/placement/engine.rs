@@ -63,7 +63,11 @@ impl Engine {
         let cfg = &self.profile.config;
         let policy = req.gpu_policy.unwrap_or(cfg.gpu_policy);
         let share = if req.gpu_policy.is_none() && cfg.share_by_fragmentation && !self.mix.is_empty() {
-            ShareChoice::Fragmentation(&self.mix)
+            ShareChoice::Fragmentation {
+                mix: &self.mix,
+                host_cpu_milli: req.cpu_milli,
+                host_memory_mib: req.memory_mib,
+            }
         } else {
             ShareChoice::Pack(policy)
         };
@@ -96,10 +100,11 @@ impl Engine {
             group,
         };
         let n = &cluster.nodes()[node];
-        let total_w = self.profile.total_weight();
+        let asked = req.node_policy.is_some();
+        let total_w = self.profile.total_weight(asked);
         let mut parts = Vec::with_capacity(self.profile.scorers.len());
         let mut total = 0.0;
-        for (s, w) in &self.profile.scorers {
+        for (s, w) in self.profile.weights_for(asked) {
             let v = s.score(&ctx, n, placement);
             let v = if v.is_finite() { v.clamp(0.0, 1.0) } else { 0.0 };
             let share = if total_w > 0.0 { v * w / total_w } else { 0.0 };

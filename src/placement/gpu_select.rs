@@ -11,6 +11,7 @@
 
 use crate::core::cluster::Node;
 use crate::core::resources::{GpuDemand, NumaPolicy, PackingPolicy};
+use crate::placement::scorers::fragmentation::HostFree;
 
 /// Free capacity of the GPUs of one node while a pod's containers are being placed.
 #[derive(Debug, Clone)]
@@ -85,7 +86,13 @@ impl FreeState {
 pub enum ShareChoice<'a> {
     Pack(PackingPolicy),
     /// Minimize the node's fragmentation for the workload mix (FGD's GPU choice).
-    Fragmentation(&'a crate::placement::scorers::fragmentation::WorkloadMix),
+    /// `host` is what the node's CPU and memory leave after this pod: it decides which GPUs the
+    /// mix's requests could still be fed on.
+    Fragmentation {
+        mix: &'a crate::placement::scorers::fragmentation::WorkloadMix,
+        host_cpu_milli: u64,
+        host_memory_mib: u64,
+    },
 }
 
 /// Upper bound on subsets examined exactly; larger searches use a greedy seed and swap search.
@@ -328,13 +335,14 @@ pub fn choose_one(
             }
             best.map(|(_, _, g)| g)
         }
-        ShareChoice::Fragmentation(mix) => {
+        ShareChoice::Fragmentation { mix, host_cpu_milli, host_memory_mib } => {
+            let host = HostFree::of(node, host_cpu_milli, host_memory_mib);
             let mut best: Option<(f64, i64, usize)> = None;
             let mut trial = state.clone();
             for &g in cands {
                 let before = (trial.mem[g], trial.core[g], trial.idle[g]);
                 trial.take(node, g, demand);
-                let frag = mix.node_fragmentation(node, &trial);
+                let frag = mix.node_fragmentation(node, &trial, host);
                 (trial.mem[g], trial.core[g], trial.idle[g]) = before;
                 let key = (-frag, -connect(g), g);
                 if best.is_none_or(|(f, c, _)| (key.0, key.1) > (f, c)) {

@@ -10,6 +10,11 @@ use crate::placement::scorers::{
 };
 
 /// Scorer weights; a weight of 0 switches a scorer off.
+///
+/// Packing is only a tie-break by default: on the Alibaba trace even a weight of 0.1 next to
+/// fragmentation's 6 costs half a point of unallocated GPUs (docs/performance.md), because
+/// consolidating nodes and avoiding fragments pull apart. A pod that asks for `binpack` or `spread`
+/// gets [`ProfileConfig::requested_packing_weight`] instead.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Weights {
@@ -22,7 +27,7 @@ pub struct Weights {
 
 impl Default for Weights {
     fn default() -> Self {
-        Self { fragmentation: 6.0, packing: 1.0, topology: 2.0, network: 3.0, utilization: 1.0 }
+        Self { fragmentation: 6.0, packing: 0.01, topology: 2.0, network: 3.0, utilization: 1.0 }
     }
 }
 
@@ -39,6 +44,9 @@ pub struct ProfileConfig {
     /// Utilization samples older than this are ignored.
     pub max_sample_age_s: u64,
     pub weights: Weights,
+    /// Packing weight for a pod whose `gpuplace.io/node-policy` annotation asks for binpack or
+    /// spread: the pod's explicit wish outranks the profile's tie-break.
+    pub requested_packing_weight: f64,
 }
 
 impl Default for ProfileConfig {
@@ -51,6 +59,7 @@ impl Default for ProfileConfig {
             share_by_fragmentation: true,
             max_sample_age_s: 60,
             weights: Weights::default(),
+            requested_packing_weight: 6.0,
         }
     }
 }
@@ -60,20 +69,45 @@ impl Default for ProfileConfig {
 pub struct Profile {
     pub config: ProfileConfig,
     pub scorers: Vec<(Box<dyn Scorer>, f64)>,
+    /// Index of the packing scorer in `scorers` (its weight changes with the pod's node policy).
+    packing: Option<usize>,
 }
 
 impl Profile {
     pub fn new(config: ProfileConfig) -> Self {
         let w = config.weights;
-        let all: Vec<(Box<dyn Scorer>, f64)> = vec![
-            (Box::new(FragmentationScorer), w.fragmentation),
-            (Box::new(PackingScorer), w.packing),
+        let usable = |w: f64| w > 0.0 && w.is_finite();
+        let requested = config.requested_packing_weight;
+        // kept even at weight 0 when pods may ask for a policy, so the annotation always works
+        let packing_weight = if usable(w.packing) || usable(requested) { w.packing.max(0.0) } else { 0.0 };
+        let mut scorers: Vec<(Box<dyn Scorer>, f64)> = Vec::new();
+        let mut packing = None;
+        for (s, weight) in [
+            (Box::new(FragmentationScorer) as Box<dyn Scorer>, w.fragmentation),
+            (Box::new(PackingScorer), packing_weight),
             (Box::new(TopologyScorer), w.topology),
             (Box::new(NetworkScorer), w.network),
             (Box::new(UtilizationScorer), w.utilization),
-        ];
-        let scorers = all.into_iter().filter(|(_, w)| *w > 0.0 && w.is_finite()).collect();
-        Self { config, scorers }
+        ] {
+            let is_packing = s.name() == PackingScorer.name();
+            if usable(weight) || (is_packing && usable(requested)) {
+                if is_packing {
+                    packing = Some(scorers.len());
+                }
+                scorers.push((s, if weight.is_finite() { weight.max(0.0) } else { 0.0 }));
+            }
+        }
+        Self { config, scorers, packing }
+    }
+
+    /// The scorers' weights for a pod: the profile's, with packing raised when the pod asked for a
+    /// node policy.
+    pub fn weights_for(&self, pod_asked_node_policy: bool) -> impl Iterator<Item = (&dyn Scorer, f64)> + '_ {
+        let raise = pod_asked_node_policy && self.config.requested_packing_weight.is_finite();
+        self.scorers.iter().enumerate().map(move |(i, (s, w))| {
+            let w = if raise && Some(i) == self.packing { w.max(self.config.requested_packing_weight) } else { *w };
+            (s.as_ref(), w)
+        })
     }
 
     /// gpuplace's default profile.
@@ -81,8 +115,9 @@ impl Profile {
         Self::new(ProfileConfig::default())
     }
 
-    pub fn total_weight(&self) -> f64 {
-        self.scorers.iter().map(|(_, w)| w).sum()
+    /// Sum of the weights a pod is scored with.
+    pub fn total_weight(&self, pod_asked_node_policy: bool) -> f64 {
+        self.weights_for(pod_asked_node_policy).map(|(_, w)| w).sum()
     }
 }
 

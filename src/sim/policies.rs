@@ -233,7 +233,7 @@ impl Policy {
 fn fgd(state: &SimState, node: usize, pod: &TracePod) -> (i64, Vec<usize>) {
     let s = &state.nodes[node];
     let mix = &state.mix;
-    let before = mix.fragmentation(&s.left, Some(s.cpu_left), &s.model);
+    let before = mix.fgd_fragmentation(&s.left, Some(s.cpu_left), &s.model);
     let cpu_after = s.cpu_left - pod.cpu_milli;
     let milli = pod.milli();
     let mut left = s.left.clone();
@@ -244,7 +244,7 @@ fn fgd(state: &SimState, node: usize, pod: &TracePod) -> (i64, Vec<usize>) {
                 continue;
             }
             left[g] -= milli;
-            let sc = fgd_score(before, mix.fragmentation(&left, Some(cpu_after), &s.model));
+            let sc = fgd_score(before, mix.fgd_fragmentation(&left, Some(cpu_after), &s.model));
             left[g] += milli;
             if best.is_none_or(|(b, _)| sc > b) {
                 best = Some((sc, g));
@@ -257,7 +257,7 @@ fn fgd(state: &SimState, node: usize, pod: &TracePod) -> (i64, Vec<usize>) {
         for &g in &gpus {
             left[g] -= milli.min(left[g]);
         }
-        (fgd_score(before, mix.fragmentation(&left, Some(cpu_after), &s.model)), gpus)
+        (fgd_score(before, mix.fgd_fragmentation(&left, Some(cpu_after), &s.model)), gpus)
     }
 }
 

@@ -23,6 +23,7 @@ pub fn typical_mix_with(pods: &[TracePod], coverage: f64) -> WorkloadMix {
             gpus: if p.milli() == 0 { 0 } else { p.num_gpu },
             milli: p.milli(),
             cpu_milli: p.cpu_milli,
+            memory_mib: p.memory_mib,
             models: p.models(),
             weight: 0.0,
         }),

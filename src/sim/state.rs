@@ -114,7 +114,7 @@ impl SimState {
                 generation: 0,
             });
         }
-        let frag: Vec<f64> = sim.iter().map(|n| mix.fragmentation(&n.left, Some(n.cpu_left), &n.model)).collect();
+        let frag: Vec<f64> = sim.iter().map(|n| mix.fgd_fragmentation(&n.left, Some(n.cpu_left), &n.model)).collect();
         let capacity_milli = sim.iter().map(|n| 1000 * n.left.len() as u64).sum();
         Self {
             cluster: Cluster::new(nodes),
@@ -179,7 +179,7 @@ impl SimState {
             *s.kinds.entry(kind).or_default() += 1;
         }
         s.generation += 1;
-        let f = self.mix.fragmentation(&s.left, Some(s.cpu_left), &s.model);
+        let f = self.mix.fgd_fragmentation(&s.left, Some(s.cpu_left), &s.model);
         self.frag_total += f - self.frag[node];
         self.frag[node] = f;
         Ok(())

@@ -39,3 +39,55 @@ impl Scorer for PackingScorer {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+    use std::path::Path;
+
+    use crate::core::cluster::{Cluster, ContainerAssignment, GpuSlice, PodAssignment};
+    use crate::core::inventory::Board;
+    use crate::core::resources::{GpuDemand, PackingPolicy, PodRequest};
+    use crate::placement::engine::Engine;
+    use crate::placement::profile::Profile;
+    use crate::placement::scorers::fragmentation::{MixEntry, WorkloadMix};
+
+    /// `busy` has 3 of 4 GPUs taken, `empty` none.
+    fn cluster() -> Cluster {
+        let board = Board::Flat { gpus: 4, model: "A100".into(), memory_mib: 40960 }.resolve(Path::new(".")).unwrap();
+        let mut c =
+            Cluster::new(vec![board.node("busy", BTreeMap::new(), 0, 0), board.node("empty", BTreeMap::new(), 0, 0)]);
+        let slices = (0..3).map(|gpu| GpuSlice { gpu, mem_mib: 40960, core_pct: 100, exclusive: true }).collect();
+        c.allocate(PodAssignment {
+            pod: "ns/fill".into(),
+            node: "busy".into(),
+            containers: vec![ContainerAssignment { name: "c".into(), init: false, slices }],
+            cpu_milli: 0,
+            memory_mib: 0,
+            group: None,
+        })
+        .unwrap();
+        c
+    }
+
+    fn ranking(c: &Cluster, policy: Option<PackingPolicy>) -> Vec<String> {
+        let mut req = PodRequest::single("ns/p", GpuDemand::Whole { gpus: 1 });
+        req.node_policy = policy;
+        // a mix of 2-GPU requests: filling busy's last GPU removes a fragment, so fragmentation
+        // alone would always pick busy
+        let mix = WorkloadMix {
+            entries: vec![MixEntry { gpus: 2, milli: 1000, cpu_milli: 0, memory_mib: 0, models: vec![], weight: 1.0 }],
+        };
+        let ev = Engine::new(Profile::gpuplace(), mix).evaluate_all(c, &req, 0);
+        ev.ranked.iter().map(|r| c.nodes()[r.node].name.clone()).collect()
+    }
+
+    #[test]
+    fn a_pods_node_policy_outranks_the_profiles_tie_break() {
+        let c = cluster();
+        assert_eq!(ranking(&c, Some(PackingPolicy::Binpack)), ["busy", "empty"]);
+        assert_eq!(ranking(&c, Some(PackingPolicy::Spread)), ["empty", "busy"]);
+        // the profile's own default is binpack, as a tie-break only
+        assert_eq!(ranking(&c, None), ["busy", "empty"]);
+    }
+}

@@ -190,7 +190,7 @@ mod tests {
         let util = |s: &crate::placement::engine::NodeScore| s.parts.iter().find(|p| p.0 == "utilization").unwrap().1;
         assert!(close(util(hot), 0.0) && util(cool) > 0.0);
         // the whole difference is the utilization scorer's weighted share
-        let share = engine.profile.config.weights.utilization / engine.profile.total_weight();
+        let share = engine.profile.config.weights.utilization / engine.profile.total_weight(false);
         assert!(close(cool.total - hot.total, share), "{} vs {}", cool.total - hot.total, share);
         // with utilization as the only scorer the hot node scores 0 but is still feasible
         let weights = Weights { fragmentation: 0.0, packing: 0.0, topology: 0.0, network: 0.0, utilization: 1.0 };
