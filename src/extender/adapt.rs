@@ -1,0 +1,293 @@
+//! From kube-scheduler's objects to the placement core's terms, and the shape of each verb's answer in
+//! both `nodeCacheCapable` modes. No decisions are made here: the caller supplies each node's verdict
+//! and score (from `placement::engine`), and this module only puts them on the wire correctly.
+
+use std::collections::BTreeMap;
+
+use crate::core::resources::{pod_request, ContainerResources, PodRequest, PodSpecView, RequestError};
+use crate::extender::wire::{
+    Container, ExtenderArgs, ExtenderBindingArgs, ExtenderBindingResult, ExtenderFilterResult, ExtenderPreemptionArgs,
+    FailedNodesMap, HostPriority, HostPriorityList, MetaPod, MetaVictims, NodeList, Pod, WireError,
+};
+use crate::placement::feasibility::Infeasible;
+
+/// A pod whose request breaks the resource contract: it fits nowhere until its owner changes it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("pod {pod}: {source}")]
+pub struct PodRefused {
+    /// `namespace/name`.
+    pub pod: String,
+    /// Boxed to keep `Result<PodRequest, PodRefused>` small on the success path.
+    pub source: Box<RequestError>,
+}
+
+impl Container {
+    /// The container's resources as the contract reads them. Requests and limits are both passed on:
+    /// for extended resources a limit alone stands for the request, and the two must agree when both
+    /// are set (kube-apiserver copies limits into absent requests, as every fixture shows, but
+    /// objects built by other clients may carry only limits).
+    pub fn resources_view(&self) -> ContainerResources {
+        ContainerResources {
+            name: self.name.clone(),
+            requests: self.resources.requests.clone(),
+            limits: self.resources.limits.clone(),
+        }
+    }
+}
+
+impl Pod {
+    /// `namespace/name`, the key the cluster model and placement logs use.
+    pub fn key(&self) -> String {
+        format!("{}/{}", self.metadata.namespace, self.metadata.name)
+    }
+
+    /// The parts of the pod the resource contract reads. Infallible: quantities are still text.
+    pub fn spec_view(&self) -> PodSpecView {
+        PodSpecView {
+            namespace: self.metadata.namespace.clone(),
+            name: self.metadata.name.clone(),
+            labels: self.metadata.labels.clone(),
+            annotations: self.metadata.annotations.clone(),
+            containers: self.spec.containers.iter().map(Container::resources_view).collect(),
+            init_containers: self.spec.init_containers.iter().map(Container::resources_view).collect(),
+        }
+    }
+
+    /// The pod's GPU request under the contract (docs/resources.md). Host CPU and memory are left at
+    /// zero on purpose: kube-scheduler checks them against everything on the node, which the extender
+    /// does not see. A pod without gpuplace resources gives a request with no containers.
+    pub fn request(&self) -> Result<PodRequest, PodRefused> {
+        pod_request(&self.spec_view()).map_err(|e| PodRefused { pod: self.key(), source: Box::new(e) })
+    }
+
+    /// `Succeeded` or `Failed`: the pod's containers are gone and hold no GPUs.
+    pub fn is_finished(&self) -> bool {
+        matches!(self.status.phase.as_str(), "Succeeded" | "Failed")
+    }
+}
+
+/// How kube-scheduler passed the candidates, which is also how it reads the filter answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NodeListMode {
+    /// `nodeCacheCapable: true`: `NodeNames` only; the extender knows the nodes from its own cache.
+    NamesOnly,
+    /// `nodeCacheCapable: false`: `Nodes` carries full Node objects; GPU inventory comes from them.
+    FullNodes,
+}
+
+/// One node's filter verdict.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    Fits,
+    /// Does not fit now, might after preemption: goes to `FailedNodes`.
+    Preemptable(String),
+    /// Does not fit even on the emptied node: goes to `FailedAndUnresolvableNodes`, so kube-scheduler
+    /// does not try to preempt there.
+    Unresolvable(String),
+}
+
+impl From<Infeasible> for Verdict {
+    fn from(why: Infeasible) -> Self {
+        match why {
+            Infeasible::Unresolvable(r) => Verdict::Unresolvable(r),
+            Infeasible::Preemptable(r) => Verdict::Preemptable(r),
+        }
+    }
+}
+
+impl ExtenderArgs {
+    /// Which mode the request is in. `Nodes` wins when a client sends both, because an answer carrying
+    /// `Nodes` is read by kube-scheduler in either mode; neither is an error.
+    pub fn mode(&self) -> Result<NodeListMode, WireError> {
+        match (&self.nodes, &self.node_names) {
+            (Some(_), _) => Ok(NodeListMode::FullNodes),
+            (None, Some(_)) => Ok(NodeListMode::NamesOnly),
+            (None, None) => Err(WireError::NoCandidates),
+        }
+    }
+
+    /// Candidate node names in the order sent (possibly empty).
+    pub fn candidate_names(&self) -> Result<Vec<&str>, WireError> {
+        Ok(match self.mode()? {
+            NodeListMode::FullNodes => self.nodes.iter().flat_map(|l| l.items.iter().map(|n| n.name())).collect(),
+            NodeListMode::NamesOnly => self.node_names.iter().flatten().map(String::as_str).collect(),
+        })
+    }
+
+    /// The filter answer for the given per-node verdicts, in the request's mode: passing nodes keep
+    /// their order, as names (`NodeNames`) or as the Node objects received (`Nodes`), so the answer is
+    /// always a subset of the candidates; failures go to the map their kind belongs in.
+    pub fn filter_result(&self, mut verdict: impl FnMut(&str) -> Verdict) -> Result<ExtenderFilterResult, WireError> {
+        let mut failed = FailedNodesMap::new();
+        let mut unresolvable = FailedNodesMap::new();
+        let mut passes = |name: &str| match verdict(name) {
+            Verdict::Fits => true,
+            Verdict::Preemptable(r) => {
+                failed.insert(name.to_string(), r);
+                false
+            }
+            Verdict::Unresolvable(r) => {
+                unresolvable.insert(name.to_string(), r);
+                false
+            }
+        };
+        let mut out = ExtenderFilterResult::default();
+        // same precedence as mode()
+        if let Some(list) = &self.nodes {
+            let items = list.items.iter().filter(|n| passes(n.name())).cloned().collect();
+            out.nodes = Some(NodeList { metadata: list.metadata.clone(), items });
+        } else if let Some(names) = &self.node_names {
+            out.node_names = Some(names.iter().filter(|n| passes(n)).cloned().collect());
+        } else {
+            return Err(WireError::NoCandidates);
+        }
+        // kube-scheduler lets FailedAndUnresolvableNodes win; keeping a node in one map only says the same
+        // without relying on that rule (it only arises when a name is sent twice).
+        failed.retain(|n, _| !unresolvable.contains_key(n));
+        out.failed_nodes = failed;
+        out.failed_and_unresolvable_nodes = unresolvable;
+        Ok(out)
+    }
+
+    /// The filter answer for a pod that fits nowhere whatever happens (its request is refused by the
+    /// contract): every candidate is unresolvable with the same reason, which kube-scheduler shows in the
+    /// pod's `FailedScheduling` event, and no preemption is attempted for it.
+    pub fn refuse_all(&self, reason: &str) -> Result<ExtenderFilterResult, WireError> {
+        self.filter_result(|_| Verdict::Unresolvable(reason.to_string()))
+    }
+
+    /// The prioritize answer: one entry per candidate in request order, scores clamped to 0..=10.
+    pub fn priorities(&self, mut score: impl FnMut(&str) -> i64) -> Result<HostPriorityList, WireError> {
+        Ok(self.candidate_names()?.into_iter().map(|n| HostPriority::new(n, score(n))).collect())
+    }
+}
+
+impl ExtenderFilterResult {
+    /// Fails the whole scheduling attempt (for faults on our side, not for pods that do not fit).
+    pub fn error(message: impl Into<String>) -> Self {
+        Self { error: message.into(), ..Self::default() }
+    }
+}
+
+impl ExtenderBindingArgs {
+    /// `namespace/name`.
+    pub fn pod_key(&self) -> String {
+        format!("{}/{}", self.pod_namespace, self.pod_name)
+    }
+}
+
+impl ExtenderBindingResult {
+    pub fn ok() -> Self {
+        Self::default()
+    }
+
+    pub fn error(message: impl Into<String>) -> Self {
+        Self { error: message.into() }
+    }
+}
+
+impl ExtenderPreemptionArgs {
+    /// Victims per node by UID in either mode: `NodeNameToMetaVictims` as sent, or the UIDs of the full
+    /// pods of `NodeNameToVictims` (what kube-scheduler's own `convertToMetaVictims` does). This is also the
+    /// shape of the answer, which only ever carries UIDs.
+    pub fn meta_victims(&self) -> BTreeMap<String, MetaVictims> {
+        if let Some(meta) = &self.node_name_to_meta_victims {
+            return meta.clone();
+        }
+        let full = self.node_name_to_victims.iter().flatten();
+        full.map(|(node, v)| {
+            let pods = v.pods.iter().map(|p| MetaPod { uid: p.metadata.uid.clone() }).collect();
+            (node.clone(), MetaVictims { pods, num_pdb_violations: v.num_pdb_violations })
+        })
+        .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::resources::{GpuDemand, MemoryDemand, NumaPolicy, PackingPolicy};
+    use crate::extender::wire::{decode, Node, ResourceRequirements, WireNode};
+
+    fn container(name: &str, limits: &[(&str, &str)]) -> Container {
+        let limits = limits.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        Container { name: name.into(), resources: ResourceRequirements { limits, requests: BTreeMap::new() } }
+    }
+
+    #[test]
+    fn spec_view_carries_everything_the_contract_reads() {
+        let mut pod = Pod::default();
+        pod.metadata.name = "p".into();
+        pod.metadata.namespace = "ml".into();
+        pod.metadata.labels.insert("gpuplace.io/group".into(), "job".into());
+        pod.metadata.annotations.insert("gpuplace.io/group-size".into(), "3".into());
+        pod.metadata.annotations.insert("gpuplace.io/gpu-policy".into(), "spread".into());
+        pod.metadata.annotations.insert("gpuplace.io/numa".into(), "required".into());
+        pod.spec.containers = vec![
+            container(
+                "main",
+                &[("gpuplace.io/gpu", "2"), ("gpuplace.io/gpu-mem", "8Ki"), ("gpuplace.io/gpu-core", "100")],
+            ),
+            container("sidecar", &[("cpu", "100m")]),
+        ];
+        pod.spec.init_containers = vec![container("warmup", &[("gpuplace.io/gpu", "1")])];
+        let r = pod.request().unwrap();
+        assert_eq!(r.key, "ml/p");
+        assert_eq!(r.containers.len(), 1);
+        assert_eq!(
+            r.containers[0].demand,
+            GpuDemand::Shared { gpus: 2, memory: MemoryDemand::Mib(4096), core_pct: 50 }
+        );
+        assert_eq!(r.init_containers[0].name, "warmup");
+        assert_eq!(r.gpu_policy, Some(PackingPolicy::Spread));
+        assert_eq!(r.numa, NumaPolicy::Required);
+        assert_eq!(r.group.unwrap().key, "ml/job");
+        assert_eq!((r.cpu_milli, r.memory_mib), (0, 0), "host resources are kube-scheduler's to check");
+    }
+
+    #[test]
+    fn finished_pods_are_recognised() {
+        let mut pod = Pod::default();
+        for (phase, done) in
+            [("Pending", false), ("Running", false), ("Succeeded", true), ("Failed", true), ("", false)]
+        {
+            pod.status.phase = phase.into();
+            assert_eq!(pod.is_finished(), done, "{phase}");
+        }
+    }
+
+    #[test]
+    fn repeated_names_stay_in_one_failure_map() {
+        let body = br#"{"Pod":{},"NodeNames":["a","a","b"]}"#;
+        let args: ExtenderArgs = decode(body).unwrap();
+        let mut calls = 0;
+        let r = args
+            .filter_result(|_| {
+                calls += 1;
+                if calls == 1 {
+                    Verdict::Preemptable("busy".into())
+                } else if calls == 2 {
+                    Verdict::Unresolvable("too small".into())
+                } else {
+                    Verdict::Fits
+                }
+            })
+            .unwrap();
+        assert_eq!(r.node_names, Some(vec!["b".to_string()]));
+        assert!(r.failed_nodes.is_empty());
+        assert_eq!(r.failed_and_unresolvable_nodes.get("a").map(String::as_str), Some("too small"));
+    }
+
+    #[test]
+    fn nodes_built_in_code_round_trip() {
+        let mut view = Node::default();
+        view.metadata.name = "n1".into();
+        view.status.allocatable.insert("gpuplace.io/gpu".into(), "8".into());
+        let node = WireNode::from_view(view.clone()).unwrap();
+        assert_eq!(node.name(), "n1");
+        assert_eq!(node.raw_json(), r#"{"metadata":{"name":"n1"},"status":{"allocatable":{"gpuplace.io/gpu":"8"}}}"#);
+        let body = format!(r#"{{"Pod":{{}},"Nodes":{{"metadata":{{}},"items":[{}]}}}}"#, node.raw_json());
+        let args: ExtenderArgs = decode(body.as_bytes()).unwrap();
+        assert_eq!(args.nodes.unwrap().items[0].view(), &view);
+    }
+}
