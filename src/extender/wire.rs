@@ -402,27 +402,24 @@ pub trait GoType: DeserializeOwned {
     const GO_NAME: &'static str;
 }
 
-impl GoType for ExtenderArgs {
-    const GO_NAME: &'static str = "ExtenderArgs";
+/// Each wire type's Go name is its Rust name.
+macro_rules! go_types {
+    ($($t:ident),*) => {$(
+        impl GoType for $t {
+            const GO_NAME: &'static str = stringify!($t);
+        }
+    )*};
 }
-impl GoType for ExtenderFilterResult {
-    const GO_NAME: &'static str = "ExtenderFilterResult";
-}
-impl GoType for HostPriorityList {
-    const GO_NAME: &'static str = "HostPriorityList";
-}
-impl GoType for ExtenderBindingArgs {
-    const GO_NAME: &'static str = "ExtenderBindingArgs";
-}
-impl GoType for ExtenderBindingResult {
-    const GO_NAME: &'static str = "ExtenderBindingResult";
-}
-impl GoType for ExtenderPreemptionArgs {
-    const GO_NAME: &'static str = "ExtenderPreemptionArgs";
-}
-impl GoType for ExtenderPreemptionResult {
-    const GO_NAME: &'static str = "ExtenderPreemptionResult";
-}
+
+go_types!(
+    ExtenderArgs,
+    ExtenderFilterResult,
+    HostPriorityList,
+    ExtenderBindingArgs,
+    ExtenderBindingResult,
+    ExtenderPreemptionArgs,
+    ExtenderPreemptionResult
+);
 
 /// Why a body could not be used. Each message names the expected type and, for a wrong shape, the
 /// field (`Pod.spec.containers[0].resources.limits`) and where decoding stopped.
