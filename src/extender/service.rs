@@ -110,7 +110,7 @@ struct State {
     /// Last bind sequence used per node.
     last_seq: HashMap<String, u64>,
     seen: PodCache,
-    /// Node → the inventory annotation and labels last taken from a Node object (full-Nodes mode),
+    /// Node → the inventory annotation and labels last seen on its Node object (full-Nodes mode),
     /// so an unchanged node is not parsed again.
     node_sources: HashMap<String, (String, BTreeMap<String, String>)>,
     util_sources: HashMap<String, String>,
@@ -393,6 +393,8 @@ impl Extender {
                 Err(e) => {
                     self.metrics.conflict(ConflictKind::BadInventory);
                     tracing::warn!(node = %name, error = %e, "inventory annotation refused; ignored");
+                    // remembered too, so an unchanged bad annotation is refused (and counted) once
+                    st.node_sources.insert(name, (text, labels));
                 }
             }
         }
