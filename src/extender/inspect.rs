@@ -111,7 +111,7 @@ impl InspectReport {
                 "GPU", "UUID", "MEMORY MiB (alloc/total)", "COMPUTE %", "UTIL SM/MEM"
             );
             for g in &n.gpus {
-                let mem_pct = if g.memory_mib == 0 { 0 } else { g.allocated_mib * 100 / g.memory_mib };
+                let mem_pct = (g.allocated_mib * 100).checked_div(g.memory_mib).unwrap_or(0);
                 let util = match &g.utilization {
                     Some(u) => format!("{}%/{}Mi", u.sm_percent, u.memory_used_mib),
                     None => "-".into(),

@@ -629,7 +629,7 @@ impl Extender {
             } else if !b.confirmed {
                 fail(BindOutcome::Conflict, format!("a bind of pod {key} to {} is in flight; retry", b.node))
             } else {
-                d.chosen = b.annotation.as_deref().and_then(|a| chosen_of(a));
+                d.chosen = b.annotation.as_deref().and_then(chosen_of);
                 Ok(None)
             };
         }
