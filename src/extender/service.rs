@@ -784,7 +784,12 @@ impl Extender {
         // (position in kube-scheduler's list, record, priority)
         let mut gpu_victims: Vec<(usize, PodAssignment, Option<i32>)> = Vec::new();
         let mut foreign: Vec<usize> = Vec::new();
+        let mut uids = HashSet::with_capacity(victims.pods.len());
         for (pos, p) in victims.pods.iter().enumerate() {
+            // a UID listed twice is one pod: answered once
+            if !uids.insert(p.uid.as_str()) {
+                continue;
+            }
             let (key, prio) = match full.get(p.uid.as_str()) {
                 Some((k, prio)) => (Some(k.clone()), *prio),
                 None => (st.bound.get(&p.uid).map(|b| b.key.clone()), None),
