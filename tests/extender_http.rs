@@ -547,6 +547,13 @@ fn http_errors_are_clear_and_leave_state_alone() {
     assert_eq!(s.call("GET", "/readyz", b"").status, 200);
     s.ext.set_ready(false);
     assert_eq!(s.call("GET", "/readyz", b"").status, 503);
+    // not ready: no decision from an incomplete state
+    let a = s.fixture("cache/filter-003");
+    assert!(a["Error"].as_str().unwrap().contains("not ready"), "{a}");
+    assert!(s.fixture("cache/bind-002")["Error"].as_str().unwrap().contains("not ready"));
+    assert_eq!(s.post("prioritize", &fixture("cache/prioritize-003")).status, 503);
+    assert_eq!(s.post("preempt", &fixture("cache/preempt-005")).status, 503);
+    assert_eq!(s.ext.cluster(), before);
     s.ext.set_ready(true);
     let one = s.call("GET", "/inspect/gpu-node-3", b"");
     assert_eq!(one.status, 200);
@@ -558,7 +565,8 @@ fn http_errors_are_clear_and_leave_state_alone() {
     let metrics = s.call("GET", "/metrics", b"").text();
     for line in [
         "gpuplace_requests_total{verb=\"filter\",code=\"4xx\"} 6",
-        "gpuplace_requests_total{verb=\"bind\",code=\"2xx\"} 1",
+        "gpuplace_requests_total{verb=\"bind\",code=\"2xx\"} 2",
+        "gpuplace_binds_total{result=\"not_ready\"} 1",
         "gpuplace_binds_total{result=\"bound\"} 1",
         "gpuplace_filter_rejections_total{reason=\"unknown_node\"} 1",
         "gpuplace_gpus{state=\"exclusive\"} 4",

@@ -3,7 +3,8 @@
 //!
 //! - `POST {prefix}/filter|prioritize|bind|preempt`: kube-scheduler's verbs. 200 with the answer;
 //!   400 with the decoding error for a body that cannot be used; 413 over `max_body_bytes`;
-//!   404 for an unknown verb; 405 for a known verb with another method.
+//!   404 for an unknown verb; 405 for a known verb with another method. While not ready, filter and
+//!   bind answer with `Error` set, prioritize and preempt with 503.
 //! - `GET /healthz` (the process answers), `/readyz` (503 until the state is complete),
 //!   `/metrics` (Prometheus text), `/inspect` and `/inspect/{node}` (JSON; 404 for an unknown node).
 //!   These sit at the root, not under the prefix, where probes and scrapers look by default.
@@ -207,8 +208,15 @@ async fn filter(ext: web::Data<Extender>, req: HttpRequest, payload: web::Payloa
     .await
 }
 
+fn not_ready() -> HttpResponse {
+    text(StatusCode::SERVICE_UNAVAILABLE, crate::extender::service::NOT_READY)
+}
+
 async fn prioritize(ext: web::Data<Extender>, req: HttpRequest, payload: web::Payload) -> HttpResponse {
     run_verb(Verb::Prioritize, ext, req, payload, |ext, b| async move {
+        if !ext.is_ready() {
+            return not_ready();
+        }
         match ext.prioritize(&b) {
             Ok(r) => json(&r),
             Err(e) => bad_request(&e),
@@ -229,6 +237,9 @@ async fn bind(ext: web::Data<Extender>, req: HttpRequest, payload: web::Payload)
 
 async fn preempt(ext: web::Data<Extender>, req: HttpRequest, payload: web::Payload) -> HttpResponse {
     run_verb(Verb::Preempt, ext, req, payload, |ext, b| async move {
+        if !ext.is_ready() {
+            return not_ready();
+        }
         match ext.preempt(&b) {
             Ok(r) => json(&r),
             Err(e) => bad_request(&e),

@@ -79,10 +79,12 @@ pub enum BindOutcome {
     Conflict,
     /// The Binding (or the annotation patch) failed; the allocation was rolled back.
     BinderFailed,
+    /// The state is not complete, or this replica is not the leader.
+    NotReady,
 }
 
 impl BindOutcome {
-    pub const ALL: [BindOutcome; 8] = [
+    pub const ALL: [BindOutcome; 9] = [
         BindOutcome::Bound,
         BindOutcome::Repeated,
         BindOutcome::UnknownPod,
@@ -91,6 +93,7 @@ impl BindOutcome {
         BindOutcome::NoFit,
         BindOutcome::Conflict,
         BindOutcome::BinderFailed,
+        BindOutcome::NotReady,
     ];
 
     pub fn name(self) -> &'static str {
@@ -103,6 +106,7 @@ impl BindOutcome {
             BindOutcome::NoFit => "no_fit",
             BindOutcome::Conflict => "conflict",
             BindOutcome::BinderFailed => "binder_failed",
+            BindOutcome::NotReady => "not_ready",
         }
     }
 
@@ -162,7 +166,7 @@ pub struct Metrics {
     requests: [[AtomicU64; 3]; 4],
     latency: [Histogram; 4],
     rejections: [AtomicU64; 4],
-    binds: [AtomicU64; 8],
+    binds: [AtomicU64; 9],
     conflicts: [AtomicU64; 3],
     /// Preempt: nodes whose victims were kept (possibly fewer) and nodes dropped.
     preempt_nodes: [AtomicU64; 2],

@@ -42,6 +42,10 @@ use crate::placement::feasibility::Infeasible;
 /// which component turned the node down.
 const REASON_PREFIX: &str = "gpuplace: ";
 
+/// What filter and bind answer (in `Error`) while the state is not complete or this replica is not
+/// the leader; prioritize and preempt, which have no error field, get HTTP 503.
+pub const NOT_READY: &str = "gpuplace: not ready (state not rebuilt yet, or not the leader); retry";
+
 /// How many pods from filter requests are remembered for bind. kube-scheduler binds a pod right
 /// after filtering it, so this only needs to cover the pods in flight at once.
 pub const DEFAULT_POD_CACHE: usize = 10_000;
@@ -480,6 +484,11 @@ impl Extender {
         let mut d = self.decision("filter", &args.pod, started);
         d.mode = Some(mode_name(mode).into());
         d.candidates = names.len();
+        if !self.is_ready() {
+            // an answer from an incomplete state could place a pod on GPUs that are taken
+            d.error = Some(NOT_READY.into());
+            return Ok(self.finish(d, started, ExtenderFilterResult::error(NOT_READY)));
+        }
         let req = match self.remember_pod(&args.pod) {
             Ok(r) => r,
             Err(reason) => {
@@ -578,7 +587,12 @@ impl Extender {
             candidates: 1,
             ..Decision::default()
         };
-        let (outcome, error) = match self.prepare_bind(&args, &mut d) {
+        let prepared = if self.is_ready() {
+            self.prepare_bind(&args, &mut d)
+        } else {
+            Err((BindOutcome::NotReady, NOT_READY.into()))
+        };
+        let (outcome, error) = match prepared {
             Err((outcome, message)) => (outcome, Some(message)),
             Ok(None) => (BindOutcome::Repeated, None),
             Ok(Some(request)) => match self.binder.bind(&request).await {
