@@ -156,3 +156,29 @@ impl PlacementLog {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn file_rotates_by_size_and_keeps_whole_lines() {
+        let dir = std::env::temp_dir().join(format!("gpuplace-rotate-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("p.jsonl");
+        let log = PlacementLog::open(path.to_str().unwrap(), 600).unwrap();
+        let d = Decision { v: 1, verb: "filter".into(), pod: "ns/p".into(), ..Decision::default() };
+        for _ in 0..5 {
+            log.write(&d).unwrap();
+        }
+        let current = std::fs::read_to_string(&path).unwrap();
+        let rotated = std::fs::read_to_string(dir.join("p.jsonl.1")).unwrap();
+        assert!(current.len() <= 600 && rotated.len() <= 600, "{} {}", current.len(), rotated.len());
+        for line in current.lines().chain(rotated.lines()) {
+            assert_eq!(serde_json::from_str::<Decision>(line).unwrap(), d);
+        }
+        assert!(current.lines().count() + rotated.lines().count() <= 5);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -896,3 +896,27 @@ fn chosen_of(annotation: &str) -> Option<Chosen> {
         .collect();
     Some(Chosen { node: a.node, bind_seq: a.bind_seq, gpus })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seen(uid: &str) -> SeenPod {
+        SeenPod { key: format!("ns/{uid}"), uid: uid.into(), request: Err("x".into()) }
+    }
+
+    #[test]
+    fn pod_cache_forgets_the_oldest_and_keeps_a_known_uid_once() {
+        let mut c = PodCache { cap: 2, ..PodCache::default() };
+        c.insert(seen("a"));
+        c.insert(seen("b"));
+        c.insert(seen("a")); // replaced in place, still the oldest
+        assert_eq!(c.order.len(), 2);
+        c.insert(seen("c"));
+        assert!(!c.by_uid.contains_key("a"));
+        assert!(c.by_uid.contains_key("b") && c.by_uid.contains_key("c"));
+        let mut off = PodCache::default();
+        off.insert(seen("a"));
+        assert!(off.by_uid.is_empty(), "a cache of size 0 keeps nothing");
+    }
+}
