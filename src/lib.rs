@@ -3,7 +3,7 @@
 //! - [`core`]: the cluster model, the resource contract and GPU topologies (pure data).
 //! - [`placement`]: the placement engine and its scorers (pure, deterministic).
 //! - [`sim`]: the trace simulator behind `gpuplace simulate`.
-//! - [`extender`]: kube-scheduler's extender wire format and the adaptation of its pods (no HTTP yet).
+//! - [`extender`]: the kube-scheduler extender: wire format, pod adaptation, and the `serve` service.
 
 pub mod core;
 pub mod extender;

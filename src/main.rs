@@ -1,10 +1,20 @@
-//! The `gpuplace` command: `simulate` now; `serve`, `inspect` and `report` arrive with later issues.
+//! The `gpuplace` command: `simulate`, `serve` (the kube-scheduler extender) and `inspect`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use gpuplace::placement::profile::ProfileConfig;
+use gpuplace::core::inventory::load_cluster;
+use gpuplace::extender::binder::RecordingBinder;
+use gpuplace::extender::http::{HttpOptions, DEFAULT_LISTEN, DEFAULT_MAX_BODY_BYTES, DEFAULT_PREFIX};
+use gpuplace::extender::inspect::InspectReport;
+use gpuplace::extender::placement_log::PlacementLog;
+use gpuplace::extender::service::{Extender, ServiceOptions};
+use gpuplace::placement::engine::Engine;
+use gpuplace::placement::profile::{Profile, ProfileConfig};
+use gpuplace::placement::scorers::fragmentation::WorkloadMix;
 use gpuplace::sim::policies::PolicyKind;
 use gpuplace::sim::{simulate, SimConfig};
 
@@ -20,6 +30,127 @@ enum Command {
     /// Replay a GPU-sharing trace (openb CSV format) under several policies and report unallocated
     /// GPU capacity, with the FGD paper's protocol. Without --trace, replays the bundled example.
     Simulate(SimulateArgs),
+    /// Serve kube-scheduler's extender verbs (filter, prioritize, bind, preempt) over HTTP.
+    /// Static mode (--cluster): nodes come from a cluster file and binds are recorded, not sent to
+    /// an API server (API-server mode arrives with the kube-rs watchers).
+    Serve(ServeArgs),
+    /// Show per node and per GPU what is allocated, to whom, and live utilization.
+    Inspect(InspectArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct ServeArgs {
+    /// Cluster file (examples/clusters/*.yaml): static mode, no API server.
+    #[arg(long)]
+    cluster: Option<PathBuf>,
+    /// Address to listen on.
+    #[arg(long, default_value = DEFAULT_LISTEN)]
+    listen: String,
+    /// URL path before the verbs: kube-scheduler's urlPrefix is http://HOST:PORT<prefix>.
+    #[arg(long, default_value = DEFAULT_PREFIX)]
+    prefix: String,
+    /// Largest request body accepted; larger ones get 413.
+    #[arg(long, default_value_t = DEFAULT_MAX_BODY_BYTES)]
+    max_body_bytes: usize,
+    /// Write one JSON line per decision to this file (rotated by size) or to stdout (`-`).
+    #[arg(long)]
+    placement_log: Option<String>,
+    /// Rotate the placement log file beyond this size (the old one is kept as PATH.1).
+    #[arg(long, default_value_t = 100)]
+    placement_log_max_mib: u64,
+    /// Profile (YAML, as for simulate); default: the built-in profile.
+    #[arg(long)]
+    profile: Option<PathBuf>,
+    /// Typical request mix for fragmentation-aware placement (YAML or JSON: `entries: [{gpus,
+    /// milli, cpu_milli, memory_mib, models, weight}]`); without it, shares are packed by policy.
+    #[arg(long)]
+    mix: Option<PathBuf>,
+    /// HTTP worker threads (0: one per core).
+    #[arg(long, default_value_t = 0)]
+    workers: usize,
+}
+
+#[derive(clap::Args, Debug)]
+struct InspectArgs {
+    /// Only this node.
+    #[arg(long)]
+    node: Option<String>,
+    /// Print the JSON report instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Read a cluster file (no allocations) instead of asking a running extender.
+    #[arg(long, conflicts_with = "url")]
+    cluster: Option<PathBuf>,
+    /// A running extender's base URL.
+    #[arg(long, default_value = "http://127.0.0.1:8888")]
+    url: String,
+}
+
+fn load_yaml<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    // YAML is a superset of JSON, so one reader takes both
+    serde_norway::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+fn serve(args: &ServeArgs) -> Result<(), String> {
+    let Some(cluster_file) = &args.cluster else {
+        return Err("--cluster FILE is required: API-server mode (kube-rs watchers) is not built yet".into());
+    };
+    let cluster = load_cluster(cluster_file).map_err(|e| e.to_string())?;
+    let profile = match &args.profile {
+        Some(p) => load_yaml::<ProfileConfig>(p)?,
+        None => ProfileConfig::default(),
+    };
+    let mix = match &args.mix {
+        Some(p) => load_yaml::<WorkloadMix>(p)?,
+        None => WorkloadMix::default(),
+    };
+    let engine = Engine::new(Profile::new(profile), mix);
+    let nodes = cluster.nodes().len();
+    let mut ext = Extender::new(cluster, engine, Arc::new(RecordingBinder::new()), ServiceOptions::default());
+    if let Some(target) = &args.placement_log {
+        let log = PlacementLog::open(target, args.placement_log_max_mib.saturating_mul(1 << 20))
+            .map_err(|e| format!("placement log {target}: {e}"))?;
+        ext = ext.with_placement_log(log);
+    }
+    let opts = HttpOptions { prefix: args.prefix.clone(), max_body_bytes: args.max_body_bytes };
+    tracing::info!(cluster = %cluster_file.display(), nodes, "static mode");
+    eprintln!(
+        "gpuplace: static mode, {nodes} node(s) from {}; listening on http://{}{}",
+        cluster_file.display(),
+        args.listen,
+        opts.normalized_prefix()?
+    );
+    gpuplace::extender::http::serve_forever(Arc::new(ext), opts, &args.listen, args.workers)
+        .map_err(|e| format!("serving on {}: {e}", args.listen))
+}
+
+fn inspect(args: &InspectArgs) -> Result<String, String> {
+    let report: InspectReport = match &args.cluster {
+        Some(path) => {
+            let cluster = load_cluster(path).map_err(|e| e.to_string())?;
+            InspectReport::build(&cluster, args.node.as_deref(), true, gpuplace::extender::service::now_unix_ms())
+                .ok_or_else(|| format!("no GPU node named {:?}", args.node.as_deref().unwrap_or("")))?
+        }
+        None => {
+            let base = args.url.trim_end_matches('/');
+            let url = match &args.node {
+                Some(n) => format!("{base}/inspect/{n}"),
+                None => format!("{base}/inspect"),
+            };
+            let resp =
+                gpuplace::extender::client::get(&url, Duration::from_secs(30)).map_err(|e| format!("{url}: {e}"))?;
+            if resp.status != 200 {
+                return Err(format!("{url}: HTTP {}: {}", resp.status, resp.text().trim()));
+            }
+            serde_json::from_slice(&resp.body).map_err(|e| format!("{url}: not an inspect report: {e}"))?
+        }
+    };
+    if args.json {
+        serde_json::to_string_pretty(&report).map_err(|e| e.to_string())
+    } else {
+        Ok(report.table())
+    }
 }
 
 #[derive(clap::Args, Debug)]
@@ -89,17 +220,31 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     match cli.command {
+        Command::Serve(args) => match serve(&args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::Inspect(args) => match inspect(&args) {
+            Ok(out) => {
+                println!("{}", out.trim_end());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::FAILURE
+            }
+        },
         Command::Simulate(args) => {
             let dir = args.trace.clone().unwrap_or_else(bundled_example);
             let profile = match &args.profile {
                 None => ProfileConfig::default(),
-                Some(p) => match std::fs::read_to_string(p)
-                    .map_err(|e| e.to_string())
-                    .and_then(|t| serde_norway::from_str(&t).map_err(|e| e.to_string()))
-                {
+                Some(p) => match load_yaml(p) {
                     Ok(c) => c,
                     Err(e) => {
-                        eprintln!("error: profile {}: {e}", p.display());
+                        eprintln!("error: profile {e}");
                         return ExitCode::from(2);
                     }
                 },

@@ -172,3 +172,35 @@ fn missing_trace_data_is_refused_clearly() {
         &["profile", "gpuplace-cli-test-no-such-profile.yaml"],
     );
 }
+
+#[test]
+fn inspect_reads_a_cluster_file() {
+    let cluster = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/clusters/fixture-cluster.yaml");
+    let out = gpuplace(&["inspect", "--cluster", cluster, "--node", "gpu-node-2"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let table = text(&out.stdout);
+    assert!(table.starts_with("4 node(s), 32 GPU(s): 32 idle"), "{table}");
+    assert!(table.contains("NODE gpu-node-2  8 x NVIDIA H100 80GB HBM3  [spine=s1 tor=tor-1]  0 pod(s)"), "{table}");
+    assert_eq!(table.lines().filter(|l| l.contains("0/81559 (0%)")).count(), 8, "{table}");
+    let out = gpuplace(&["inspect", "--cluster", cluster, "--json"]);
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["nodes"].as_array().unwrap().len(), 4);
+    assert_eq!(v["summary"]["gpus"], 32);
+    let out = gpuplace(&["inspect", "--cluster", cluster, "--node", "nope"]);
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("no GPU node named \"nope\""), "{}", text(&out.stderr));
+}
+
+#[test]
+fn serve_refuses_to_start_without_a_cluster_file_or_with_a_bad_prefix() {
+    let out = gpuplace(&["serve"]);
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("--cluster FILE is required"), "{}", text(&out.stderr));
+    let cluster = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/clusters/fixture-cluster.yaml");
+    let out = gpuplace(&["serve", "--cluster", cluster, "--prefix", "gpuplace", "--listen", "127.0.0.1:0"]);
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("--prefix must start with '/'"), "{}", text(&out.stderr));
+    let out = gpuplace(&["inspect", "--url", "http://127.0.0.1:1"]);
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("http://127.0.0.1:1/inspect"), "{}", text(&out.stderr));
+}

@@ -1,5 +1,6 @@
 //! The cluster model and the resource contract: plain data, no I/O.
 
+pub mod annotations;
 pub mod cluster;
 pub mod inventory;
 pub mod quantity;

@@ -1,12 +1,22 @@
-//! kube-scheduler extender adapter: the wire format and the translation of its objects into the
-//! placement core's terms. Pure code, no HTTP and no Kubernetes client: the `serve` command and the
-//! API-server watchers are thin layers to be built on top of it (docs/extender-protocol.md).
+//! kube-scheduler extender: the wire format, the translation of its objects into the placement
+//! core's terms, and the `gpuplace serve` service on top (docs/extender-protocol.md).
 //!
 //! - [`wire`]: the request and answer types of `k8s.io/kube-scheduler/extender/v1`, field for field,
 //!   with minimal views of the Pod and Node objects they carry, and decoding with clear errors.
 //! - [`adapt`]: wire pod to [`PodSpecView`](crate::core::resources::PodSpecView) and
 //!   [`PodRequest`](crate::core::resources::PodRequest); how each verb's answer is shaped for the two
 //!   `nodeCacheCapable` modes.
+//! - [`service`]: the decisions of each verb over the engine, the node cache and the bind records.
+//! - [`binder`]: the seam to the API server for binds ([`binder::RecordingBinder`] in static mode).
+//! - [`http`]: actix-web routes, status codes, body limits; [`client`]: a small HTTP/1.1 client.
+//! - [`metrics`], [`placement_log`], [`inspect`]: what operators and planners see.
 
 pub mod adapt;
+pub mod binder;
+pub mod client;
+pub mod http;
+pub mod inspect;
+pub mod metrics;
+pub mod placement_log;
+pub mod service;
 pub mod wire;

@@ -1,0 +1,423 @@
+//! Prometheus metrics, in the text exposition format (version 0.0.4).
+//!
+//! Hand-written rather than the `prometheus` crate: the set is small and fixed (a few counters with
+//! closed label sets and one histogram family), the state gauges are computed from the cluster model
+//! at scrape time rather than kept up to date on every change, and the text format is a page of
+//! code. That keeps a dependency (and its default protobuf feature) out of the build. Counters are
+//! relaxed atomics: a scrape may see one counter a request ahead of another, which Prometheus
+//! tolerates.
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use crate::core::cluster::Cluster;
+
+/// The four extender verbs, as metric label values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verb {
+    Filter,
+    Prioritize,
+    Bind,
+    Preempt,
+}
+
+impl Verb {
+    pub const ALL: [Verb; 4] = [Verb::Filter, Verb::Prioritize, Verb::Bind, Verb::Preempt];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Verb::Filter => "filter",
+            Verb::Prioritize => "prioritize",
+            Verb::Bind => "bind",
+            Verb::Preempt => "preempt",
+        }
+    }
+}
+
+/// Why filter turned a node down, coarsely (the exact reasons go to the placement log).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RejectClass {
+    /// The pod's request breaks the resource contract: it fits nowhere.
+    Contract,
+    /// gpuplace knows nothing about the node's GPUs.
+    UnknownNode,
+    /// Never fits on this node, whatever is evicted.
+    Unresolvable,
+    /// Might fit after preemption.
+    Preemptable,
+}
+
+impl RejectClass {
+    pub const ALL: [RejectClass; 4] =
+        [RejectClass::Contract, RejectClass::UnknownNode, RejectClass::Unresolvable, RejectClass::Preemptable];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            RejectClass::Contract => "contract",
+            RejectClass::UnknownNode => "unknown_node",
+            RejectClass::Unresolvable => "unresolvable",
+            RejectClass::Preemptable => "preemptable",
+        }
+    }
+}
+
+/// How a bind ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BindOutcome {
+    Bound,
+    /// A retry of a bind already done: answered as success, nothing counted twice.
+    Repeated,
+    /// kube-scheduler named a pod gpuplace has not seen in a filter (or watch).
+    UnknownPod,
+    /// The pod's request breaks the contract.
+    Refused,
+    UnknownNode,
+    /// The pod no longer fits on the chosen node (state changed since filter).
+    NoFit,
+    /// The pod is already bound elsewhere, or a bind of it is in flight.
+    Conflict,
+    /// The Binding (or the annotation patch) failed; the allocation was rolled back.
+    BinderFailed,
+    /// The state is not complete, or this replica is not the leader.
+    NotReady,
+}
+
+impl BindOutcome {
+    pub const ALL: [BindOutcome; 9] = [
+        BindOutcome::Bound,
+        BindOutcome::Repeated,
+        BindOutcome::UnknownPod,
+        BindOutcome::Refused,
+        BindOutcome::UnknownNode,
+        BindOutcome::NoFit,
+        BindOutcome::Conflict,
+        BindOutcome::BinderFailed,
+        BindOutcome::NotReady,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            BindOutcome::Bound => "bound",
+            BindOutcome::Repeated => "repeated",
+            BindOutcome::UnknownPod => "unknown_pod",
+            BindOutcome::Refused => "refused",
+            BindOutcome::UnknownNode => "unknown_node",
+            BindOutcome::NoFit => "no_fit",
+            BindOutcome::Conflict => "conflict",
+            BindOutcome::BinderFailed => "binder_failed",
+            BindOutcome::NotReady => "not_ready",
+        }
+    }
+
+    pub fn is_success(self) -> bool {
+        matches!(self, BindOutcome::Bound | BindOutcome::Repeated)
+    }
+}
+
+/// Disagreements between gpuplace's records and what it is told.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConflictKind {
+    /// A pod name bound again under a new UID while the old UID still held GPUs (its deletion was
+    /// missed): the old record was released.
+    StaleUid,
+    /// A Node object's inventory annotation was refused.
+    BadInventory,
+    /// An assignment annotation was refused (forged, stale, or colliding with another pod).
+    BadAssignment,
+}
+
+impl ConflictKind {
+    pub const ALL: [ConflictKind; 3] =
+        [ConflictKind::StaleUid, ConflictKind::BadInventory, ConflictKind::BadAssignment];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ConflictKind::StaleUid => "stale_uid",
+            ConflictKind::BadInventory => "bad_inventory",
+            ConflictKind::BadAssignment => "bad_assignment",
+        }
+    }
+}
+
+/// Upper bounds of the latency histogram, in seconds: 50 µs to 1 s, finest where the 5 ms target is.
+const BUCKETS: [f64; 13] = [0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0];
+
+#[derive(Debug, Default)]
+struct Histogram {
+    /// Per bucket (not cumulative), plus one for +Inf.
+    counts: [AtomicU64; BUCKETS.len() + 1],
+    sum_ns: AtomicU64,
+}
+
+impl Histogram {
+    fn observe(&self, d: Duration) {
+        let s = d.as_secs_f64();
+        let i = BUCKETS.iter().position(|&b| s <= b).unwrap_or(BUCKETS.len());
+        self.counts[i].fetch_add(1, Ordering::Relaxed);
+        self.sum_ns.fetch_add(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
+    }
+}
+
+/// Every counter and histogram the service keeps. Gauges come from the cluster at scrape time.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    /// [verb][ok, client error, server error]
+    requests: [[AtomicU64; 3]; 4],
+    latency: [Histogram; 4],
+    rejections: [AtomicU64; 4],
+    binds: [AtomicU64; 9],
+    conflicts: [AtomicU64; 3],
+    /// Preempt: nodes whose victims were kept (possibly fewer) and nodes dropped.
+    preempt_nodes: [AtomicU64; 2],
+    preempt_victims_dropped: AtomicU64,
+    placement_log_errors: AtomicU64,
+}
+
+fn verb_index(v: Verb) -> usize {
+    Verb::ALL.iter().position(|&x| x == v).unwrap_or(0)
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// One answered request: its HTTP status and how long it took.
+    pub fn request(&self, verb: Verb, status: u16, took: Duration) {
+        let v = verb_index(verb);
+        let class = match status {
+            200..=399 => 0,
+            400..=499 => 1,
+            _ => 2,
+        };
+        self.requests[v][class].fetch_add(1, Ordering::Relaxed);
+        self.latency[v].observe(took);
+    }
+
+    pub fn rejection(&self, class: RejectClass, n: u64) {
+        let i = RejectClass::ALL.iter().position(|&c| c == class).unwrap_or(0);
+        self.rejections[i].fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub fn bind(&self, outcome: BindOutcome) {
+        let i = BindOutcome::ALL.iter().position(|&c| c == outcome).unwrap_or(0);
+        self.binds[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn conflict(&self, kind: ConflictKind) {
+        let i = ConflictKind::ALL.iter().position(|&c| c == kind).unwrap_or(0);
+        self.conflicts[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn preempt_node(&self, kept: bool, victims_dropped: u64) {
+        self.preempt_nodes[usize::from(!kept)].fetch_add(1, Ordering::Relaxed);
+        self.preempt_victims_dropped.fetch_add(victims_dropped, Ordering::Relaxed);
+    }
+
+    pub fn placement_log_error(&self) {
+        self.placement_log_errors.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Count of binds that ended this way (for tests and `/inspect`).
+    pub fn binds(&self, outcome: BindOutcome) -> u64 {
+        let i = BindOutcome::ALL.iter().position(|&c| c == outcome).unwrap_or(0);
+        self.binds[i].load(Ordering::Relaxed)
+    }
+
+    /// The exposition text: counters, histograms, then gauges computed from `cluster`.
+    pub fn render(&self, cluster: &Cluster, bound_pods: usize, ready: bool) -> String {
+        let mut out = String::with_capacity(8192);
+        let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        header(&mut out, "gpuplace_requests_total", "counter", "Extender requests answered, by verb and status class.");
+        for v in Verb::ALL {
+            for (c, class) in ["2xx", "4xx", "5xx"].iter().enumerate() {
+                let n = ld(&self.requests[verb_index(v)][c]);
+                let _ = writeln!(out, "gpuplace_requests_total{{verb=\"{}\",code=\"{class}\"}} {n}", v.name());
+            }
+        }
+        header(
+            &mut out,
+            "gpuplace_request_duration_seconds",
+            "histogram",
+            "Time to answer an extender request, by verb (decoding to encoding, binder call included).",
+        );
+        for v in Verb::ALL {
+            let h = &self.latency[verb_index(v)];
+            let mut cum = 0;
+            for (i, b) in BUCKETS.iter().enumerate() {
+                cum += ld(&h.counts[i]);
+                let _ =
+                    writeln!(out, "gpuplace_request_duration_seconds_bucket{{verb=\"{}\",le=\"{b}\"}} {cum}", v.name());
+            }
+            cum += ld(&h.counts[BUCKETS.len()]);
+            let _ =
+                writeln!(out, "gpuplace_request_duration_seconds_bucket{{verb=\"{}\",le=\"+Inf\"}} {cum}", v.name());
+            let sum = ld(&h.sum_ns) as f64 / 1e9;
+            let _ = writeln!(out, "gpuplace_request_duration_seconds_sum{{verb=\"{}\"}} {sum}", v.name());
+            let _ = writeln!(out, "gpuplace_request_duration_seconds_count{{verb=\"{}\"}} {cum}", v.name());
+        }
+        header(
+            &mut out,
+            "gpuplace_filter_rejections_total",
+            "counter",
+            "Nodes turned down by filter, by reason class.",
+        );
+        for (i, c) in RejectClass::ALL.iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "gpuplace_filter_rejections_total{{reason=\"{}\"}} {}",
+                c.name(),
+                ld(&self.rejections[i])
+            );
+        }
+        header(
+            &mut out,
+            "gpuplace_binds_total",
+            "counter",
+            "Bind requests by outcome (bound and repeated are successes).",
+        );
+        for (i, c) in BindOutcome::ALL.iter().enumerate() {
+            let _ = writeln!(out, "gpuplace_binds_total{{result=\"{}\"}} {}", c.name(), ld(&self.binds[i]));
+        }
+        header(&mut out, "gpuplace_bind_failures_total", "counter", "Bind requests answered with an error.");
+        let failed: u64 =
+            BindOutcome::ALL.iter().enumerate().filter(|(_, o)| !o.is_success()).map(|(i, _)| ld(&self.binds[i])).sum();
+        let _ = writeln!(out, "gpuplace_bind_failures_total {failed}");
+        header(
+            &mut out,
+            "gpuplace_conflicts_total",
+            "counter",
+            "Records or annotations that disagreed with gpuplace's state, by kind.",
+        );
+        for (i, c) in ConflictKind::ALL.iter().enumerate() {
+            let _ = writeln!(out, "gpuplace_conflicts_total{{kind=\"{}\"}} {}", c.name(), ld(&self.conflicts[i]));
+        }
+        header(&mut out, "gpuplace_preempt_nodes_total", "counter", "Preemption candidate nodes kept or dropped.");
+        let _ = writeln!(out, "gpuplace_preempt_nodes_total{{result=\"kept\"}} {}", ld(&self.preempt_nodes[0]));
+        let _ = writeln!(out, "gpuplace_preempt_nodes_total{{result=\"dropped\"}} {}", ld(&self.preempt_nodes[1]));
+        header(
+            &mut out,
+            "gpuplace_preempt_victims_spared_total",
+            "counter",
+            "Victims proposed by kube-scheduler that preemption did not need.",
+        );
+        let _ = writeln!(out, "gpuplace_preempt_victims_spared_total {}", ld(&self.preempt_victims_dropped));
+        header(
+            &mut out,
+            "gpuplace_placement_log_errors_total",
+            "counter",
+            "Placement log lines that could not be written.",
+        );
+        let _ = writeln!(out, "gpuplace_placement_log_errors_total {}", ld(&self.placement_log_errors));
+
+        let s = ClusterSummary::of(cluster);
+        header(&mut out, "gpuplace_ready", "gauge", "1 when the extender answers from a complete state.");
+        let _ = writeln!(out, "gpuplace_ready {}", u8::from(ready));
+        header(&mut out, "gpuplace_nodes", "gauge", "GPU nodes known.");
+        let _ = writeln!(out, "gpuplace_nodes {}", s.nodes);
+        header(&mut out, "gpuplace_pods_bound", "gauge", "Pods holding gpuplace GPUs.");
+        let _ = writeln!(out, "gpuplace_pods_bound {bound_pods}");
+        header(
+            &mut out,
+            "gpuplace_gpus",
+            "gauge",
+            "GPUs by state: total, idle (healthy, nobody on it), shared (slices), exclusive (whole), unhealthy.",
+        );
+        for (state, n) in [
+            ("total", s.gpus),
+            ("idle", s.idle),
+            ("shared", s.shared),
+            ("exclusive", s.exclusive),
+            ("unhealthy", s.unhealthy),
+        ] {
+            let _ = writeln!(out, "gpuplace_gpus{{state=\"{state}\"}} {n}");
+        }
+        header(&mut out, "gpuplace_gpu_memory_mib", "gauge", "GPU memory in MiB: total, allocated, free.");
+        for (state, n) in [("total", s.mem_total), ("allocated", s.mem_alloc), ("free", s.mem_total - s.mem_alloc)] {
+            let _ = writeln!(out, "gpuplace_gpu_memory_mib{{state=\"{state}\"}} {n}");
+        }
+        header(
+            &mut out,
+            "gpuplace_gpu_core_percent",
+            "gauge",
+            "GPU compute in percent of one GPU (100 per GPU): total, allocated, free.",
+        );
+        for (state, n) in [("total", s.core_total), ("allocated", s.core_alloc), ("free", s.core_total - s.core_alloc)]
+        {
+            let _ = writeln!(out, "gpuplace_gpu_core_percent{{state=\"{state}\"}} {n}");
+        }
+        header(
+            &mut out,
+            "gpuplace_fragmentation_ratio",
+            "gauge",
+            "Share of free GPU capacity that sits on partly used GPUs, where no whole-GPU request can use it (0..1).",
+        );
+        let _ = writeln!(out, "gpuplace_fragmentation_ratio {}", s.fragmentation());
+        out
+    }
+}
+
+fn header(out: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+}
+
+/// Totals over the cluster, for gauges and `/inspect`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ClusterSummary {
+    pub nodes: u64,
+    pub gpus: u64,
+    pub idle: u64,
+    pub shared: u64,
+    pub exclusive: u64,
+    pub unhealthy: u64,
+    pub mem_total: u64,
+    pub mem_alloc: u64,
+    pub core_total: u64,
+    pub core_alloc: u64,
+    /// Free share (thousandths of a GPU) on GPUs nobody holds, and on GPUs partly held.
+    pub free_milli_idle: u64,
+    pub free_milli_partial: u64,
+}
+
+impl ClusterSummary {
+    pub fn of(cluster: &Cluster) -> Self {
+        let mut s = Self::default();
+        for n in cluster.nodes() {
+            s.nodes += 1;
+            for (g, gpu) in n.gpus.iter().enumerate() {
+                let u = n.usage(g);
+                s.gpus += 1;
+                s.mem_total += gpu.memory_mib;
+                s.core_total += 100;
+                // an exclusive GPU is all taken, whatever its slice records say
+                s.mem_alloc += if u.exclusive { gpu.memory_mib } else { u.mem_mib.min(gpu.memory_mib) };
+                s.core_alloc += if u.exclusive { 100 } else { u64::from(u.core_pct.min(100)) };
+                if !gpu.healthy {
+                    s.unhealthy += 1;
+                    continue;
+                }
+                if u.exclusive {
+                    s.exclusive += 1;
+                } else if u.holders > 0 {
+                    s.shared += 1;
+                    s.free_milli_partial += ((1.0 - n.gpu_used_fraction(g)) * 1000.0).round() as u64;
+                } else {
+                    s.idle += 1;
+                    s.free_milli_idle += 1000;
+                }
+            }
+        }
+        s
+    }
+
+    /// Free capacity on partly used GPUs over all free capacity (0 when nothing is free).
+    pub fn fragmentation(&self) -> f64 {
+        let free = self.free_milli_idle + self.free_milli_partial;
+        if free == 0 {
+            0.0
+        } else {
+            self.free_milli_partial as f64 / free as f64
+        }
+    }
+}
