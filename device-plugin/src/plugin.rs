@@ -206,12 +206,21 @@ impl Plugin {
             .ok()
             .filter(|&s| s > 0)
             .ok_or_else(|| Status::invalid_argument(format!("allocation size {} is not positive", req.allocation_size)))?;
-        let must = self.slots.parse_all(&req.must_include_device_ids).map_err(status_from_slot)?;
-        let available = self.slots.parse_all(&req.available_device_ids).map_err(status_from_slot)?;
+        let must = self.slots.parse_all(&req.must_include_device_i_ds).map_err(status_from_slot)?;
+        let available = self.slots.parse_all(&req.available_device_i_ds).map_err(status_from_slot)?;
         if must.len() > size {
             return Err(Status::invalid_argument(format!("{} devices must be included in an allocation of {size}", must.len())));
         }
         let must_set: BTreeSet<Slot> = must.iter().copied().collect();
+        // kubelet's must-include devices (reused from init containers) are always among the available
+        // ones; anything else is a malformed request, not something to allocate around
+        let available_set: BTreeSet<Slot> = available.iter().copied().collect();
+        if let Some(s) = must_set.iter().find(|s| !available_set.contains(s)) {
+            return Err(Status::invalid_argument(format!(
+                "must-include device {} is not among the available devices",
+                self.slots.id(*s)
+            )));
+        }
         // free slots per healthy GPU, must-include ones aside
         let mut free: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
         for s in available.iter().filter(|s| !must_set.contains(s) && self.is_healthy(s.gpu)) {
@@ -449,7 +458,7 @@ impl DevicePlugin for DevicePluginService {
     ) -> Result<Response<PreferredAllocationResponse>, Status> {
         let mut container_responses = Vec::new();
         for c in &request.get_ref().container_requests {
-            container_responses.push(ContainerPreferredAllocationResponse { device_ids: self.plugin.preferred(c).await? });
+            container_responses.push(ContainerPreferredAllocationResponse { device_i_ds: self.plugin.preferred(c).await? });
         }
         Ok(Response::new(PreferredAllocationResponse { container_responses }))
     }
