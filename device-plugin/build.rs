@@ -8,9 +8,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .build_server(true)
         .build_client(true)
-        .compile_protos(
-            &["proto/deviceplugin/v1beta1/api.proto", "proto/podresources/v1/api.proto"],
-            &["proto"],
-        )?;
+        .compile_protos(&["proto/deviceplugin/v1beta1/api.proto", "proto/podresources/v1/api.proto"], &["proto"])?;
     Ok(())
 }

@@ -94,7 +94,10 @@ pub trait AssignmentSource: Send + Sync {
 
 /// Containers a pod still waits to be allocated, in kubelet's order: init containers, then app
 /// containers, each in listed order; containers without GPUs are not allocated by us at all.
-fn waiting<'a>(p: &'a PendingPod, claimed: &'a HashSet<(PodKey, String)>) -> impl Iterator<Item = &'a ContainerAssignment> {
+fn waiting<'a>(
+    p: &'a PendingPod,
+    claimed: &'a HashSet<(PodKey, String)>,
+) -> impl Iterator<Item = &'a ContainerAssignment> {
     let inits = p.assignment.containers.iter().filter(|c| c.init);
     let apps = p.assignment.containers.iter().filter(|c| !c.init);
     inits.chain(apps).filter(move |c| {
@@ -147,8 +150,10 @@ pub fn match_allocation(
             Ok(chosen)
         }
         None => {
-            let waiting: Vec<String> =
-                all.iter().map(|(p, c)| format!("{}/{} on {:?} (bind #{})", p.key, c.name, gpu_set(c), p.bind_seq)).collect();
+            let waiting: Vec<String> = all
+                .iter()
+                .map(|(p, c)| format!("{}/{} on {:?} (bind #{})", p.key, c.name, gpu_set(c), p.bind_seq))
+                .collect();
             Err(MatchError::NoMatch {
                 gpus: gpus.to_vec(),
                 waiting: if waiting.is_empty() { "none".into() } else { waiting.join(", ") },
@@ -224,7 +229,11 @@ impl AssignmentSource for StaticAssignments {
 
     async fn mark_allocated(&self, pod: &PodKey, container: &str) -> Result<(), SourceError> {
         if self.fail_marks.load(std::sync::atomic::Ordering::SeqCst) {
-            return Err(SourceError::Mark { pod: pod.pod.clone(), container: container.into(), message: "injected failure".into() });
+            return Err(SourceError::Mark {
+                pod: pod.pod.clone(),
+                container: container.into(),
+                message: "injected failure".into(),
+            });
         }
         self.marks.lock().unwrap_or_else(|e| e.into_inner()).push((pod.clone(), container.to_string()));
         Ok(())
@@ -241,7 +250,11 @@ pub fn pending_pod(name: &str, bind_seq: u64, containers: &[(&str, bool, Vec<Gpu
             node: String::new(),
             containers: containers
                 .iter()
-                .map(|(c, init, slices)| ContainerAssignment { name: c.to_string(), init: *init, slices: slices.clone() })
+                .map(|(c, init, slices)| ContainerAssignment {
+                    name: c.to_string(),
+                    init: *init,
+                    slices: slices.clone(),
+                })
                 .collect(),
             cpu_milli: 0,
             memory_mib: 0,
@@ -297,7 +310,11 @@ mod tests {
             pending_pod(
                 "ns/multi",
                 1,
-                &[("app", false, vec![whole(3, 80000)]), ("init", true, vec![whole(3, 80000)]), ("sidecar", false, vec![share(4, 100, 5)])],
+                &[
+                    ("app", false, vec![whole(3, 80000)]),
+                    ("init", true, vec![whole(3, 80000)]),
+                    ("sidecar", false, vec![share(4, 100, 5)]),
+                ],
             ),
             pending_pod("ns/other", 0, &[("main", false, vec![share(4, 100, 5)])]),
         ];

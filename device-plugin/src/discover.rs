@@ -34,7 +34,8 @@ fn cell(inv: &Inventory, a: u32, b: u32) -> String {
 /// The human form: a GPU table, then a link matrix like `nvidia-smi topo -m`.
 pub fn to_text(inv: &Inventory) -> String {
     let mut s = String::new();
-    let fabric = serde_json::to_value(inv.nvlink_fabric).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
+    let fabric =
+        serde_json::to_value(inv.nvlink_fabric).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
     let _ = writeln!(
         s,
         "{} GPU(s) on {} ({} backend), NVLink fabric: {fabric}, driver: {}",
@@ -48,7 +49,11 @@ pub fn to_text(inv: &Inventory) -> String {
     }
     let _ = writeln!(s);
     let model_w = inv.gpus.iter().map(|g| g.model.len()).max().unwrap_or(5).max(5);
-    let _ = writeln!(s, "GPU  {:<40}  {:<model_w$}  {:>10}  {:>4}  {:<12}  {:>8}", "UUID", "MODEL", "MEMORY MiB", "NUMA", "PCI BUS", "NVSWITCH");
+    let _ = writeln!(
+        s,
+        "GPU  {:<40}  {:<model_w$}  {:>10}  {:>4}  {:<12}  {:>8}",
+        "UUID", "MODEL", "MEMORY MiB", "NUMA", "PCI BUS", "NVSWITCH"
+    );
     for g in &inv.gpus {
         let numa = g.numa_node.map_or_else(|| "-".to_string(), |n| n.to_string());
         let _ = writeln!(

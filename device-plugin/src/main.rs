@@ -107,7 +107,8 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
     let plugin = Plugin::new(config, &inventory, None).map_err(|e| e.to_string())?;
     tracing::info!(gpus = inventory.gpus.len(), backend = %inventory.backend, slots = cli.slots_per_gpu, "inventory");
     let stop = Arc::new(AtomicBool::new(false));
-    let monitor = spawn_health_monitor(plugin.clone(), backend, stop.clone()).map_err(|e| format!("health monitor: {e}"))?;
+    let monitor =
+        spawn_health_monitor(plugin.clone(), backend, stop.clone()).map_err(|e| format!("health monitor: {e}"))?;
     let cfg = ServeConfig {
         dir: cli.device_plugin_dir.clone(),
         socket_name: cli.socket_name.clone(),
@@ -128,7 +129,8 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
         .init();

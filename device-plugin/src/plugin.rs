@@ -202,14 +202,16 @@ impl Plugin {
     /// GetPreferredAllocation for one container: device IDs on the GPUs the extender assigned to the
     /// pod being admitted when that is known, else on the best-connected set of GPUs with free slots.
     pub async fn preferred(&self, req: &ContainerPreferredAllocationRequest) -> Result<Vec<String>, Status> {
-        let size = usize::try_from(req.allocation_size)
-            .ok()
-            .filter(|&s| s > 0)
-            .ok_or_else(|| Status::invalid_argument(format!("allocation size {} is not positive", req.allocation_size)))?;
+        let size = usize::try_from(req.allocation_size).ok().filter(|&s| s > 0).ok_or_else(|| {
+            Status::invalid_argument(format!("allocation size {} is not positive", req.allocation_size))
+        })?;
         let must = self.slots.parse_all(&req.must_include_device_i_ds).map_err(status_from_slot)?;
         let available = self.slots.parse_all(&req.available_device_i_ds).map_err(status_from_slot)?;
         if must.len() > size {
-            return Err(Status::invalid_argument(format!("{} devices must be included in an allocation of {size}", must.len())));
+            return Err(Status::invalid_argument(format!(
+                "{} devices must be included in an allocation of {size}",
+                must.len()
+            )));
         }
         let must_set: BTreeSet<Slot> = must.iter().copied().collect();
         // kubelet's must-include devices (reused from init containers) are always among the available
@@ -284,7 +286,9 @@ impl Plugin {
             // every single GPU scores the same; take the least shared (most free slots), so a pod
             // without an assignment does not land next to others when an idle GPU exists
             let best = free.iter().max_by_key(|(g, slots)| (slots.len(), std::cmp::Reverse(**g)));
-            return best.map(|(g, _)| vec![*g]).ok_or_else(|| Status::resource_exhausted("no GPU has a free healthy slot"));
+            return best
+                .map(|(g, _)| vec![*g])
+                .ok_or_else(|| Status::resource_exhausted("no GPU has a free healthy slot"));
         }
         let mut candidates: Vec<usize> = free.keys().map(|&g| g as usize).collect();
         candidates.extend(required.iter().map(|&g| g as usize));
@@ -363,8 +367,14 @@ impl Plugin {
             envs.insert("GPUPLACE_POD".to_string(), g.pod.pod.clone());
             envs.insert("GPUPLACE_CONTAINER".to_string(), g.container.clone());
             // one value per GPU, in NVIDIA_VISIBLE_DEVICES order (container ordinals 0, 1, ...)
-            envs.insert("GPUPLACE_GPU_MEM_MIB".to_string(), join(g.slices.iter().map(|s| s.mem_mib.to_string()).collect()));
-            envs.insert("GPUPLACE_GPU_CORE_PCT".to_string(), join(g.slices.iter().map(|s| s.core_pct.to_string()).collect()));
+            envs.insert(
+                "GPUPLACE_GPU_MEM_MIB".to_string(),
+                join(g.slices.iter().map(|s| s.mem_mib.to_string()).collect()),
+            );
+            envs.insert(
+                "GPUPLACE_GPU_CORE_PCT".to_string(),
+                join(g.slices.iter().map(|s| s.core_pct.to_string()).collect()),
+            );
             let exclusive = g.slices.iter().all(|s| s.exclusive);
             envs.insert("GPUPLACE_EXCLUSIVE".to_string(), exclusive.to_string());
             if !exclusive {
@@ -383,7 +393,13 @@ impl Plugin {
                 }
             }
         }
-        ContainerAllocateResponse { envs, mounts, devices: Vec::new(), annotations: HashMap::new(), cdi_devices: Vec::new() }
+        ContainerAllocateResponse {
+            envs,
+            mounts,
+            devices: Vec::new(),
+            annotations: HashMap::new(),
+            cdi_devices: Vec::new(),
+        }
     }
 }
 
@@ -458,7 +474,8 @@ impl DevicePlugin for DevicePluginService {
     ) -> Result<Response<PreferredAllocationResponse>, Status> {
         let mut container_responses = Vec::new();
         for c in &request.get_ref().container_requests {
-            container_responses.push(ContainerPreferredAllocationResponse { device_i_ds: self.plugin.preferred(c).await? });
+            container_responses
+                .push(ContainerPreferredAllocationResponse { device_i_ds: self.plugin.preferred(c).await? });
         }
         Ok(Response::new(PreferredAllocationResponse { container_responses }))
     }

@@ -145,8 +145,11 @@ async fn serve_round(
         }
         _ => {}
     }
-    let listener = UnixListener::bind(sock)
-        .map_err(|source| ServeError::Io { action: "binding", path: sock.to_path_buf(), source })?;
+    let listener = UnixListener::bind(sock).map_err(|source| ServeError::Io {
+        action: "binding",
+        path: sock.to_path_buf(),
+        source,
+    })?;
     let our_id = file_id(sock);
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let service = DevicePluginServer::new(DevicePluginService::new(plugin.clone(), shutdown_rx.clone()));

@@ -120,7 +120,8 @@ impl FakeBackend {
         if fabric == gpuplace::core::topology::NvlinkFabric::Nvswitch {
             // NVML would report each GPU's lanes into the switch: the NV# it shares with its peers
             for g in &mut gpus {
-                g.nvswitch_links = links.iter().filter(|l| l.a == g.index || l.b == g.index).map(|l| l.nvlinks).max().unwrap_or(0);
+                g.nvswitch_links =
+                    links.iter().filter(|l| l.a == g.index || l.b == g.index).map(|l| l.nvlinks).max().unwrap_or(0);
             }
         }
         let n = gpus.len();
@@ -158,7 +159,10 @@ impl FakeBackend {
     pub fn with_script(mut self, mut script: FakeScript) -> Result<Self, BackendError> {
         let n = self.inventory.gpus.len() as u32;
         if let Some(s) = script.steps.iter().find(|s| s.gpu >= n || !s.at_s.is_finite() || s.at_s < 0.0) {
-            return Err(BackendError::Fake(format!("script step at {}s names GPU {} of {n} or a bad time", s.at_s, s.gpu)));
+            return Err(BackendError::Fake(format!(
+                "script step at {}s names GPU {} of {n} or a bad time",
+                s.at_s, s.gpu
+            )));
         }
         script.steps.sort_by(|a, b| a.at_s.total_cmp(&b.at_s));
         self.script = script.steps;
@@ -278,9 +282,10 @@ impl GpuBackend for FakeBackend {
         self.apply_due(&mut st);
         if st.events.is_empty() {
             // wake early for the next script step, so scripted faults arrive on time
-            let next_step = self.script.get(st.applied).map(|s| {
-                Duration::from_secs_f64(s.at_s).saturating_sub(self.now(&st)).max(Duration::from_millis(1))
-            });
+            let next_step = self
+                .script
+                .get(st.applied)
+                .map(|s| Duration::from_secs_f64(s.at_s).saturating_sub(self.now(&st)).max(Duration::from_millis(1)));
             let wait = next_step.map_or(timeout, |d| d.min(timeout));
             st = self.wake.wait_timeout(st, wait).map(|(g, _)| g).unwrap_or_else(|e| e.into_inner().0);
             self.apply_due(&mut st);
@@ -341,7 +346,10 @@ mod tests {
         assert!(ev[2..].iter().all(|e| *e == GpuEvent { index: 4, kind: GpuEventKind::Xid(48) }));
         b.advance_to(Duration::from_secs(10));
         assert!(b.sample(3).is_ok());
-        assert_eq!(b.wait_events(Duration::from_millis(1)).unwrap(), vec![GpuEvent { index: 3, kind: GpuEventKind::Recovered }]);
+        assert_eq!(
+            b.wait_events(Duration::from_millis(1)).unwrap(),
+            vec![GpuEvent { index: 3, kind: GpuEventKind::Recovered }]
+        );
         assert_eq!(b.sample(8), Err(BackendError::UnknownGpu(8)));
     }
 
@@ -355,7 +363,9 @@ mod tests {
                 assert!(s.util_pct <= 100 && s.mem_used_mib <= 81559, "{s:?}");
             }
         }
-        let bad = FakeScript { steps: vec![ScriptStep { at_s: 0.0, gpu: 8, util_pct: Some(1), mem_used_mib: None, fault: None }] };
+        let bad = FakeScript {
+            steps: vec![ScriptStep { at_s: 0.0, gpu: 8, util_pct: Some(1), mem_used_mib: None, fault: None }],
+        };
         assert!(h100().with_script(bad).is_err());
         assert!(serde_json::from_str::<FakeScript>(r#"{"steps":[{"at_s":0,"gpu":0,"falt":"recover"}]}"#).is_err());
     }

@@ -12,7 +12,9 @@ pub mod real;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use gpuplace::core::topology::{GpuTopology, NvlinkFabric, PcieLevel, TopologyError, TopologyFile, TopologyGpu, TopologyLink};
+use gpuplace::core::topology::{
+    GpuTopology, NvlinkFabric, PcieLevel, TopologyError, TopologyFile, TopologyGpu, TopologyLink,
+};
 use serde::{Deserialize, Serialize};
 
 /// One physical GPU as discovered.
@@ -72,7 +74,10 @@ impl Inventory {
         }
         let n = self.gpus.len() as u32;
         if let Some(l) = self.links.iter().find(|l| l.a >= n || l.b >= n || l.a >= l.b) {
-            return Err(BackendError::Inconsistent(format!("link {}-{} is not a pair of this node's {n} GPUs", l.a, l.b)));
+            return Err(BackendError::Inconsistent(format!(
+                "link {}-{} is not a pair of this node's {n} GPUs",
+                l.a, l.b
+            )));
         }
         Ok(())
     }
@@ -282,7 +287,8 @@ mod tests {
         // 4 GPUs with 18 lanes each into NVSwitch: every pair is NV18, as nvidia-smi shows on HGX H100
         let bus: Vec<String> = (0..4).map(|i| format!("00000000:{:02X}:00.0", 0x10 + i)).collect();
         let lanes: Vec<(u32, LaneEnd)> = (0..4).flat_map(|g| (0..18).map(move |_| (g, LaneEnd::Switch))).collect();
-        let (fabric, links, sw) = pair_links(&bus, &lanes, |a, b| if a / 2 == b / 2 { PcieLevel::Node } else { PcieLevel::Sys });
+        let (fabric, links, sw) =
+            pair_links(&bus, &lanes, |a, b| if a / 2 == b / 2 { PcieLevel::Node } else { PcieLevel::Sys });
         assert_eq!(fabric, NvlinkFabric::Nvswitch);
         assert_eq!(sw, vec![18; 4]);
         assert_eq!(links.len(), 6);

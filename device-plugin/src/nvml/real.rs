@@ -14,7 +14,8 @@ use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{Device, EventSet, Nvml};
 
 use super::{
-    normalize_bus_id, pair_links, BackendError, GpuBackend, GpuEvent, GpuEventKind, GpuInfo, GpuSample, Inventory, LaneEnd,
+    normalize_bus_id, pair_links, BackendError, GpuBackend, GpuEvent, GpuEventKind, GpuInfo, GpuSample, Inventory,
+    LaneEnd,
 };
 
 /// Lane indices to ask about: `NVML_NVLINK_MAX_LINKS` (18, Hopper's count) in current NVML headers.
@@ -154,7 +155,12 @@ impl NvmlBackend {
     /// Asks every GPU for its UUID: the ones that fail with GPU_IS_LOST are reported lost.
     fn probe_lost(&self) -> Vec<GpuEvent> {
         (0..self.count().unwrap_or(0))
-            .filter(|&i| matches!(self.device(i).and_then(|d| d.uuid().map_err(nvml_err("nvmlDeviceGetUUID", Some(i)))), Err(BackendError::GpuLost(_))))
+            .filter(|&i| {
+                matches!(
+                    self.device(i).and_then(|d| d.uuid().map_err(nvml_err("nvmlDeviceGetUUID", Some(i)))),
+                    Err(BackendError::GpuLost(_))
+                )
+            })
             .map(|index| GpuEvent { index, kind: GpuEventKind::Lost })
             .collect()
     }
@@ -170,7 +176,8 @@ impl GpuBackend for NvmlBackend {
             let uuid = dev.uuid().map_err(nvml_err("nvmlDeviceGetUUID", Some(i)))?;
             let model = dev.name().map_err(nvml_err("nvmlDeviceGetName", Some(i)))?;
             let memory_mib = dev.memory_info().map_err(nvml_err("nvmlDeviceGetMemoryInfo", Some(i)))?.total >> 20;
-            let pci_bus_id = normalize_bus_id(&dev.pci_info().map_err(nvml_err("nvmlDeviceGetPciInfo", Some(i)))?.bus_id);
+            let pci_bus_id =
+                normalize_bus_id(&dev.pci_info().map_err(nvml_err("nvmlDeviceGetPciInfo", Some(i)))?.bus_id);
             let numa_node = Self::numa_node(&dev, &pci_bus_id);
             gpus.push(GpuInfo { index: i, uuid, model, memory_mib, numa_node, pci_bus_id, nvswitch_links: 0 });
             devices.push(dev);

@@ -72,7 +72,10 @@ impl FakeKubelet {
 
     /// The next Register call.
     pub async fn next_registration(&mut self) -> RegisterRequest {
-        tokio::time::timeout(WAIT, self.registrations.recv()).await.expect("no registration in time").expect("kubelet gone")
+        tokio::time::timeout(WAIT, self.registrations.recv())
+            .await
+            .expect("no registration in time")
+            .expect("kubelet gone")
     }
 
     /// Stops serving, as a dying kubelet does.
@@ -138,7 +141,10 @@ impl Harness {
 
     /// Simulates a kubelet restart: it stops, wipes the plugin sockets, and comes back.
     pub async fn restart_kubelet(&mut self) {
-        let old = std::mem::replace(&mut self.kubelet, FakeKubelet { registrations: mpsc::unbounded_channel().1, stop: None, task: tokio::spawn(async {}) });
+        let old = std::mem::replace(
+            &mut self.kubelet,
+            FakeKubelet { registrations: mpsc::unbounded_channel().1, stop: None, task: tokio::spawn(async {}) },
+        );
         old.stop().await;
         for e in std::fs::read_dir(self.dir.path()).expect("read dir").flatten() {
             let _ = std::fs::remove_file(e.path());
@@ -160,7 +166,12 @@ impl Harness {
 
 /// The next ListAndWatch message.
 pub async fn next_list(stream: &mut Streaming<ListAndWatchResponse>) -> Vec<Device> {
-    tokio::time::timeout(WAIT, stream.message()).await.expect("ListAndWatch update in time").expect("stream ok").expect("stream open").devices
+    tokio::time::timeout(WAIT, stream.message())
+        .await
+        .expect("ListAndWatch update in time")
+        .expect("stream ok")
+        .expect("stream open")
+        .devices
 }
 
 /// Asserts that no ListAndWatch message arrives within `d`.
