@@ -9,6 +9,7 @@
 //! - [`server`]: the unix socket, registration with kubelet and re-registration.
 //! - [`discover`]: the `discover` command's output.
 //! - [`api`]: the generated kubelet APIs.
+//! - [`testing`]: a fake kubelet for tests and demos.
 //!
 //! Design and failure modes: docs/device-plugin.md.
 
@@ -19,3 +20,4 @@ pub mod nvml;
 pub mod plugin;
 pub mod server;
 pub mod slots;
+pub mod testing;

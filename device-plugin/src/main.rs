@@ -120,7 +120,7 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
         .enable_all()
         .build()
         .map_err(|e| format!("tokio runtime: {e}"))?;
-    let result = rt.block_on(run(plugin, cfg, shutdown_signal()));
+    let result = rt.block_on(run(plugin, cfg, Box::pin(shutdown_signal())));
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let _ = monitor.join();
     result.map_err(|e| e.to_string())

@@ -13,6 +13,7 @@
 use std::future::Future;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -116,9 +117,13 @@ enum RoundEnd {
     Restart(&'static str),
 }
 
+/// A future that ends serving.
+pub type StopSignal = Pin<Box<dyn Future<Output = ()> + Send>>;
+
 /// Serves and re-registers until `stop` resolves; removes our socket on the way out.
-pub async fn run(plugin: Arc<Plugin>, cfg: ServeConfig, stop: impl Future<Output = ()>) -> Result<(), ServeError> {
-    tokio::pin!(stop);
+// `stop` is boxed rather than generic so that the server stack is compiled once, in this crate,
+// instead of again in every caller (the binary and each test crate): a minute of build time each
+pub async fn run(plugin: Arc<Plugin>, cfg: ServeConfig, mut stop: StopSignal) -> Result<(), ServeError> {
     let sock = cfg.dir.join(&cfg.socket_name);
     let mut round = 0u64;
     loop {
@@ -137,7 +142,7 @@ async fn serve_round(
     plugin: &Arc<Plugin>,
     cfg: &ServeConfig,
     sock: &Path,
-    stop: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
+    stop: &mut StopSignal,
 ) -> Result<RoundEnd, ServeError> {
     match std::fs::remove_file(sock) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
@@ -180,7 +185,7 @@ async fn serve_round(
         }
         let wait = if registered.is_some() { cfg.poll_interval } else { cfg.retry_interval };
         tokio::select! {
-            _ = &mut *stop => break RoundEnd::Stop,
+            _ = stop.as_mut() => break RoundEnd::Stop,
             r = &mut server => {
                 server_finished = true;
                 if let Ok(Err(e)) = r {

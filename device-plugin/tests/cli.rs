@@ -101,7 +101,7 @@ async fn binary_registers_with_the_test_kubelet_and_serves_allocations() {
     // kubelet restarts: the binary registers again
     kubelet.stop().await;
     let _ = std::fs::remove_file(dir.path().join(&reg.endpoint));
-    let mut kubelet = FakeKubelet::start(dir.path());
+    kubelet = FakeKubelet::start(dir.path());
     assert_eq!(kubelet.next_registration().await.endpoint, reg.endpoint);
     // SIGTERM (what the kubelet's pod teardown sends): a clean exit that removes our socket
     let pid = child.0.id().to_string();

@@ -9,18 +9,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gpuplace_device_plugin::api::v1beta1::device_plugin_client::DevicePluginClient;
-use gpuplace_device_plugin::api::v1beta1::registration_server::{Registration, RegistrationServer};
-use gpuplace_device_plugin::api::v1beta1::{Device, Empty, ListAndWatchResponse, RegisterRequest};
+use gpuplace_device_plugin::api::v1beta1::{Device, ListAndWatchResponse, RegisterRequest};
 use gpuplace_device_plugin::assign::AssignmentSource;
 use gpuplace_device_plugin::nvml::fake::FakeBackend;
 use gpuplace_device_plugin::nvml::GpuBackend;
 use gpuplace_device_plugin::plugin::{spawn_health_monitor, Plugin, PluginConfig};
 use gpuplace_device_plugin::server::{connect_unix, run, ServeConfig};
-use tokio::net::UnixListener;
-use tokio::sync::{mpsc, oneshot};
-use tokio_stream::wrappers::UnixListenerStream;
-use tonic::transport::{Channel, Server};
-use tonic::{Request, Response, Status, Streaming};
+use gpuplace_device_plugin::testing;
+use tokio::sync::oneshot;
+use tonic::transport::Channel;
+use tonic::Streaming;
 
 /// Generous for a loaded 2-core CI machine; the happy paths take milliseconds.
 pub const WAIT: Duration = Duration::from_secs(10);
@@ -29,61 +27,21 @@ pub fn topology(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/topologies").join(format!("{name}.json"))
 }
 
-struct Kubelet {
-    registrations: mpsc::UnboundedSender<RegisterRequest>,
-}
-
-#[tonic::async_trait]
-impl Registration for Kubelet {
-    async fn register(&self, request: Request<RegisterRequest>) -> Result<Response<Empty>, Status> {
-        let _ = self.registrations.send(request.into_inner());
-        Ok(Response::new(Empty {}))
-    }
-}
-
-/// A running fake kubelet.
-pub struct FakeKubelet {
-    pub registrations: mpsc::UnboundedReceiver<RegisterRequest>,
-    stop: Option<oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<()>,
-}
+/// The fake kubelet of the library, with the tests' patience.
+pub struct FakeKubelet(testing::FakeKubelet);
 
 impl FakeKubelet {
-    /// Serves `Registration` on `<dir>/kubelet.sock`.
     pub fn start(dir: &Path) -> Self {
-        let sock = dir.join("kubelet.sock");
-        let _ = std::fs::remove_file(&sock);
-        let listener = UnixListener::bind(&sock).expect("bind kubelet.sock");
-        let (tx, rx) = mpsc::unbounded_channel();
-        let (stop_tx, stop_rx) = oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            let _ = Server::builder()
-                .serve_with_incoming_shutdown(
-                    RegistrationServer::new(Kubelet { registrations: tx }),
-                    UnixListenerStream::new(listener),
-                    async {
-                        let _ = stop_rx.await;
-                    },
-                )
-                .await;
-        });
-        Self { registrations: rx, stop: Some(stop_tx), task }
+        Self(testing::FakeKubelet::start(dir).expect("start fake kubelet"))
     }
 
     /// The next Register call.
     pub async fn next_registration(&mut self) -> RegisterRequest {
-        tokio::time::timeout(WAIT, self.registrations.recv())
-            .await
-            .expect("no registration in time")
-            .expect("kubelet gone")
+        self.0.next_registration(WAIT).await.expect("no registration in time")
     }
 
-    /// Stops serving, as a dying kubelet does.
-    pub async fn stop(mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        let _ = tokio::time::timeout(WAIT, self.task).await;
+    pub async fn stop(&mut self) {
+        self.0.stop().await;
     }
 }
 
@@ -117,9 +75,13 @@ impl Harness {
         let serve = tokio::spawn({
             let plugin = plugin.clone();
             async move {
-                run(plugin, cfg, async {
-                    let _ = stop_rx.await;
-                })
+                run(
+                    plugin,
+                    cfg,
+                    Box::pin(async {
+                        let _ = stop_rx.await;
+                    }),
+                )
                 .await
                 .expect("serve");
             }
@@ -141,11 +103,7 @@ impl Harness {
 
     /// Simulates a kubelet restart: it stops, wipes the plugin sockets, and comes back.
     pub async fn restart_kubelet(&mut self) {
-        let old = std::mem::replace(
-            &mut self.kubelet,
-            FakeKubelet { registrations: mpsc::unbounded_channel().1, stop: None, task: tokio::spawn(async {}) },
-        );
-        old.stop().await;
+        self.kubelet.stop().await;
         for e in std::fs::read_dir(self.dir.path()).expect("read dir").flatten() {
             let _ = std::fs::remove_file(e.path());
         }
