@@ -1,0 +1,23 @@
+//! gpuplace's kubelet device plugin.
+//!
+//! - [`nvml`]: the driver behind a trait ([`nvml::GpuBackend`]): real NVML, or a fake node from a
+//!   topology file with scriptable utilization and injectable faults.
+//! - [`slots`]: each GPU advertised as K devices `<uuid>::<slot>`.
+//! - [`plugin`]: the `DevicePlugin` gRPC service: ListAndWatch with health, GetPreferredAllocation
+//!   with the core's set search, Allocate.
+//! - [`assign`]: pod identity at admission: the [`assign::AssignmentSource`] seam and the matching rules.
+//! - [`server`]: the unix socket, registration with kubelet and re-registration.
+//! - [`discover`]: the `discover` command's output.
+//! - [`api`]: the generated kubelet APIs.
+//! - [`testing`]: a fake kubelet for tests and demos.
+//!
+//! Design and failure modes: docs/device-plugin.md.
+
+pub mod api;
+pub mod assign;
+pub mod discover;
+pub mod nvml;
+pub mod plugin;
+pub mod server;
+pub mod slots;
+pub mod testing;

@@ -1,0 +1,383 @@
+//! A GPU node from a topology file (`shared/topologies` schema), for tests and demos without a GPU.
+//!
+//! Utilization is synthetic (a slow triangle wave, phase-shifted per GPU, so a demo shows movement)
+//! until a script step or [`FakeBackend::set_utilization`] fixes it. Faults are injected by script
+//! (`--fake-script FILE`) or by [`FakeBackend::inject`]:
+//!
+//! ```json
+//! {"steps": [
+//!   {"at_s": 0,  "gpu": 0, "util_pct": 90, "mem_used_mib": 40000},
+//!   {"at_s": 10, "gpu": 3, "fault": "fall_off_bus"},
+//!   {"at_s": 20, "gpu": 5, "fault": {"xid_storm": {"xid": 48, "count": 100}}},
+//!   {"at_s": 30, "gpu": 3, "fault": "recover"}
+//! ]}
+//! ```
+
+use std::collections::VecDeque;
+use std::path::Path;
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use gpuplace::core::inventory::{load_topology_file, synthetic_uuid};
+use gpuplace::core::topology::TopologyFile;
+use serde::{Deserialize, Serialize};
+
+use super::{BackendError, GpuBackend, GpuEvent, GpuEventKind, GpuInfo, GpuSample, Inventory, PairLink};
+
+/// A fault to inject into one GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Fault {
+    /// The GPU stops answering: XID 79, a lost event, and every later sample fails.
+    FallOffBus,
+    /// `count` XID events with code `xid` at once.
+    XidStorm { xid: u64, count: u32 },
+    /// The GPU answers again.
+    Recover,
+}
+
+/// One timed step of a script: set utilization, inject a fault, or both.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScriptStep {
+    /// Seconds after the backend was created.
+    pub at_s: f64,
+    pub gpu: u32,
+    #[serde(default)]
+    pub util_pct: Option<u32>,
+    #[serde(default)]
+    pub mem_used_mib: Option<u64>,
+    #[serde(default)]
+    pub fault: Option<Fault>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FakeScript {
+    pub steps: Vec<ScriptStep>,
+}
+
+impl FakeScript {
+    pub fn load(path: &Path) -> Result<Self, BackendError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| BackendError::Fake(format!("reading script {}: {e}", path.display())))?;
+        serde_json::from_str(&text).map_err(|e| BackendError::Fake(format!("parsing script {}: {e}", path.display())))
+    }
+}
+
+#[derive(Debug)]
+struct FakeState {
+    /// Fixed (util %, memory used MiB) per GPU; `None` follows the synthetic wave.
+    util: Vec<Option<(u32, u64)>>,
+    lost: Vec<bool>,
+    events: VecDeque<GpuEvent>,
+    /// Script steps already applied (the script is sorted by time).
+    applied: usize,
+    /// Script time set by [`FakeBackend::advance_to`]; wall time since creation when `None`.
+    clock: Option<Duration>,
+}
+
+/// See the module docs.
+#[derive(Debug)]
+pub struct FakeBackend {
+    inventory: Inventory,
+    script: Vec<ScriptStep>,
+    start: Instant,
+    state: Mutex<FakeState>,
+    wake: Condvar,
+}
+
+/// Period of the synthetic utilization wave.
+const WAVE_PERIOD_S: f64 = 120.0;
+
+impl FakeBackend {
+    /// GPUs keep the file's UUIDs where it has them; otherwise they get deterministic ones derived
+    /// from `uuid_seed` (the node name), so two fake nodes never share a UUID.
+    pub fn from_topology(file: &TopologyFile, uuid_seed: &str) -> Result<Self, BackendError> {
+        // the core's graph check refuses bad links before anything relies on them
+        file.graph().map_err(|e| BackendError::Fake(format!("topology {}: {e}", file.name)))?;
+        let mut gpus: Vec<GpuInfo> = file
+            .gpus
+            .iter()
+            .map(|g| GpuInfo {
+                index: g.index,
+                uuid: g.uuid.clone().unwrap_or_else(|| synthetic_uuid(uuid_seed, g.index)),
+                model: g.model.clone(),
+                memory_mib: g.memory_mib,
+                numa_node: g.numa_node,
+                pci_bus_id: g.pci_bus_id.clone(),
+                nvswitch_links: 0,
+            })
+            .collect();
+        gpus.sort_by_key(|g| g.index);
+        let fabric = file.nvlink_fabric;
+        let mut links: Vec<PairLink> = file
+            .links
+            .iter()
+            .map(|l| PairLink { a: l.a.min(l.b), b: l.a.max(l.b), nvlinks: l.nvlinks, pcie: l.pcie })
+            .collect();
+        links.sort_by_key(|l| (l.a, l.b));
+        if fabric == gpuplace::core::topology::NvlinkFabric::Nvswitch {
+            // NVML would report each GPU's lanes into the switch: the NV# it shares with its peers
+            for g in &mut gpus {
+                g.nvswitch_links =
+                    links.iter().filter(|l| l.a == g.index || l.b == g.index).map(|l| l.nvlinks).max().unwrap_or(0);
+            }
+        }
+        let n = gpus.len();
+        let inventory = Inventory {
+            backend: "fake".into(),
+            name: file.name.clone(),
+            driver_version: None,
+            nvlink_fabric: fabric,
+            gpus,
+            links,
+        };
+        inventory.validate()?;
+        Ok(Self {
+            inventory,
+            script: Vec::new(),
+            start: Instant::now(),
+            state: Mutex::new(FakeState {
+                util: vec![None; n],
+                lost: vec![false; n],
+                events: VecDeque::new(),
+                applied: 0,
+                clock: None,
+            }),
+            wake: Condvar::new(),
+        })
+    }
+
+    /// Loads a topology file.
+    pub fn load(path: &Path, uuid_seed: &str) -> Result<Self, BackendError> {
+        let file = load_topology_file(path).map_err(|e| BackendError::Fake(e.to_string()))?;
+        Self::from_topology(&file, uuid_seed)
+    }
+
+    /// Adds a script; steps naming GPUs the node does not have are refused.
+    pub fn with_script(mut self, mut script: FakeScript) -> Result<Self, BackendError> {
+        let n = self.inventory.gpus.len() as u32;
+        if let Some(s) = script.steps.iter().find(|s| s.gpu >= n || !s.at_s.is_finite() || s.at_s < 0.0) {
+            return Err(BackendError::Fake(format!(
+                "script step at {}s names GPU {} of {n} or a bad time",
+                s.at_s, s.gpu
+            )));
+        }
+        script.steps.sort_by(|a, b| a.at_s.total_cmp(&b.at_s));
+        self.script = script.steps;
+        Ok(self)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, FakeState> {
+        // a panic elsewhere while holding the lock leaves plain data behind; keep serving it
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn check(&self, index: u32) -> Result<usize, BackendError> {
+        let i = index as usize;
+        if i < self.inventory.gpus.len() {
+            Ok(i)
+        } else {
+            Err(BackendError::UnknownGpu(index))
+        }
+    }
+
+    /// Fixes a GPU's utilization and memory use.
+    pub fn set_utilization(&self, index: u32, util_pct: u32, mem_used_mib: u64) -> Result<(), BackendError> {
+        let i = self.check(index)?;
+        self.lock().util[i] = Some((util_pct.min(100), mem_used_mib));
+        Ok(())
+    }
+
+    /// Injects a fault now.
+    pub fn inject(&self, index: u32, fault: Fault) -> Result<(), BackendError> {
+        let i = self.check(index)?;
+        let mut st = self.lock();
+        Self::apply_fault(&mut st, i, fault);
+        drop(st);
+        self.wake.notify_all();
+        Ok(())
+    }
+
+    /// Drives the script clock by hand (tests): applies every step due at `elapsed`.
+    pub fn advance_to(&self, elapsed: Duration) {
+        let mut st = self.lock();
+        st.clock = Some(elapsed);
+        self.apply_due(&mut st);
+        drop(st);
+        self.wake.notify_all();
+    }
+
+    fn apply_fault(st: &mut FakeState, i: usize, fault: Fault) {
+        let index = i as u32;
+        match fault {
+            Fault::FallOffBus => {
+                st.lost[i] = true;
+                st.events.push_back(GpuEvent { index, kind: GpuEventKind::Xid(79) });
+                st.events.push_back(GpuEvent { index, kind: GpuEventKind::Lost });
+            }
+            Fault::XidStorm { xid, count } => {
+                st.events.extend((0..count).map(|_| GpuEvent { index, kind: GpuEventKind::Xid(xid) }));
+            }
+            Fault::Recover => {
+                st.lost[i] = false;
+                st.events.push_back(GpuEvent { index, kind: GpuEventKind::Recovered });
+            }
+        }
+    }
+
+    fn now(&self, st: &FakeState) -> Duration {
+        st.clock.unwrap_or_else(|| self.start.elapsed())
+    }
+
+    fn apply_due(&self, st: &mut FakeState) {
+        let now = self.now(st).as_secs_f64();
+        while let Some(step) = self.script.get(st.applied).filter(|s| s.at_s <= now) {
+            let i = step.gpu as usize;
+            if step.util_pct.is_some() || step.mem_used_mib.is_some() {
+                let (u, m) = st.util[i].unwrap_or((0, 0));
+                st.util[i] = Some((step.util_pct.unwrap_or(u).min(100), step.mem_used_mib.unwrap_or(m)));
+            }
+            if let Some(f) = step.fault {
+                Self::apply_fault(st, i, f);
+            }
+            st.applied += 1;
+        }
+    }
+}
+
+impl GpuBackend for FakeBackend {
+    fn inventory(&self) -> Result<Inventory, BackendError> {
+        Ok(self.inventory.clone())
+    }
+
+    fn sample(&self, index: u32) -> Result<GpuSample, BackendError> {
+        let i = self.check(index)?;
+        let mut st = self.lock();
+        self.apply_due(&mut st);
+        if st.lost[i] {
+            return Err(BackendError::GpuLost(index));
+        }
+        let gpu = &self.inventory.gpus[i];
+        let (util_pct, mem_used_mib) = st.util[i].unwrap_or_else(|| {
+            let n = self.inventory.gpus.len().max(1) as f64;
+            let phase = (self.now(&st).as_secs_f64() / WAVE_PERIOD_S + i as f64 / n).fract();
+            let tri = 1.0 - (2.0 * phase - 1.0).abs();
+            let u = (tri * 100.0).round() as u32;
+            (u, gpu.memory_mib * u64::from(u) / 200)
+        });
+        Ok(GpuSample {
+            index,
+            util_pct,
+            mem_used_mib: mem_used_mib.min(gpu.memory_mib),
+            temperature_c: 30 + util_pct / 2,
+            power_mw: 60_000 + util_pct * 3_000,
+            sm_clock_mhz: if util_pct > 0 { 1_980 } else { 345 },
+        })
+    }
+
+    fn wait_events(&self, timeout: Duration) -> Result<Vec<GpuEvent>, BackendError> {
+        let mut st = self.lock();
+        self.apply_due(&mut st);
+        if st.events.is_empty() {
+            // wake early for the next script step, so scripted faults arrive on time
+            let next_step = self
+                .script
+                .get(st.applied)
+                .map(|s| Duration::from_secs_f64(s.at_s).saturating_sub(self.now(&st)).max(Duration::from_millis(1)));
+            let wait = next_step.map_or(timeout, |d| d.min(timeout));
+            st = self.wake.wait_timeout(st, wait).map(|(g, _)| g).unwrap_or_else(|e| e.into_inner().0);
+            self.apply_due(&mut st);
+        }
+        Ok(st.events.drain(..).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn topo_path(name: &str) -> std::path::PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/topologies").join(format!("{name}.json"))
+    }
+
+    fn h100() -> FakeBackend {
+        FakeBackend::load(&topo_path("hgx-h100-8"), "node-a").unwrap()
+    }
+
+    #[test]
+    fn inventory_from_topology_file() {
+        let b = h100();
+        let inv = b.inventory().unwrap();
+        assert_eq!(inv.gpus.len(), 8);
+        assert_eq!(inv.links.len(), 28);
+        assert_eq!(inv.nvlink_fabric, gpuplace::core::topology::NvlinkFabric::Nvswitch);
+        assert!(inv.gpus.iter().all(|g| g.nvswitch_links == 18 && g.uuid.starts_with("GPU-")));
+        assert_eq!(inv.gpus[5].numa_node, Some(1));
+        // another node name, other UUIDs
+        let other = FakeBackend::load(&topo_path("hgx-h100-8"), "node-b").unwrap().inventory().unwrap();
+        assert_ne!(other.gpus[0].uuid, inv.gpus[0].uuid);
+        // the file round-trips through the topology schema
+        assert_eq!(inv.topology().unwrap().pair_score(0, 1), 18 * 100 + 20);
+    }
+
+    #[test]
+    fn faults_and_scripted_utilization() {
+        let script: FakeScript = serde_json::from_str(
+            r#"{"steps": [
+                {"at_s": 0, "gpu": 1, "util_pct": 70, "mem_used_mib": 1000},
+                {"at_s": 5, "gpu": 3, "fault": "fall_off_bus"},
+                {"at_s": 6, "gpu": 4, "fault": {"xid_storm": {"xid": 48, "count": 50}}},
+                {"at_s": 9, "gpu": 3, "fault": "recover"}
+            ]}"#,
+        )
+        .unwrap();
+        let b = h100().with_script(script).unwrap();
+        b.advance_to(Duration::from_secs(1));
+        let s = b.sample(1).unwrap();
+        assert_eq!((s.util_pct, s.mem_used_mib), (70, 1000));
+        assert!(b.wait_events(Duration::from_millis(1)).unwrap().is_empty());
+        b.advance_to(Duration::from_secs(7));
+        assert_eq!(b.sample(3), Err(BackendError::GpuLost(3)));
+        let ev = b.wait_events(Duration::from_millis(1)).unwrap();
+        assert_eq!(ev.len(), 2 + 50);
+        assert_eq!(ev[1], GpuEvent { index: 3, kind: GpuEventKind::Lost });
+        assert!(ev[2..].iter().all(|e| *e == GpuEvent { index: 4, kind: GpuEventKind::Xid(48) }));
+        b.advance_to(Duration::from_secs(10));
+        assert!(b.sample(3).is_ok());
+        assert_eq!(
+            b.wait_events(Duration::from_millis(1)).unwrap(),
+            vec![GpuEvent { index: 3, kind: GpuEventKind::Recovered }]
+        );
+        assert_eq!(b.sample(8), Err(BackendError::UnknownGpu(8)));
+    }
+
+    #[test]
+    fn synthetic_wave_stays_in_range_and_bad_scripts_are_refused() {
+        let b = h100();
+        for t in [0, 17, 60, 119, 500] {
+            b.advance_to(Duration::from_secs(t));
+            for g in 0..8 {
+                let s = b.sample(g).unwrap();
+                assert!(s.util_pct <= 100 && s.mem_used_mib <= 81559, "{s:?}");
+            }
+        }
+        let bad = FakeScript {
+            steps: vec![ScriptStep { at_s: 0.0, gpu: 8, util_pct: Some(1), mem_used_mib: None, fault: None }],
+        };
+        assert!(h100().with_script(bad).is_err());
+        assert!(serde_json::from_str::<FakeScript>(r#"{"steps":[{"at_s":0,"gpu":0,"falt":"recover"}]}"#).is_err());
+    }
+
+    #[test]
+    fn wait_wakes_on_injection() {
+        let b = std::sync::Arc::new(h100());
+        let b2 = b.clone();
+        let t = std::thread::spawn(move || b2.wait_events(Duration::from_secs(10)).unwrap());
+        std::thread::sleep(Duration::from_millis(20));
+        b.inject(2, Fault::FallOffBus).unwrap();
+        let ev = t.join().unwrap();
+        assert_eq!(ev.len(), 2);
+    }
+}

@@ -1,0 +1,503 @@
+//! The `DevicePlugin` service: slots, health, preferred allocation and `Allocate`.
+//!
+//! [`Plugin`] holds the state and outlives gRPC servers: when kubelet restarts, [`crate::server`]
+//! starts a new server on the same `Plugin`, so health and allocation bookkeeping carry over.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use gpuplace::core::topology::{GpuTopology, SubsetError};
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+
+use crate::api::v1beta1::device_plugin_server::DevicePlugin;
+use crate::api::v1beta1::{
+    AllocateRequest, AllocateResponse, ContainerAllocateRequest, ContainerAllocateResponse,
+    ContainerPreferredAllocationRequest, ContainerPreferredAllocationResponse, Device, DevicePluginOptions, Empty,
+    ListAndWatchResponse, Mount, NumaNode, PreStartContainerRequest, PreStartContainerResponse,
+    PreferredAllocationRequest, PreferredAllocationResponse, TopologyInfo,
+};
+use crate::api::{HEALTHY, UNHEALTHY};
+use crate::assign::{match_allocation, match_preference, AssignmentSource, Grant, MatchError, PodKey};
+use crate::nvml::{xid_is_critical, GpuBackend, GpuEvent, GpuEventKind, GpuInfo, Inventory};
+use crate::slots::{Slot, SlotError, SlotTable, DEFAULT_SLOTS_PER_GPU};
+
+/// The extended resource kubelet advertises for us.
+pub const RESOURCE_NAME: &str = "gpuplace.io/gpu";
+
+#[derive(Debug, Clone)]
+pub struct PluginConfig {
+    pub resource_name: String,
+    pub slots_per_gpu: u32,
+    /// Host directory of the MPS control daemon's pipes, mounted into containers with a share.
+    pub mps_pipe_dir: Option<PathBuf>,
+}
+
+impl Default for PluginConfig {
+    fn default() -> Self {
+        Self { resource_name: RESOURCE_NAME.into(), slots_per_gpu: DEFAULT_SLOTS_PER_GPU, mps_pipe_dir: None }
+    }
+}
+
+/// Why the plugin could not be built from an inventory.
+#[derive(Debug, thiserror::Error)]
+pub enum PluginError {
+    #[error("slot layout: {0}")]
+    Slots(#[from] SlotError),
+    #[error("topology: {0}")]
+    Topology(String),
+    #[error("inventory: {0}")]
+    Backend(#[from] crate::nvml::BackendError),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Health {
+    healthy: bool,
+    reason: String,
+}
+
+/// Containers this process has matched, so a stale pod list cannot match one twice.
+#[derive(Debug, Default)]
+struct Claims {
+    claimed: HashSet<(PodKey, String)>,
+    /// The pod whose container was matched last: kubelet admits one pod's containers together.
+    sticky: Option<PodKey>,
+}
+
+/// See the module docs.
+pub struct Plugin {
+    config: PluginConfig,
+    gpus: Vec<GpuInfo>,
+    topology: GpuTopology,
+    slots: SlotTable,
+    health: Mutex<Vec<Health>>,
+    devices: watch::Sender<Arc<Vec<Device>>>,
+    source: Option<Arc<dyn AssignmentSource>>,
+    claims: tokio::sync::Mutex<Claims>,
+}
+
+impl std::fmt::Debug for Plugin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Plugin").field("config", &self.config).field("gpus", &self.gpus.len()).finish_non_exhaustive()
+    }
+}
+
+fn status_from_slot(e: SlotError) -> Status {
+    Status::invalid_argument(e.to_string())
+}
+
+impl Plugin {
+    /// `source`: where pod assignments come from; `None` runs without the extender (kubelet's slots
+    /// decide the GPUs, no per-pod limits), as the plugin does until the Kubernetes source exists.
+    pub fn new(
+        config: PluginConfig,
+        inventory: &Inventory,
+        source: Option<Arc<dyn AssignmentSource>>,
+    ) -> Result<Arc<Self>, PluginError> {
+        inventory.validate()?;
+        let topology = inventory.topology().map_err(|e| PluginError::Topology(e.to_string()))?;
+        let slots = SlotTable::new(inventory.gpus.iter().map(|g| g.uuid.clone()).collect(), config.slots_per_gpu)?;
+        let health = vec![Health { healthy: true, reason: String::new() }; inventory.gpus.len()];
+        let plugin = Self {
+            config,
+            gpus: inventory.gpus.clone(),
+            topology,
+            slots,
+            devices: watch::Sender::new(Arc::new(Vec::new())),
+            health: Mutex::new(health),
+            source,
+            claims: tokio::sync::Mutex::new(Claims::default()),
+        };
+        let list = plugin.device_list(&plugin.lock_health());
+        plugin.devices.send_replace(Arc::new(list));
+        Ok(Arc::new(plugin))
+    }
+
+    pub fn config(&self) -> &PluginConfig {
+        &self.config
+    }
+
+    pub fn slots(&self) -> &SlotTable {
+        &self.slots
+    }
+
+    pub fn gpus(&self) -> &[GpuInfo] {
+        &self.gpus
+    }
+
+    fn lock_health(&self) -> std::sync::MutexGuard<'_, Vec<Health>> {
+        self.health.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn options(&self) -> DevicePluginOptions {
+        DevicePluginOptions { pre_start_required: false, get_preferred_allocation_available: true }
+    }
+
+    fn device_list(&self, health: &[Health]) -> Vec<Device> {
+        let mut out = Vec::with_capacity(self.gpus.len() * self.slots.per_gpu() as usize);
+        for (g, h) in self.gpus.iter().zip(health) {
+            // kubelet's Topology Manager aligns CPUs with this; no NUMA info means no hint
+            let topology = g.numa_node.map(|n| TopologyInfo { nodes: vec![NumaNode { id: i64::from(n) }] });
+            for id in self.slots.ids_of(g.index) {
+                out.push(Device {
+                    id,
+                    health: if h.healthy { HEALTHY } else { UNHEALTHY }.into(),
+                    topology: topology.clone(),
+                });
+            }
+        }
+        out
+    }
+
+    /// The device list as last advertised.
+    pub fn devices(&self) -> Arc<Vec<Device>> {
+        self.devices.borrow().clone()
+    }
+
+    /// Every change of the device list, for ListAndWatch.
+    pub fn subscribe(&self) -> watch::Receiver<Arc<Vec<Device>>> {
+        self.devices.subscribe()
+    }
+
+    pub fn is_healthy(&self, gpu: u32) -> bool {
+        self.lock_health().get(gpu as usize).is_some_and(|h| h.healthy)
+    }
+
+    /// Sets a GPU's health; a change is streamed to kubelet at once. Returns whether it changed.
+    pub fn set_health(&self, gpu: u32, healthy: bool, reason: &str) -> bool {
+        let mut h = self.lock_health();
+        let Some(entry) = h.get_mut(gpu as usize) else { return false };
+        if entry.healthy == healthy {
+            return false;
+        }
+        *entry = Health { healthy, reason: reason.to_string() };
+        if healthy {
+            tracing::info!(gpu, reason, "GPU healthy again");
+        } else {
+            tracing::warn!(gpu, reason, "GPU unhealthy");
+        }
+        let list = self.device_list(&h);
+        self.devices.send_replace(Arc::new(list));
+        true
+    }
+
+    /// Applies one backend event. Repeated events of a GPU already unhealthy (an XID storm) change
+    /// nothing and send nothing.
+    pub fn apply_event(&self, e: &GpuEvent) -> bool {
+        match e.kind {
+            GpuEventKind::Xid(x) if xid_is_critical(x) => self.set_health(e.index, false, &format!("XID {x}")),
+            GpuEventKind::Xid(x) => {
+                tracing::debug!(gpu = e.index, xid = x, "application XID; GPU stays healthy");
+                false
+            }
+            GpuEventKind::Lost => self.set_health(e.index, false, "fell off the bus"),
+            GpuEventKind::Recovered => self.set_health(e.index, true, "recovered"),
+        }
+    }
+
+    /// GetPreferredAllocation for one container: device IDs on the GPUs the extender assigned to the
+    /// pod being admitted when that is known, else on the best-connected set of GPUs with free slots.
+    pub async fn preferred(&self, req: &ContainerPreferredAllocationRequest) -> Result<Vec<String>, Status> {
+        let size = usize::try_from(req.allocation_size).ok().filter(|&s| s > 0).ok_or_else(|| {
+            Status::invalid_argument(format!("allocation size {} is not positive", req.allocation_size))
+        })?;
+        let must = self.slots.parse_all(&req.must_include_device_i_ds).map_err(status_from_slot)?;
+        let available = self.slots.parse_all(&req.available_device_i_ds).map_err(status_from_slot)?;
+        if must.len() > size {
+            return Err(Status::invalid_argument(format!(
+                "{} devices must be included in an allocation of {size}",
+                must.len()
+            )));
+        }
+        let must_set: BTreeSet<Slot> = must.iter().copied().collect();
+        // kubelet's must-include devices (reused from init containers) are always among the available
+        // ones; anything else is a malformed request, not something to allocate around
+        let available_set: BTreeSet<Slot> = available.iter().copied().collect();
+        if let Some(s) = must_set.iter().find(|s| !available_set.contains(s)) {
+            return Err(Status::invalid_argument(format!(
+                "must-include device {} is not among the available devices",
+                self.slots.id(*s)
+            )));
+        }
+        // free slots per healthy GPU, must-include ones aside
+        let mut free: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
+        for s in available.iter().filter(|s| !must_set.contains(s) && self.is_healthy(s.gpu)) {
+            free.entry(s.gpu).or_default().push(s.slot);
+        }
+        for v in free.values_mut() {
+            v.sort_unstable();
+            v.dedup();
+        }
+        let required: BTreeSet<u32> = must.iter().map(|s| s.gpu).collect();
+        let new_gpus = size - must_set.len();
+
+        let chosen = match self.preferred_from_assignment(size, &free, &required).await {
+            Some(g) => g.gpus(),
+            None => self.preferred_by_topology(&free, &required, required.len() + new_gpus)?,
+        };
+        let mut out: Vec<String> = must.iter().map(|&s| self.slots.id(s)).collect();
+        out.sort();
+        out.dedup();
+        for gpu in chosen.into_iter().filter(|g| !required.contains(g)) {
+            // lowest free slot: deterministic, and keeps high slots free for the next sharers
+            if let Some(&slot) = free.get(&gpu).and_then(|v| v.first()) {
+                out.push(self.slots.id(Slot { gpu, slot }));
+            }
+        }
+        Ok(out)
+    }
+
+    /// The extender-assignment path of GetPreferredAllocation (`None` without a source, on lookup
+    /// errors, or when no pending container fits the request).
+    async fn preferred_from_assignment(
+        &self,
+        size: usize,
+        free: &BTreeMap<u32, Vec<u32>>,
+        required: &BTreeSet<u32>,
+    ) -> Option<Grant> {
+        let source = self.source.as_ref()?;
+        let pending = match source.pending().await {
+            Ok(p) => p,
+            Err(e) => {
+                // preference is advisory; Allocate will refuse if the lookup still fails
+                tracing::warn!(error = %e, "no assignments for GetPreferredAllocation; using topology");
+                return None;
+            }
+        };
+        let claims = self.claims.lock().await;
+        let free_gpus: BTreeSet<u32> = free.keys().copied().collect();
+        match_preference(size, &free_gpus, required, &pending, &claims.claimed, claims.sticky.as_ref())
+    }
+
+    fn preferred_by_topology(
+        &self,
+        free: &BTreeMap<u32, Vec<u32>>,
+        required: &BTreeSet<u32>,
+        k: usize,
+    ) -> Result<Vec<u32>, Status> {
+        if k == required.len() {
+            return Ok(required.iter().copied().collect());
+        }
+        if required.is_empty() && k == 1 {
+            // every single GPU scores the same; take the least shared (most free slots), so a pod
+            // without an assignment does not land next to others when an idle GPU exists
+            let best = free.iter().max_by_key(|(g, slots)| (slots.len(), std::cmp::Reverse(**g)));
+            return best
+                .map(|(g, _)| vec![*g])
+                .ok_or_else(|| Status::resource_exhausted("no GPU has a free healthy slot"));
+        }
+        let mut candidates: Vec<usize> = free.keys().map(|&g| g as usize).collect();
+        candidates.extend(required.iter().map(|&g| g as usize));
+        let req: Vec<usize> = required.iter().map(|&g| g as usize).collect();
+        match self.topology.best_subset_including(&candidates, &req, k) {
+            Ok((_, set)) => Ok(set.into_iter().map(|g| g as u32).collect()),
+            Err(SubsetError::NotEnoughAvailable { available, request }) => Err(Status::resource_exhausted(format!(
+                "a container asking for {request} {} needs {request} different GPUs, but only {available} have a free healthy slot",
+                self.config.resource_name
+            ))),
+            Err(e) => Err(Status::invalid_argument(e.to_string())),
+        }
+    }
+
+    /// Allocate for one container.
+    pub async fn allocate(&self, req: &ContainerAllocateRequest) -> Result<ContainerAllocateResponse, Status> {
+        let slots = self.slots.parse_all(&req.devices_ids).map_err(status_from_slot)?;
+        if slots.is_empty() {
+            return Err(Status::invalid_argument("Allocate without device IDs"));
+        }
+        let mut gpus: Vec<u32> = slots.iter().map(|s| s.gpu).collect();
+        gpus.sort_unstable();
+        gpus.dedup();
+        if gpus.len() != slots.len() {
+            // each device is one GPU of the container; two slots of one GPU would silently shrink it
+            return Err(Status::failed_precondition(format!(
+                "kubelet chose {} {} devices on only {} GPU(s) {gpus:?}; a container asking for {} GPUs needs that many different GPUs",
+                slots.len(),
+                self.config.resource_name,
+                gpus.len(),
+                slots.len()
+            )));
+        }
+        if let Some(&g) = gpus.iter().find(|&&g| !self.is_healthy(g)) {
+            let reason = self.lock_health().get(g as usize).map(|h| h.reason.clone()).unwrap_or_default();
+            return Err(Status::failed_precondition(format!("GPU {g} is unhealthy ({reason})")));
+        }
+        let grant = match &self.source {
+            None => None,
+            Some(source) => Some(self.claim(source.as_ref(), &gpus).await?),
+        };
+        Ok(self.container_response(&slots, &gpus, grant.as_ref()))
+    }
+
+    /// Finds the pod being admitted and marks its container allocated, under one lock so two
+    /// admissions can never claim the same container.
+    async fn claim(&self, source: &dyn AssignmentSource, gpus: &[u32]) -> Result<Grant, Status> {
+        let mut claims = self.claims.lock().await;
+        let pending = source.pending().await.map_err(|e| Status::unavailable(e.to_string()))?;
+        let live: HashSet<&PodKey> = pending.iter().map(|p| &p.key).collect();
+        claims.claimed.retain(|(k, _)| live.contains(k));
+        let grant = match_allocation(gpus, &pending, &claims.claimed, claims.sticky.as_ref()).map_err(|e| match e {
+            MatchError::NoMatch { .. } => Status::failed_precondition(e.to_string()),
+            MatchError::Source(e) => Status::unavailable(e.to_string()),
+        })?;
+        // not marked means a restarted plugin could match the container again: refuse instead
+        source.mark_allocated(&grant.pod, &grant.container).await.map_err(|e| Status::unavailable(e.to_string()))?;
+        claims.claimed.insert((grant.pod.clone(), grant.container.clone()));
+        claims.sticky = Some(grant.pod.clone());
+        tracing::info!(pod = %grant.pod, container = %grant.container, gpus = ?gpus, "allocated");
+        Ok(grant)
+    }
+
+    fn container_response(&self, slots: &[Slot], gpus: &[u32], grant: Option<&Grant>) -> ContainerAllocateResponse {
+        let join = |v: Vec<String>| v.join(",");
+        let uuids = join(gpus.iter().map(|&g| self.slots.uuid(g).unwrap_or_default().to_string()).collect());
+        let mut envs = HashMap::new();
+        envs.insert("NVIDIA_VISIBLE_DEVICES".to_string(), uuids.clone());
+        envs.insert("GPUPLACE_GPU_UUIDS".to_string(), uuids);
+        envs.insert("GPUPLACE_GPU_INDICES".to_string(), join(gpus.iter().map(u32::to_string).collect()));
+        let mut ids: Vec<String> = slots.iter().map(|&s| self.slots.id(s)).collect();
+        ids.sort();
+        envs.insert("GPUPLACE_DEVICE_IDS".to_string(), join(ids));
+        let mut mounts = Vec::new();
+        if let Some(g) = grant {
+            envs.insert("GPUPLACE_POD".to_string(), g.pod.pod.clone());
+            envs.insert("GPUPLACE_CONTAINER".to_string(), g.container.clone());
+            // one value per GPU, in NVIDIA_VISIBLE_DEVICES order (container ordinals 0, 1, ...)
+            envs.insert(
+                "GPUPLACE_GPU_MEM_MIB".to_string(),
+                join(g.slices.iter().map(|s| s.mem_mib.to_string()).collect()),
+            );
+            envs.insert(
+                "GPUPLACE_GPU_CORE_PCT".to_string(),
+                join(g.slices.iter().map(|s| s.core_pct.to_string()).collect()),
+            );
+            let exclusive = g.slices.iter().all(|s| s.exclusive);
+            envs.insert("GPUPLACE_EXCLUSIVE".to_string(), exclusive.to_string());
+            if !exclusive {
+                let limits = g.slices.iter().enumerate().map(|(i, s)| format!("{i}={}M", s.mem_mib)).collect();
+                envs.insert("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT".to_string(), join(limits));
+                // MPS takes one percentage for all devices; slices of one container are equal by
+                // contract, and the smallest is the safe one if they ever differ
+                let core = g.slices.iter().map(|s| s.core_pct).min().unwrap_or(0);
+                if (1..100).contains(&core) {
+                    envs.insert("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".to_string(), core.to_string());
+                }
+                if let Some(dir) = &self.config.mps_pipe_dir {
+                    let d = dir.display().to_string();
+                    envs.insert("CUDA_MPS_PIPE_DIRECTORY".to_string(), d.clone());
+                    mounts.push(Mount { container_path: d.clone(), host_path: d, read_only: false });
+                }
+            }
+        }
+        ContainerAllocateResponse {
+            envs,
+            mounts,
+            devices: Vec::new(),
+            annotations: HashMap::new(),
+            cdi_devices: Vec::new(),
+        }
+    }
+}
+
+/// Watches backend health events on a thread of its own (NVML's wait blocks) until `stop` is set.
+pub fn spawn_health_monitor(
+    plugin: Arc<Plugin>,
+    backend: Arc<dyn GpuBackend>,
+    stop: Arc<AtomicBool>,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new().name("gpu-health".into()).spawn(move || {
+        while !stop.load(Ordering::Relaxed) {
+            match backend.wait_events(Duration::from_millis(250)) {
+                Ok(events) => {
+                    for e in &events {
+                        plugin.apply_event(e);
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "waiting for GPU events failed");
+                    std::thread::sleep(Duration::from_secs(1));
+                }
+            }
+        }
+    })
+}
+
+/// The gRPC face of a [`Plugin`], tied to one server instance: `shutdown` ends its streams.
+#[derive(Clone)]
+pub struct DevicePluginService {
+    plugin: Arc<Plugin>,
+    shutdown: watch::Receiver<bool>,
+}
+
+impl DevicePluginService {
+    pub fn new(plugin: Arc<Plugin>, shutdown: watch::Receiver<bool>) -> Self {
+        Self { plugin, shutdown }
+    }
+}
+
+#[tonic::async_trait]
+impl DevicePlugin for DevicePluginService {
+    async fn get_device_plugin_options(&self, _: Request<Empty>) -> Result<Response<DevicePluginOptions>, Status> {
+        Ok(Response::new(self.plugin.options()))
+    }
+
+    type ListAndWatchStream = ReceiverStream<Result<ListAndWatchResponse, Status>>;
+
+    async fn list_and_watch(&self, _: Request<Empty>) -> Result<Response<Self::ListAndWatchStream>, Status> {
+        let (tx, rx) = mpsc::channel(4);
+        let mut devices = self.plugin.subscribe();
+        let mut shutdown = self.shutdown.clone();
+        tokio::spawn(async move {
+            loop {
+                let list = devices.borrow_and_update().clone();
+                if tx.send(Ok(ListAndWatchResponse { devices: list.to_vec() })).await.is_err() {
+                    break;
+                }
+                tokio::select! {
+                    changed = devices.changed() => if changed.is_err() { break },
+                    // the server is going away (re-registration): end the stream so it can stop
+                    _ = shutdown.wait_for(|s| *s) => break,
+                    _ = tx.closed() => break,
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn get_preferred_allocation(
+        &self,
+        request: Request<PreferredAllocationRequest>,
+    ) -> Result<Response<PreferredAllocationResponse>, Status> {
+        let mut container_responses = Vec::new();
+        for c in &request.get_ref().container_requests {
+            container_responses
+                .push(ContainerPreferredAllocationResponse { device_i_ds: self.plugin.preferred(c).await? });
+        }
+        Ok(Response::new(PreferredAllocationResponse { container_responses }))
+    }
+
+    async fn allocate(&self, request: Request<AllocateRequest>) -> Result<Response<AllocateResponse>, Status> {
+        let mut container_responses = Vec::new();
+        for c in &request.get_ref().container_requests {
+            match self.plugin.allocate(c).await {
+                Ok(r) => container_responses.push(r),
+                Err(e) => {
+                    tracing::error!(devices = ?c.devices_ids, error = %e.message(), "Allocate refused");
+                    return Err(e);
+                }
+            }
+        }
+        Ok(Response::new(AllocateResponse { container_responses }))
+    }
+
+    async fn pre_start_container(
+        &self,
+        _: Request<PreStartContainerRequest>,
+    ) -> Result<Response<PreStartContainerResponse>, Status> {
+        Ok(Response::new(PreStartContainerResponse {}))
+    }
+}

@@ -1,0 +1,213 @@
+//! Serving the plugin on its unix socket and keeping it registered with kubelet.
+//!
+//! One round: bind `<dir>/<socket>`, start the gRPC server, register with `<dir>/kubelet.sock`, then
+//! check the two sockets every `poll_interval`. When kubelet restarts it deletes every socket in the
+//! directory but its own and recreates `kubelet.sock`; when our socket disappears or `kubelet.sock`
+//! is a different file than the one we registered with, the round ends and a new one starts on the
+//! same [`Plugin`] (health and allocation bookkeeping carry over).
+//!
+//! Polling instead of inotify: two `stat` calls a second cost nothing, need no extra dependency, and
+//! also work where inotify does not (some overlay and network filesystems); kubelet needs seconds to
+//! come back anyway, so re-registering within one poll interval loses nothing.
+
+use std::future::Future;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper_util::rt::TokioIo;
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::watch;
+use tokio_stream::wrappers::UnixListenerStream;
+use tonic::transport::{Channel, Endpoint, Server, Uri};
+
+use crate::api::v1beta1::device_plugin_server::DevicePluginServer;
+use crate::api::v1beta1::registration_client::RegistrationClient;
+use crate::api::v1beta1::RegisterRequest;
+use crate::api::{DEFAULT_DEVICE_PLUGIN_DIR, KUBELET_SOCKET, VERSION};
+use crate::plugin::{DevicePluginService, Plugin};
+
+/// Where and how to serve.
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    /// kubelet's device plugin directory.
+    pub dir: PathBuf,
+    /// Our socket's file name inside `dir` (the `endpoint` we register).
+    pub socket_name: String,
+    pub poll_interval: Duration,
+    /// Wait between failed registration attempts (kubelet not up yet).
+    pub retry_interval: Duration,
+}
+
+impl Default for ServeConfig {
+    fn default() -> Self {
+        Self {
+            dir: PathBuf::from(DEFAULT_DEVICE_PLUGIN_DIR),
+            socket_name: "gpuplace.sock".into(),
+            poll_interval: Duration::from_secs(1),
+            retry_interval: Duration::from_secs(2),
+        }
+    }
+}
+
+/// Why serving stopped for good.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("{action} {path}: {source}")]
+    Io { action: &'static str, path: PathBuf, source: std::io::Error },
+}
+
+/// Why a registration attempt failed (retried).
+#[derive(Debug, thiserror::Error)]
+pub enum RegisterError {
+    #[error("connecting to {path}: {source}")]
+    Connect { path: PathBuf, source: tonic::transport::Error },
+    #[error("kubelet refused registration: {0}")]
+    Refused(tonic::Status),
+}
+
+/// A file's identity: a recreated file has another inode or change time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileId {
+    dev: u64,
+    ino: u64,
+    ctime: i64,
+    ctime_nsec: i64,
+}
+
+fn file_id(path: &Path) -> Option<FileId> {
+    let m = std::fs::symlink_metadata(path).ok()?;
+    Some(FileId { dev: m.dev(), ino: m.ino(), ctime: m.ctime(), ctime_nsec: m.ctime_nsec() })
+}
+
+/// A gRPC channel over a unix socket (the URI is required by tonic and ignored).
+pub async fn connect_unix(path: &Path) -> Result<Channel, tonic::transport::Error> {
+    let path = path.to_path_buf();
+    Endpoint::from_static("http://[::1]:0")
+        .connect_timeout(Duration::from_secs(5))
+        .connect_with_connector(tower::service_fn(move |_: Uri| {
+            let path = path.clone();
+            async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(path).await?)) }
+        }))
+        .await
+}
+
+/// One Register call to kubelet.
+pub async fn register(plugin: &Plugin, cfg: &ServeConfig) -> Result<(), RegisterError> {
+    let path = cfg.dir.join(KUBELET_SOCKET);
+    let channel = connect_unix(&path).await.map_err(|source| RegisterError::Connect { path: path.clone(), source })?;
+    let request = RegisterRequest {
+        version: VERSION.into(),
+        endpoint: cfg.socket_name.clone(),
+        resource_name: plugin.config().resource_name.clone(),
+        options: Some(plugin.options()),
+    };
+    let mut client = RegistrationClient::new(channel);
+    // kubelet dials back before answering; bound the wait so a wedged kubelet is retried
+    let mut req = tonic::Request::new(request);
+    req.set_timeout(Duration::from_secs(10));
+    client.register(req).await.map_err(RegisterError::Refused)?;
+    Ok(())
+}
+
+enum RoundEnd {
+    Stop,
+    Restart(&'static str),
+}
+
+/// A future that ends serving.
+pub type StopSignal = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// Serves and re-registers until `stop` resolves; removes our socket on the way out.
+// `stop` is boxed rather than generic so that the server stack is compiled once, in this crate,
+// instead of again in every caller (the binary and each test crate): a minute of build time each
+pub async fn run(plugin: Arc<Plugin>, cfg: ServeConfig, mut stop: StopSignal) -> Result<(), ServeError> {
+    let sock = cfg.dir.join(&cfg.socket_name);
+    let mut round = 0u64;
+    loop {
+        round += 1;
+        match serve_round(&plugin, &cfg, &sock, &mut stop).await? {
+            RoundEnd::Stop => break,
+            RoundEnd::Restart(why) => tracing::info!(round, why, "re-registering"),
+        }
+    }
+    // leave no socket behind for kubelet to dial
+    let _ = std::fs::remove_file(&sock);
+    Ok(())
+}
+
+async fn serve_round(
+    plugin: &Arc<Plugin>,
+    cfg: &ServeConfig,
+    sock: &Path,
+    stop: &mut StopSignal,
+) -> Result<RoundEnd, ServeError> {
+    match std::fs::remove_file(sock) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            return Err(ServeError::Io { action: "removing stale socket", path: sock.to_path_buf(), source: e })
+        }
+        _ => {}
+    }
+    let listener = UnixListener::bind(sock).map_err(|source| ServeError::Io {
+        action: "binding",
+        path: sock.to_path_buf(),
+        source,
+    })?;
+    let our_id = file_id(sock);
+    let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    let service = DevicePluginServer::new(DevicePluginService::new(plugin.clone(), shutdown_rx.clone()));
+    let mut server_done = shutdown_rx.clone();
+    let mut server = tokio::spawn(async move {
+        Server::builder()
+            .serve_with_incoming_shutdown(service, UnixListenerStream::new(listener), async move {
+                let _ = server_done.wait_for(|s| *s).await;
+            })
+            .await
+    });
+    tracing::info!(socket = %sock.display(), "serving");
+
+    let kubelet_sock = cfg.dir.join(KUBELET_SOCKET);
+    let mut registered: Option<Option<FileId>> = None;
+    let mut server_finished = false;
+    let end = loop {
+        if registered.is_none() {
+            // the identity before the call: a kubelet restart during it is then seen as a change
+            let kubelet_id = file_id(&kubelet_sock);
+            match register(plugin, cfg).await {
+                Ok(()) => {
+                    tracing::info!(resource = %plugin.config().resource_name, "registered with kubelet");
+                    registered = Some(kubelet_id);
+                }
+                Err(e) => tracing::warn!(error = %e, "registration failed; retrying"),
+            }
+        }
+        let wait = if registered.is_some() { cfg.poll_interval } else { cfg.retry_interval };
+        tokio::select! {
+            _ = stop.as_mut() => break RoundEnd::Stop,
+            r = &mut server => {
+                server_finished = true;
+                if let Ok(Err(e)) = r {
+                    tracing::warn!(error = %e, "gRPC server failed");
+                }
+                break RoundEnd::Restart("gRPC server stopped");
+            }
+            _ = tokio::time::sleep(wait) => {}
+        }
+        if file_id(sock) != our_id {
+            break RoundEnd::Restart("our socket was removed");
+        }
+        if let Some(id) = registered {
+            if file_id(&kubelet_sock) != id {
+                break RoundEnd::Restart("kubelet.sock was recreated");
+            }
+        }
+    };
+    let _ = shutdown_tx.send(true);
+    // streams end on the shutdown signal; a connection that will not close is not worth waiting for
+    if !server_finished && tokio::time::timeout(Duration::from_secs(5), &mut server).await.is_err() {
+        server.abort();
+    }
+    Ok(end)
+}

@@ -1,0 +1,117 @@
+//! The `gpuplace-device-plugin` binary: `discover`, and serving a fake kubelet end to end.
+
+mod common;
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::{topology, FakeKubelet};
+use gpuplace::core::topology::TopologyFile;
+use gpuplace_device_plugin::api::v1beta1::device_plugin_client::DevicePluginClient;
+use gpuplace_device_plugin::api::v1beta1::{
+    AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest, Empty, PreferredAllocationRequest,
+};
+use gpuplace_device_plugin::server::connect_unix;
+
+const BIN: &str = env!("CARGO_BIN_EXE_gpuplace-device-plugin");
+
+#[test]
+fn discover_prints_text_and_topology_json() {
+    let out =
+        Command::new(BIN).args(["--fake-topology"]).arg(topology("pcie-l40s-8")).arg("discover").output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("8 GPU(s) on pcie-l40s-8") && text.contains("PIX") && text.contains("SYS"), "{text}");
+
+    let out =
+        Command::new(BIN).args(["discover", "--json", "--fake-topology"]).arg(topology("dgx1-volta")).output().unwrap();
+    assert!(out.status.success());
+    let file: TopologyFile = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!((file.name.as_str(), file.gpus.len(), file.links.len()), ("dgx1-volta", 8, 28));
+    assert!(file.gpus.iter().all(|g| g.uuid.as_deref().is_some_and(|u| u.starts_with("GPU-"))));
+    file.graph().unwrap();
+}
+
+#[test]
+fn without_nvml_or_a_fake_node_it_fails_clearly() {
+    let out = Command::new(BIN).arg("discover").output().unwrap();
+    if out.status.success() {
+        // a GPU node: real NVML answered
+        return;
+    }
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("NVML is not available") && err.contains("--fake-topology"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+/// Kills the child on every exit path of the test.
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test]
+async fn binary_registers_with_the_test_kubelet_and_serves_allocations() {
+    let dir = tempfile::Builder::new().prefix("gdp").tempdir().unwrap();
+    let mut kubelet = FakeKubelet::start(dir.path());
+    let child = Child(
+        Command::new(BIN)
+            .arg("--fake-topology")
+            .arg(topology("hgx-h100-8"))
+            .arg("--device-plugin-dir")
+            .arg(dir.path())
+            .args(["--slots-per-gpu", "2", "--poll-interval-ms", "50"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let reg = kubelet.next_registration().await;
+    assert_eq!(reg.resource_name, "gpuplace.io/gpu");
+    let mut c = DevicePluginClient::new(connect_unix(&dir.path().join(&reg.endpoint)).await.unwrap());
+    let mut stream = c.list_and_watch(Empty {}).await.unwrap().into_inner();
+    let devices =
+        tokio::time::timeout(Duration::from_secs(10), stream.message()).await.unwrap().unwrap().unwrap().devices;
+    assert_eq!(devices.len(), 16);
+    let ids: Vec<String> = devices.into_iter().map(|d| d.id).collect();
+    let pref = c
+        .get_preferred_allocation(PreferredAllocationRequest {
+            container_requests: vec![ContainerPreferredAllocationRequest {
+                available_device_i_ds: ids,
+                must_include_device_i_ds: vec![],
+                allocation_size: 4,
+            }],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let chosen = pref.container_responses[0].device_i_ds.clone();
+    assert_eq!(chosen.len(), 4);
+    let r = c
+        .allocate(AllocateRequest { container_requests: vec![ContainerAllocateRequest { devices_ids: chosen }] })
+        .await
+        .unwrap()
+        .into_inner();
+    let visible = &r.container_responses[0].envs["NVIDIA_VISIBLE_DEVICES"];
+    assert_eq!(visible.split(',').count(), 4);
+    // kubelet restarts: the binary registers again
+    kubelet.stop().await;
+    let _ = std::fs::remove_file(dir.path().join(&reg.endpoint));
+    kubelet = FakeKubelet::start(dir.path());
+    assert_eq!(kubelet.next_registration().await.endpoint, reg.endpoint);
+    // SIGTERM (what the kubelet's pod teardown sends): a clean exit that removes our socket
+    let pid = child.0.id().to_string();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let status = tokio::task::spawn_blocking(move || {
+        let mut child = child;
+        let s = child.0.wait();
+        (s, child)
+    });
+    let (status, _child) = tokio::time::timeout(Duration::from_secs(10), status).await.unwrap().unwrap();
+    assert!(status.unwrap().success());
+    assert!(!dir.path().join(&reg.endpoint).exists());
+}

@@ -1,0 +1,140 @@
+//! A fake kubelet for the tests: a `Registration` server on `kubelet.sock` in a temp dir, plus a
+//! harness that runs the plugin (fake backend, real gRPC stack) against it.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpuplace_device_plugin::api::v1beta1::device_plugin_client::DevicePluginClient;
+use gpuplace_device_plugin::api::v1beta1::{Device, ListAndWatchResponse, RegisterRequest};
+use gpuplace_device_plugin::assign::AssignmentSource;
+use gpuplace_device_plugin::nvml::fake::FakeBackend;
+use gpuplace_device_plugin::nvml::GpuBackend;
+use gpuplace_device_plugin::plugin::{spawn_health_monitor, Plugin, PluginConfig};
+use gpuplace_device_plugin::server::{connect_unix, run, ServeConfig};
+use gpuplace_device_plugin::testing;
+use tokio::sync::oneshot;
+use tonic::transport::Channel;
+use tonic::Streaming;
+
+/// Generous for a loaded 2-core CI machine; the happy paths take milliseconds.
+pub const WAIT: Duration = Duration::from_secs(10);
+
+pub fn topology(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/topologies").join(format!("{name}.json"))
+}
+
+/// The fake kubelet of the library, with the tests' patience.
+pub struct FakeKubelet(testing::FakeKubelet);
+
+impl FakeKubelet {
+    pub fn start(dir: &Path) -> Self {
+        Self(testing::FakeKubelet::start(dir).expect("start fake kubelet"))
+    }
+
+    /// The next Register call.
+    pub async fn next_registration(&mut self) -> RegisterRequest {
+        self.0.next_registration(WAIT).await.expect("no registration in time")
+    }
+
+    pub async fn stop(&mut self) {
+        self.0.stop().await;
+    }
+}
+
+/// The plugin under test, serving a fake kubelet.
+pub struct Harness {
+    pub dir: tempfile::TempDir,
+    pub kubelet: FakeKubelet,
+    pub backend: Arc<FakeBackend>,
+    pub plugin: Arc<Plugin>,
+    stop: Option<oneshot::Sender<()>>,
+    serve: Option<tokio::task::JoinHandle<()>>,
+    monitor_stop: Arc<AtomicBool>,
+}
+
+impl Harness {
+    pub async fn start(topo: &str, config: PluginConfig, source: Option<Arc<dyn AssignmentSource>>) -> Self {
+        let dir = tempfile::Builder::new().prefix("gdp").tempdir().expect("temp dir");
+        let kubelet = FakeKubelet::start(dir.path());
+        let backend = Arc::new(FakeBackend::load(&topology(topo), "test-node").expect("topology"));
+        let inventory = backend.inventory().expect("inventory");
+        let plugin = Plugin::new(config, &inventory, source).expect("plugin");
+        let monitor_stop = Arc::new(AtomicBool::new(false));
+        spawn_health_monitor(plugin.clone(), backend.clone(), monitor_stop.clone()).expect("monitor");
+        let cfg = ServeConfig {
+            dir: dir.path().to_path_buf(),
+            socket_name: "gpuplace.sock".into(),
+            poll_interval: Duration::from_millis(20),
+            retry_interval: Duration::from_millis(20),
+        };
+        let (stop_tx, stop_rx) = oneshot::channel::<()>();
+        let serve = tokio::spawn({
+            let plugin = plugin.clone();
+            async move {
+                run(
+                    plugin,
+                    cfg,
+                    Box::pin(async {
+                        let _ = stop_rx.await;
+                    }),
+                )
+                .await
+                .expect("serve");
+            }
+        });
+        Self { dir, kubelet, backend, plugin, stop: Some(stop_tx), serve: Some(serve), monitor_stop }
+    }
+
+    /// Waits for the plugin to register and connects to it as kubelet does.
+    pub async fn register_and_connect(&mut self) -> (RegisterRequest, DevicePluginClient<Channel>) {
+        let reg = self.kubelet.next_registration().await;
+        let client = self.connect(&reg.endpoint).await;
+        (reg, client)
+    }
+
+    pub async fn connect(&self, endpoint: &str) -> DevicePluginClient<Channel> {
+        let channel = connect_unix(&self.dir.path().join(endpoint)).await.expect("connect to plugin");
+        DevicePluginClient::new(channel)
+    }
+
+    /// Simulates a kubelet restart: it stops, wipes the plugin sockets, and comes back.
+    pub async fn restart_kubelet(&mut self) {
+        self.kubelet.stop().await;
+        for e in std::fs::read_dir(self.dir.path()).expect("read dir").flatten() {
+            let _ = std::fs::remove_file(e.path());
+        }
+        self.kubelet = FakeKubelet::start(self.dir.path());
+    }
+
+    pub async fn shutdown(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.serve.take() {
+            tokio::time::timeout(WAIT, t).await.expect("plugin stops").expect("serve task");
+        }
+        assert!(!self.dir.path().join("gpuplace.sock").exists(), "socket removed on exit");
+        self.monitor_stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// The next ListAndWatch message.
+pub async fn next_list(stream: &mut Streaming<ListAndWatchResponse>) -> Vec<Device> {
+    tokio::time::timeout(WAIT, stream.message())
+        .await
+        .expect("ListAndWatch update in time")
+        .expect("stream ok")
+        .expect("stream open")
+        .devices
+}
+
+/// Asserts that no ListAndWatch message arrives within `d`.
+pub async fn no_update_within(stream: &mut Streaming<ListAndWatchResponse>, d: Duration) {
+    if let Ok(m) = tokio::time::timeout(d, stream.message()).await {
+        panic!("unexpected ListAndWatch message: {:?}", m.map(|m| m.map(|m| m.devices.len())));
+    }
+}
