@@ -25,9 +25,9 @@ struct Cli {
     /// Utilization and fault script for the fake node (see docs/device-plugin.md).
     #[arg(long, global = true, value_name = "FILE", requires = "fake_topology")]
     fake_script: Option<PathBuf>,
-    /// This node's name; seeds the fake GPUs' UUIDs.
-    #[arg(long, global = true, env = "NODE_NAME", default_value = "fake-node")]
-    node_name: String,
+    /// This node's name (default: $NODE_NAME, else "fake-node"); seeds the fake GPUs' UUIDs.
+    #[arg(long, global = true)]
+    node_name: Option<String>,
     /// kubelet's device plugin directory (kubelet.sock and our socket live here).
     #[arg(long, default_value = DEFAULT_DEVICE_PLUGIN_DIR)]
     device_plugin_dir: PathBuf,
@@ -65,7 +65,10 @@ enum Command {
 fn backend(cli: &Cli) -> Result<Arc<dyn GpuBackend>, BackendError> {
     match &cli.fake_topology {
         Some(path) => {
-            let mut fake = FakeBackend::load(path, &cli.node_name)?;
+            // read by hand rather than with clap's `env` feature, which would rebuild clap (and
+            // the root crate) with other features than the root crate alone uses
+            let node = cli.node_name.clone().or_else(|| std::env::var("NODE_NAME").ok());
+            let mut fake = FakeBackend::load(path, node.as_deref().unwrap_or("fake-node"))?;
             if let Some(script) = &cli.fake_script {
                 fake = fake.with_script(FakeScript::load(script)?)?;
             }
