@@ -73,7 +73,12 @@ pub struct GpuTopology {
     pair_scores: Vec<u32>,
     /// Best set score per set size on the empty board, computed on first use.
     best_by_size: std::sync::OnceLock<Vec<u32>>,
+    /// Unique per constructed graph (clones share it: same content), so memoized GPU choices can be
+    /// keyed by board without comparing graphs.
+    id: u64,
 }
+
+static NEXT_TOPOLOGY_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Why a topology description was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -126,7 +131,8 @@ impl GpuTopology {
             pair_scores[a.index() * n + b.index()] = s;
             pair_scores[b.index() * n + a.index()] = s;
         }
-        Ok(Self { graph, fabric, n, pair_scores, best_by_size: std::sync::OnceLock::new() })
+        let id = NEXT_TOPOLOGY_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(Self { graph, fabric, n, pair_scores, best_by_size: std::sync::OnceLock::new(), id })
     }
 
     /// A node whose GPUs all hang off one host bridge and have no NVLink: the assumption for nodes
@@ -141,6 +147,11 @@ impl GpuTopology {
 
     pub fn is_empty(&self) -> bool {
         self.n == 0
+    }
+
+    /// An identifier no other constructed topology has (a clone keeps it: it has the same links).
+    pub fn id(&self) -> u64 {
+        self.id
     }
 
     pub fn fabric(&self) -> NvlinkFabric {
@@ -164,6 +175,12 @@ impl GpuTopology {
     #[inline]
     pub fn pair_score(&self, a: usize, b: usize) -> u32 {
         self.pair_scores[a * self.n + b]
+    }
+
+    /// Pair scores of GPU `a` with every GPU, by index (0 with itself; empty for an unknown GPU).
+    #[inline]
+    pub fn pair_row(&self, a: usize) -> &[u32] {
+        self.pair_scores.get(a * self.n..(a + 1) * self.n).unwrap_or(&[])
     }
 
     /// The highest set score any `k` GPUs of this board reach (0 for k < 2 or k > n): the yardstick

@@ -74,6 +74,16 @@ fn capacity_summary(node: &Node, state: &FreeState, demand: &GpuDemand) -> Strin
     format!("{fits} usable GPU(s) have room; most free is {} MiB / {}%", best.0, best.1)
 }
 
+/// The order app containers are placed in: largest demands first, as they have the fewest options.
+pub(crate) fn container_order(req: &PodRequest) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..req.containers.len()).collect();
+    order.sort_by_key(|&i| {
+        let d = &req.containers[i].demand;
+        std::cmp::Reverse((d.gpus(), d.is_whole(), d.core_on(), d.mem_on(u64::MAX / 1000)))
+    });
+    order
+}
+
 /// Places containers on `state` (mutated). Returns the container assignments in spec order.
 fn assign(
     node: &Node,
@@ -82,12 +92,7 @@ fn assign(
     how: &GpuChoice<'_>,
 ) -> Result<(Vec<ContainerAssignment>, Vec<u32>), String> {
     let before = state.clone();
-    // Largest demands first: they have the fewest options.
-    let mut order: Vec<usize> = (0..req.containers.len()).collect();
-    order.sort_by_key(|&i| {
-        let d = &req.containers[i].demand;
-        std::cmp::Reverse((d.gpus(), d.is_whole(), d.core_on(), d.mem_on(u64::MAX / 1000)))
-    });
+    let order = container_order(req);
     let mut out: Vec<Option<(ContainerAssignment, u32)>> = vec![None; req.containers.len()];
     for i in order {
         let c = &req.containers[i];

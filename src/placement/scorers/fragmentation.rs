@@ -30,6 +30,39 @@ pub struct MixEntry {
     pub weight: f64,
 }
 
+impl MixEntry {
+    /// Whether this request could use the node's GPUs at all: it needs a GPU, the model is allowed
+    /// and the host has the CPU.
+    fn usable(&self, cpu_left: Option<u64>, model: &str) -> bool {
+        let cpu_ok = cpu_left.is_none_or(|c| c >= self.cpu_milli);
+        let model_ok = self.models.is_empty() || self.models.iter().any(|m| m.eq_ignore_ascii_case(model));
+        self.gpus > 0 && model_ok && cpu_ok
+    }
+
+    /// This request's weighted part of a node's fragmentation: all idle share when it cannot run
+    /// there, else the share stranded on GPUs too small for it (`fit` GPUs are large enough).
+    fn fragment(&self, usable: bool, fit: u32, stranded: u32, idle: f64) -> f64 {
+        if !usable {
+            return self.weight * idle;
+        }
+        self.weight * if fit >= self.gpus { f64::from(stranded) } else { idle }
+    }
+}
+
+/// How many GPUs have at least `milli` free, and the free share on the others.
+fn fit_and_stranded(free_milli: &[u32], milli: u32) -> (u32, u32) {
+    let mut fit = 0u32;
+    let mut stranded = 0u32;
+    for &f in free_milli {
+        if f >= milli {
+            fit += 1;
+        } else {
+            stranded += f;
+        }
+    }
+    (fit, stranded)
+}
+
 /// The typical request mix a cluster serves.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct WorkloadMix {
@@ -95,24 +128,67 @@ impl WorkloadMix {
         let idle = f64::from(idle);
         let mut frag = 0.0;
         for t in &self.entries {
-            let cpu_ok = cpu_left.is_none_or(|c| c >= t.cpu_milli);
-            let model_ok = t.models.is_empty() || t.models.iter().any(|m| m.eq_ignore_ascii_case(model));
-            if t.gpus == 0 || !model_ok || !cpu_ok {
-                frag += t.weight * idle;
-                continue;
-            }
-            let mut fit = 0u32;
-            let mut stranded = 0u32;
-            for &f in free_milli {
-                if f >= t.milli {
-                    fit += 1;
-                } else {
-                    stranded += f;
-                }
-            }
-            frag += t.weight * if fit >= t.gpus { f64::from(stranded) } else { idle };
+            let usable = t.usable(cpu_left, model);
+            let (fit, stranded) = if usable { fit_and_stranded(free_milli, t.milli) } else { (0, 0) };
+            frag += t.fragment(usable, fit, stranded, idle);
         }
         frag
+    }
+
+    /// `fragmentation(after, cpu_after) - fragmentation(before, cpu_before)` where `after` differs from
+    /// `before` only on the GPUs whose bits are set in `changed`: one pass over the mix, and after
+    /// each entry's sums over all GPUs only the changed GPUs are looked at again. Each side adds up
+    /// the same terms in the same order as [`fragmentation`](Self::fragmentation), so the result is
+    /// bit-for-bit the difference of the two calls.
+    pub fn fragmentation_change(
+        &self,
+        before: &[u32],
+        after: &[u32],
+        changed: u64,
+        cpu: (Option<u64>, Option<u64>),
+        model: &str,
+    ) -> f64 {
+        let idle_b: u32 = before.iter().sum();
+        let idle_a: u32 = after.iter().sum();
+        let (idle_bf, idle_af) = (f64::from(idle_b), f64::from(idle_a));
+        let (mut frag_b, mut frag_a) = (0.0, 0.0);
+        for t in &self.entries {
+            let (usable_b, usable_a) = (t.usable(cpu.0, model), t.usable(cpu.1, model));
+            let (mut fit, mut stranded) = (0, 0);
+            if usable_b || usable_a {
+                (fit, stranded) = fit_and_stranded(before, t.milli);
+            }
+            if usable_b {
+                frag_b += t.fragment(true, fit, stranded, idle_bf);
+            } else {
+                frag_b += t.fragment(false, 0, 0, idle_bf);
+            }
+            if usable_a {
+                let mut bits = changed;
+                while bits != 0 {
+                    let g = bits.trailing_zeros() as usize;
+                    bits &= bits - 1;
+                    let (b, a) = (before[g], after[g]);
+                    // move GPU g from its place in `before`'s sums to its place in `after`'s
+                    if b >= t.milli {
+                        fit -= 1;
+                    } else {
+                        stranded -= b;
+                    }
+                    if a >= t.milli {
+                        fit += 1;
+                    } else {
+                        stranded += a;
+                    }
+                }
+                frag_a += t.fragment(true, fit, stranded, idle_af);
+            } else {
+                frag_a += t.fragment(false, 0, 0, idle_af);
+            }
+        }
+        let frag_b = if idle_b == 0 { 0.0 } else { frag_b };
+        let frag_a = if idle_a == 0 { 0.0 } else { frag_a };
+        frag_a - frag_b
     }
 
     /// Fragmentation of a node in the given free state (host CPU as the node has it now).
@@ -136,40 +212,25 @@ pub fn fragmentation_delta(mix: &WorkloadMix, node: &Node, placement: &Placement
     let n = node.gpus.len().min(64);
     let mut before = [0u32; 64];
     for (g, slot) in before.iter_mut().enumerate().take(n) {
-        *slot = free_milli_now(node, g);
+        *slot = node.free_milli(g);
     }
     let mut after = before;
+    let mut changed = 0u64;
     for c in placement.assignment.containers.iter().filter(|c| !c.init) {
         for s in &c.slices {
             let g = s.gpu as usize;
             if g >= n {
                 continue;
             }
-            let take = if s.exclusive {
-                1000
-            } else {
-                let cap = node.gpus[g].memory_mib.max(1);
-                (s.core_pct * 10).max((s.mem_mib * 1000).div_ceil(cap) as u32)
-            };
-            after[g] = after[g].saturating_sub(take);
+            after[g] = after[g].saturating_sub(s.milli_on(node.gpus[g].memory_mib));
+            changed |= 1 << g;
         }
     }
     let model = node.gpus.first().map_or("", |g| g.model.as_str());
     let tracked = node.cpu_milli > 0;
     let cpu_before = tracked.then(|| node.cpu_free());
     let cpu_after = tracked.then(|| node.cpu_free().saturating_sub(placement.assignment.cpu_milli));
-    mix.fragmentation(&after[..n], cpu_after, model) - mix.fragmentation(&before[..n], cpu_before, model)
-}
-
-/// Free share of a GPU now, in thousandths (0 for unhealthy GPUs: nobody can use them).
-pub fn free_milli_now(node: &Node, g: usize) -> u32 {
-    let u = node.usage(g);
-    let gpu = &node.gpus[g];
-    if u.exclusive || !gpu.healthy {
-        return 0;
-    }
-    let mem = (node.free_mem(g) * 1000).checked_div(gpu.memory_mib).unwrap_or(0) as u32;
-    (node.free_core(g) * 10).min(mem)
+    mix.fragmentation_change(&before[..n], &after[..n], changed, (cpu_before, cpu_after), model)
 }
 
 /// Fragmentation changes beyond this many GPUs all score the same (0 or 1).
