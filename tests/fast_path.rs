@@ -375,6 +375,15 @@ fn fast_path_matches_the_straightforward_one() {
                     n.gpus[g].memory_mib = cap + rng.random_range(0..1000);
                 }
             }
+            if rng.random_bool(0.3) {
+                // pods leave too: derived per-GPU shares must follow releases as well
+                let pods: Vec<String> = c.nodes().iter().flat_map(|n| n.pods().map(|p| p.pod.clone())).collect();
+                for _ in 0..rng.random_range(1..4) {
+                    if !pods.is_empty() {
+                        let _ = c.release(&pods[rng.random_range(0..pods.len())]);
+                    }
+                }
+            }
             let e = &engines[rng.random_range(0..engines.len())];
             let req = random_request(&mut rng, step);
             check(e, &c, &req, &mix, &mut seen, &format!("case {case} step {step} {req:?}"));

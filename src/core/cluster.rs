@@ -267,6 +267,13 @@ impl<T: std::fmt::Debug> std::fmt::Debug for PerGpu<T> {
     }
 }
 
+/// A GPU's used share, as a fraction and in thousandths.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+struct UsedShare {
+    fraction: f64,
+    milli: u32,
+}
+
 /// A GPU node.
 #[derive(Debug, Clone)]
 pub struct Node {
@@ -283,6 +290,10 @@ pub struct Node {
     /// `gpus` in compact form. Brought up to date wherever `gpus` can change: construction,
     /// insertion into a cluster, `set_gpu_health` and the end of a [`NodeMut`] borrow.
     facts: PerGpu<GpuFacts>,
+    /// Each GPU's used share, worked out from `usage` and `facts` whenever either changes (as `usage`
+    /// is summed from the pods when they change): placement reads it for every GPU of every node, and
+    /// the divisions were a good part of filtering.
+    used: PerGpu<UsedShare>,
     utilization: PerGpu<Option<UtilSample>>,
     pods: BTreeMap<String, PodAssignment>,
     /// Bumped on every change, so callers can cache per-node results.
@@ -351,6 +362,7 @@ impl Node {
             mem_used: 0,
             usage: PerGpu::filled(n),
             facts: PerGpu::filled(n),
+            used: PerGpu::filled(n),
             utilization: PerGpu::filled(n),
             pods: BTreeMap::new(),
             generation: 0,
@@ -364,6 +376,32 @@ impl Node {
         for (f, g) in self.facts.iter_mut().zip(&self.gpus) {
             *f = GpuFacts::of(g);
         }
+        self.used = PerGpu::filled(self.gpus.len());
+        for g in 0..self.used.len() {
+            self.usage_changed(g);
+        }
+    }
+
+    /// Brings GPU `gpu`'s used share up to date with its usage and capacity.
+    fn usage_changed(&mut self, gpu: usize) {
+        let (Some(u), Some(f), Some(slot)) = (self.usage.get(gpu), self.facts.get(gpu), self.used.get_mut(gpu)) else {
+            return;
+        };
+        *slot = UsedShare {
+            fraction: u.used_fraction(f.memory_mib),
+            milli: if u.exclusive { 1000 } else { share_milli(u.mem_mib, u.core_pct, f.memory_mib) },
+        };
+    }
+
+    /// Used fraction of each GPU, by index (see [`gpu_used_fraction`](Self::gpu_used_fraction)).
+    pub fn used_fractions(&self) -> impl ExactSizeIterator<Item = f64> + '_ {
+        self.used.iter().map(|u| u.fraction)
+    }
+
+    /// Used share of each GPU in thousandths, by index: 1000 when held whole, else the share of what
+    /// is allocated on it (see [`share_milli`]); health plays no part.
+    pub fn used_milli(&self) -> impl ExactSizeIterator<Item = u32> + '_ {
+        self.used.iter().map(|u| u.milli)
     }
 
     /// Capacity, health and NUMA node of each GPU, by index (as in `gpus`).
@@ -390,12 +428,10 @@ impl Node {
     /// Free share of a GPU now, in thousandths: 0 when it is held whole or unhealthy (nobody can use
     /// it), else 1000 minus the share of what is allocated on it.
     pub fn free_milli(&self, gpu: usize) -> u32 {
-        let u = self.usage[gpu];
-        let info = &self.facts[gpu];
-        if u.exclusive || !info.healthy {
+        if !self.facts[gpu].healthy {
             return 0;
         }
-        1000 - share_milli(u.mem_mib, u.core_pct, info.memory_mib)
+        1000 - self.used[gpu].milli
     }
 
     /// Whether nobody holds any of this GPU.
@@ -464,7 +500,7 @@ impl Node {
     /// Used fraction of one GPU: the larger of its compute and memory fractions.
     #[inline]
     pub fn gpu_used_fraction(&self, gpu: usize) -> f64 {
-        self.usage[gpu].used_fraction(self.facts[gpu].memory_mib)
+        self.used[gpu].fraction
     }
 
     fn check(&self, a: &PodAssignment) -> Result<BTreeMap<u32, Footprint>, AllocError> {
@@ -529,6 +565,7 @@ impl Node {
             u.core_pct += fp.core_pct;
             u.exclusive |= fp.exclusive;
             u.holders += 1;
+            self.usage_changed(gpu as usize);
         }
         self.cpu_used += a.cpu_milli;
         self.mem_used += a.memory_mib;
@@ -547,6 +584,7 @@ impl Node {
             if fp.exclusive {
                 u.exclusive = false;
             }
+            self.usage_changed(gpu as usize);
         }
         self.cpu_used -= a.cpu_milli;
         self.mem_used -= a.memory_mib;
@@ -654,6 +692,7 @@ impl Cluster {
                 let mut conflicts = Vec::new();
                 node.pods.clear();
                 node.usage = PerGpu::filled(node.gpus.len());
+                node.refresh_facts();
                 node.cpu_used = 0;
                 node.mem_used = 0;
                 node.generation = self.nodes[i].generation + 1;

@@ -61,6 +61,10 @@ struct Free {
     cap: [u64; M],
     mem: [u64; M],
     core: [u32; M],
+    /// Free share in thousandths (`free_milli_of` the two above), as the node keeps it for its
+    /// current state; GPUs this pod has taken from (`taken`) are worked out again when asked.
+    milli: [u32; M],
+    taken: u64,
     /// Nobody holds anything on the GPU.
     idle: u64,
     /// Healthy and of an allowed model.
@@ -68,7 +72,7 @@ struct Free {
 }
 
 impl Free {
-    const ZERO: Free = Free { cap: [0; M], mem: [0; M], core: [0; M], idle: 0, eligible: 0 };
+    const ZERO: Free = Free { cap: [0; M], mem: [0; M], core: [0; M], milli: [0; M], taken: 0, idle: 0, eligible: 0 };
 
     /// Loads the node as it is now; false when no GPU is of an allowed model. One pass over the GPUs:
     /// this is where a node's data is first touched.
@@ -78,7 +82,7 @@ impl Free {
         let (mut idle, mut eligible) = (0, 0);
         // bit arithmetic rather than branches: which GPUs are busy looks random to the branch
         // predictor, and mispredictions were most of the cost here
-        for (g, (f, u)) in node.gpu_facts().iter().zip(node.usages()).enumerate() {
+        for (g, ((f, u), used)) in node.gpu_facts().iter().zip(node.usages()).zip(node.used_milli()).enumerate() {
             let allowed = any_model || node.gpus.get(g).is_some_and(|gpu| req.allows_model(&gpu.model));
             model_seen |= allowed;
             eligible |= u64::from(allowed & f.healthy) << g;
@@ -88,8 +92,9 @@ impl Free {
             self.cap[g] = f.memory_mib;
             self.mem[g] = f.memory_mib.saturating_sub(u.mem_mib) & shared;
             self.core[g] = 100u32.saturating_sub(u.core_pct) & shared as u32;
+            self.milli[g] = 1000 - used;
         }
-        (self.idle, self.eligible) = (idle, eligible);
+        (self.idle, self.eligible, self.taken) = (idle, eligible, 0);
         model_seen
     }
 
@@ -98,8 +103,12 @@ impl Free {
     fn load_empty(&mut self, n: usize, eligible: u64) {
         self.mem[..n].copy_from_slice(&self.cap[..n]);
         self.core[..n].fill(100);
+        for g in 0..n {
+            self.milli[g] = free_milli_of(self.cap[g], 100, self.cap[g]);
+        }
         self.idle = u64::MAX.checked_shr(64 - n as u32).unwrap_or(0);
         self.eligible = eligible;
+        self.taken = 0;
     }
 
     /// GPUs that can take one slice of `demand`.
@@ -125,10 +134,15 @@ impl Free {
             self.mem[g] = 0;
             self.core[g] = 0;
         }
+        self.taken |= bit(g);
     }
 
     fn free_milli(&self, g: usize) -> u32 {
-        free_milli_of(self.mem[g], self.core[g], self.cap[g])
+        if self.taken & bit(g) != 0 {
+            free_milli_of(self.mem[g], self.core[g], self.cap[g])
+        } else {
+            self.milli[g]
+        }
     }
 
     /// The general path's form, for the rare choices that are neither memoized nor computed here.
@@ -169,7 +183,7 @@ pub(crate) enum Outcome {
     TooLarge,
 }
 
-/// Working memory for placing one pod on node after node: the compact state is 1.3 KiB, and moving
+/// Working memory for placing one pod on node after node: the compact state is 1.5 KiB, and moving
 /// it around by value showed in profiles.
 pub(crate) struct Scratch {
     free: Free,
@@ -190,7 +204,7 @@ impl Scratch {
 pub(crate) fn place(node: &Node, plan: &Plan<'_>, memo: &mut Memo, sc: &mut Scratch) -> Outcome {
     let n = node.gpus.len();
     // (the lists always agree for nodes built through `Node::new`)
-    if n > M || node.gpu_facts().len() != n || node.usages().len() != n {
+    if n > M || node.gpu_facts().len() != n || node.usages().len() != n || node.used_milli().len() != n {
         return Outcome::TooLarge;
     }
     let req = plan.req;
@@ -342,11 +356,9 @@ fn pick(
         return general_pick(node, st, demand, how, cands, k);
     }
     let topo = &node.topology;
-    // connection to the other GPUs that stay free (weakly connected ones go first); a GPU's pair
-    // score with itself is 0, and summing a whole masked row avoids branching on the mask
-    let connect = |g: usize| -> i64 {
-        topo.pair_row(g).iter().enumerate().map(|(o, &p)| i64::from(p) * i64::from((free >> o) as u8 & 1)).sum()
-    };
+    // connection to the other GPUs that stay free (weakly connected ones go first; a GPU's pair score
+    // with itself is 0)
+    let connect = |g: usize| -> i64 { i64::try_from(topo.connect(g, free)).unwrap_or(i64::MAX) };
     match how.share {
         ShareChoice::Pack(policy) => {
             // the first best (pack, -connect) in index order, as the general path's strict comparison

@@ -48,7 +48,14 @@ fn total_order_key(x: f64) -> u64 {
 
 /// `total` (0.0..=1.0) on the extender's 0..=10 scale.
 fn scale(total: f64) -> i64 {
-    ((total * MAX_NODE_SCORE as f64).round() as i64).clamp(0, MAX_NODE_SCORE)
+    round_half_up((total * MAX_NODE_SCORE as f64).clamp(0.0, MAX_NODE_SCORE as f64))
+}
+
+/// `x.round() as i64` for `0.0 <= x <= 2^52`, inline: without SSE4.1 in the baseline target,
+/// `f64::round` is a library call, once per ranked node. The fraction `x - trunc(x)` is exact there.
+fn round_half_up(x: f64) -> i64 {
+    let t = x as i64;
+    t + i64::from(x - t as f64 >= 0.5)
 }
 
 /// The GPUs a pod would get on one node, kept compact: ranking builds one per feasible node, and only
@@ -324,6 +331,23 @@ pub enum ScheduleError {
 #[cfg(test)]
 mod tests {
     use super::total_order_key;
+
+    #[test]
+    fn inline_rounding_matches_f64_round() {
+        let mut x = 0.0f64;
+        while x <= 10.0 {
+            // x and its neighbours (no next_up in the minimum supported Rust)
+            let up = f64::from_bits(x.to_bits() + 1);
+            let down = if x > 0.0 { f64::from_bits(x.to_bits() - 1) } else { 0.0 };
+            for y in [x, up, down] {
+                assert_eq!(super::round_half_up(y), y.round() as i64, "{y}");
+            }
+            x += 0.0005;
+        }
+        for y in [0.49999999999999994, 0.5, 2.5, 9.5, 9.999999999999998, 10.0] {
+            assert_eq!(super::round_half_up(y), y.round() as i64, "{y}");
+        }
+    }
 
     #[test]
     fn order_key_sorts_as_total_cmp() {

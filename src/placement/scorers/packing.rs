@@ -25,10 +25,10 @@ pub fn load_after(node: &Node, placement: &Placement) -> f64 {
         large.resize(n, 0.0);
         &mut large
     };
-    let facts = node.gpu_facts();
-    for ((slot, u), f) in used.iter_mut().zip(node.usages()).zip(facts) {
-        *slot = u.used_fraction(f.memory_mib);
+    for (slot, u) in used.iter_mut().zip(node.used_fractions()) {
+        *slot = u;
     }
+    let facts = node.gpu_facts();
     for c in placement.assignment.containers.iter().filter(|c| !c.init) {
         for s in &c.slices {
             let g = s.gpu as usize;
