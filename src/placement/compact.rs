@@ -2,10 +2,10 @@
 //! on a compact copy of the node's free capacity (fixed arrays, GPU sets as bitmasks) without
 //! allocating.
 //!
-//! It makes exactly the choices of [`place_on_node`], which stays the general path: nodes of more than
-//! [`MAX_COMPACT_GPUS`] GPUs, and the text of every rejection (rejections are many and their text is
-//! rarely read, so it is written only when asked for). tests/fast_path.rs holds the two equal on
-//! random clusters.
+//! It makes exactly the choices of [`place_on_node`](crate::placement::feasibility::place_on_node),
+//! which stays the general path: nodes of more than [`MAX_COMPACT_GPUS`] GPUs, and the text of every
+//! rejection (rejections are many and their text is rarely read, so it is written only when asked
+//! for). tests/fast_path.rs holds the two equal on random clusters.
 //!
 //! Whole-GPU choices (the exhaustive set search and the look-ahead) are pure functions of the board,
 //! its NUMA layout, the candidate and free GPU masks, the set size and the NUMA policy; at ordinary
@@ -421,7 +421,7 @@ fn general_pick(node: &Node, st: &Free, demand: &GpuDemand, how: &GpuChoice<'_>,
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct MemoKey {
     topo: u64,
     numa_layout: u64,
@@ -429,6 +429,25 @@ struct MemoKey {
     free: u64,
     k: usize,
     numa: NumaPolicy,
+}
+
+impl std::hash::Hash for MemoKey {
+    /// All fields folded into one word, hashed once: collisions only cost an equality check.
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        let numa = match self.numa {
+            NumaPolicy::Required => 1u64,
+            NumaPolicy::Preferred => 2,
+            NumaPolicy::None => 3,
+        };
+        state.write_u64(
+            self.cands
+                ^ self.free.rotate_left(21)
+                ^ self.numa_layout.rotate_left(42)
+                ^ self.topo.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+                ^ (self.k as u64) << 56
+                ^ numa << 62,
+        );
+    }
 }
 
 /// Memoized whole-GPU choices, per thread.

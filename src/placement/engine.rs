@@ -81,22 +81,20 @@ impl Pick {
         }
     }
 
-    fn masks(&self) -> Option<&[u64]> {
+    /// The per-container masks (none for a general-path record).
+    fn masks(&self) -> &[u64] {
         match &self.0 {
-            PickRepr::One(m) => Some(std::slice::from_ref(m)),
-            PickRepr::Masks(m) => Some(m),
-            PickRepr::Placed(_) => None,
+            PickRepr::One(m) => std::slice::from_ref(m),
+            PickRepr::Masks(m) => m,
+            PickRepr::Placed(_) => &[],
         }
     }
 
     /// Every GPU index any container uses, ascending (as [`Placement::gpus`]).
     pub fn gpus(&self) -> Vec<u32> {
-        match self.masks() {
-            Some(masks) => compact::bits(masks.iter().fold(0, |a, m| a | m)).map(|g| g as u32).collect(),
-            None => match &self.0 {
-                PickRepr::Placed(p) => p.gpus(),
-                _ => Vec::new(),
-            },
+        match &self.0 {
+            PickRepr::Placed(p) => p.gpus(),
+            _ => compact::bits(self.masks().iter().fold(0, |a, m| a | m)).map(|g| g as u32).collect(),
         }
     }
 }
@@ -122,15 +120,14 @@ impl Candidate {
     /// (`None` when the node is not in `cluster`).
     pub fn placement(&self, cluster: &Cluster, req: &PodRequest) -> Option<Placement> {
         let node = cluster.nodes().get(self.node)?;
-        match (&self.pick.0, self.pick.masks()) {
-            (PickRepr::Placed(p), _) => Some((**p).clone()),
-            (_, Some(masks)) => {
+        Some(match &self.pick.0 {
+            PickRepr::Placed(p) => (**p).clone(),
+            _ => {
                 let mut p = compact::blank_placement(req);
-                compact::fill_placement(&mut p, node, req, masks);
-                Some(p)
+                compact::fill_placement(&mut p, node, req, self.pick.masks());
+                p
             }
-            (_, None) => None,
-        }
+        })
     }
 }
 
@@ -188,7 +185,7 @@ impl Engine {
             compact::fill_placement(&mut p, n, req, &sc.masks);
             return Ok(p);
         }
-        // large nodes, and the reason's text
+        // rejected (the general path writes the reason) or too large for the compact path
         place_on_node(n, req, &plan.how)
     }
 

@@ -1,5 +1,9 @@
 //! Whether and how a pod fits on one node, with the exact GPUs it would get, and a reason a person
 //! understands when it does not.
+//!
+//! This is the straightforward form of the placement rules. Ranking many nodes goes through
+//! [`compact`](crate::placement::compact), which makes the same choices without allocating; this
+//! path serves nodes too large for it and writes the reasons, and tests hold the two equal.
 
 use crate::core::cluster::{ContainerAssignment, GpuSlice, Node, PodAssignment};
 use crate::core::resources::{ContainerDemand, GpuDemand, NumaPolicy, PackingPolicy, PodRequest};

@@ -34,9 +34,15 @@ impl MixEntry {
     /// Whether this request could use the node's GPUs at all: it needs a GPU, the model is allowed
     /// and the host has the CPU.
     fn usable(&self, cpu_left: Option<u64>, model: &str) -> bool {
-        let cpu_ok = cpu_left.is_none_or(|c| c >= self.cpu_milli);
-        let model_ok = self.models.is_empty() || self.models.iter().any(|m| m.eq_ignore_ascii_case(model));
-        self.gpus > 0 && model_ok && cpu_ok
+        self.wants_gpus_of(model) && self.cpu_fits(cpu_left)
+    }
+
+    fn wants_gpus_of(&self, model: &str) -> bool {
+        self.gpus > 0 && (self.models.is_empty() || self.models.iter().any(|m| m.eq_ignore_ascii_case(model)))
+    }
+
+    fn cpu_fits(&self, cpu_left: Option<u64>) -> bool {
+        cpu_left.is_none_or(|c| c >= self.cpu_milli)
     }
 
     /// This request's weighted part of a node's fragmentation: all idle share when it cannot run
@@ -153,7 +159,8 @@ impl WorkloadMix {
         let (idle_bf, idle_af) = (f64::from(idle_b), f64::from(idle_a));
         let (mut frag_b, mut frag_a) = (0.0, 0.0);
         for t in &self.entries {
-            let (usable_b, usable_a) = (t.usable(cpu.0, model), t.usable(cpu.1, model));
+            let wanted = t.wants_gpus_of(model);
+            let (usable_b, usable_a) = (wanted && t.cpu_fits(cpu.0), wanted && t.cpu_fits(cpu.1));
             let (mut fit, mut stranded) = (0, 0);
             if usable_b || usable_a {
                 (fit, stranded) = fit_and_stranded(before, t.milli);
@@ -168,7 +175,7 @@ impl WorkloadMix {
                 while bits != 0 {
                     let g = bits.trailing_zeros() as usize;
                     bits &= bits - 1;
-                    let (b, a) = (before[g], after[g]);
+                    let (Some(&b), Some(&a)) = (before.get(g), after.get(g)) else { continue };
                     // move GPU g from its place in `before`'s sums to its place in `after`'s
                     if b >= t.milli {
                         fit -= 1;
