@@ -74,7 +74,7 @@ pub struct GpuTopology {
     /// Best set score per set size on the empty board, computed on first use.
     best_by_size: std::sync::OnceLock<Vec<u32>>,
     /// `connect(g, free)` for every GPU and free set of small boards, computed on first use.
-    connect_table: std::sync::OnceLock<Vec<u64>>,
+    connect_table: std::sync::OnceLock<Vec<u32>>,
     /// Unique per constructed graph (clones share it: same content), so memoized GPU choices can be
     /// keyed by board without comparing graphs.
     id: u64,
@@ -189,22 +189,28 @@ impl GpuTopology {
 
     /// How strongly GPU `g` is linked to the GPUs in `set` (a bitmask of GPU indices below 64): the
     /// sum of its pair scores with them. The share choice asks this for every candidate GPU of every
-    /// node, so boards of up to 8 GPUs answer from a table (16 KiB) built on first use.
+    /// node, so boards of up to 8 GPUs answer from a table (8 KiB) built on first use.
     pub fn connect(&self, g: usize, set: u64) -> u64 {
         const TABLE_GPUS: usize = 8;
         if self.n <= TABLE_GPUS && g < self.n {
             let masks = 1usize << self.n;
+            // u32 entries keep the table at 8 KiB; it stays empty if a sum would not fit
             let table = self.connect_table.get_or_init(|| {
-                let mut t = vec![0; masks * self.n];
+                let mut t = Vec::with_capacity(masks * self.n);
                 for a in 0..self.n {
                     for m in 0..masks {
-                        t[a * masks + m] = self.connect_by_row(a, m as u64);
+                        match u32::try_from(self.connect_by_row(a, m as u64)) {
+                            Ok(v) => t.push(v),
+                            Err(_) => return Vec::new(),
+                        }
                     }
                 }
                 t
             });
             let m = (set & (masks as u64 - 1)) as usize;
-            return table.get(g * masks + m).copied().unwrap_or(0);
+            if let Some(&v) = table.get(g * masks + m) {
+                return u64::from(v);
+            }
         }
         self.connect_by_row(g, set)
     }

@@ -75,8 +75,9 @@ impl Free {
     const ZERO: Free = Free { cap: [0; M], mem: [0; M], core: [0; M], milli: [0; M], taken: 0, idle: 0, eligible: 0 };
 
     /// Loads the node as it is now; false when no GPU is of an allowed model. One pass over the GPUs:
-    /// this is where a node's data is first touched.
-    fn load_current(&mut self, node: &Node, req: &PodRequest) -> bool {
+    /// this is where a node's data is first touched. Free memory and compute are loaded only when some
+    /// container asks for a share (`shares`): choices of whole GPUs never read them.
+    fn load_current(&mut self, node: &Node, req: &PodRequest, shares: bool) -> bool {
         let any_model = req.allowed_models.is_empty();
         let mut model_seen = any_model;
         let (mut idle, mut eligible) = (0, 0);
@@ -87,12 +88,14 @@ impl Free {
             model_seen |= allowed;
             eligible |= u64::from(allowed & f.healthy) << g;
             idle |= u64::from(u.holders == 0) << g;
-            // nothing is free on a GPU held whole
-            let shared = u64::from(!u.exclusive).wrapping_neg();
             self.cap[g] = f.memory_mib;
-            self.mem[g] = f.memory_mib.saturating_sub(u.mem_mib) & shared;
-            self.core[g] = 100u32.saturating_sub(u.core_pct) & shared as u32;
-            self.milli[g] = 1000 - used;
+            if shares {
+                // nothing is free on a GPU held whole
+                let shared = u64::from(!u.exclusive).wrapping_neg();
+                self.mem[g] = f.memory_mib.saturating_sub(u.mem_mib) & shared;
+                self.core[g] = 100u32.saturating_sub(u.core_pct) & shared as u32;
+                self.milli[g] = 1000 - used;
+            }
         }
         (self.idle, self.eligible, self.taken) = (idle, eligible, 0);
         model_seen
@@ -163,11 +166,14 @@ pub(crate) struct Plan<'a> {
     pub how: GpuChoice<'a>,
     /// App containers in the order they are placed.
     order: Vec<usize>,
+    /// Some container asks for a share of a GPU.
+    shares: bool,
 }
 
 impl<'a> Plan<'a> {
     pub fn new(req: &'a PodRequest, how: GpuChoice<'a>) -> Self {
-        Self { req, how, order: container_order(req) }
+        let shares = req.containers.iter().chain(&req.init_containers).any(|c| !c.demand.is_whole());
+        Self { req, how, order: container_order(req), shares }
     }
 }
 
@@ -208,7 +214,7 @@ pub(crate) fn place(node: &Node, plan: &Plan<'_>, memo: &mut Memo, sc: &mut Scra
         return Outcome::TooLarge;
     }
     let req = plan.req;
-    if !sc.free.load_current(node, req) {
+    if !sc.free.load_current(node, req, plan.shares) {
         return Outcome::Rejected { unresolvable: true };
     }
     let eligible = sc.free.eligible;

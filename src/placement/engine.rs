@@ -7,7 +7,7 @@ use crate::placement::compact::{self, Outcome, Plan};
 use crate::placement::feasibility::{place_on_node, GpuChoice, Infeasible, Placement};
 use crate::placement::gpu_select::ShareChoice;
 use crate::placement::profile::Profile;
-use crate::placement::scorer::ScoreContext;
+use crate::placement::scorer::{ScoreContext, Scorer};
 use crate::placement::scorers::fragmentation::WorkloadMix;
 use crate::placement::scorers::network::GroupView;
 
@@ -26,18 +26,23 @@ pub struct NodeScore {
 }
 
 /// Best score first, ties by node name. Node names are unique, so integer keys (score bits, name
-/// rank) order candidates as comparing scores and names would; sorting 16-byte keys and then moving
-/// each record once is cheaper than sorting the records.
-fn rank_candidates(cluster: &Cluster, mut found: Vec<Candidate>) -> Vec<Candidate> {
+/// rank) order candidates as comparing scores and names would; sorting 16-byte keys and then building
+/// each record in place is cheaper than sorting the records.
+fn rank_candidates(cluster: &Cluster, mut found: Vec<(usize, f64, Pick)>) -> Vec<Candidate> {
     let rank = cluster.name_rank();
     let mut keys: Vec<(u64, u32, u32)> = found
         .iter()
         .enumerate()
-        .map(|(i, c)| (!total_order_key(c.total), rank.get(c.node).copied().unwrap_or(u32::MAX), i as u32))
+        .map(|(i, &(node, total, _))| (!total_order_key(total), rank.get(node).copied().unwrap_or(u32::MAX), i as u32))
         .collect();
     keys.sort_unstable();
-    let placeholder = || Candidate { node: 0, total: 0.0, score: 0, pick: Pick(PickRepr::One(0)) };
-    keys.iter().map(|&(_, _, i)| std::mem::replace(&mut found[i as usize], placeholder())).collect()
+    keys.iter()
+        .filter_map(|&(_, _, i)| {
+            let (node, total, pick) = found.get_mut(i as usize)?;
+            let pick = std::mem::replace(pick, Pick(PickRepr::One(0)));
+            Some(Candidate { node: *node, total: *total, score: scale(*total), pick })
+        })
+        .collect()
 }
 
 /// An unsigned key that sorts as [`f64::total_cmp`] does.
@@ -212,13 +217,13 @@ impl Engine {
         }
     }
 
-    /// Weighted mean of the scorers; `part` sees each scorer's weighted share.
+    /// Weighted mean of the scorers; `part` sees each scorer with its weighted share.
     fn weigh(
         &self,
         ctx: &ScoreContext<'_>,
         node: &Node,
         placement: &Placement,
-        mut part: impl FnMut(&'static str, f64),
+        mut part: impl FnMut(&dyn Scorer, f64),
     ) -> f64 {
         let total_w = self.profile.total_weight();
         let mut total = 0.0;
@@ -226,7 +231,7 @@ impl Engine {
             let v = s.score(ctx, node, placement);
             let v = if v.is_finite() { v.clamp(0.0, 1.0) } else { 0.0 };
             let share = if total_w > 0.0 { v * w / total_w } else { 0.0 };
-            part(s.name(), share);
+            part(s.as_ref(), share);
             total += share;
         }
         total.clamp(0.0, 1.0)
@@ -247,7 +252,7 @@ impl Engine {
         };
         let ctx = self.context(cluster, req, now_unix_ms, group);
         let mut parts = Vec::with_capacity(self.profile.scorers.len());
-        let total = self.weigh(&ctx, n, placement, |name, share| parts.push((name, share)));
+        let total = self.weigh(&ctx, n, placement, |s, share| parts.push((s.name(), share)));
         NodeScore { total, score: scale(total), parts }
     }
 
@@ -259,7 +264,8 @@ impl Engine {
         // one record, refilled per node, is what the scorers see
         let mut scratch = compact::blank_placement(req);
         let mut sc = compact::Scratch::new();
-        let mut ev = Evaluation { ranked: Vec::with_capacity(nodes.len()), rejected: Vec::new() };
+        let mut found = Vec::with_capacity(nodes.len());
+        let mut rejected = Vec::new();
         compact::with_memo(|memo| {
             for &i in nodes {
                 let Some(node) = cluster.nodes().get(i) else { continue };
@@ -269,22 +275,21 @@ impl Engine {
                         (self.weigh(&ctx, node, &scratch, |_, _| {}), Pick::from_masks(&sc.masks))
                     }
                     Outcome::Rejected { unresolvable } => {
-                        ev.rejected.push(Rejection { node: i, unresolvable });
+                        rejected.push(Rejection { node: i, unresolvable });
                         continue;
                     }
                     Outcome::TooLarge => match place_on_node(node, req, &plan.how) {
                         Ok(p) => (self.weigh(&ctx, node, &p, |_, _| {}), Pick(PickRepr::Placed(Box::new(p)))),
                         Err(why) => {
-                            ev.rejected.push(Rejection { node: i, unresolvable: why.is_unresolvable() });
+                            rejected.push(Rejection { node: i, unresolvable: why.is_unresolvable() });
                             continue;
                         }
                     },
                 };
-                ev.ranked.push(Candidate { node: i, total, score: scale(total), pick });
+                found.push((i, total, pick));
             }
         });
-        ev.ranked = rank_candidates(cluster, ev.ranked);
-        ev
+        Evaluation { ranked: rank_candidates(cluster, found), rejected }
     }
 
     /// Evaluates every node of the cluster.
