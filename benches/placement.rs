@@ -1,5 +1,7 @@
 //! Placement benchmarks: filter+score of one pod over 1k/5k/10k nodes of 8 GPUs at 50 % random
-//! allocation, and GPU-set selection on 8- and 16-GPU boards.
+//! allocation, and GPU-set selection on 8- and 16-GPU boards: through `Engine::place` (whole-GPU
+//! choices are memoized per board and mask, so repeated calls measure the memoized path) and the
+//! set search itself, uncached.
 //! Run: `cargo bench --bench placement`; figures go to docs/performance.md.
 
 use std::collections::BTreeMap;
@@ -9,7 +11,9 @@ use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criteri
 use gpuplace::core::cluster::{Cluster, ContainerAssignment, GpuSlice, PodAssignment};
 use gpuplace::core::inventory::Board;
 use gpuplace::core::resources::{GpuDemand, MemoryDemand, PodRequest};
+use gpuplace::core::resources::{NumaPolicy, PackingPolicy};
 use gpuplace::placement::engine::Engine;
+use gpuplace::placement::gpu_select::{choose_one, choose_set, FreeState, ShareChoice};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -88,5 +92,36 @@ fn gpu_set_selection(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, filter_and_score, gpu_set_selection);
+fn gpu_set_search(c: &mut Criterion) {
+    let mut group = c.benchmark_group("gpu_set_search");
+    for gpus in [8u32, 16] {
+        let node = h100_board(gpus).node("n", BTreeMap::new(), 0, 0);
+        let state = FreeState::current(&node, |_| true);
+        let cands: Vec<usize> = (0..gpus as usize).collect();
+        for k in [1usize, 2, 3, 4, 8] {
+            let d = GpuDemand::Whole { gpus: k as u32 };
+            group.bench_function(BenchmarkId::new(format!("{gpus}gpu"), k), |b| {
+                b.iter(|| {
+                    if k == 1 {
+                        black_box(choose_one(&node, &state, &cands, &d, ShareChoice::Pack(PackingPolicy::Binpack)))
+                            .map(|g| vec![g])
+                    } else {
+                        black_box(choose_set(
+                            &node,
+                            &state,
+                            &cands,
+                            k,
+                            NumaPolicy::Preferred,
+                            PackingPolicy::Binpack,
+                            &d,
+                        ))
+                    }
+                })
+            });
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(benches, filter_and_score, gpu_set_selection, gpu_set_search);
 criterion_main!(benches);

@@ -77,13 +77,13 @@ proptest! {
                     let before = c.clone();
                     let ev = engine.evaluate_all(&c, &req, 0);
                     for cand in &ev.ranked {
-                        prop_assert!((0..=10).contains(&cand.score.score));
-                        prop_assert!((0.0..=1.0).contains(&cand.score.total));
+                        prop_assert!((0..=10).contains(&cand.score));
+                        prop_assert!((0.0..=1.0).contains(&cand.total));
                         if numa == NumaPolicy::Required {
                             let node = &c.nodes()[cand.node];
                             let numas: std::collections::BTreeSet<_> =
-                                cand.placement.gpus().iter().map(|&g| node.gpus[g as usize].numa_node).collect();
-                            prop_assert!(numas.len() <= 1, "numa required violated: {:?}", cand.placement.gpus());
+                                cand.gpus().iter().map(|&g| node.gpus[g as usize].numa_node).collect();
+                            prop_assert!(numas.len() <= 1, "numa required violated: {:?}", cand.gpus());
                         }
                     }
                     if let Ok(a) = engine.schedule(&mut c, &req, 0) {

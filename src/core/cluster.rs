@@ -33,6 +33,41 @@ pub struct UtilSample {
     pub at_unix_ms: i64,
 }
 
+/// The share of one GPU that `mem_mib` of its `capacity_mib` memory and `core_pct` of its compute
+/// amount to, in thousandths: the larger of the two fractions, rounded up, at most 1000 (a GPU without
+/// memory counts as taken). The one place this arithmetic lives: a free share is 1000 minus the share
+/// of what is used, so it rounds down and never promises room that is not there.
+#[inline]
+pub fn share_milli(mem_mib: u64, core_pct: u32, capacity_mib: u64) -> u32 {
+    let core = u64::from(core_pct).saturating_mul(10);
+    let mem = if capacity_mib == 0 { 1000 } else { mem_mib.saturating_mul(1000).div_ceil(capacity_mib) };
+    core.max(mem).min(1000) as u32
+}
+
+/// The same share as a fraction at full precision, 0.0..=1.0 (scores are not rounded to thousandths).
+/// A GPU without memory counts by compute alone here: nothing can hold memory on it.
+#[inline]
+pub fn share_fraction(mem_mib: u64, core_pct: u32, capacity_mib: u64) -> f64 {
+    let mem = if capacity_mib == 0 { 0.0 } else { mem_mib as f64 / capacity_mib as f64 };
+    // the same quotients, looked up: this runs for every GPU of every feasible node
+    let core = match CORE_FRACTION.get(core_pct as usize) {
+        Some(&f) => f,
+        None => f64::from(core_pct) / 100.0,
+    };
+    core.max(mem).min(1.0)
+}
+
+/// `pct as f64 / 100.0` for each percentage (compile-time float division rounds as run-time does).
+const CORE_FRACTION: [f64; 101] = {
+    let mut t = [0.0; 101];
+    let mut i = 0;
+    while i < t.len() {
+        t[i] = i as f64 / 100.0;
+        i += 1;
+    }
+    t
+};
+
 /// The slice of one GPU given to one container.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct GpuSlice {
@@ -42,6 +77,26 @@ pub struct GpuSlice {
     pub core_pct: u32,
     /// A whole GPU that nobody else may use.
     pub exclusive: bool,
+}
+
+impl GpuSlice {
+    /// Share of a GPU of `capacity_mib` this slice takes, in thousandths (see [`share_milli`]).
+    pub fn milli_on(&self, capacity_mib: u64) -> u32 {
+        if self.exclusive {
+            1000
+        } else {
+            share_milli(self.mem_mib, self.core_pct, capacity_mib)
+        }
+    }
+
+    /// The same share as a fraction (see [`share_fraction`]).
+    pub fn fraction_on(&self, capacity_mib: u64) -> f64 {
+        if self.exclusive {
+            1.0
+        } else {
+            share_fraction(self.mem_mib, self.core_pct, capacity_mib)
+        }
+    }
 }
 
 /// The GPUs one container got.
@@ -126,6 +181,99 @@ pub struct GpuUsage {
     pub holders: u32,
 }
 
+impl GpuUsage {
+    /// Used fraction of a GPU of `capacity_mib`: 1 when held whole, else the larger of its compute
+    /// and memory fractions (see [`share_fraction`]).
+    #[inline]
+    pub fn used_fraction(&self, capacity_mib: u64) -> f64 {
+        let shared = share_fraction(self.mem_mib, self.core_pct, capacity_mib);
+        // a select rather than an early return: which GPUs are held whole looks random to the branch
+        // predictor, and mispredictions cost more than the division
+        if self.exclusive {
+            1.0
+        } else {
+            shared
+        }
+    }
+}
+
+/// What placement reads about one GPU on every node it looks at, copied out of [`Gpu`]: `Gpu` records
+/// are 96 bytes, so reading capacity, health and NUMA node from them touched a cache line per GPU,
+/// and that was a fifth of filtering thousands of nodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct GpuFacts {
+    pub memory_mib: u64,
+    pub numa_node: Option<u32>,
+    pub healthy: bool,
+}
+
+impl GpuFacts {
+    fn of(g: &Gpu) -> Self {
+        Self { memory_mib: g.memory_mib, numa_node: g.numa_node, healthy: g.healthy }
+    }
+}
+
+/// GPUs a node's per-GPU records hold inline (beyond it they go to the heap): scanning thousands of
+/// nodes then reads each node as one contiguous stretch of the cluster's node list, which the CPU
+/// streams ahead of use, rather than chasing a pointer per record (those cache misses were a quarter
+/// of filtering).
+const INLINE_GPUS: usize = 8;
+
+/// Per-GPU records of one node.
+#[derive(Clone)]
+enum PerGpu<T> {
+    Inline(u8, [T; INLINE_GPUS]),
+    Heap(Vec<T>),
+}
+
+impl<T: Copy + Default> PerGpu<T> {
+    fn filled(n: usize) -> Self {
+        if n <= INLINE_GPUS {
+            PerGpu::Inline(n as u8, [T::default(); INLINE_GPUS])
+        } else {
+            PerGpu::Heap(vec![T::default(); n])
+        }
+    }
+}
+
+impl<T> std::ops::Deref for PerGpu<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        match self {
+            PerGpu::Inline(n, items) => items.get(..usize::from(*n)).unwrap_or(&[]),
+            PerGpu::Heap(v) => v,
+        }
+    }
+}
+
+impl<T> std::ops::DerefMut for PerGpu<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        match self {
+            PerGpu::Inline(n, items) => items.get_mut(..usize::from(*n)).unwrap_or(&mut []),
+            PerGpu::Heap(v) => v,
+        }
+    }
+}
+
+impl<T: PartialEq> PartialEq for PerGpu<T> {
+    fn eq(&self, other: &Self) -> bool {
+        **self == **other
+    }
+}
+
+impl<T: std::fmt::Debug> std::fmt::Debug for PerGpu<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
+/// A GPU's used share, as a fraction and in thousandths.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+struct UsedShare {
+    fraction: f64,
+    milli: u32,
+}
+
 /// A GPU node.
 #[derive(Debug, Clone)]
 pub struct Node {
@@ -138,8 +286,15 @@ pub struct Node {
     pub memory_mib: u64,
     cpu_used: u64,
     mem_used: u64,
-    usage: Vec<GpuUsage>,
-    utilization: Vec<Option<UtilSample>>,
+    usage: PerGpu<GpuUsage>,
+    /// `gpus` in compact form. Brought up to date wherever `gpus` can change: construction,
+    /// insertion into a cluster, `set_gpu_health` and the end of a [`NodeMut`] borrow.
+    facts: PerGpu<GpuFacts>,
+    /// Each GPU's used share, worked out from `usage` and `facts` whenever either changes (as `usage`
+    /// is summed from the pods when they change): placement reads it for every GPU of every node, and
+    /// the divisions were a good part of filtering.
+    used: PerGpu<UsedShare>,
+    utilization: PerGpu<Option<UtilSample>>,
     pods: BTreeMap<String, PodAssignment>,
     /// Bumped on every change, so callers can cache per-node results.
     generation: u64,
@@ -196,7 +351,7 @@ impl Node {
     ) -> Self {
         let n = gpus.len();
         debug_assert_eq!(topology.len(), n, "topology must describe every GPU");
-        Self {
+        let mut node = Self {
             name: name.into(),
             labels,
             gpus,
@@ -205,11 +360,53 @@ impl Node {
             memory_mib,
             cpu_used: 0,
             mem_used: 0,
-            usage: vec![GpuUsage::default(); n],
-            utilization: vec![None; n],
+            usage: PerGpu::filled(n),
+            facts: PerGpu::filled(n),
+            used: PerGpu::filled(n),
+            utilization: PerGpu::filled(n),
             pods: BTreeMap::new(),
             generation: 0,
+        };
+        node.refresh_facts();
+        node
+    }
+
+    fn refresh_facts(&mut self) {
+        self.facts = PerGpu::filled(self.gpus.len());
+        for (f, g) in self.facts.iter_mut().zip(&self.gpus) {
+            *f = GpuFacts::of(g);
         }
+        self.used = PerGpu::filled(self.gpus.len());
+        for g in 0..self.used.len() {
+            self.usage_changed(g);
+        }
+    }
+
+    /// Brings GPU `gpu`'s used share up to date with its usage and capacity.
+    fn usage_changed(&mut self, gpu: usize) {
+        let (Some(u), Some(f), Some(slot)) = (self.usage.get(gpu), self.facts.get(gpu), self.used.get_mut(gpu)) else {
+            return;
+        };
+        *slot = UsedShare {
+            fraction: u.used_fraction(f.memory_mib),
+            milli: if u.exclusive { 1000 } else { share_milli(u.mem_mib, u.core_pct, f.memory_mib) },
+        };
+    }
+
+    /// Used fraction of each GPU, by index (see [`gpu_used_fraction`](Self::gpu_used_fraction)).
+    pub fn used_fractions(&self) -> impl ExactSizeIterator<Item = f64> + '_ {
+        self.used.iter().map(|u| u.fraction)
+    }
+
+    /// Used share of each GPU in thousandths, by index: 1000 when held whole, else the share of what
+    /// is allocated on it (see [`share_milli`]); health plays no part.
+    pub fn used_milli(&self) -> impl ExactSizeIterator<Item = u32> + '_ {
+        self.used.iter().map(|u| u.milli)
+    }
+
+    /// Capacity, health and NUMA node of each GPU, by index (as in `gpus`).
+    pub fn gpu_facts(&self) -> &[GpuFacts] {
+        &self.facts
     }
 
     pub fn usage(&self, gpu: usize) -> GpuUsage {
@@ -226,6 +423,15 @@ impl Node {
 
     pub fn free_core(&self, gpu: usize) -> u32 {
         100u32.saturating_sub(self.usage[gpu].core_pct)
+    }
+
+    /// Free share of a GPU now, in thousandths: 0 when it is held whole or unhealthy (nobody can use
+    /// it), else 1000 minus the share of what is allocated on it.
+    pub fn free_milli(&self, gpu: usize) -> u32 {
+        if !self.facts[gpu].healthy {
+            return 0;
+        }
+        1000 - self.used[gpu].milli
     }
 
     /// Whether nobody holds any of this GPU.
@@ -277,6 +483,7 @@ impl Node {
         if let Some(g) = self.gpus.get_mut(gpu) {
             g.healthy = healthy;
             self.generation += 1;
+            self.refresh_facts();
         }
     }
 
@@ -291,14 +498,9 @@ impl Node {
     }
 
     /// Used fraction of one GPU: the larger of its compute and memory fractions.
+    #[inline]
     pub fn gpu_used_fraction(&self, gpu: usize) -> f64 {
-        let u = self.usage[gpu];
-        if u.exclusive {
-            return 1.0;
-        }
-        let mem =
-            if self.gpus[gpu].memory_mib == 0 { 0.0 } else { u.mem_mib as f64 / self.gpus[gpu].memory_mib as f64 };
-        (f64::from(u.core_pct) / 100.0).max(mem).min(1.0)
+        self.used[gpu].fraction
     }
 
     fn check(&self, a: &PodAssignment) -> Result<BTreeMap<u32, Footprint>, AllocError> {
@@ -363,6 +565,7 @@ impl Node {
             u.core_pct += fp.core_pct;
             u.exclusive |= fp.exclusive;
             u.holders += 1;
+            self.usage_changed(gpu as usize);
         }
         self.cpu_used += a.cpu_milli;
         self.mem_used += a.memory_mib;
@@ -381,11 +584,36 @@ impl Node {
             if fp.exclusive {
                 u.exclusive = false;
             }
+            self.usage_changed(gpu as usize);
         }
         self.cpu_used -= a.cpu_milli;
         self.mem_used -= a.memory_mib;
         self.generation += 1;
         Some(a)
+    }
+}
+
+/// A node borrowed mutably from a cluster; its public fields may be edited, and its compact copy of
+/// them is brought up to date when the borrow ends.
+#[derive(Debug)]
+pub struct NodeMut<'a>(&'a mut Node);
+
+impl std::ops::Deref for NodeMut<'_> {
+    type Target = Node;
+    fn deref(&self) -> &Node {
+        self.0
+    }
+}
+
+impl std::ops::DerefMut for NodeMut<'_> {
+    fn deref_mut(&mut self) -> &mut Node {
+        self.0
+    }
+}
+
+impl Drop for NodeMut<'_> {
+    fn drop(&mut self) {
+        self.0.refresh_facts();
     }
 }
 
@@ -404,6 +632,19 @@ pub struct Cluster {
     pod_node: HashMap<String, usize>,
     /// Node label keys that describe the network, coarse to fine (e.g. spine, then ToR).
     pub network_levels: Vec<String>,
+    name_rank: NameRank,
+}
+
+/// Each node's position in name order, computed on first use: ranking breaks score ties by node name,
+/// and comparing integers instead of strings keeps that off the hot path. Derived data, so it takes
+/// no part in equality.
+#[derive(Debug, Clone, Default)]
+struct NameRank(std::sync::OnceLock<Vec<u32>>);
+
+impl PartialEq for NameRank {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
 }
 
 /// The default network levels: spine, then top-of-rack switch.
@@ -423,6 +664,7 @@ impl Cluster {
             by_name: HashMap::new(),
             pod_node: HashMap::new(),
             network_levels: DEFAULT_NETWORK_LEVELS.iter().map(|s| s.to_string()).collect(),
+            name_rank: NameRank::default(),
         };
         for n in nodes {
             c.upsert_node(n);
@@ -433,6 +675,8 @@ impl Cluster {
     /// Adds a node, or replaces the node of that name while keeping its allocations where they still
     /// fit (a node whose inventory changed). Returns the records that no longer fit.
     pub fn upsert_node(&mut self, mut node: Node) -> Vec<RebuildConflict> {
+        // its public fields may have been edited since it was built
+        node.refresh_facts();
         match self.by_name.get(&node.name) {
             None => {
                 for p in node.pods.keys() {
@@ -440,13 +684,15 @@ impl Cluster {
                 }
                 self.by_name.insert(node.name.clone(), self.nodes.len());
                 self.nodes.push(node);
+                self.name_rank = NameRank::default();
                 Vec::new()
             }
             Some(&i) => {
                 let old = std::mem::take(&mut self.nodes[i].pods);
                 let mut conflicts = Vec::new();
                 node.pods.clear();
-                node.usage = vec![GpuUsage::default(); node.gpus.len()];
+                node.usage = PerGpu::filled(node.gpus.len());
+                node.refresh_facts();
                 node.cpu_used = 0;
                 node.mem_used = 0;
                 node.generation = self.nodes[i].generation + 1;
@@ -467,6 +713,19 @@ impl Cluster {
         &self.nodes
     }
 
+    /// Each node's position when the nodes are sorted by name (node names are unique).
+    pub fn name_rank(&self) -> &[u32] {
+        self.name_rank.0.get_or_init(|| {
+            let mut order: Vec<usize> = (0..self.nodes.len()).collect();
+            order.sort_unstable_by(|&a, &b| self.nodes[a].name.cmp(&self.nodes[b].name));
+            let mut rank = vec![0; self.nodes.len()];
+            for (r, i) in order.into_iter().enumerate() {
+                rank[i] = r as u32;
+            }
+            rank
+        })
+    }
+
     pub fn node(&self, name: &str) -> Option<&Node> {
         self.by_name.get(name).map(|&i| &self.nodes[i])
     }
@@ -475,8 +734,9 @@ impl Cluster {
         self.by_name.get(name).copied()
     }
 
-    pub fn node_mut(&mut self, name: &str) -> Option<&mut Node> {
-        self.by_name.get(name).map(|&i| &mut self.nodes[i])
+    /// Mutable access to a node (its name must stay as it is: the cluster finds nodes by name).
+    pub fn node_mut(&mut self, name: &str) -> Option<NodeMut<'_>> {
+        self.by_name.get(name).map(|&i| NodeMut(&mut self.nodes[i]))
     }
 
     /// Where a pod is allocated.
@@ -569,6 +829,32 @@ mod tests {
     }
 
     #[test]
+    fn one_share_helper_keeps_the_old_arithmetic() {
+        for (i, &f) in CORE_FRACTION.iter().enumerate() {
+            assert_eq!(f.to_bits(), (i as f64 / 100.0).to_bits());
+        }
+        for cap in [0u64, 1, 7, 1000, 15109, 81559] {
+            for mem in (0..=cap + 3).step_by((cap as usize / 97).max(1)) {
+                for core in 0..=101u32 {
+                    // free share: the smaller free fraction, rounded down, as the scorers computed it
+                    let free_mem = cap.saturating_sub(mem);
+                    let old_free = ((100u32.saturating_sub(core)) * 10)
+                        .min((free_mem * 1000).checked_div(cap).unwrap_or(0) as u32);
+                    assert_eq!(1000 - share_milli(mem, core, cap), old_free, "{mem} {core} {cap}");
+                    // a slice's share, rounded up, as the fragmentation scorer took it
+                    if mem <= cap && core <= 100 && cap > 0 {
+                        let old_take = (core * 10).max((mem * 1000).div_ceil(cap) as u32);
+                        assert_eq!(share_milli(mem, core, cap), old_take);
+                    }
+                    let old_frac =
+                        (f64::from(core) / 100.0).max(if cap == 0 { 0.0 } else { mem as f64 / cap as f64 }).min(1.0);
+                    assert_eq!(share_fraction(mem, core, cap).to_bits(), old_frac.to_bits());
+                }
+            }
+        }
+    }
+
+    #[test]
     fn refuses_overcommit_and_leaves_state_alone() {
         let mut c = Cluster::new(vec![node("n", 2)]);
         let before = c.clone();
@@ -585,6 +871,23 @@ mod tests {
         assert_eq!(c, before);
         c.allocate(whole).unwrap();
         assert!(matches!(c.allocate(share("b", 0, 1, 1)), Err(AllocError::GpuExclusive { .. })));
+    }
+
+    #[test]
+    fn facts_follow_edits_through_node_mut() {
+        let mut c = Cluster::new(vec![node("n", 10), node("m", 2)]);
+        let n = c.node_mut("n").unwrap();
+        assert_eq!(n.usages().len(), 10);
+        drop(n);
+        if let Some(mut n) = c.node_mut("n") {
+            n.gpus[9].memory_mib = 7;
+            n.gpus[3].healthy = false;
+            n.gpus[1].numa_node = None;
+        }
+        let f = c.node("n").unwrap().gpu_facts();
+        assert_eq!((f.len(), f[9].memory_mib, f[3].healthy, f[1].numa_node), (10, 7, false, None));
+        c.node_mut("m").unwrap().set_gpu_health(0, false);
+        assert!(!c.node("m").unwrap().gpu_facts()[0].healthy);
     }
 
     #[test]

@@ -78,13 +78,7 @@ impl GpuDemand {
     /// The share of one GPU this demand takes on a GPU of `gpu_memory_mib`, in thousandths: the larger
     /// of its compute and memory fractions. Used by the fragmentation measure and for reporting.
     pub fn milli_on(&self, gpu_memory_mib: u64) -> u32 {
-        let core = self.core_on() * 10;
-        let mem = if gpu_memory_mib == 0 {
-            1000
-        } else {
-            (self.mem_on(gpu_memory_mib) * 1000).div_ceil(gpu_memory_mib).min(1000) as u32
-        };
-        core.max(mem)
+        crate::core::cluster::share_milli(self.mem_on(gpu_memory_mib), self.core_on(), gpu_memory_mib)
     }
 }
 

@@ -75,7 +75,14 @@ pub struct GpuTopology {
     pair_scores: Vec<u32>,
     /// Best set score per set size on the empty board, computed on first use.
     best_by_size: std::sync::OnceLock<Vec<u32>>,
+    /// `connect(g, free)` for every GPU and free set of small boards, computed on first use.
+    connect_table: std::sync::OnceLock<Vec<u32>>,
+    /// Unique per constructed graph (clones share it: same content), so memoized GPU choices can be
+    /// keyed by board without comparing graphs.
+    id: u64,
 }
+
+static NEXT_TOPOLOGY_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Why a topology description was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -164,7 +171,16 @@ impl GpuTopology {
             pair_scores[a.index() * n + b.index()] = s;
             pair_scores[b.index() * n + a.index()] = s;
         }
-        Ok(Self { graph, fabric, n, pair_scores, best_by_size: std::sync::OnceLock::new() })
+        let id = NEXT_TOPOLOGY_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(Self {
+            graph,
+            fabric,
+            n,
+            pair_scores,
+            best_by_size: std::sync::OnceLock::new(),
+            connect_table: std::sync::OnceLock::new(),
+            id,
+        })
     }
 
     /// A node whose GPUs all hang off one host bridge and have no NVLink: the assumption for nodes
@@ -179,6 +195,11 @@ impl GpuTopology {
 
     pub fn is_empty(&self) -> bool {
         self.n == 0
+    }
+
+    /// An identifier no other constructed topology has (a clone keeps it: it has the same links).
+    pub fn id(&self) -> u64 {
+        self.id
     }
 
     pub fn fabric(&self) -> NvlinkFabric {
@@ -202,6 +223,39 @@ impl GpuTopology {
     #[inline]
     pub fn pair_score(&self, a: usize, b: usize) -> u32 {
         self.pair_scores[a * self.n + b]
+    }
+
+    /// How strongly GPU `g` is linked to the GPUs in `set` (a bitmask of GPU indices below 64): the
+    /// sum of its pair scores with them. The share choice asks this for every candidate GPU of every
+    /// node, so boards of up to 8 GPUs answer from a table (8 KiB) built on first use.
+    pub fn connect(&self, g: usize, set: u64) -> u64 {
+        const TABLE_GPUS: usize = 8;
+        if self.n <= TABLE_GPUS && g < self.n {
+            let masks = 1usize << self.n;
+            // u32 entries keep the table at 8 KiB; it stays empty if a sum would not fit
+            let table = self.connect_table.get_or_init(|| {
+                let mut t = Vec::with_capacity(masks * self.n);
+                for a in 0..self.n {
+                    for m in 0..masks {
+                        match u32::try_from(self.connect_by_row(a, m as u64)) {
+                            Ok(v) => t.push(v),
+                            Err(_) => return Vec::new(),
+                        }
+                    }
+                }
+                t
+            });
+            let m = (set & (masks as u64 - 1)) as usize;
+            if let Some(&v) = table.get(g * masks + m) {
+                return u64::from(v);
+            }
+        }
+        self.connect_by_row(g, set)
+    }
+
+    fn connect_by_row(&self, g: usize, set: u64) -> u64 {
+        let row = self.pair_scores.get(g * self.n..(g + 1) * self.n).unwrap_or(&[]);
+        row.iter().take(64).enumerate().map(|(o, &p)| u64::from(p) * ((set >> o) & 1)).sum()
     }
 
     /// The highest set score any `k` GPUs of this board reach (0 for k < 2 or k > n): the yardstick
@@ -425,6 +479,7 @@ mod tests {
         assert_eq!(t.pair_score(2, 1), 10);
         assert_eq!(t.pair_score(0, 2), 20);
         assert_eq!(t.set_score(&[0, 1, 2]), 280);
+        assert_eq!((t.connect(0, 0b110), t.connect(0, 0b111), t.connect(2, 0b011)), (270, 270, 30));
         assert_eq!(t.links().count(), 3);
     }
 

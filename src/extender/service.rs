@@ -37,6 +37,7 @@ use crate::extender::wire::{
 };
 use crate::placement::engine::{Engine, Evaluation};
 use crate::placement::feasibility::Infeasible;
+use crate::placement::scorers::network::GroupView;
 
 /// Every reason we give kube-scheduler starts with this, so a person reading the pod's events knows
 /// which component turned the node down.
@@ -405,8 +406,8 @@ impl Extender {
         for (name, text) in utilizations {
             let parsed = UtilizationAnnotation::parse(&text);
             match (parsed, st.cluster.node_mut(&name)) {
-                (Ok(u), Some(node)) => {
-                    u.apply_to(node);
+                (Ok(u), Some(mut node)) => {
+                    u.apply_to(&mut node);
                 }
                 (Ok(_), None) => {}
                 (Err(e), _) => tracing::warn!(node = %name, error = %e, "utilization annotation refused; ignored"),
@@ -452,9 +453,22 @@ impl Extender {
         }
         for r in &evaluation.rejected {
             let name = nodes[r.node].name.clone();
-            let (verdict, class) = match &r.why {
-                Infeasible::Unresolvable(why) => (Verdict::Unresolvable(prefixed(why)), RejectClass::Unresolvable),
-                Infeasible::Preemptable(why) => (Verdict::Preemptable(prefixed(why)), RejectClass::Preemptable),
+            // the engine filters without writing reasons; only rejected nodes pay for the text
+            let why = self.engine.explain(cluster, req, r.node);
+            let (verdict, class) = match why {
+                Some(Infeasible::Unresolvable(why)) => {
+                    (Verdict::Unresolvable(prefixed(&why)), RejectClass::Unresolvable)
+                }
+                Some(Infeasible::Preemptable(why)) => (Verdict::Preemptable(prefixed(&why)), RejectClass::Preemptable),
+                None => {
+                    let kind = if r.unresolvable { "never fits" } else { "might fit after preemption" };
+                    let why = format!("does not fit ({kind})");
+                    if r.unresolvable {
+                        (Verdict::Unresolvable(prefixed(&why)), RejectClass::Unresolvable)
+                    } else {
+                        (Verdict::Preemptable(prefixed(&why)), RejectClass::Preemptable)
+                    }
+                }
             };
             classes.insert(name.clone(), class);
             verdicts.insert(name, verdict);
@@ -462,15 +476,23 @@ impl Extender {
         Judged { verdicts, classes, evaluation }
     }
 
-    fn top_scores(&self, cluster: &Cluster, ev: &Evaluation) -> Vec<TopScore> {
+    /// The best nodes with each scorer's share, re-scored in full (the ranking pass keeps only totals).
+    fn top_scores(&self, cluster: &Cluster, req: &PodRequest, ev: &Evaluation) -> Vec<TopScore> {
+        let group = req.group.as_ref().map(|g| GroupView::new(cluster, g));
         ev.ranked
             .iter()
             .take(TOP_NODES)
-            .map(|c| TopScore {
-                node: cluster.nodes()[c.node].name.clone(),
-                score: c.score.score,
-                total: c.score.total,
-                parts: c.score.parts.iter().map(|(n, v)| (n.to_string(), *v)).collect(),
+            .map(|c| {
+                let parts = c
+                    .placement(cluster, req)
+                    .map(|p| self.engine.score(cluster, req, c.node, &p, now_unix_ms(), group.as_ref()).parts)
+                    .unwrap_or_default();
+                TopScore {
+                    node: cluster.nodes()[c.node].name.clone(),
+                    score: c.score,
+                    total: c.total,
+                    parts: parts.iter().map(|(n, v)| (n.to_string(), *v)).collect(),
+                }
             })
             .collect()
     }
@@ -515,7 +537,7 @@ impl Extender {
         let judged = self.judge(&st, &req, &args, &names);
         let out = args.filter_result(|n| judged.verdicts.get(n).cloned().unwrap_or(Verdict::Fits))?;
         d.feasible = judged.evaluation.ranked.len();
-        d.top = self.top_scores(&st.cluster, &judged.evaluation);
+        d.top = self.top_scores(&st.cluster, &req, &judged.evaluation);
         drop(st);
         for (name, class) in &judged.classes {
             self.metrics.rejection(*class, 1);
@@ -562,10 +584,10 @@ impl Extender {
         let judged = self.judge(&st, &req, &args, &names);
         let nodes = st.cluster.nodes();
         let scores: HashMap<&str, i64> =
-            judged.evaluation.ranked.iter().map(|c| (nodes[c.node].name.as_str(), c.score.score)).collect();
+            judged.evaluation.ranked.iter().map(|c| (nodes[c.node].name.as_str(), c.score)).collect();
         let out = args.priorities(|n| scores.get(n).copied().unwrap_or(0))?;
         d.feasible = judged.evaluation.ranked.len();
-        d.top = self.top_scores(&st.cluster, &judged.evaluation);
+        d.top = self.top_scores(&st.cluster, &req, &judged.evaluation);
         drop(st);
         Ok(self.finish(d, started, out))
     }

@@ -1,12 +1,13 @@
 //! The placement engine: filter nodes, choose GPUs on each, score with the profile, rank.
 //! Pure and deterministic: the same cluster and request always give the same answer.
 
-use crate::core::cluster::{AllocError, Cluster, PodAssignment};
+use crate::core::cluster::{AllocError, Cluster, Node, PodAssignment};
 use crate::core::resources::PodRequest;
+use crate::placement::compact::{self, Outcome, Plan};
 use crate::placement::feasibility::{place_on_node, GpuChoice, Infeasible, Placement};
 use crate::placement::gpu_select::ShareChoice;
 use crate::placement::profile::Profile;
-use crate::placement::scorer::ScoreContext;
+use crate::placement::scorer::{ScoreContext, Scorer};
 use crate::placement::scorers::fragmentation::WorkloadMix;
 use crate::placement::scorers::network::GroupView;
 
@@ -24,19 +25,124 @@ pub struct NodeScore {
     pub parts: Vec<(&'static str, f64)>,
 }
 
+/// Best score first, ties by node name. Node names are unique, so integer keys (score bits, name
+/// rank) order candidates as comparing scores and names would; sorting 16-byte keys and then building
+/// each record in place is cheaper than sorting the records.
+fn rank_candidates(cluster: &Cluster, mut found: Vec<(usize, f64, Pick)>) -> Vec<Candidate> {
+    let rank = cluster.name_rank();
+    let mut keys: Vec<(u64, u32, u32)> = found
+        .iter()
+        .enumerate()
+        .map(|(i, &(node, total, _))| (!total_order_key(total), rank.get(node).copied().unwrap_or(u32::MAX), i as u32))
+        .collect();
+    keys.sort_unstable();
+    keys.iter()
+        .filter_map(|&(_, _, i)| {
+            let (node, total, pick) = found.get_mut(i as usize)?;
+            let pick = std::mem::replace(pick, Pick(PickRepr::One(0)));
+            Some(Candidate { node: *node, total: *total, score: scale(*total), pick })
+        })
+        .collect()
+}
+
+/// An unsigned key that sorts as [`f64::total_cmp`] does.
+fn total_order_key(x: f64) -> u64 {
+    let b = x.to_bits() as i64;
+    ((b ^ ((((b >> 63) as u64) >> 1) as i64)) as u64) ^ (1 << 63)
+}
+
+/// `total` (0.0..=1.0) on the extender's 0..=10 scale.
+fn scale(total: f64) -> i64 {
+    round_half_up((total * MAX_NODE_SCORE as f64).clamp(0.0, MAX_NODE_SCORE as f64))
+}
+
+/// `x.round() as i64` for `0.0 <= x <= 2^52`, inline: without SSE4.1 in the baseline target,
+/// `f64::round` is a library call, once per ranked node. The fraction `x - trunc(x)` is exact there.
+fn round_half_up(x: f64) -> i64 {
+    let t = x as i64;
+    t + i64::from(x - t as f64 >= 0.5)
+}
+
+/// The GPUs a pod would get on one node, kept compact: ranking builds one per feasible node, and only
+/// the chosen one is usually turned into a [`Placement`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pick(PickRepr);
+
+#[derive(Debug, Clone, PartialEq)]
+enum PickRepr {
+    /// A pod of one container (the common case): its GPUs as a bitmask.
+    One(u64),
+    /// One bitmask per container: app containers, then init containers, in spec order.
+    Masks(Box<[u64]>),
+    /// Nodes too large for bitmasks keep the general path's record.
+    Placed(Box<Placement>),
+}
+
+impl Pick {
+    fn from_masks(masks: &[u64]) -> Self {
+        match masks {
+            [one] => Pick(PickRepr::One(*one)),
+            _ => Pick(PickRepr::Masks(masks.into())),
+        }
+    }
+
+    /// The per-container masks (none for a general-path record).
+    fn masks(&self) -> &[u64] {
+        match &self.0 {
+            PickRepr::One(m) => std::slice::from_ref(m),
+            PickRepr::Masks(m) => m,
+            PickRepr::Placed(_) => &[],
+        }
+    }
+
+    /// Every GPU index any container uses, ascending (as [`Placement::gpus`]).
+    pub fn gpus(&self) -> Vec<u32> {
+        match &self.0 {
+            PickRepr::Placed(p) => p.gpus(),
+            _ => compact::bits(self.masks().iter().fold(0, |a, m| a | m)).map(|g| g as u32).collect(),
+        }
+    }
+}
+
 /// A feasible node with its GPUs and score.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Candidate {
     pub node: usize,
-    pub placement: Placement,
-    pub score: NodeScore,
+    /// Weighted mean of the scorers, 0.0..=1.0 (each scorer's part: [`Engine::score`]).
+    pub total: f64,
+    /// `total` on the extender's 0..=10 scale.
+    pub score: i64,
+    pub pick: Pick,
 }
 
-/// A node that was filtered out and why.
-#[derive(Debug, Clone, PartialEq)]
+impl Candidate {
+    /// Every GPU index the pod would use.
+    pub fn gpus(&self) -> Vec<u32> {
+        self.pick.gpus()
+    }
+
+    /// The full allocation record, for the `cluster` and `req` this candidate was evaluated for
+    /// (`None` when the node is not in `cluster`).
+    pub fn placement(&self, cluster: &Cluster, req: &PodRequest) -> Option<Placement> {
+        let node = cluster.nodes().get(self.node)?;
+        Some(match &self.pick.0 {
+            PickRepr::Placed(p) => (**p).clone(),
+            _ => {
+                let mut p = compact::blank_placement(req);
+                compact::fill_placement(&mut p, node, req, self.pick.masks());
+                p
+            }
+        })
+    }
+}
+
+/// A node that was filtered out. The reason's text is written on demand by [`Engine::explain`]:
+/// rejections can be thousands per pod, and their text is rarely read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Rejection {
     pub node: usize,
-    pub why: Infeasible,
+    /// Would not fit even on the emptied node: preemption cannot help.
+    pub unresolvable: bool,
 }
 
 /// Filter and score results for one pod over a set of nodes.
@@ -59,7 +165,8 @@ impl Engine {
         Self { profile, mix }
     }
 
-    fn choice<'a>(&'a self, req: &PodRequest) -> GpuChoice<'a> {
+    /// How GPUs are picked for this pod (profile defaults after the pod's overrides).
+    pub fn gpu_choice<'a>(&'a self, req: &PodRequest) -> GpuChoice<'a> {
         let cfg = &self.profile.config;
         let policy = req.gpu_policy.unwrap_or(cfg.gpu_policy);
         let share = if req.gpu_policy.is_none() && cfg.share_by_fragmentation && !self.mix.is_empty() {
@@ -77,10 +184,65 @@ impl Engine {
 
     /// Where the pod would go on one node, or why not. No side effects.
     pub fn place(&self, cluster: &Cluster, req: &PodRequest, node: usize) -> Result<Placement, Infeasible> {
-        place_on_node(&cluster.nodes()[node], req, &self.choice(req))
+        let Some(n) = cluster.nodes().get(node) else {
+            return Err(Infeasible::Unresolvable(format!("no node with index {node}")));
+        };
+        let plan = Plan::new(req, self.gpu_choice(req));
+        let mut sc = compact::Scratch::new();
+        if compact::with_memo(|memo| compact::place(n, &plan, memo, &mut sc)) == Outcome::Fits {
+            let mut p = compact::blank_placement(req);
+            compact::fill_placement(&mut p, n, req, &sc.masks);
+            return Ok(p);
+        }
+        // rejected (the general path writes the reason) or too large for the compact path
+        place_on_node(n, req, &plan.how)
     }
 
-    /// Scores a feasible placement.
+    /// Why the pod does not fit on a node (`None` when it does).
+    pub fn explain(&self, cluster: &Cluster, req: &PodRequest, node: usize) -> Option<Infeasible> {
+        self.place(cluster, req, node).err()
+    }
+
+    fn context<'a>(
+        &'a self,
+        cluster: &'a Cluster,
+        req: &'a PodRequest,
+        now_unix_ms: i64,
+        group: Option<&'a GroupView>,
+    ) -> ScoreContext<'a> {
+        ScoreContext {
+            cluster,
+            request: req,
+            node_policy: req.node_policy.unwrap_or(self.profile.config.node_policy),
+            mix: &self.mix,
+            now_unix_ms,
+            max_sample_age_ms: (self.profile.config.max_sample_age_s as i64).saturating_mul(1000),
+            group,
+        }
+    }
+
+    /// Weighted mean of the scorers; `part` sees each scorer with its weighted share.
+    fn weigh(
+        &self,
+        ctx: &ScoreContext<'_>,
+        node: &Node,
+        placement: &Placement,
+        mut part: impl FnMut(&dyn Scorer, f64),
+    ) -> f64 {
+        let asked = ctx.request.node_policy.is_some();
+        let total_w = self.profile.total_weight(asked);
+        let mut total = 0.0;
+        for (s, w) in self.profile.weights_for(asked) {
+            let v = s.score(ctx, node, placement);
+            let v = if v.is_finite() { v.clamp(0.0, 1.0) } else { 0.0 };
+            let share = if total_w > 0.0 { v * w / total_w } else { 0.0 };
+            part(s, share);
+            total += share;
+        }
+        total.clamp(0.0, 1.0)
+    }
+
+    /// Scores a feasible placement, with each scorer's part (0 for a node not in `cluster`).
     pub fn score(
         &self,
         cluster: &Cluster,
@@ -90,52 +252,49 @@ impl Engine {
         now_unix_ms: i64,
         group: Option<&GroupView>,
     ) -> NodeScore {
-        let ctx = ScoreContext {
-            cluster,
-            request: req,
-            node_policy: req.node_policy.unwrap_or(self.profile.config.node_policy),
-            mix: &self.mix,
-            now_unix_ms,
-            max_sample_age_ms: (self.profile.config.max_sample_age_s as i64).saturating_mul(1000),
-            group,
+        let Some(n) = cluster.nodes().get(node) else {
+            return NodeScore { total: 0.0, score: 0, parts: Vec::new() };
         };
-        let n = &cluster.nodes()[node];
-        let asked = req.node_policy.is_some();
-        let total_w = self.profile.total_weight(asked);
+        let ctx = self.context(cluster, req, now_unix_ms, group);
         let mut parts = Vec::with_capacity(self.profile.scorers.len());
-        let mut total = 0.0;
-        for (s, w) in self.profile.weights_for(asked) {
-            let v = s.score(&ctx, n, placement);
-            let v = if v.is_finite() { v.clamp(0.0, 1.0) } else { 0.0 };
-            let share = if total_w > 0.0 { v * w / total_w } else { 0.0 };
-            parts.push((s.name(), share));
-            total += share;
-        }
-        let total = total.clamp(0.0, 1.0);
-        NodeScore { total, score: ((total * MAX_NODE_SCORE as f64).round() as i64).clamp(0, MAX_NODE_SCORE), parts }
+        let total = self.weigh(&ctx, n, placement, |s, share| parts.push((s.name(), share)));
+        NodeScore { total, score: scale(total), parts }
     }
 
-    /// Filters and scores the given nodes (indices into the cluster).
+    /// Filters and scores the given nodes (indices into the cluster; others are skipped).
     pub fn evaluate(&self, cluster: &Cluster, req: &PodRequest, nodes: &[usize], now_unix_ms: i64) -> Evaluation {
         let group = req.group.as_ref().map(|g| GroupView::new(cluster, g));
-        let mut ev = Evaluation::default();
-        for &i in nodes {
-            if i >= cluster.nodes().len() {
-                continue;
+        let ctx = self.context(cluster, req, now_unix_ms, group.as_ref());
+        let plan = Plan::new(req, self.gpu_choice(req));
+        // one record, refilled per node, is what the scorers see
+        let mut scratch = compact::blank_placement(req);
+        let mut sc = compact::Scratch::new();
+        let mut found = Vec::with_capacity(nodes.len());
+        let mut rejected = Vec::new();
+        compact::with_memo(|memo| {
+            for &i in nodes {
+                let Some(node) = cluster.nodes().get(i) else { continue };
+                let (total, pick) = match compact::place(node, &plan, memo, &mut sc) {
+                    Outcome::Fits => {
+                        compact::fill_placement(&mut scratch, node, req, &sc.masks);
+                        (self.weigh(&ctx, node, &scratch, |_, _| {}), Pick::from_masks(&sc.masks))
+                    }
+                    Outcome::Rejected { unresolvable } => {
+                        rejected.push(Rejection { node: i, unresolvable });
+                        continue;
+                    }
+                    Outcome::TooLarge => match place_on_node(node, req, &plan.how) {
+                        Ok(p) => (self.weigh(&ctx, node, &p, |_, _| {}), Pick(PickRepr::Placed(Box::new(p)))),
+                        Err(why) => {
+                            rejected.push(Rejection { node: i, unresolvable: why.is_unresolvable() });
+                            continue;
+                        }
+                    },
+                };
+                found.push((i, total, pick));
             }
-            match self.place(cluster, req, i) {
-                Ok(placement) => {
-                    let score = self.score(cluster, req, i, &placement, now_unix_ms, group.as_ref());
-                    ev.ranked.push(Candidate { node: i, placement, score });
-                }
-                Err(why) => ev.rejected.push(Rejection { node: i, why }),
-            }
-        }
-        let nodes = cluster.nodes();
-        ev.ranked.sort_by(|a, b| {
-            b.score.total.total_cmp(&a.score.total).then_with(|| nodes[a.node].name.cmp(&nodes[b.node].name))
         });
-        ev
+        Evaluation { ranked: rank_candidates(cluster, found), rejected }
     }
 
     /// Evaluates every node of the cluster.
@@ -152,12 +311,16 @@ impl Engine {
         now_unix_ms: i64,
     ) -> Result<PodAssignment, ScheduleError> {
         let ev = self.evaluate_all(cluster, req, now_unix_ms);
-        let Some(best) = ev.ranked.into_iter().next() else {
+        let Some(a) = ev.ranked.first().and_then(|best| best.placement(cluster, req)).map(|p| p.assignment) else {
             return Err(ScheduleError::NoFit(
-                ev.rejected.into_iter().map(|r| (cluster.nodes()[r.node].name.clone(), r.why)).collect(),
+                ev.rejected
+                    .iter()
+                    .filter_map(|r| {
+                        Some((cluster.nodes().get(r.node)?.name.clone(), self.explain(cluster, req, r.node)?))
+                    })
+                    .collect(),
             ));
         };
-        let a = best.placement.assignment;
         cluster.allocate(a.clone()).map_err(ScheduleError::Alloc)?;
         Ok(a)
     }
@@ -170,4 +333,36 @@ pub enum ScheduleError {
     NoFit(Vec<(String, Infeasible)>),
     #[error(transparent)]
     Alloc(AllocError),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::total_order_key;
+
+    #[test]
+    fn inline_rounding_matches_f64_round() {
+        let mut x = 0.0f64;
+        while x <= 10.0 {
+            // x and its neighbours (no next_up in the minimum supported Rust)
+            let up = f64::from_bits(x.to_bits() + 1);
+            let down = if x > 0.0 { f64::from_bits(x.to_bits() - 1) } else { 0.0 };
+            for y in [x, up, down] {
+                assert_eq!(super::round_half_up(y), y.round() as i64, "{y}");
+            }
+            x += 0.0005;
+        }
+        for y in [0.49999999999999994, 0.5, 2.5, 9.5, 9.999999999999998, 10.0] {
+            assert_eq!(super::round_half_up(y), y.round() as i64, "{y}");
+        }
+    }
+
+    #[test]
+    fn order_key_sorts_as_total_cmp() {
+        let xs = [f64::NEG_INFINITY, -1.0, -1e-300, -0.0, 0.0, 1e-300, 0.1, 0.5, 1.0, f64::INFINITY, f64::NAN];
+        for a in xs {
+            for b in xs {
+                assert_eq!(total_order_key(a).cmp(&total_order_key(b)), a.total_cmp(&b), "{a} {b}");
+            }
+        }
+    }
 }

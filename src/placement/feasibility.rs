@@ -1,5 +1,9 @@
 //! Whether and how a pod fits on one node, with the exact GPUs it would get, and a reason a person
 //! understands when it does not.
+//!
+//! This is the straightforward form of the placement rules. Ranking many nodes goes through
+//! [`compact`](crate::placement::compact), which makes the same choices without allocating; this
+//! path serves nodes too large for it and writes the reasons, and tests hold the two equal.
 
 use crate::core::cluster::{ContainerAssignment, GpuSlice, Node, PodAssignment};
 use crate::core::resources::{ContainerDemand, GpuDemand, NumaPolicy, PackingPolicy, PodRequest};
@@ -74,6 +78,16 @@ fn capacity_summary(node: &Node, state: &FreeState, demand: &GpuDemand) -> Strin
     format!("{fits} usable GPU(s) have room; most free is {} MiB / {}%", best.0, best.1)
 }
 
+/// The order app containers are placed in: largest demands first, as they have the fewest options.
+pub(crate) fn container_order(req: &PodRequest) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..req.containers.len()).collect();
+    order.sort_by_key(|&i| {
+        let d = &req.containers[i].demand;
+        std::cmp::Reverse((d.gpus(), d.is_whole(), d.core_on(), d.mem_on(u64::MAX / 1000)))
+    });
+    order
+}
+
 /// Places containers on `state` (mutated). Returns the container assignments in spec order.
 fn assign(
     node: &Node,
@@ -82,12 +96,7 @@ fn assign(
     how: &GpuChoice<'_>,
 ) -> Result<(Vec<ContainerAssignment>, Vec<u32>), String> {
     let before = state.clone();
-    // Largest demands first: they have the fewest options.
-    let mut order: Vec<usize> = (0..req.containers.len()).collect();
-    order.sort_by_key(|&i| {
-        let d = &req.containers[i].demand;
-        std::cmp::Reverse((d.gpus(), d.is_whole(), d.core_on(), d.mem_on(u64::MAX / 1000)))
-    });
+    let order = container_order(req);
     let mut out: Vec<Option<(ContainerAssignment, u32)>> = vec![None; req.containers.len()];
     for i in order {
         let c = &req.containers[i];

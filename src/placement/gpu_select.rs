@@ -9,7 +9,7 @@
 //!    best-connected groups are left for the next request;
 //! 5. lowest indices.
 
-use crate::core::cluster::Node;
+use crate::core::cluster::{share_milli, Node};
 use crate::core::resources::{GpuDemand, NumaPolicy, PackingPolicy};
 use crate::placement::scorers::fragmentation::HostFree;
 
@@ -73,12 +73,15 @@ impl FreeState {
         (mem, core)
     }
 
-    /// Free share of GPU `g` in thousandths: the smaller of its free compute and memory fractions.
+    /// Free share of GPU `g` in thousandths: 1000 minus the share of what is taken (rounded down).
     pub fn free_milli(&self, node: &Node, g: usize) -> u32 {
-        let cap = node.gpus[g].memory_mib;
-        let mem = (self.mem[g] * 1000).checked_div(cap).unwrap_or(0) as u32;
-        (self.core[g] * 10).min(mem)
+        free_milli_of(self.mem[g], self.core[g], node.gpus[g].memory_mib)
     }
+}
+
+/// Free share in thousandths of a GPU of `capacity_mib` with `mem` MiB and `core` percent left.
+pub fn free_milli_of(mem: u64, core: u32, capacity_mib: u64) -> u32 {
+    1000 - share_milli(capacity_mib.saturating_sub(mem), 100u32.saturating_sub(core), capacity_mib)
 }
 
 /// How the GPU of a single-GPU share is picked.

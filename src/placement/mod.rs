@@ -1,5 +1,6 @@
 //! The placement engine: pure, deterministic, no I/O.
 
+pub mod compact;
 pub mod engine;
 pub mod feasibility;
 pub mod gpu_select;

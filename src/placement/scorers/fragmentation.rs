@@ -42,6 +42,45 @@ pub struct MixEntry {
     pub weight: f64,
 }
 
+impl MixEntry {
+    /// Whether this request could use the node's GPUs at all: it needs a GPU, the model is allowed
+    /// and the host has the CPU.
+    fn usable(&self, cpu_left: Option<u64>, model: &str) -> bool {
+        self.wants_gpus_of(model) && self.cpu_fits(cpu_left)
+    }
+
+    fn wants_gpus_of(&self, model: &str) -> bool {
+        self.gpus > 0 && self.allows(model)
+    }
+
+    fn cpu_fits(&self, cpu_left: Option<u64>) -> bool {
+        cpu_left.is_none_or(|c| c >= self.cpu_milli)
+    }
+
+    /// This request's weighted part of a node's fragmentation: all idle share when it cannot run
+    /// there, else the share stranded on GPUs too small for it (`fit` GPUs are large enough).
+    fn fragment(&self, usable: bool, fit: u32, stranded: u32, idle: f64) -> f64 {
+        if !usable {
+            return self.weight * idle;
+        }
+        self.weight * if fit >= self.gpus { f64::from(stranded) } else { idle }
+    }
+}
+
+/// How many GPUs have at least `milli` free, and the free share on the others.
+fn fit_and_stranded(free_milli: &[u32], milli: u32) -> (u32, u32) {
+    let mut fit = 0u32;
+    let mut stranded = 0u32;
+    for &f in free_milli {
+        if f >= milli {
+            fit += 1;
+        } else {
+            stranded += f;
+        }
+    }
+    (fit, stranded)
+}
+
 /// The typical request mix a cluster serves.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct WorkloadMix {
@@ -118,21 +157,9 @@ impl WorkloadMix {
         let idle = f64::from(idle);
         let mut frag = 0.0;
         for t in &self.entries {
-            let cpu_ok = cpu_left.is_none_or(|c| c >= t.cpu_milli);
-            if t.gpus == 0 || !t.allows(model) || !cpu_ok {
-                frag += t.weight * idle;
-                continue;
-            }
-            let mut fit = 0u32;
-            let mut stranded = 0u32;
-            for &f in free_milli {
-                if f >= t.milli {
-                    fit += 1;
-                } else {
-                    stranded += f;
-                }
-            }
-            frag += t.weight * if fit >= t.gpus { f64::from(stranded) } else { idle };
+            let usable = t.usable(cpu_left, model);
+            let (fit, stranded) = if usable { fit_and_stranded(free_milli, t.milli) } else { (0, 0) };
+            frag += t.fragment(usable, fit, stranded, idle);
         }
         frag
     }
@@ -220,7 +247,7 @@ pub fn fragmentation_delta(mix: &WorkloadMix, node: &Node, placement: &Placement
     let n = node.gpus.len().min(64);
     let mut before = [0u32; 64];
     for (g, slot) in before.iter_mut().enumerate().take(n) {
-        *slot = free_milli_now(node, g);
+        *slot = node.free_milli(g);
     }
     let mut after = before;
     for c in placement.assignment.containers.iter().filter(|c| !c.init) {
@@ -229,30 +256,13 @@ pub fn fragmentation_delta(mix: &WorkloadMix, node: &Node, placement: &Placement
             if g >= n {
                 continue;
             }
-            let take = if s.exclusive {
-                1000
-            } else {
-                let cap = node.gpus[g].memory_mib.max(1);
-                (s.core_pct * 10).max((s.mem_mib * 1000).div_ceil(cap) as u32)
-            };
-            after[g] = after[g].saturating_sub(take);
+            after[g] = after[g].saturating_sub(s.milli_on(node.gpus[g].memory_mib));
         }
     }
     let model = node.gpus.first().map_or("", |g| g.model.as_str());
     let a = &placement.assignment;
     mix.fragmentation(&after[..n], HostFree::of(node, a.cpu_milli, a.memory_mib), model)
         - mix.fragmentation(&before[..n], HostFree::of(node, 0, 0), model)
-}
-
-/// Free share of a GPU now, in thousandths (0 for unhealthy GPUs: nobody can use them).
-pub fn free_milli_now(node: &Node, g: usize) -> u32 {
-    let u = node.usage(g);
-    let gpu = &node.gpus[g];
-    if u.exclusive || !gpu.healthy {
-        return 0;
-    }
-    let mem = (node.free_mem(g) * 1000).checked_div(gpu.memory_mib).unwrap_or(0) as u32;
-    (node.free_core(g) * 10).min(mem)
 }
 
 /// Fragmentation changes beyond this many GPUs all score the same (0 or 1).

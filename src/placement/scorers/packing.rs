@@ -11,19 +11,32 @@ pub struct PackingScorer;
 
 /// The node's allocated GPU share after the placement, 0.0..=1.0.
 pub fn load_after(node: &Node, placement: &Placement) -> f64 {
-    if node.gpus.is_empty() {
+    let n = node.gpus.len();
+    if n == 0 {
         return 0.0;
     }
-    let mut used: Vec<f64> = (0..node.gpus.len()).map(|g| node.gpu_used_fraction(g)).collect();
+    // on the stack for the usual boards (this runs for every feasible node); the sum runs over GPUs
+    // in index order either way
+    let mut small = [0.0; 16];
+    let mut large = Vec::new();
+    let used: &mut [f64] = if n <= small.len() {
+        &mut small[..n]
+    } else {
+        large.resize(n, 0.0);
+        &mut large
+    };
+    for (slot, u) in used.iter_mut().zip(node.used_fractions()) {
+        *slot = u;
+    }
+    let facts = node.gpu_facts();
     for c in placement.assignment.containers.iter().filter(|c| !c.init) {
         for s in &c.slices {
             let g = s.gpu as usize;
-            let cap = node.gpus[g].memory_mib.max(1) as f64;
-            let add = if s.exclusive { 1.0 } else { (f64::from(s.core_pct) / 100.0).max(s.mem_mib as f64 / cap) };
-            used[g] = (used[g] + add).min(1.0);
+            let (Some(u), Some(gpu)) = (used.get_mut(g), facts.get(g)) else { continue };
+            *u = (*u + s.fraction_on(gpu.memory_mib)).min(1.0);
         }
     }
-    used.iter().sum::<f64>() / node.gpus.len() as f64
+    used.iter().sum::<f64>() / n as f64
 }
 
 impl Scorer for PackingScorer {

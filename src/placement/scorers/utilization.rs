@@ -35,12 +35,9 @@ impl Scorer for UtilizationScorer {
     }
 
     fn score(&self, ctx: &ScoreContext<'_>, node: &Node, placement: &Placement) -> f64 {
-        let gpus = placement.gpus();
-        if gpus.is_empty() {
-            return 1.0;
-        }
-        let worst = gpus.iter().map(|&g| excess(ctx, node, g as usize)).fold(0.0, f64::max);
-        1.0 - worst
+        // the worst GPU of any container (a GPU seen twice changes nothing; none at all gives 1.0)
+        let slices = placement.assignment.containers.iter().flat_map(|c| &c.slices);
+        1.0 - slices.map(|s| excess(ctx, node, s.gpu as usize)).fold(0.0, f64::max)
     }
 }
 
