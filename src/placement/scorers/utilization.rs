@@ -112,11 +112,13 @@ mod tests {
         .unwrap();
         c.allocate(assignment("a/whole", "n", vec![GpuSlice { gpu: 2, mem_mib: MEM, core_pct: 100, exclusive: true }]))
             .unwrap();
-        let n = c.node_mut("n").unwrap();
-        n.set_utilization(0, sample(80, 0, NOW)); // nothing allocated, 80 % busy
-        n.set_utilization(1, sample(50, 4000, NOW)); // 20 points over its share
-        n.set_utilization(2, sample(100, MEM, NOW)); // busy, but it is all allocated
-        n.set_utilization(3, sample(0, 12000, NOW)); // memory nobody asked for: 75 % of the GPU
+        {
+            let mut n = c.node_mut("n").unwrap();
+            n.set_utilization(0, sample(80, 0, NOW)); // nothing allocated, 80 % busy
+            n.set_utilization(1, sample(50, 4000, NOW)); // 20 points over its share
+            n.set_utilization(2, sample(100, MEM, NOW)); // busy, but it is all allocated
+            n.set_utilization(3, sample(0, 12000, NOW)); // memory nobody asked for: 75 % of the GPU
+        }
         assert!(close(score_at(&c, &[0], NOW), 0.2));
         assert!(close(score_at(&c, &[1], NOW), 0.8));
         assert!(close(score_at(&c, &[2], NOW), 1.0));
@@ -132,9 +134,11 @@ mod tests {
     #[test]
     fn the_penalty_is_bounded() {
         let mut c = cluster(&["n"]);
-        let n = c.node_mut("n").unwrap();
-        n.set_utilization(0, sample(u32::MAX, u64::MAX, NOW));
-        n.set_utilization(1, sample(100, MEM * 3, NOW));
+        {
+            let mut n = c.node_mut("n").unwrap();
+            n.set_utilization(0, sample(u32::MAX, u64::MAX, NOW));
+            n.set_utilization(1, sample(100, MEM * 3, NOW));
+        }
         for g in [0, 1] {
             let s = score_at(&c, &[g], NOW);
             assert!((0.0..=1.0).contains(&s), "GPU {g}: {s}");
@@ -147,19 +151,23 @@ mod tests {
     #[test]
     fn stale_and_future_samples_are_ignored() {
         let mut c = cluster(&["n"]);
-        let n = c.node_mut("n").unwrap();
-        n.set_utilization(0, sample(100, 0, NOW - MAX_AGE - 1)); // just too old
-        n.set_utilization(1, sample(100, 0, NOW - MAX_AGE)); // just fresh enough
-        n.set_utilization(2, sample(100, 0, NOW + 61_000)); // from the future: garbage
-        n.set_utilization(3, sample(100, 0, NOW + 30_000)); // clock skew: counted
+        {
+            let mut n = c.node_mut("n").unwrap();
+            n.set_utilization(0, sample(100, 0, NOW - MAX_AGE - 1)); // just too old
+            n.set_utilization(1, sample(100, 0, NOW - MAX_AGE)); // just fresh enough
+            n.set_utilization(2, sample(100, 0, NOW + 61_000)); // from the future: garbage
+            n.set_utilization(3, sample(100, 0, NOW + 30_000)); // clock skew: counted
+        }
         assert_eq!(score_at(&c, &[0], NOW), 1.0);
         assert!(close(score_at(&c, &[1], NOW), 0.0));
         assert_eq!(score_at(&c, &[2], NOW), 1.0);
         assert!(close(score_at(&c, &[3], NOW), 0.0));
         // extreme timestamps read as stale rather than overflowing
-        let n = c.node_mut("n").unwrap();
-        n.set_utilization(0, sample(100, 0, i64::MIN));
-        n.set_utilization(1, sample(100, 0, i64::MAX));
+        {
+            let mut n = c.node_mut("n").unwrap();
+            n.set_utilization(0, sample(100, 0, i64::MIN));
+            n.set_utilization(1, sample(100, 0, i64::MAX));
+        }
         assert_eq!(score_at(&c, &[0], NOW), 1.0);
         assert_eq!(score_at(&c, &[1], NOW), 1.0);
         assert_eq!(score_at(&c, &[0], i64::MAX), 1.0);
@@ -172,9 +180,11 @@ mod tests {
     fn never_a_filter() {
         // "hot": every GPU measured fully busy with nothing allocated; "cool": no samples
         let mut c = cluster(&["cool", "hot"]);
-        let hot = c.node_mut("hot").unwrap();
-        for g in 0..4 {
-            hot.set_utilization(g, sample(100, MEM, NOW));
+        {
+            let mut hot = c.node_mut("hot").unwrap();
+            for g in 0..4 {
+                hot.set_utilization(g, sample(100, MEM, NOW));
+            }
         }
         let req = PodRequest::single("ns/p", GpuDemand::Whole { gpus: 2 });
         let engine = Engine::default();
@@ -182,7 +192,15 @@ mod tests {
         assert!(ev.rejected.is_empty(), "{:?}", ev.rejected);
         let names: Vec<&str> = ev.ranked.iter().map(|r| c.nodes()[r.node].name.as_str()).collect();
         assert_eq!(names, ["cool", "hot"]);
-        let (cool, hot) = (&ev.ranked[0].score, &ev.ranked[1].score);
+        // the ranking keeps totals only; re-score in full for each scorer's part
+        let full = |i: usize| {
+            let cand = &ev.ranked[i];
+            let p = cand.placement(&c, &req).unwrap();
+            let s = engine.score(&c, &req, cand.node, &p, NOW, None);
+            assert!(close(s.total, cand.total));
+            s
+        };
+        let (cool, hot) = (&full(0), &full(1));
         assert!(hot.total > 0.0, "{hot:?}");
         let util = |s: &crate::placement::engine::NodeScore| s.parts.iter().find(|p| p.0 == "utilization").unwrap().1;
         assert!(close(util(hot), 0.0) && util(cool) > 0.0);
