@@ -1,0 +1,201 @@
+//! The manifests under scheduler-config/ agree with the code: resource names, the extender's port,
+//! prefix, verbs and probe routes. Parses every YAML document there (multi-document files split on
+//! `---`), and starts one static-mode server to check that the probe paths are real routes.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpuplace::core::inventory::load_cluster;
+use gpuplace::core::resources::{RESOURCE_GPU, RESOURCE_GPU_CORE, RESOURCE_GPU_MEM};
+use gpuplace::extender::binder::RecordingBinder;
+use gpuplace::extender::client::Connection;
+use gpuplace::extender::http::{spawn, HttpOptions, DEFAULT_LISTEN, DEFAULT_PREFIX};
+use gpuplace::extender::service::{Extender, ServiceOptions};
+use gpuplace::placement::engine::Engine;
+use gpuplace::placement::profile::Profile;
+use gpuplace::placement::scorers::fragmentation::WorkloadMix;
+use serde_norway::Value;
+
+const NAMESPACE: &str = "gpuplace-system";
+const SERVICE: &str = "gpuplace-extender";
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn yaml_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    let mut entries: Vec<_> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
+    entries.sort();
+    for p in entries {
+        if p.is_dir() {
+            yaml_files(&p, out);
+        } else if p.extension().is_some_and(|e| e == "yaml" || e == "yml") {
+            out.push(p);
+        }
+    }
+}
+
+/// Every non-empty document of every YAML file under scheduler-config/, with where it came from.
+fn documents() -> Vec<(String, Value)> {
+    let mut files = Vec::new();
+    yaml_files(&root().join("scheduler-config"), &mut files);
+    assert!(!files.is_empty(), "no YAML under scheduler-config/");
+    let mut docs = Vec::new();
+    for f in files {
+        let text = std::fs::read_to_string(&f).unwrap();
+        let name = f.strip_prefix(root()).unwrap().display().to_string();
+        for (i, part) in text.split("\n---").enumerate() {
+            let v: Value = serde_norway::from_str(part).unwrap_or_else(|e| panic!("{name} document {i}: {e}"));
+            if v.is_null() {
+                continue; // comments only
+            }
+            assert!(v["apiVersion"].is_string() && v["kind"].is_string(), "{name} document {i}: no apiVersion/kind");
+            docs.push((format!("{name}#{i}"), v));
+        }
+    }
+    docs
+}
+
+fn kind<'a>(docs: &'a [(String, Value)], kind: &str) -> Vec<&'a (String, Value)> {
+    docs.iter().filter(|(_, v)| v["kind"].as_str() == Some(kind)).collect()
+}
+
+fn named<'a>(docs: &'a [(String, Value)], k: &str, name: &str) -> &'a Value {
+    let found: Vec<_> =
+        kind(docs, k).into_iter().filter(|(_, v)| v["metadata"]["name"].as_str() == Some(name)).collect();
+    assert_eq!(found.len(), 1, "expected exactly one {k} {name}");
+    &found[0].1
+}
+
+fn serve_port() -> u64 {
+    DEFAULT_LISTEN.rsplit(':').next().unwrap().parse().unwrap()
+}
+
+/// KubeSchedulerConfigurations: top-level documents and those embedded in ConfigMaps.
+fn scheduler_configs(docs: &[(String, Value)]) -> Vec<(String, Value)> {
+    let mut out: Vec<(String, Value)> =
+        kind(docs, "KubeSchedulerConfiguration").into_iter().map(|(n, v)| (n.clone(), v.clone())).collect();
+    for (name, cm) in kind(docs, "ConfigMap") {
+        if let Some(data) = cm["data"].as_mapping() {
+            for (key, text) in data {
+                let v: Value = serde_norway::from_str(text.as_str().unwrap())
+                    .unwrap_or_else(|e| panic!("{name} data {key:?}: {e}"));
+                if v["kind"].as_str() == Some("KubeSchedulerConfiguration") {
+                    out.push((format!("{name} data {key:?}"), v));
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn scheduler_configs_match_the_extender() {
+    let docs = documents();
+    let configs = scheduler_configs(&docs);
+    assert!(configs.len() >= 2, "expected the reference config and the second profile's, got {}", configs.len());
+    let want_url = format!("http://{SERVICE}.{NAMESPACE}.svc:{}{DEFAULT_PREFIX}", serve_port());
+    let mut scheduler_names = Vec::new();
+    for (name, c) in &configs {
+        assert_eq!(c["apiVersion"].as_str(), Some("kubescheduler.config.k8s.io/v1"), "{name}");
+        assert_eq!(c["percentageOfNodesToScore"].as_u64(), Some(100), "{name}");
+        let extenders = c["extenders"].as_sequence().unwrap_or_else(|| panic!("{name}: no extenders"));
+        assert_eq!(extenders.len(), 1, "{name}");
+        let e = &extenders[0];
+        assert_eq!(e["urlPrefix"].as_str(), Some(want_url.as_str()), "{name}");
+        for (field, verb) in [
+            ("filterVerb", "filter"),
+            ("prioritizeVerb", "prioritize"),
+            ("bindVerb", "bind"),
+            ("preemptVerb", "preempt"),
+        ] {
+            assert_eq!(e[field].as_str(), Some(verb), "{name}: {field}");
+        }
+        assert_eq!(e["nodeCacheCapable"].as_bool(), Some(true), "{name}");
+        assert_eq!(e["enableHTTPS"].as_bool(), Some(false), "{name}");
+        assert_eq!(e["ignorable"].as_bool(), Some(false), "{name}");
+        assert!(e["weight"].as_u64().is_some_and(|w| w > 0), "{name}: weight");
+        assert!(e["httpTimeout"].is_string(), "{name}: httpTimeout");
+        let managed: BTreeMap<&str, bool> = e["managedResources"]
+            .as_sequence()
+            .unwrap_or_else(|| panic!("{name}: no managedResources"))
+            .iter()
+            .map(|r| (r["name"].as_str().unwrap(), r["ignoredByScheduler"].as_bool().unwrap()))
+            .collect();
+        // gpu counted by kube-scheduler (device plugin slots); gpu-mem and gpu-core only by the
+        // extender (kube-scheduler-config.yaml explains why)
+        let want: BTreeMap<&str, bool> =
+            [(RESOURCE_GPU, false), (RESOURCE_GPU_MEM, true), (RESOURCE_GPU_CORE, true)].into_iter().collect();
+        assert_eq!(managed, want, "{name}: managedResources");
+        for p in c["profiles"].as_sequence().unwrap_or_else(|| panic!("{name}: no profiles")) {
+            scheduler_names.push(p["schedulerName"].as_str().unwrap().to_string());
+        }
+    }
+    scheduler_names.sort();
+    assert_eq!(scheduler_names, ["default-scheduler", "gpuplace-scheduler"]);
+}
+
+#[test]
+fn extender_deployment_service_and_device_plugin_agree_with_the_code() {
+    let docs = documents();
+    let port = serve_port();
+
+    let svc = named(&docs, "Service", SERVICE);
+    assert_eq!(svc["metadata"]["namespace"].as_str(), Some(NAMESPACE));
+    assert_eq!(svc["spec"]["ports"][0]["port"].as_u64(), Some(port));
+
+    let dep = named(&docs, "Deployment", SERVICE);
+    assert_eq!(dep["metadata"]["namespace"].as_str(), Some(NAMESPACE));
+    let c = &dep["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(c["ports"][0]["containerPort"].as_u64(), Some(port));
+    assert_eq!(c["ports"][0]["name"].as_str(), svc["spec"]["ports"][0]["targetPort"].as_str());
+    let args: Vec<&str> = c["args"].as_sequence().unwrap().iter().map(|a| a.as_str().unwrap()).collect();
+    assert_eq!(args[0], "serve");
+    assert!(args.contains(&format!("--prefix={DEFAULT_PREFIX}").as_str()), "{args:?}");
+    assert!(args.contains(&format!("--listen={DEFAULT_LISTEN}").as_str()), "{args:?}");
+    let probes: Vec<&str> =
+        ["readinessProbe", "livenessProbe"].iter().map(|p| c[*p]["httpGet"]["path"].as_str().unwrap()).collect();
+    assert_eq!(probes, ["/readyz", "/healthz"]);
+
+    // the probe paths are routes of a real server (static mode, the fixture cluster) and answer 200
+    let cluster = load_cluster(&root().join("examples/clusters/fixture-cluster.yaml")).unwrap();
+    let engine = Engine::new(Profile::gpuplace(), WorkloadMix::default());
+    let ext = Arc::new(Extender::new(cluster, engine, Arc::new(RecordingBinder::new()), ServiceOptions::default()));
+    let running = spawn(ext, HttpOptions::default(), "127.0.0.1:0", 1).expect("server starts");
+    let mut conn = Connection::open(&running.addr.to_string(), Duration::from_secs(10)).unwrap();
+    for path in probes {
+        let r = conn.request("GET", path, b"").unwrap();
+        assert_eq!(r.status, 200, "GET {path}: {}", r.text());
+    }
+    // the verbs of the urlPrefix are routes too: an empty body is a 400, not a 404
+    for verb in ["filter", "prioritize", "bind", "preempt"] {
+        let mut conn = Connection::open(&running.addr.to_string(), Duration::from_secs(10)).unwrap();
+        let r = conn.request("POST", &format!("{DEFAULT_PREFIX}/{verb}"), b"").unwrap();
+        assert_eq!(r.status, 400, "POST {verb}: {}", r.text());
+    }
+
+    let ds = named(&docs, "DaemonSet", "gpuplace-device-plugin");
+    let pod = &ds["spec"]["template"]["spec"];
+    let host_paths: Vec<&str> =
+        pod["volumes"].as_sequence().unwrap().iter().filter_map(|v| v["hostPath"]["path"].as_str()).collect();
+    assert!(host_paths.contains(&"/var/lib/kubelet/device-plugins"), "{host_paths:?}");
+    assert!(host_paths.contains(&"/var/lib/kubelet/pod-resources"), "{host_paths:?}");
+    let env = pod["containers"][0]["env"].as_sequence().unwrap();
+    let node_name = env.iter().find(|e| e["name"].as_str() == Some("NODE_NAME")).expect("NODE_NAME");
+    assert_eq!(node_name["valueFrom"]["fieldRef"]["fieldPath"].as_str(), Some("spec.nodeName"));
+    let tolerated: Vec<&str> =
+        pod["tolerations"].as_sequence().unwrap().iter().filter_map(|t| t["key"].as_str()).collect();
+    assert!(tolerated.contains(&"nvidia.com/gpu") && tolerated.contains(&RESOURCE_GPU), "{tolerated:?}");
+
+    // every ServiceAccount a workload runs as exists, in its namespace
+    for (k, name) in
+        [("Deployment", SERVICE), ("DaemonSet", "gpuplace-device-plugin"), ("Deployment", "gpuplace-scheduler")]
+    {
+        let w = named(&docs, k, name);
+        let sa = w["spec"]["template"]["spec"]["serviceAccountName"].as_str().unwrap();
+        let acct = named(&docs, "ServiceAccount", sa);
+        assert_eq!(acct["metadata"]["namespace"], w["metadata"]["namespace"], "{k} {name}");
+    }
+}
