@@ -5,6 +5,8 @@
 //! `*-frac` (gpu-mem 20480 + gpu-core 30 without gpu: refused), `*-whole4` (gpu 4), `*-gang-0` (gpu 8,
 //! group of 2), `*-memonly` (gpu-mem alone: refused), `filler-*` (gpu 2) and `urgent` (gpu 8).
 
+mod common;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
@@ -836,14 +838,7 @@ proptest! {
     ) {
         let rel = ["cache/filter-003", "nocache/filter-002", "cache/preempt-005", "nocache-preempt/preempt-001"][which];
         let (mut body, _) = fixture(&format!("{rel}.request.json"));
-        for (at, op, byte) in edits {
-            let i = at.index(body.len());
-            match op {
-                0 => body[i] = byte,
-                1 => { body.remove(i); }
-                _ => body.insert(i, byte),
-            }
-        }
+        common::mutate(&mut body, edits);
         if let Ok(a) = decode::<ExtenderArgs>(&body) {
             let refused = a.pod.request().err().map(|e| e.to_string());
             let _ = a.filter_result(|n| if n.len() % 2 == 0 { Verdict::Fits } else { Verdict::Preemptable("x".into()) });

@@ -9,6 +9,8 @@
 //! (c-whole4 on gpu-node-3, c-gang-0 on gpu-node-1, filler-0..3 on gpu-node-0, then preemptions);
 //! `nocache-preempt/` ran on a fresh cluster (16 fillers, four per node, then `urgent`).
 
+mod common;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -813,14 +815,7 @@ proptest! {
     ) {
         let s = fuzz_server();
         let mut body = fixture(SEEDS[which]);
-        for (at, op, byte) in edits {
-            let i = at.index(body.len());
-            match op {
-                0 => body[i] = byte,
-                1 => { body.remove(i); }
-                _ => body.insert(i, byte),
-            }
-        }
+        common::mutate(&mut body, edits);
         let before = s.ext.cluster();
         let r = s.post(verb, &body);
         prop_assert!(r.status == 200 || r.status == 400, "{} {}: {}", verb, r.status, r.text());
