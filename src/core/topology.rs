@@ -383,24 +383,30 @@ impl GpuTopology {
                 None => break,
             }
         }
+        self.improve_by_swaps(&mut set, gpus, fixed.len());
+        (self.set_score(&set), set)
+    }
+
+    /// Local search for large boards: swaps single members of `set` from position `keep` on for GPUs
+    /// of `gpus` outside it while that raises the set score (the first `keep` members never move).
+    pub fn improve_by_swaps(&self, set: &mut Vec<usize>, gpus: &[usize], keep: usize) {
         let mut improved = true;
         while improved {
             improved = false;
-            for i in fixed.len()..set.len() {
+            for i in keep..set.len() {
                 for &g in gpus {
                     if set.contains(&g) {
                         continue;
                     }
                     let mut trial = set.clone();
                     trial[i] = g;
-                    if self.set_score(&trial) > self.set_score(&set) {
-                        set = trial;
+                    if self.set_score(&trial) > self.set_score(set) {
+                        *set = trial;
                         improved = true;
                     }
                 }
             }
         }
-        (self.set_score(&set), set)
     }
 
     /// Sum of pair scores over every unordered pair of the set (0 for a single GPU).

@@ -194,23 +194,7 @@ impl SetSearch<'_> {
                     None => return,
                 }
             }
-            let mut improved = true;
-            while improved {
-                improved = false;
-                for i in 0..set.len() {
-                    for &g in self.cands {
-                        if set.contains(&g) {
-                            continue;
-                        }
-                        let mut trial = set.clone();
-                        trial[i] = g;
-                        if topo.set_score(&trial) > topo.set_score(&set) {
-                            set = trial;
-                            improved = true;
-                        }
-                    }
-                }
-            }
+            topo.improve_by_swaps(&mut set, self.cands, 0);
             set.sort_unstable();
             let score = topo.set_score(&set);
             self.consider(&set, score);

@@ -78,18 +78,18 @@ impl Profile {
         let w = config.weights;
         let usable = |w: f64| w > 0.0 && w.is_finite();
         let requested = config.requested_packing_weight;
-        // kept even at weight 0 when pods may ask for a policy, so the annotation always works
-        let packing_weight = if usable(w.packing) || usable(requested) { w.packing.max(0.0) } else { 0.0 };
         let mut scorers: Vec<(Box<dyn Scorer>, f64)> = Vec::new();
         let mut packing = None;
         for (s, weight) in [
             (Box::new(FragmentationScorer) as Box<dyn Scorer>, w.fragmentation),
-            (Box::new(PackingScorer), packing_weight),
+            (Box::new(PackingScorer), w.packing),
             (Box::new(TopologyScorer), w.topology),
             (Box::new(NetworkScorer), w.network),
             (Box::new(UtilizationScorer), w.utilization),
         ] {
             let is_packing = s.name() == PackingScorer.name();
+            // packing stays (at its own weight, possibly 0) while pods may ask for a policy, so
+            // the annotation always works
             if usable(weight) || (is_packing && usable(requested)) {
                 if is_packing {
                     packing = Some(scorers.len());

@@ -42,45 +42,6 @@ pub struct MixEntry {
     pub weight: f64,
 }
 
-impl MixEntry {
-    /// Whether this request could use the node's GPUs at all: it needs a GPU, the model is allowed
-    /// and the host has the CPU.
-    fn usable(&self, cpu_left: Option<u64>, model: &str) -> bool {
-        self.wants_gpus_of(model) && self.cpu_fits(cpu_left)
-    }
-
-    fn wants_gpus_of(&self, model: &str) -> bool {
-        self.gpus > 0 && self.allows(model)
-    }
-
-    fn cpu_fits(&self, cpu_left: Option<u64>) -> bool {
-        cpu_left.is_none_or(|c| c >= self.cpu_milli)
-    }
-
-    /// This request's weighted part of a node's fragmentation: all idle share when it cannot run
-    /// there, else the share stranded on GPUs too small for it (`fit` GPUs are large enough).
-    fn fragment(&self, usable: bool, fit: u32, stranded: u32, idle: f64) -> f64 {
-        if !usable {
-            return self.weight * idle;
-        }
-        self.weight * if fit >= self.gpus { f64::from(stranded) } else { idle }
-    }
-}
-
-/// How many GPUs have at least `milli` free, and the free share on the others.
-fn fit_and_stranded(free_milli: &[u32], milli: u32) -> (u32, u32) {
-    let mut fit = 0u32;
-    let mut stranded = 0u32;
-    for &f in free_milli {
-        if f >= milli {
-            fit += 1;
-        } else {
-            stranded += f;
-        }
-    }
-    (fit, stranded)
-}
-
 /// The typical request mix a cluster serves.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct WorkloadMix {
@@ -157,9 +118,20 @@ impl WorkloadMix {
         let idle = f64::from(idle);
         let mut frag = 0.0;
         for t in &self.entries {
-            let usable = t.usable(cpu_left, model);
-            let (fit, stranded) = if usable { fit_and_stranded(free_milli, t.milli) } else { (0, 0) };
-            frag += t.fragment(usable, fit, stranded, idle);
+            let cpu_ok = cpu_left.is_none_or(|c| c >= t.cpu_milli);
+            if !t.wants_gpus_of(model) || !cpu_ok {
+                frag += t.weight * idle;
+                continue;
+            }
+            let (mut fit, mut stranded) = (0u32, 0u32);
+            for &f in free_milli {
+                if f >= t.milli {
+                    fit += 1;
+                } else {
+                    stranded += f;
+                }
+            }
+            frag += t.weight * if fit >= t.gpus { f64::from(stranded) } else { idle };
         }
         frag
     }
@@ -182,7 +154,7 @@ impl WorkloadMix {
         }
         let mut frag = 0.0;
         for t in &self.entries {
-            if t.gpus == 0 || !t.allows(model) {
+            if !t.wants_gpus_of(model) {
                 frag += t.weight * f64::from(idle);
                 continue;
             }
@@ -209,6 +181,11 @@ impl MixEntry {
     /// Whether this request type may run on GPUs of `model`.
     pub fn allows(&self, model: &str) -> bool {
         self.models.is_empty() || self.models.iter().any(|m| m.eq_ignore_ascii_case(model))
+    }
+
+    /// Whether this request could use GPUs of `model` at all (CPU-only requests cannot).
+    fn wants_gpus_of(&self, model: &str) -> bool {
+        self.gpus > 0 && self.allows(model)
     }
 }
 
