@@ -177,6 +177,13 @@ struct SimulateArgs {
     /// Print one JSON object per policy instead of the table.
     #[arg(long)]
     json: bool,
+    /// Also pack the pods that arrive up to 100 % offline, largest first with best fit, as a
+    /// clairvoyant reference for the online policies (reported as `offline-bfd`, column 100 only).
+    #[arg(long)]
+    offline_reference: bool,
+    /// What-if: give every node unlimited host CPU and memory, so that only GPUs limit placement.
+    #[arg(long)]
+    unlimited_host: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -255,6 +262,8 @@ fn main() -> ExitCode {
                 seeds: args.seeds.0.clone(),
                 tune: args.tune,
                 profile,
+                offline_reference: args.offline_reference,
+                unlimited_host: args.unlimited_host,
             };
             if !(cfg.tune > 0.0 && cfg.tune <= 10.0) {
                 eprintln!("error: --tune must be in (0, 10], got {}", cfg.tune);

@@ -12,7 +12,15 @@ fn root() -> PathBuf {
 }
 
 fn cfg(policies: Vec<PolicyKind>, seeds: Vec<u64>) -> SimConfig {
-    SimConfig { workload: "default".into(), policies, seeds, tune: 1.3, profile: ProfileConfig::default() }
+    SimConfig {
+        workload: "default".into(),
+        policies,
+        seeds,
+        tune: 1.3,
+        profile: ProfileConfig::default(),
+        offline_reference: false,
+        unlimited_host: false,
+    }
 }
 
 #[test]
@@ -47,4 +55,31 @@ fn fgd_and_bestfit_reproduce_the_paper() {
         eprintln!("{}: ours {ours:.2}, paper {paper:.2}", r.policy);
         assert!((ours - paper).abs() <= 0.5, "{}: ours {ours:.2} vs paper {paper:.2}", r.policy);
     }
+}
+
+#[test]
+fn offline_reference_reports_only_the_100_column_after_the_policies() {
+    let dir = root().join("examples/traces/demo");
+    let mut c = cfg(vec![PolicyKind::BestFit], vec![1, 2]);
+    c.offline_reference = true;
+    let reports = simulate(&dir, &c).unwrap();
+    assert_eq!(reports.iter().map(|r| r.policy.as_str()).collect::<Vec<_>>(), ["bestfit", "offline-bfd"]);
+    let reference = &reports[1];
+    assert_eq!(reference.unallocated_gpu_pct.keys().collect::<Vec<_>>(), ["100"]);
+    assert!((0.0..100.0).contains(&reference.unallocated_gpu_pct["100"]));
+    assert!(reference.frag_rate_pct_at_80.is_nan(), "the reference has no arrival timeline");
+    assert_eq!(simulate(&dir, &c).unwrap()[1].unallocated_gpu_pct, reference.unallocated_gpu_pct);
+}
+
+#[test]
+fn unlimited_host_lifts_cpu_and_memory_limits_only() {
+    // the demo's nodes run short of host CPU before GPUs: lifting the limit changes neither the
+    // arrivals nor GPU capacity (the percentages' denominator), and here it leaves no more unallocated
+    let dir = root().join("examples/traces/demo");
+    let mut c = cfg(vec![PolicyKind::BestFit], vec![1]);
+    let limited = simulate(&dir, &c).unwrap().remove(0);
+    c.unlimited_host = true;
+    let unlimited = simulate(&dir, &c).unwrap().remove(0);
+    assert_eq!(limited.pods_per_seed, unlimited.pods_per_seed, "same arrivals");
+    assert!(unlimited.unallocated_gpu_pct["130"] <= limited.unallocated_gpu_pct["130"] + 1e-9);
 }

@@ -4,6 +4,7 @@
 pub mod paper;
 pub mod policies;
 pub mod protocol;
+pub mod reference;
 pub mod report;
 pub mod run;
 pub mod state;
@@ -28,11 +29,24 @@ pub struct SimConfig {
     pub tune: f64,
     /// Profile of the `gpuplace` policy.
     pub profile: crate::placement::profile::ProfileConfig,
+    /// Also report the clairvoyant offline reference ([`reference`]) at 100 % arrival.
+    pub offline_reference: bool,
+    /// What-if: every node's host CPU and memory unlimited, so only GPUs limit placement.
+    pub unlimited_host: bool,
 }
+
+/// Host CPU (milli) or memory (MiB) that never runs out, with room left for sums.
+pub const UNLIMITED: u64 = u64::MAX / 4;
 
 /// Replays the workload in `trace_dir` under each policy and seed.
 pub fn simulate(trace_dir: &Path, cfg: &SimConfig) -> Result<Vec<PolicyReport>, TraceError> {
-    let nodes = trace::load_nodes(trace_dir)?;
+    let mut nodes = trace::load_nodes(trace_dir)?;
+    if cfg.unlimited_host {
+        for n in &mut nodes {
+            n.cpu_milli = UNLIMITED;
+            n.memory_mib = UNLIMITED;
+        }
+    }
     let pods = trace::load_pods(trace_dir, &cfg.workload)?;
     let mix = protocol::typical_mix(&pods);
     let paper = paper::PaperResults::load(trace_dir).ok();
@@ -48,6 +62,16 @@ pub fn simulate(trace_dir: &Path, cfg: &SimConfig) -> Result<Vec<PolicyReport>, 
         r.paper_unallocated_gpu_pct_at_100 =
             paper.as_ref().and_then(|p| p.unallocated_at(&cfg.workload, kind, 100, &cfg.seeds));
         reports.push(r);
+    }
+    if cfg.offline_reference {
+        let start = Instant::now();
+        let results: Vec<run::SeedResult> = cfg
+            .seeds
+            .par_iter()
+            .map(|&seed| reference::offline_best_fit_decreasing(&nodes, &pods, &mix, seed, cfg.tune))
+            .collect();
+        let wall = start.elapsed().as_secs_f64();
+        reports.push(PolicyReport::new(reference::REFERENCE_NAME, &cfg.workload, &results, wall));
     }
     Ok(reports)
 }
