@@ -7,17 +7,25 @@
 //!   with the core's set search, Allocate.
 //! - [`assign`]: pod identity at admission: the [`assign::AssignmentSource`] seam and the matching rules.
 //! - [`server`]: the unix socket, registration with kubelet and re-registration.
+//! - [`sampler`]: the sampling loop over the backend, feeding metrics and the publish policy.
+//! - [`podresources`]: kubelet's pod-resources `List`: which container holds which GPU.
+//! - [`metrics`]: `/metrics` with DCGM-exporter names and gpuplace's allocated-vs-used gauges.
+//! - [`publish`]: when to publish `gpuplace.io/utilization`, and the [`publish::UtilizationSink`] seam.
 //! - [`discover`]: the `discover` command's output.
 //! - [`api`]: the generated kubelet APIs.
-//! - [`testing`]: a fake kubelet for tests and demos.
+//! - [`testing`]: a fake kubelet (registration, pod-resources) for tests and demos.
 //!
 //! Design and failure modes: docs/device-plugin.md.
 
 pub mod api;
 pub mod assign;
 pub mod discover;
+pub mod metrics;
 pub mod nvml;
 pub mod plugin;
+pub mod podresources;
+pub mod publish;
+pub mod sampler;
 pub mod server;
 pub mod slots;
 pub mod testing;

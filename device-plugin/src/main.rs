@@ -1,5 +1,6 @@
 //! `gpuplace-device-plugin`: serve (default) or `discover`.
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::AtomicBool;
@@ -8,10 +9,14 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use gpuplace_device_plugin::api::DEFAULT_DEVICE_PLUGIN_DIR;
+use gpuplace_device_plugin::metrics::{self, MetricsSource, DEFAULT_METRICS_LISTEN};
 use gpuplace_device_plugin::nvml::fake::{FakeBackend, FakeScript};
 use gpuplace_device_plugin::nvml::real::NvmlBackend;
 use gpuplace_device_plugin::nvml::{BackendError, GpuBackend};
 use gpuplace_device_plugin::plugin::{spawn_health_monitor, Plugin, PluginConfig, RESOURCE_NAME};
+use gpuplace_device_plugin::podresources::{PodResourcesClient, DEFAULT_POD_RESOURCES_SOCKET};
+use gpuplace_device_plugin::publish::{LogSink, PublishPolicy, Publisher};
+use gpuplace_device_plugin::sampler::{Sampler, Telemetry};
 use gpuplace_device_plugin::server::{run, ServeConfig};
 use gpuplace_device_plugin::slots::DEFAULT_SLOTS_PER_GPU;
 use gpuplace_device_plugin::{discover, slots};
@@ -46,6 +51,27 @@ struct Cli {
     /// Host directory of the MPS control daemon's pipes, mounted into containers that get a share.
     #[arg(long, value_name = "DIR")]
     mps_pipe_dir: Option<PathBuf>,
+    /// Where to serve Prometheus /metrics (DCGM-exporter names; dcgm-exporter's port by default).
+    #[arg(long, value_name = "ADDR", default_value = DEFAULT_METRICS_LISTEN)]
+    metrics_listen: SocketAddr,
+    /// How often every GPU is sampled (utilization, memory, temperature, power, SM clock), e.g. 5s,
+    /// 500ms, 1m.
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_duration)]
+    sample_interval: Duration,
+    /// kubelet's pod-resources socket, for pod/namespace/container labels on the metrics. When it is
+    /// missing, metrics are served without pod labels.
+    #[arg(long, value_name = "PATH", default_value = DEFAULT_POD_RESOURCES_SOCKET)]
+    pod_resources_socket: PathBuf,
+    /// Publish utilization when a GPU's SM utilization or memory use moved by more than this many
+    /// percent points since the last publish.
+    #[arg(long, value_name = "POINTS", default_value_t = 10, value_parser = clap::value_parser!(u32).range(0..=100))]
+    publish_threshold: u32,
+    /// Publish utilization at least this often, moved or not.
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_duration)]
+    publish_max_interval: Duration,
+    /// Publish utilization at most this often, however much it moves (bounds API writes).
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
+    publish_min_interval: Duration,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -60,6 +86,32 @@ enum Command {
     },
     /// Serve kubelet (the default).
     Serve,
+}
+
+/// `500ms`, `5s`, `2m`, `1h`; a bare number is seconds.
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.parse().map_err(|_| format!("{text:?} is not a duration like 500ms, 5s, 2m or 1h"))?;
+    let secs = match unit {
+        "ms" => n / 1000.0,
+        "" | "s" => n,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        _ => return Err(format!("{text:?}: unknown unit {unit:?} (ms, s, m or h)")),
+    };
+    Duration::try_from_secs_f64(secs).map_err(|e| format!("{text:?}: {e}"))
+}
+
+/// The `Hostname` label: the node name when known, as dcgm-exporter does under Kubernetes.
+fn hostname(cli: &Cli) -> String {
+    cli.node_name
+        .clone()
+        .or_else(|| std::env::var("NODE_NAME").ok())
+        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok().map(|h| h.trim().to_string()))
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "unknown".into())
 }
 
 fn backend(cli: &Cli) -> Result<Arc<dyn GpuBackend>, BackendError> {
@@ -106,12 +158,18 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
         slots_per_gpu: cli.slots_per_gpu,
         mps_pipe_dir: cli.mps_pipe_dir.clone(),
     };
+    if cli.sample_interval.is_zero() {
+        return Err("--sample-interval must be positive".into());
+    }
+    if cli.publish_min_interval > cli.publish_max_interval {
+        return Err("--publish-min-interval must not be longer than --publish-max-interval".into());
+    }
     // no Kubernetes assignment source yet: kubelet's slots decide the GPUs (docs/device-plugin.md)
     let plugin = Plugin::new(config, &inventory, None).map_err(|e| e.to_string())?;
     tracing::info!(gpus = inventory.gpus.len(), backend = %inventory.backend, slots = cli.slots_per_gpu, "inventory");
     let stop = Arc::new(AtomicBool::new(false));
-    let monitor =
-        spawn_health_monitor(plugin.clone(), backend, stop.clone()).map_err(|e| format!("health monitor: {e}"))?;
+    let monitor = spawn_health_monitor(plugin.clone(), backend.clone(), stop.clone())
+        .map_err(|e| format!("health monitor: {e}"))?;
     let cfg = ServeConfig {
         dir: cli.device_plugin_dir.clone(),
         socket_name: cli.socket_name.clone(),
@@ -123,7 +181,25 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
         .enable_all()
         .build()
         .map_err(|e| format!("tokio runtime: {e}"))?;
+    let listener = rt.block_on(metrics::bind(cli.metrics_listen)).map_err(|e| e.to_string())?;
+    let telemetry = Telemetry::new(inventory.gpus.len(), true);
+    let policy = PublishPolicy {
+        threshold_pct: cli.publish_threshold,
+        min_interval: cli.publish_min_interval,
+        max_interval: cli.publish_max_interval,
+    };
+    // no Kubernetes sink yet: the policy runs and is counted, the value is logged at debug
+    let publisher = Publisher::new(policy, Arc::new(LogSink));
+    // connect and call together, well inside a sample interval
+    let pr_timeout = cli.sample_interval.clamp(Duration::from_millis(100), Duration::from_secs(2));
+    let pod_resources = PodResourcesClient::new(&cli.pod_resources_socket, pr_timeout);
+    let sampler = Sampler::new(backend, plugin.clone(), telemetry.clone(), Some(pod_resources), publisher);
+    let source = Arc::new(MetricsSource { hostname: hostname(cli), plugin: plugin.clone(), telemetry });
+    let sampling = rt.spawn(sampler.run(cli.sample_interval));
+    let metrics_server = rt.spawn(metrics::serve(listener, source, Box::pin(std::future::pending())));
     let result = rt.block_on(run(plugin, cfg, Box::pin(shutdown_signal())));
+    sampling.abort();
+    metrics_server.abort();
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let _ = monitor.join();
     result.map_err(|e| e.to_string())
@@ -161,5 +237,22 @@ fn main() -> ExitCode {
             eprintln!("gpuplace-device-plugin: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse_with_units() {
+        assert_eq!(parse_duration("5s"), Ok(Duration::from_secs(5)));
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("1h"), Ok(Duration::from_secs(3600)));
+        assert_eq!(parse_duration("1.5"), Ok(Duration::from_millis(1500)));
+        assert!(parse_duration("5 parsecs").is_err());
+        assert!(parse_duration("s").is_err());
+        assert!(parse_duration("-1s").is_err());
     }
 }

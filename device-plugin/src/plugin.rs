@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use gpuplace::core::topology::{GpuTopology, SubsetError};
 use tokio::sync::{mpsc, watch};
@@ -58,6 +58,35 @@ pub enum PluginError {
 struct Health {
     healthy: bool,
     reason: String,
+    /// XIDs seen since start (application ones included: they are what a user debugs).
+    xid_count: u64,
+    last_xid: Option<u64>,
+}
+
+/// A GPU's health as metrics report it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuHealth {
+    pub healthy: bool,
+    pub reason: String,
+    pub xid_count: u64,
+    pub last_xid: Option<u64>,
+}
+
+/// What one container was granted on one GPU by an Allocate that matched an extender assignment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GrantedSlice {
+    pub mem_mib: u64,
+    pub core_pct: u32,
+}
+
+/// A container's grants, keyed by `namespace/pod` and container name: what pod-resources reports.
+pub type GrantKey = (String, String);
+
+#[derive(Debug, Clone)]
+struct GrantRecord {
+    /// GPU index -> slice.
+    slices: BTreeMap<u32, GrantedSlice>,
+    at: Instant,
 }
 
 /// Containers this process has matched, so a stale pod list cannot match one twice.
@@ -78,6 +107,9 @@ pub struct Plugin {
     devices: watch::Sender<Arc<Vec<Device>>>,
     source: Option<Arc<dyn AssignmentSource>>,
     claims: tokio::sync::Mutex<Claims>,
+    /// Slices of matched Allocates, for the allocated-vs-used metrics. Pruned by the sampler to the
+    /// containers pod-resources still lists.
+    grants: Mutex<BTreeMap<GrantKey, GrantRecord>>,
 }
 
 impl std::fmt::Debug for Plugin {
@@ -101,7 +133,8 @@ impl Plugin {
         inventory.validate()?;
         let topology = inventory.topology().map_err(|e| PluginError::Topology(e.to_string()))?;
         let slots = SlotTable::new(inventory.gpus.iter().map(|g| g.uuid.clone()).collect(), config.slots_per_gpu)?;
-        let health = vec![Health { healthy: true, reason: String::new() }; inventory.gpus.len()];
+        let health =
+            vec![Health { healthy: true, reason: String::new(), xid_count: 0, last_xid: None }; inventory.gpus.len()];
         let plugin = Self {
             config,
             gpus: inventory.gpus.clone(),
@@ -111,6 +144,7 @@ impl Plugin {
             health: Mutex::new(health),
             source,
             claims: tokio::sync::Mutex::new(Claims::default()),
+            grants: Mutex::new(BTreeMap::new()),
         };
         let list = plugin.device_list(&plugin.lock_health());
         plugin.devices.send_replace(Arc::new(list));
@@ -163,6 +197,35 @@ impl Plugin {
         self.devices.subscribe()
     }
 
+    /// Every GPU's health and XID record, by index.
+    pub fn health(&self) -> Vec<GpuHealth> {
+        self.lock_health()
+            .iter()
+            .map(|h| GpuHealth {
+                healthy: h.healthy,
+                reason: h.reason.clone(),
+                xid_count: h.xid_count,
+                last_xid: h.last_xid,
+            })
+            .collect()
+    }
+
+    fn lock_grants(&self) -> std::sync::MutexGuard<'_, BTreeMap<GrantKey, GrantRecord>> {
+        self.grants.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The slices granted by matched Allocates, per container.
+    pub fn grants(&self) -> BTreeMap<GrantKey, BTreeMap<u32, GrantedSlice>> {
+        self.lock_grants().iter().map(|(k, r)| (k.clone(), r.slices.clone())).collect()
+    }
+
+    /// Forgets the grants of containers that are gone: not in `live` (a pod-resources listing taken
+    /// at `listed_at`) and granted before the listing started, since a container allocated during
+    /// the call may not be listed yet.
+    pub fn prune_grants(&self, live: &BTreeSet<GrantKey>, listed_at: Instant) {
+        self.lock_grants().retain(|k, r| live.contains(k) || r.at >= listed_at);
+    }
+
     pub fn is_healthy(&self, gpu: u32) -> bool {
         self.lock_health().get(gpu as usize).is_some_and(|h| h.healthy)
     }
@@ -174,7 +237,8 @@ impl Plugin {
         if entry.healthy == healthy {
             return false;
         }
-        *entry = Health { healthy, reason: reason.to_string() };
+        entry.healthy = healthy;
+        entry.reason = reason.to_string();
         if healthy {
             tracing::info!(gpu, reason, "GPU healthy again");
         } else {
@@ -188,6 +252,12 @@ impl Plugin {
     /// Applies one backend event. Repeated events of a GPU already unhealthy (an XID storm) change
     /// nothing and send nothing.
     pub fn apply_event(&self, e: &GpuEvent) -> bool {
+        if let GpuEventKind::Xid(x) = e.kind {
+            if let Some(h) = self.lock_health().get_mut(e.index as usize) {
+                h.xid_count += 1;
+                h.last_xid = Some(x);
+            }
+        }
         match e.kind {
             GpuEventKind::Xid(x) if xid_is_critical(x) => self.set_health(e.index, false, &format!("XID {x}")),
             GpuEventKind::Xid(x) => {
@@ -347,6 +417,10 @@ impl Plugin {
         // not marked means a restarted plugin could match the container again: refuse instead
         source.mark_allocated(&grant.pod, &grant.container).await.map_err(|e| Status::unavailable(e.to_string()))?;
         claims.claimed.insert((grant.pod.clone(), grant.container.clone()));
+        let slices =
+            grant.slices.iter().map(|s| (s.gpu, GrantedSlice { mem_mib: s.mem_mib, core_pct: s.core_pct })).collect();
+        self.lock_grants()
+            .insert((grant.pod.pod.clone(), grant.container.clone()), GrantRecord { slices, at: Instant::now() });
         claims.sticky = Some(grant.pod.clone());
         tracing::info!(pod = %grant.pod, container = %grant.container, gpus = ?gpus, "allocated");
         Ok(grant)

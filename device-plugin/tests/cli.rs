@@ -12,6 +12,7 @@ use gpuplace_device_plugin::api::v1beta1::{
     AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest, Empty, PreferredAllocationRequest,
 };
 use gpuplace_device_plugin::server::connect_unix;
+use gpuplace_device_plugin::testing::http_get;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpuplace-device-plugin");
 
@@ -58,13 +59,18 @@ impl Drop for Child {
 async fn binary_registers_with_the_test_kubelet_and_serves_allocations() {
     let dir = tempfile::Builder::new().prefix("gdp").tempdir().unwrap();
     let mut kubelet = FakeKubelet::start(dir.path());
+    // a free port for /metrics (never the default 9400: tests run side by side)
+    let metrics_addr = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
     let child = Child(
         Command::new(BIN)
             .arg("--fake-topology")
             .arg(topology("hgx-h100-8"))
             .arg("--device-plugin-dir")
             .arg(dir.path())
-            .args(["--slots-per-gpu", "2", "--poll-interval-ms", "50"])
+            .args(["--slots-per-gpu", "2", "--poll-interval-ms", "50", "--sample-interval", "100ms"])
+            .args(["--metrics-listen", &metrics_addr.to_string(), "--node-name", "cli-node"])
+            .arg("--pod-resources-socket")
+            .arg(dir.path().join("no-pod-resources.sock"))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -98,6 +104,27 @@ async fn binary_registers_with_the_test_kubelet_and_serves_allocations() {
         .into_inner();
     let visible = &r.container_responses[0].envs["NVIDIA_VISIBLE_DEVICES"];
     assert_eq!(visible.split(',').count(), 4);
+    // /metrics shows the DCGM-style series of the 8 fake GPUs, without pod labels (no pod-resources)
+    let mut page = String::new();
+    for _ in 0..100 {
+        if let Ok((200, _, body)) = http_get(metrics_addr, "/metrics").await {
+            if body.contains("gpuplace_podresources_errors_total{Hostname=\"cli-node\",reason=\"socket_missing\"} 1") {
+                page = body;
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for name in ["DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_FB_FREE", "DCGM_FI_DEV_GPU_TEMP"]
+        .into_iter()
+        .chain(["DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_DEV_SM_CLOCK", "DCGM_FI_DEV_XID_ERRORS"])
+    {
+        let n = page
+            .lines()
+            .filter(|l| l.starts_with(&format!("{name}{{gpu=")) && l.contains("Hostname=\"cli-node\""))
+            .count();
+        assert_eq!(n, 8, "{name} in:\n{page}");
+    }
     // kubelet restarts: the binary registers again
     kubelet.stop().await;
     let _ = std::fs::remove_file(dir.path().join(&reg.endpoint));

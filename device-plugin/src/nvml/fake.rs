@@ -1,12 +1,14 @@
 //! A GPU node from a topology file (`shared/topologies` schema), for tests and demos without a GPU.
 //!
 //! Utilization is synthetic (a slow triangle wave, phase-shifted per GPU, so a demo shows movement)
-//! until a script step or [`FakeBackend::set_utilization`] fixes it. Faults are injected by script
-//! (`--fake-script FILE`) or by [`FakeBackend::inject`]:
+//! until a script step or [`FakeBackend::set_reading`] fixes it. Temperature, power and SM clock follow
+//! utilization unless a step fixes them too, so a script determines every field of a sample. Faults
+//! are injected by script (`--fake-script FILE`) or by [`FakeBackend::inject`]:
 //!
 //! ```json
 //! {"steps": [
 //!   {"at_s": 0,  "gpu": 0, "util_pct": 90, "mem_used_mib": 40000},
+//!   {"at_s": 0,  "gpu": 1, "temperature_c": 71, "power_w": 450, "sm_clock_mhz": 1755},
 //!   {"at_s": 10, "gpu": 3, "fault": "fall_off_bus"},
 //!   {"at_s": 20, "gpu": 5, "fault": {"xid_storm": {"xid": 48, "count": 100}}},
 //!   {"at_s": 30, "gpu": 3, "fault": "recover"}
@@ -48,7 +50,63 @@ pub struct ScriptStep {
     #[serde(default)]
     pub mem_used_mib: Option<u64>,
     #[serde(default)]
+    pub temperature_c: Option<u32>,
+    #[serde(default)]
+    pub power_w: Option<u32>,
+    #[serde(default)]
+    pub sm_clock_mhz: Option<u32>,
+    #[serde(default)]
     pub fault: Option<Fault>,
+}
+
+impl ScriptStep {
+    fn reading(&self) -> FakeReading {
+        FakeReading {
+            util_pct: self.util_pct,
+            mem_used_mib: self.mem_used_mib,
+            temperature_c: self.temperature_c,
+            power_w: self.power_w,
+            sm_clock_mhz: self.sm_clock_mhz,
+        }
+    }
+}
+
+/// Fixed values for some fields of a GPU's samples; `None` leaves a field as it was.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FakeReading {
+    pub util_pct: Option<u32>,
+    pub mem_used_mib: Option<u64>,
+    pub temperature_c: Option<u32>,
+    pub power_w: Option<u32>,
+    pub sm_clock_mhz: Option<u32>,
+}
+
+impl FakeReading {
+    fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
+}
+
+/// What is fixed of one GPU. Utilization and memory are fixed together (the wave drives both);
+/// sensors left unfixed are derived from utilization.
+#[derive(Debug, Clone, Copy, Default)]
+struct Fixed {
+    util: Option<(u32, u64)>,
+    temperature_c: Option<u32>,
+    power_w: Option<u32>,
+    sm_clock_mhz: Option<u32>,
+}
+
+impl Fixed {
+    fn merge(&mut self, r: &FakeReading) {
+        if r.util_pct.is_some() || r.mem_used_mib.is_some() {
+            let (u, m) = self.util.unwrap_or((0, 0));
+            self.util = Some((r.util_pct.unwrap_or(u).min(100), r.mem_used_mib.unwrap_or(m)));
+        }
+        self.temperature_c = r.temperature_c.or(self.temperature_c);
+        self.power_w = r.power_w.or(self.power_w);
+        self.sm_clock_mhz = r.sm_clock_mhz.or(self.sm_clock_mhz);
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -67,8 +125,8 @@ impl FakeScript {
 
 #[derive(Debug)]
 struct FakeState {
-    /// Fixed (util %, memory used MiB) per GPU; `None` follows the synthetic wave.
-    util: Vec<Option<(u32, u64)>>,
+    /// What is fixed per GPU; the rest follows the synthetic wave.
+    fixed: Vec<Fixed>,
     lost: Vec<bool>,
     events: VecDeque<GpuEvent>,
     /// Script steps already applied (the script is sorted by time).
@@ -139,7 +197,7 @@ impl FakeBackend {
             script: Vec::new(),
             start: Instant::now(),
             state: Mutex::new(FakeState {
-                util: vec![None; n],
+                fixed: vec![Fixed::default(); n],
                 lost: vec![false; n],
                 events: VecDeque::new(),
                 applied: 0,
@@ -185,8 +243,16 @@ impl FakeBackend {
 
     /// Fixes a GPU's utilization and memory use.
     pub fn set_utilization(&self, index: u32, util_pct: u32, mem_used_mib: u64) -> Result<(), BackendError> {
+        self.set_reading(
+            index,
+            FakeReading { util_pct: Some(util_pct), mem_used_mib: Some(mem_used_mib), ..FakeReading::default() },
+        )
+    }
+
+    /// Fixes some fields of a GPU's samples (what a script step does).
+    pub fn set_reading(&self, index: u32, reading: FakeReading) -> Result<(), BackendError> {
         let i = self.check(index)?;
-        self.lock().util[i] = Some((util_pct.min(100), mem_used_mib));
+        self.lock().fixed[i].merge(&reading);
         Ok(())
     }
 
@@ -235,9 +301,9 @@ impl FakeBackend {
         let now = self.now(st).as_secs_f64();
         while let Some(step) = self.script.get(st.applied).filter(|s| s.at_s <= now) {
             let i = step.gpu as usize;
-            if step.util_pct.is_some() || step.mem_used_mib.is_some() {
-                let (u, m) = st.util[i].unwrap_or((0, 0));
-                st.util[i] = Some((step.util_pct.unwrap_or(u).min(100), step.mem_used_mib.unwrap_or(m)));
+            let reading = step.reading();
+            if !reading.is_empty() {
+                st.fixed[i].merge(&reading);
             }
             if let Some(f) = step.fault {
                 Self::apply_fault(st, i, f);
@@ -260,20 +326,23 @@ impl GpuBackend for FakeBackend {
             return Err(BackendError::GpuLost(index));
         }
         let gpu = &self.inventory.gpus[i];
-        let (util_pct, mem_used_mib) = st.util[i].unwrap_or_else(|| {
+        let fixed = st.fixed[i];
+        let (util_pct, mem_used_mib) = fixed.util.unwrap_or_else(|| {
             let n = self.inventory.gpus.len().max(1) as f64;
             let phase = (self.now(&st).as_secs_f64() / WAVE_PERIOD_S + i as f64 / n).fract();
             let tri = 1.0 - (2.0 * phase - 1.0).abs();
             let u = (tri * 100.0).round() as u32;
             (u, gpu.memory_mib * u64::from(u) / 200)
         });
+        let mem_used_mib = mem_used_mib.min(gpu.memory_mib);
         Ok(GpuSample {
             index,
             util_pct,
-            mem_used_mib: mem_used_mib.min(gpu.memory_mib),
-            temperature_c: 30 + util_pct / 2,
-            power_mw: 60_000 + util_pct * 3_000,
-            sm_clock_mhz: if util_pct > 0 { 1_980 } else { 345 },
+            mem_used_mib,
+            mem_free_mib: gpu.memory_mib - mem_used_mib,
+            temperature_c: fixed.temperature_c.unwrap_or(30 + util_pct / 2),
+            power_mw: fixed.power_w.map_or(60_000 + util_pct * 3_000, |w| w.saturating_mul(1000)),
+            sm_clock_mhz: fixed.sm_clock_mhz.unwrap_or(if util_pct > 0 { 1_980 } else { 345 }),
         })
     }
 
@@ -354,6 +423,38 @@ mod tests {
     }
 
     #[test]
+    fn scripts_fix_every_field_of_a_sample() {
+        let script: FakeScript = serde_json::from_str(
+            r#"{"steps": [
+                {"at_s": 0, "gpu": 2, "util_pct": 40, "mem_used_mib": 30000},
+                {"at_s": 1, "gpu": 2, "temperature_c": 71, "power_w": 450, "sm_clock_mhz": 1755},
+                {"at_s": 2, "gpu": 2, "util_pct": 0}
+            ]}"#,
+        )
+        .unwrap();
+        let b = h100().with_script(script).unwrap();
+        b.advance_to(Duration::from_millis(500));
+        let s = b.sample(2).unwrap();
+        // sensors follow utilization until fixed
+        assert_eq!(
+            s,
+            GpuSample {
+                index: 2,
+                util_pct: 40,
+                mem_used_mib: 30000,
+                mem_free_mib: 81559 - 30000,
+                temperature_c: 50,
+                power_mw: 180_000,
+                sm_clock_mhz: 1980
+            }
+        );
+        b.advance_to(Duration::from_secs(2));
+        let s = b.sample(2).unwrap();
+        assert_eq!((s.util_pct, s.mem_used_mib), (0, 30000), "a step keeps the fields it does not name");
+        assert_eq!((s.temperature_c, s.power_mw, s.sm_clock_mhz), (71, 450_000, 1755));
+    }
+
+    #[test]
     fn synthetic_wave_stays_in_range_and_bad_scripts_are_refused() {
         let b = h100();
         for t in [0, 17, 60, 119, 500] {
@@ -364,7 +465,16 @@ mod tests {
             }
         }
         let bad = FakeScript {
-            steps: vec![ScriptStep { at_s: 0.0, gpu: 8, util_pct: Some(1), mem_used_mib: None, fault: None }],
+            steps: vec![ScriptStep {
+                at_s: 0.0,
+                gpu: 8,
+                util_pct: Some(1),
+                mem_used_mib: None,
+                temperature_c: None,
+                power_w: None,
+                sm_clock_mhz: None,
+                fault: None,
+            }],
         };
         assert!(h100().with_script(bad).is_err());
         assert!(serde_json::from_str::<FakeScript>(r#"{"steps":[{"at_s":0,"gpu":0,"falt":"recover"}]}"#).is_err());

@@ -127,6 +127,8 @@ pub struct GpuSample {
     /// Percent of the last sample period in which a kernel ran (NVML's "GPU utilization").
     pub util_pct: u32,
     pub mem_used_mib: u64,
+    /// Free framebuffer memory. Not `total - used`: the driver reserves some memory on real GPUs.
+    pub mem_free_mib: u64,
     pub temperature_c: u32,
     pub power_mw: u32,
     pub sm_clock_mhz: u32,

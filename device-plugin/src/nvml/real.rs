@@ -223,6 +223,7 @@ impl GpuBackend for NvmlBackend {
             index,
             util_pct: util.gpu,
             mem_used_mib: mem.used >> 20,
+            mem_free_mib: mem.free >> 20,
             temperature_c: dev.temperature(TemperatureSensor::Gpu).map_err(nvml_err("nvmlDeviceGetTemperature", g))?,
             // not every board reports power; 0 rather than failing the whole sample
             power_mw: dev.power_usage().unwrap_or(0),

@@ -1,0 +1,214 @@
+//! The sampling loop: every `--sample-interval`, one sweep over the GPUs (`GpuBackend::sample`), one
+//! pod-resources `List` for attribution, then the utilization publish policy. The results go into
+//! [`Telemetry`], which `/metrics` reads; nothing here fails the plugin: a GPU that does not answer,
+//! a missing pod-resources socket or a failed publish is counted, logged once per change, and retried
+//! at the next tick.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use crate::nvml::{BackendError, GpuBackend, GpuSample};
+use crate::plugin::Plugin;
+use crate::podresources::{attribute, Attribution, PodResourcesClient, PodResourcesError};
+use crate::publish::{GpuReading, Outcome, Publisher};
+
+/// Labels of `gpuplace_podresources_errors_total`, all exported from the start.
+pub const POD_RESOURCES_REASONS: [&str; 4] = ["socket_missing", "connect", "call", "timeout"];
+
+/// What the sampler saw last, and its counters: the state `/metrics` renders.
+#[derive(Debug, Clone, Default)]
+pub struct TelemetryState {
+    pub sweeps: u64,
+    pub last_sweep_unix_ms: Option<i64>,
+    /// By GPU index; `None` before the first sweep and while the GPU does not answer.
+    pub samples: Vec<Option<GpuSample>>,
+    /// (GPU index, reason) -> failed samples.
+    pub sample_errors: BTreeMap<(u32, &'static str), u64>,
+    /// The last pod-resources `List`, `None` while it fails or when attribution is off: metrics then
+    /// carry no pod labels rather than stale ones.
+    pub attribution: Option<Attribution>,
+    pub pod_resources_enabled: bool,
+    pub pod_resources_errors: BTreeMap<&'static str, u64>,
+    /// Why the last `List` failed, for the log-once-per-change rule.
+    pub pod_resources_last_error: Option<&'static str>,
+    pub publishes: BTreeMap<&'static str, u64>,
+    pub publish_errors: u64,
+}
+
+/// Shared between the sampler (writer) and the metrics endpoint (reader).
+#[derive(Debug, Default)]
+pub struct Telemetry {
+    state: Mutex<TelemetryState>,
+}
+
+impl Telemetry {
+    pub fn new(gpus: usize, pod_resources_enabled: bool) -> Arc<Self> {
+        let state = TelemetryState { samples: vec![None; gpus], pod_resources_enabled, ..TelemetryState::default() };
+        Arc::new(Self { state: Mutex::new(state) })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, TelemetryState> {
+        // plain data: a panic elsewhere leaves it usable
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A copy for rendering (taken under the lock, rendered without it).
+    pub fn snapshot(&self) -> TelemetryState {
+        self.lock().clone()
+    }
+}
+
+/// The metric label of a failed sample.
+pub fn sample_error_reason(e: &BackendError) -> &'static str {
+    match e {
+        BackendError::GpuLost(_) => "gpu_lost",
+        BackendError::Nvml { .. } | BackendError::NvmlUnavailable(_) => "nvml",
+        BackendError::UnknownGpu(_) => "unknown_gpu",
+        BackendError::Inconsistent(_) | BackendError::Fake(_) => "other",
+    }
+}
+
+fn unix_ms() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+/// The loop's parts; [`tick`](Self::tick) is one round, so tests drive it without waiting.
+pub struct Sampler {
+    backend: Arc<dyn GpuBackend>,
+    plugin: Arc<Plugin>,
+    telemetry: Arc<Telemetry>,
+    pod_resources: Option<PodResourcesClient>,
+    publisher: Publisher,
+    start: Instant,
+}
+
+impl std::fmt::Debug for Sampler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sampler").field("pod_resources", &self.pod_resources).finish_non_exhaustive()
+    }
+}
+
+impl Sampler {
+    /// `pod_resources: None` turns attribution off.
+    pub fn new(
+        backend: Arc<dyn GpuBackend>,
+        plugin: Arc<Plugin>,
+        telemetry: Arc<Telemetry>,
+        pod_resources: Option<PodResourcesClient>,
+        publisher: Publisher,
+    ) -> Self {
+        Self { backend, plugin, telemetry, pod_resources, publisher, start: Instant::now() }
+    }
+
+    /// Ticks every `interval` (the first at once) until the task is dropped or aborted.
+    pub async fn run(mut self, interval: Duration) {
+        let mut ticker = tokio::time::interval(interval.max(Duration::from_millis(10)));
+        // a slow sweep (a wedged NVML call) pushes the next one back rather than bunching them up
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticker.tick().await;
+            self.tick().await;
+        }
+    }
+
+    /// One round: sweep, attribute, publish.
+    pub async fn tick(&mut self) {
+        let samples = self.sweep().await;
+        let at_unix_ms = unix_ms();
+        let attribution = self.attribute().await;
+
+        let gpus = self.plugin.gpus();
+        let readings: Vec<GpuReading> = samples
+            .iter()
+            .zip(gpus)
+            .filter_map(|(s, g)| {
+                s.as_ref().ok().map(|s| GpuReading {
+                    uuid: g.uuid.clone(),
+                    memory_mib: g.memory_mib,
+                    sm_percent: s.util_pct,
+                    memory_used_mib: s.mem_used_mib,
+                })
+            })
+            .collect();
+        {
+            let mut st = self.telemetry.lock();
+            st.sweeps += 1;
+            st.last_sweep_unix_ms = Some(at_unix_ms);
+            st.samples = samples.iter().map(|s| s.as_ref().ok().copied()).collect();
+            for (i, r) in samples.iter().enumerate() {
+                if let Err(e) = r {
+                    *st.sample_errors.entry((i as u32, sample_error_reason(e))).or_default() += 1;
+                }
+            }
+            match attribution {
+                Some(Ok(a)) => {
+                    if st.pod_resources_last_error.take().is_some() {
+                        tracing::info!("pod-resources answers again; metrics carry pod labels");
+                    }
+                    st.attribution = Some(a);
+                }
+                Some(Err(e)) => {
+                    let reason = e.reason();
+                    *st.pod_resources_errors.entry(reason).or_default() += 1;
+                    // once per change of reason, not every tick
+                    if st.pod_resources_last_error != Some(reason) {
+                        tracing::warn!(error = %e, "pod-resources List failed; metrics carry no pod labels until it answers");
+                    }
+                    st.pod_resources_last_error = Some(reason);
+                    st.attribution = None;
+                }
+                None => st.attribution = None,
+            }
+        }
+
+        let outcome = self.publisher.offer(readings, self.start.elapsed(), at_unix_ms).await;
+        let mut st = self.telemetry.lock();
+        match outcome {
+            Outcome::Published(r) => {
+                tracing::debug!(reason = r.label(), "utilization published");
+                *st.publishes.entry(r.label()).or_default() += 1;
+            }
+            Outcome::Failed(e) => {
+                tracing::warn!(error = %e, "utilization publish failed; retried after the minimum interval");
+                st.publish_errors += 1;
+            }
+            Outcome::Held(_) | Outcome::Skipped => {}
+        }
+    }
+
+    /// Samples every GPU on a blocking thread (NVML calls block).
+    async fn sweep(&self) -> Vec<Result<GpuSample, BackendError>> {
+        let n = self.plugin.gpus().len() as u32;
+        let backend = self.backend.clone();
+        match tokio::task::spawn_blocking(move || (0..n).map(|i| backend.sample(i)).collect::<Vec<_>>()).await {
+            Ok(v) => {
+                for (i, r) in v.iter().enumerate() {
+                    if let Err(e) = r {
+                        tracing::debug!(gpu = i, error = %e, "sample failed");
+                    }
+                }
+                v
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "GPU sweep panicked");
+                (0..n).map(|_| Err(BackendError::Fake(format!("sweep panicked: {e}")))).collect()
+            }
+        }
+    }
+
+    /// One `List`, mapped to our GPUs; prunes the plugin's grant records to the containers still there.
+    async fn attribute(&self) -> Option<Result<Attribution, PodResourcesError>> {
+        let client = self.pod_resources.as_ref()?;
+        let listed_at = Instant::now();
+        Some(client.list().await.map(|resp| {
+            let a = attribute(&resp, &self.plugin.config().resource_name, self.plugin.slots());
+            let live: BTreeSet<(String, String)> = a.containers.iter().map(|c| c.grant_key()).collect();
+            self.plugin.prune_grants(&live, listed_at);
+            if a.unknown_ids > 0 {
+                tracing::debug!(ids = a.unknown_ids, "pod-resources lists device IDs this node does not have");
+            }
+            a
+        }))
+    }
+}
