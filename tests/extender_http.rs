@@ -70,8 +70,22 @@ impl Server {
     }
 
     fn on(cluster: Cluster, binder: Arc<dyn Binder>, opts: HttpOptions, log: Option<PlacementLog>) -> Self {
+        Self::build(cluster, binder, opts, log, ServiceOptions::default())
+    }
+
+    fn on_opts(cluster: Cluster, service: ServiceOptions) -> Self {
+        Self::build(cluster, Arc::new(RecordingBinder::new()), HttpOptions::default(), None, service)
+    }
+
+    fn build(
+        cluster: Cluster,
+        binder: Arc<dyn Binder>,
+        opts: HttpOptions,
+        log: Option<PlacementLog>,
+        service: ServiceOptions,
+    ) -> Self {
         let engine = Engine::new(Profile::gpuplace(), WorkloadMix::default());
-        let mut ext = Extender::new(cluster, engine, binder, ServiceOptions::default());
+        let mut ext = Extender::new(cluster, engine, binder, service);
         if let Some(log) = log {
             ext = ext.with_placement_log(log);
         }
@@ -582,6 +596,108 @@ fn http_errors_are_clear_and_leave_state_alone() {
         assert!(metrics.lines().any(|l| l == line), "missing {line:?} in\n{metrics}");
     }
     assert!(metrics.contains("gpuplace_request_duration_seconds_bucket{verb=\"filter\",le=\"+Inf\"}"));
+}
+
+/// A filter/prioritize body for the c-whole4 fixture pod renamed to `name`/`uid`, asking for `gpus`
+/// whole GPUs, with every fixture node as candidate.
+fn pod_args(name: &str, uid: &str, gpus: &str) -> Vec<u8> {
+    let mut v = fixture_json("cache/filter-002");
+    v["Pod"]["metadata"]["name"] = json!(name);
+    v["Pod"]["metadata"]["uid"] = json!(uid);
+    let res = json!({ "gpuplace.io/gpu": gpus });
+    v["Pod"]["spec"]["containers"][0]["resources"] = json!({ "limits": res, "requests": res });
+    v["NodeNames"] = json!(ALL_NODES);
+    v.to_string().into_bytes()
+}
+
+fn scores(answer: &Value) -> BTreeMap<String, i64> {
+    answer
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| (h["Host"].as_str().unwrap().into(), h["Score"].as_i64().unwrap()))
+        .collect()
+}
+
+/// The same requests to a server with the evaluation cache and to one without give the same
+/// answers; the cached one only saves work.
+struct CachePair {
+    cached: Server,
+    plain: Server,
+}
+
+impl CachePair {
+    fn new() -> Self {
+        let plain = ServiceOptions { eval_cache: 0, ..ServiceOptions::default() };
+        Self {
+            cached: Server::on_opts(fixture_cluster(), ServiceOptions::default()),
+            plain: Server::on_opts(fixture_cluster(), plain),
+        }
+    }
+
+    fn both(&self, verb: &str, body: &[u8]) -> Value {
+        let a = self.cached.ok(verb, body);
+        assert_eq!(a, self.plain.ok(verb, body), "{verb}: the cache changed an answer");
+        a
+    }
+
+    /// (hits, misses) of the cached server.
+    fn stats(&self) -> (u64, u64) {
+        self.cached.ext.eval_cache_stats()
+    }
+}
+
+#[test]
+fn prioritize_reuses_filter_only_for_the_same_pod_and_unchanged_state() {
+    let p = CachePair::new();
+    let a = pod_args("a", "uid-a", "4");
+    let before = p.cached.ext.cluster();
+    assert_eq!(passing(&p.both("filter", &a)), set(&ALL_NODES));
+    let first = scores(&p.both("prioritize", &a));
+    assert_eq!(p.stats(), (1, 0), "prioritize right after filter reuses its evaluation");
+    assert!(first.values().all(|&s| s > 0), "{first:?}");
+    assert_eq!(p.cached.ext.cluster(), before, "filter and prioritize change no allocation");
+
+    // another pod of the same shape, never filtered, and the same UID with another request
+    p.both("prioritize", &pod_args("c", "uid-c", "4"));
+    assert_eq!(p.stats(), (1, 1), "a different pod is not answered from a's evaluation");
+    p.both("prioritize", &pod_args("a", "uid-a", "2"));
+    assert_eq!(p.stats(), (1, 2), "a changed request is evaluated again");
+
+    // a bind in between: gpu-node-0 is taken whole, so a no longer fits there
+    let b = pod_args("b", "uid-b", "8");
+    p.both("filter", &b);
+    let bind = json!({"PodName": "b", "PodNamespace": "default", "PodUID": "uid-b", "Node": "gpu-node-0"});
+    bind_ok(&p.both("bind", bind.to_string().as_bytes()), "b");
+    let after = scores(&p.both("prioritize", &a));
+    assert_eq!(p.stats(), (1, 3), "an evaluation from before the bind is stale");
+    assert_eq!(after["gpu-node-0"], 0, "{after:?}");
+    assert_ne!(after, first);
+
+    // filter again after the bind: reused until the next change, here a node's new inventory
+    p.both("filter", &a);
+    assert_eq!(scores(&p.both("prioritize", &a)), after);
+    assert_eq!(p.stats(), (2, 3));
+    p.cached.ext.upsert_node(l4_node("gpu-node-1"));
+    p.plain.ext.upsert_node(l4_node("gpu-node-1"));
+    let changed = scores(&p.both("prioritize", &a));
+    assert_eq!(p.stats(), (2, 4), "a node upsert invalidates cached evaluations");
+    assert_ne!(changed["gpu-node-1"], after["gpu-node-1"], "an L4 node scores differently: {changed:?}");
+}
+
+#[test]
+fn prioritize_of_unfiltered_nodes_is_evaluated_again() {
+    let p = CachePair::new();
+    let mut some: Value = serde_json::from_slice(&pod_args("a", "uid-a", "1")).unwrap();
+    some["NodeNames"] = json!(["gpu-node-0", "gpu-node-1"]);
+    p.both("filter", some.to_string().as_bytes());
+    // kube-scheduler prioritizes a subset of what filter passed; a node filter never saw is not
+    // answered from the cache
+    p.both("prioritize", &pod_args("a", "uid-a", "1"));
+    assert_eq!(p.stats(), (0, 1));
+    some["NodeNames"] = json!(["gpu-node-1", "gpu-node-9"]);
+    p.both("prioritize", some.to_string().as_bytes());
+    assert_eq!(p.stats(), (1, 1), "a subset (and an unknown node, scored 0) is answered from filter");
 }
 
 fn l4_node(name: &str) -> gpuplace::core::cluster::Node {

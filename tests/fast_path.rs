@@ -355,6 +355,7 @@ fn check(engine: &Engine, c: &Cluster, req: &PodRequest, mix: &WorkloadMix, seen
         assert_eq!(r.node, *i, "{ctx}");
         assert_eq!(r.unresolvable, why.is_unresolvable(), "{ctx}: {why:?}");
         assert_eq!(engine.explain(c, req, r.node).as_ref(), Some(why), "{ctx}");
+        assert_eq!(engine.explain_rejection(c, req, r).as_ref(), Some(why), "{ctx}: reason from the classification");
     }
     // a subset, in another order, ranks the same way
     let some: Vec<usize> = (0..c.nodes().len()).rev().step_by(2).collect();

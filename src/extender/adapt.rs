@@ -149,6 +149,81 @@ impl ExtenderArgs {
         Ok(out)
     }
 
+    /// [`ExtenderArgs::filter_result`] consuming the request: the passing names or Node objects move
+    /// into the answer instead of being copied (thousands per request). `verdict` is called once per
+    /// candidate, in request order, with its position and name.
+    pub fn into_filter_result(
+        self,
+        mut verdict: impl FnMut(usize, &str) -> Verdict,
+    ) -> Result<ExtenderFilterResult, WireError> {
+        let mut failed = FailedNodesMap::new();
+        let mut unresolvable = FailedNodesMap::new();
+        let mut passes = |pos: usize, name: &str| match verdict(pos, name) {
+            Verdict::Fits => true,
+            Verdict::Preemptable(r) => {
+                failed.insert(name.to_string(), r);
+                false
+            }
+            Verdict::Unresolvable(r) => {
+                unresolvable.insert(name.to_string(), r);
+                false
+            }
+        };
+        let mut out = ExtenderFilterResult::default();
+        // same precedence as mode()
+        if let Some(list) = self.nodes {
+            let mut items = Vec::with_capacity(list.items.len());
+            for (pos, n) in list.items.into_iter().enumerate() {
+                if passes(pos, n.name()) {
+                    items.push(n);
+                }
+            }
+            out.nodes = Some(NodeList { metadata: list.metadata, items });
+        } else if let Some(names) = self.node_names {
+            let mut pass = Vec::with_capacity(names.len());
+            for (pos, n) in names.into_iter().enumerate() {
+                if passes(pos, &n) {
+                    pass.push(n);
+                }
+            }
+            out.node_names = Some(pass);
+        } else {
+            return Err(WireError::NoCandidates);
+        }
+        failed.retain(|n, _| !unresolvable.contains_key(n));
+        out.failed_nodes = failed;
+        out.failed_and_unresolvable_nodes = unresolvable;
+        Ok(out)
+    }
+
+    /// [`ExtenderArgs::priorities`] consuming the request (names move into the answer); `score` gets
+    /// each candidate's position and name, in request order.
+    pub fn into_priorities(self, mut score: impl FnMut(usize, &str) -> i64) -> Result<HostPriorityList, WireError> {
+        let mode = self.mode()?;
+        Ok(match mode {
+            NodeListMode::FullNodes => self
+                .nodes
+                .into_iter()
+                .flat_map(|l| l.items)
+                .enumerate()
+                .map(|(pos, n)| {
+                    let s = score(pos, n.name());
+                    HostPriority::new(n.into_name(), s)
+                })
+                .collect(),
+            NodeListMode::NamesOnly => self
+                .node_names
+                .into_iter()
+                .flatten()
+                .enumerate()
+                .map(|(pos, n)| {
+                    let s = score(pos, &n);
+                    HostPriority::new(n, s)
+                })
+                .collect(),
+        })
+    }
+
     /// The filter answer for a pod that fits nowhere whatever happens (its request is refused by the
     /// contract): every candidate is unresolvable with the same reason, which kube-scheduler shows in the
     /// pod's `FailedScheduling` event, and no preemption is attempted for it.

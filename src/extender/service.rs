@@ -14,8 +14,8 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
@@ -33,7 +33,7 @@ use crate::extender::placement_log::{
 };
 use crate::extender::wire::{
     decode, ExtenderArgs, ExtenderBindingArgs, ExtenderBindingResult, ExtenderFilterResult, ExtenderPreemptionArgs,
-    ExtenderPreemptionResult, HostPriorityList, MetaPod, MetaVictims, Pod, WireError, WireNode,
+    ExtenderPreemptionResult, HostPriorityList, MetaPod, MetaVictims, Pod, WireError, WireNode, MAX_EXTENDER_PRIORITY,
 };
 use crate::placement::engine::{Engine, Evaluation};
 use crate::placement::feasibility::Infeasible;
@@ -53,6 +53,19 @@ pub const DEFAULT_POD_CACHE: usize = 10_000;
 
 /// Placement log lines name at most this many top nodes.
 const TOP_NODES: usize = 5;
+
+/// How many pods' filter evaluations are kept for the prioritize call that follows. kube-scheduler
+/// prioritizes a pod right after filtering it, one pod at a time per profile; this covers many in
+/// flight at once.
+pub const DEFAULT_EVAL_CACHE: usize = 64;
+
+/// Scores can depend on the clock (utilization samples age out), so a cached evaluation is reused
+/// only this long after it was made: prioritize follows filter within milliseconds.
+const EVAL_CACHE_MAX_AGE: Duration = Duration::from_secs(1);
+
+/// In [`CachedEval::scores`]: a node the evaluation did not cover, and one it rejected.
+const NOT_JUDGED: i8 = -1;
+const REJECTED: i8 = -2;
 
 pub fn now_unix_ms() -> i64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
@@ -108,13 +121,15 @@ impl PodCache {
 
 struct State {
     cluster: Cluster,
+    /// Bumped whenever the write lock is taken, i.e. whenever the cluster may change: a cached
+    /// evaluation is valid only for the generation it was made at.
+    generation: u64,
     /// UID → record, for pods gpuplace bound or restored.
     bound: HashMap<String, BoundPod>,
     /// `namespace/name` → UID of its record.
     uid_of: HashMap<String, String>,
     /// Last bind sequence used per node.
     last_seq: HashMap<String, u64>,
-    seen: PodCache,
     /// Node → the inventory annotation and labels last seen on its Node object (full-Nodes mode),
     /// so an unchanged node is not parsed again.
     node_sources: HashMap<String, (String, BTreeMap<String, String>)>,
@@ -125,13 +140,15 @@ struct State {
 #[derive(Debug, Clone)]
 pub struct ServiceOptions {
     pub pod_cache: usize,
+    /// Pods whose filter evaluation prioritize may reuse (0: none, prioritize evaluates again).
+    pub eval_cache: usize,
     /// Answer as ready from the start (static mode: the cluster file is the whole truth).
     pub ready: bool,
 }
 
 impl Default for ServiceOptions {
     fn default() -> Self {
-        Self { pod_cache: DEFAULT_POD_CACHE, ready: true }
+        Self { pod_cache: DEFAULT_POD_CACHE, eval_cache: DEFAULT_EVAL_CACHE, ready: true }
     }
 }
 
@@ -157,6 +174,10 @@ pub struct RestoredPod {
 pub struct Extender {
     engine: Engine,
     state: RwLock<State>,
+    /// Pods seen in filter requests, for bind. Its own lock: filter of a new pod would otherwise take
+    /// the state's write lock, which also invalidates every cached evaluation.
+    seen: Mutex<PodCache>,
+    evals: Mutex<EvalCache>,
     binder: Arc<dyn Binder>,
     metrics: Metrics,
     log: Option<PlacementLog>,
@@ -169,11 +190,95 @@ impl std::fmt::Debug for Extender {
     }
 }
 
-/// What one node got from filter or prioritize.
+/// Filter's and prioritize's view of the candidates, by their position in the request.
 struct Judged {
-    verdicts: HashMap<String, Verdict>,
-    classes: HashMap<String, RejectClass>,
+    /// Each candidate's node index (`None`: not a known GPU node).
+    at: Vec<Option<usize>>,
+    /// Per node index: the score (0..=10) where the pod fits, [`REJECTED`] or [`NOT_JUDGED`].
+    scores: Vec<i8>,
+    /// Why each rejected node (by index) was turned down (filter only).
+    rejects: HashMap<usize, Verdict>,
+    /// Why each unknown candidate (by name) was turned down (filter only).
+    unknown: HashMap<String, Verdict>,
+    /// Nodes turned down per class (each node once), in [`RejectClass::ALL`] order.
+    class_counts: [u64; 4],
     evaluation: Evaluation,
+}
+
+impl Judged {
+    /// The verdict on the candidate at `pos` (named `name`).
+    fn verdict(&self, pos: usize, name: &str) -> Verdict {
+        match self.at.get(pos).copied().flatten() {
+            Some(i) if self.scores.get(i).is_some_and(|&s| s >= 0) => Verdict::Fits,
+            // every evaluated node either fits or has a reason
+            Some(i) => self.rejects.get(&i).cloned().unwrap_or(Verdict::Fits),
+            None => self.unknown.get(name).cloned().unwrap_or(Verdict::Fits),
+        }
+    }
+}
+
+/// A pod's filter evaluation, reused by the prioritize call that follows it.
+struct CachedEval {
+    uid: String,
+    request: PodRequest,
+    generation: u64,
+    made: Instant,
+    /// Per node index: score, [`REJECTED`] or [`NOT_JUDGED`].
+    scores: Vec<i8>,
+    /// For the placement log (empty without one).
+    top: Vec<TopScore>,
+}
+
+/// The last few pods' evaluations, oldest dropped first.
+#[derive(Default)]
+struct EvalCache {
+    entries: VecDeque<CachedEval>,
+    cap: usize,
+    hits: u64,
+    misses: u64,
+}
+
+impl EvalCache {
+    fn insert(&mut self, e: CachedEval) {
+        if self.cap == 0 {
+            return;
+        }
+        self.entries.retain(|x| x.uid != e.uid);
+        while self.entries.len() >= self.cap {
+            self.entries.pop_front();
+        }
+        self.entries.push_back(e);
+    }
+
+    /// Per candidate position, the cached score, when an evaluation of exactly this pod (UID and
+    /// request) at this generation, recent enough, covered every known candidate.
+    fn scores(
+        &mut self,
+        uid: &str,
+        req: &PodRequest,
+        generation: u64,
+        at: &[Option<usize>],
+    ) -> Option<(Vec<i8>, Vec<TopScore>)> {
+        let found = self.entries.iter().find(|e| {
+            e.uid == uid && e.generation == generation && e.made.elapsed() <= EVAL_CACHE_MAX_AGE && e.request == *req
+        });
+        let out = found.and_then(|e| {
+            let scores = at
+                .iter()
+                .map(|i| match i {
+                    None => Some(REJECTED),
+                    Some(i) => e.scores.get(*i).copied().filter(|&s| s != NOT_JUDGED),
+                })
+                .collect::<Option<Vec<i8>>>()?;
+            Some((scores, e.top.clone()))
+        });
+        if out.is_some() {
+            self.hits += 1;
+        } else {
+            self.misses += 1;
+        }
+        out
+    }
 }
 
 fn prefixed(reason: &str) -> String {
@@ -192,16 +297,18 @@ impl Extender {
     pub fn new(cluster: Cluster, engine: Engine, binder: Arc<dyn Binder>, opts: ServiceOptions) -> Self {
         let state = State {
             cluster,
+            generation: 0,
             bound: HashMap::new(),
             uid_of: HashMap::new(),
             last_seq: HashMap::new(),
-            seen: PodCache { cap: opts.pod_cache, ..PodCache::default() },
             node_sources: HashMap::new(),
             util_sources: HashMap::new(),
         };
         Self {
             engine,
             state: RwLock::new(state),
+            seen: Mutex::new(PodCache { cap: opts.pod_cache, ..PodCache::default() }),
+            evals: Mutex::new(EvalCache { cap: opts.eval_cache, ..EvalCache::default() }),
             binder,
             metrics: Metrics::new(),
             log: None,
@@ -235,7 +342,20 @@ impl Extender {
     }
 
     fn write(&self) -> RwLockWriteGuard<'_, State> {
-        self.state.write().unwrap_or_else(|e| e.into_inner())
+        let mut st = self.state.write().unwrap_or_else(|e| e.into_inner());
+        // whoever writes may change the cluster: evaluations cached before this are stale
+        st.generation += 1;
+        st
+    }
+
+    fn evals(&self) -> std::sync::MutexGuard<'_, EvalCache> {
+        self.evals.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Prioritize calls answered from filter's evaluation, and those that evaluated again.
+    pub fn eval_cache_stats(&self) -> (u64, u64) {
+        let c = self.evals();
+        (c.hits, c.misses)
     }
 
     /// A copy of the cluster model (for tests and tools; the service itself never copies it).
@@ -273,15 +393,18 @@ impl Extender {
     pub fn remember_pod(&self, pod: &Pod) -> Result<PodRequest, String> {
         let request = pod.request().map_err(|e| e.to_string());
         if !pod.metadata.uid.is_empty() {
-            let seen = SeenPod { key: pod.key(), uid: pod.metadata.uid.clone(), request: request.clone() };
-            // the write lock only when something changed: filter and prioritize of one pod would
-            // otherwise serialize every request on it
-            let known = self.read().seen.by_uid.get(&seen.uid) == Some(&seen);
+            let key = pod.key();
+            let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+            let known = seen.by_uid.get(&pod.metadata.uid).is_some_and(|s| s.key == key && s.request == request);
             if !known {
-                self.write().seen.insert(seen);
+                seen.insert(SeenPod { key, uid: pod.metadata.uid.clone(), request: request.clone() });
             }
         }
         request
+    }
+
+    fn seen_pod(&self, uid: &str) -> Option<SeenPod> {
+        self.seen.lock().unwrap_or_else(|e| e.into_inner()).by_uid.get(uid).cloned()
     }
 
     /// Adds or replaces a node (the node watcher's entry point). Allocations that no longer fit the
@@ -416,46 +539,56 @@ impl Extender {
         }
     }
 
-    /// Filters and scores the candidates; unknown nodes are unresolvable with a reason.
-    fn judge(&self, st: &State, req: &PodRequest, args: &ExtenderArgs, names: &[&str]) -> Judged {
+    /// Why an unknown candidate is turned down (the Node object, when sent, says more).
+    fn unknown_reason(args: &ExtenderArgs, name: &str) -> String {
+        let object = args.nodes.iter().flat_map(|l| l.items.iter()).find(|n| n.name() == name);
+        match object {
+            None => format!("node {name} is not in gpuplace's node cache, so its GPUs are unknown"),
+            Some(n) if !n.view().status.allocatable.contains_key(RESOURCE_GPU) => format!(
+                "node {name} has no {ANNOTATION_INVENTORY} annotation and advertises no {RESOURCE_GPU}: not a gpuplace GPU node"
+            ),
+            Some(_) => format!(
+                "node {name} has no valid {ANNOTATION_INVENTORY} annotation (the device plugin publishes it) and is not in gpuplace's node cache, so its GPUs are unknown"
+            ),
+        }
+    }
+
+    /// Filters and scores the candidates (`names`, in request order; each known node is evaluated
+    /// once however often it is named); unknown nodes are unresolvable with a reason. Rejection
+    /// reasons are written only when `reasons` is set (prioritize does not send them).
+    fn judge(&self, st: &State, req: &PodRequest, args: &ExtenderArgs, names: &[&str], reasons: bool) -> Judged {
         let cluster = &st.cluster;
-        let mut verdicts = HashMap::with_capacity(names.len());
-        let mut classes = HashMap::new();
+        let mut scores = vec![NOT_JUDGED; cluster.nodes().len()];
+        let mut at = Vec::with_capacity(names.len());
         let mut indices = Vec::with_capacity(names.len());
-        let mut seen = HashSet::with_capacity(names.len());
-        let objects: HashMap<&str, &WireNode> =
-            args.nodes.iter().flat_map(|l| l.items.iter().map(|n| (n.name(), n))).collect();
+        let mut unknown = HashMap::new();
+        let mut class_counts = [0u64; 4];
         for &name in names {
-            if !seen.insert(name) {
-                continue;
-            }
-            match cluster.node_index(name) {
-                Some(i) => indices.push(i),
-                None => {
-                    let why = match objects.get(name) {
-                        None => format!("node {name} is not in gpuplace's node cache, so its GPUs are unknown"),
-                        Some(n) if !n.view().status.allocatable.contains_key(RESOURCE_GPU) => format!(
-                            "node {name} has no {ANNOTATION_INVENTORY} annotation and advertises no {RESOURCE_GPU}: not a gpuplace GPU node"
-                        ),
-                        Some(_) => format!(
-                            "node {name} has no valid {ANNOTATION_INVENTORY} annotation (the device plugin publishes it) and is not in gpuplace's node cache, so its GPUs are unknown"
-                        ),
-                    };
-                    verdicts.insert(name.to_string(), Verdict::Unresolvable(prefixed(&why)));
-                    classes.insert(name.to_string(), RejectClass::UnknownNode);
+            let i = cluster.node_index(name);
+            at.push(i);
+            match i {
+                // marks the node as listed (once); the evaluation below overwrites the ones that fit
+                Some(i) if scores.get(i) == Some(&NOT_JUDGED) => {
+                    scores[i] = REJECTED;
+                    indices.push(i);
                 }
+                Some(_) => {}
+                None if reasons && !unknown.contains_key(name) => {
+                    let why = Self::unknown_reason(args, name);
+                    unknown.insert(name.to_string(), Verdict::Unresolvable(prefixed(&why)));
+                    class_counts[class_index(RejectClass::UnknownNode)] += 1;
+                }
+                None => {}
             }
         }
-        let evaluation = self.engine.evaluate(cluster, req, &indices, now_unix_ms());
-        let nodes = cluster.nodes();
+        let evaluation = self.engine.evaluate_in_order(cluster, req, &indices, now_unix_ms(), self.log.is_some());
         for c in &evaluation.ranked {
-            verdicts.insert(nodes[c.node].name.clone(), Verdict::Fits);
+            scores[c.node] = c.score.clamp(0, MAX_EXTENDER_PRIORITY) as i8;
         }
-        for r in &evaluation.rejected {
-            let name = nodes[r.node].name.clone();
+        let mut rejects = HashMap::with_capacity(if reasons { evaluation.rejected.len() } else { 0 });
+        for r in evaluation.rejected.iter().filter(|_| reasons) {
             // the engine filters without writing reasons; only rejected nodes pay for the text
-            let why = self.engine.explain(cluster, req, r.node);
-            let (verdict, class) = match why {
+            let (verdict, class) = match self.engine.explain_rejection(cluster, req, r) {
                 Some(Infeasible::Unresolvable(why)) => {
                     (Verdict::Unresolvable(prefixed(&why)), RejectClass::Unresolvable)
                 }
@@ -470,10 +603,10 @@ impl Extender {
                     }
                 }
             };
-            classes.insert(name.clone(), class);
-            verdicts.insert(name, verdict);
+            class_counts[class_index(class)] += 1;
+            rejects.insert(r.node, verdict);
         }
-        Judged { verdicts, classes, evaluation }
+        Judged { at, scores, rejects, unknown, class_counts, evaluation }
     }
 
     /// The best nodes with each scorer's share, re-scored in full (the ranking pass keeps only totals).
@@ -534,17 +667,37 @@ impl Extender {
             self.learn_nodes(&list.items);
         }
         let st = self.read();
-        let judged = self.judge(&st, &req, &args, &names);
-        let out = args.filter_result(|n| judged.verdicts.get(n).cloned().unwrap_or(Verdict::Fits))?;
-        d.feasible = judged.evaluation.ranked.len();
-        d.top = self.top_scores(&st.cluster, &req, &judged.evaluation);
+        let judged = self.judge(&st, &req, &args, &names, true);
+        let made = Instant::now();
+        let generation = st.generation;
+        // the placement log's top scores re-score nodes in full: only when there is a log
+        let top = if self.log.is_some() { self.top_scores(&st.cluster, &req, &judged.evaluation) } else { Vec::new() };
         drop(st);
-        for (name, class) in &judged.classes {
-            self.metrics.rejection(*class, 1);
-            *d.rejection_classes.entry(class.name().into()).or_default() += 1;
-            if let Some(Verdict::Unresolvable(r) | Verdict::Preemptable(r)) = judged.verdicts.get(name) {
-                *d.rejections.entry(r.clone()).or_default() += 1;
+        drop(names);
+        let uid = args.pod.metadata.uid.clone();
+        let out = args.into_filter_result(|pos, name| judged.verdict(pos, name))?;
+        for (class, &n) in RejectClass::ALL.iter().zip(&judged.class_counts) {
+            if n > 0 {
+                self.metrics.rejection(*class, n);
             }
+        }
+        d.feasible = judged.evaluation.ranked.len();
+        if self.log.is_some() {
+            d.top = top.clone();
+            for (class, &n) in RejectClass::ALL.iter().zip(&judged.class_counts) {
+                if n > 0 {
+                    d.rejection_classes.insert(class.name().into(), n as usize);
+                }
+            }
+            for v in judged.rejects.values().chain(judged.unknown.values()) {
+                if let Verdict::Unresolvable(r) | Verdict::Preemptable(r) = v {
+                    *d.rejections.entry(r.clone()).or_default() += 1;
+                }
+            }
+        }
+        if !uid.is_empty() {
+            // for the prioritize call that follows (kube-scheduler sends it next, for the same pod)
+            self.evals().insert(CachedEval { uid, request: req, generation, made, scores: judged.scores, top });
         }
         Ok(self.finish(d, started, out))
     }
@@ -556,6 +709,7 @@ impl Extender {
     }
 
     /// The prioritize verb: 0..=10 per candidate from the engine; 0 where the pod does not fit.
+    /// Reuses filter's evaluation of the same pod when nothing changed since (see [`EvalCache`]).
     pub fn prioritize(&self, body: &[u8]) -> Result<HostPriorityList, WireError> {
         let started = Instant::now();
         let args: ExtenderArgs = decode(body)?;
@@ -581,14 +735,27 @@ impl Extender {
             self.learn_nodes(&list.items);
         }
         let st = self.read();
-        let judged = self.judge(&st, &req, &args, &names);
-        let nodes = st.cluster.nodes();
-        let scores: HashMap<&str, i64> =
-            judged.evaluation.ranked.iter().map(|c| (nodes[c.node].name.as_str(), c.score)).collect();
-        let out = args.priorities(|n| scores.get(n).copied().unwrap_or(0))?;
-        d.feasible = judged.evaluation.ranked.len();
-        d.top = self.top_scores(&st.cluster, &req, &judged.evaluation);
+        let at: Vec<Option<usize>> = names.iter().map(|n| st.cluster.node_index(n)).collect();
+        let uid = &args.pod.metadata.uid;
+        let cached = if uid.is_empty() { None } else { self.evals().scores(uid, &req, st.generation, &at) };
+        let (scores, top) = match cached {
+            Some(hit) => hit,
+            None => {
+                let judged = self.judge(&st, &req, &args, &names, false);
+                let scores = judged.at.iter().map(|i| i.map_or(REJECTED, |i| judged.scores[i])).collect();
+                let top = if self.log.is_some() {
+                    self.top_scores(&st.cluster, &req, &judged.evaluation)
+                } else {
+                    Vec::new()
+                };
+                (scores, top)
+            }
+        };
         drop(st);
+        drop(names);
+        d.feasible = scores.iter().filter(|&&s| s >= 0).count();
+        d.top = top;
+        let out = args.into_priorities(|pos, _| scores.get(pos).map_or(0, |&s| i64::from(s.max(0))))?;
         Ok(self.finish(d, started, out))
     }
 
@@ -657,6 +824,7 @@ impl Extender {
     ) -> Result<Option<BindRequest>, (BindOutcome, String)> {
         let key = args.pod_key();
         let fail = |o: BindOutcome, m: String| Err((o, prefixed(&m)));
+        let seen = self.seen_pod(&args.pod_uid);
         let mut st = self.write();
         let st = &mut *st;
         if let Some(b) = st.bound.get(&args.pod_uid) {
@@ -669,7 +837,7 @@ impl Extender {
                 Ok(None)
             };
         }
-        let Some(seen) = st.seen.by_uid.get(&args.pod_uid) else {
+        let Some(seen) = seen else {
             return fail(
                 BindOutcome::UnknownPod,
                 format!("pod {key} (UID {}) was not seen in a filter request, so its GPU request is unknown; it will be scheduled again", args.pod_uid),
@@ -889,6 +1057,10 @@ impl Extender {
     pub fn summary(&self) -> ClusterSummary {
         ClusterSummary::of(&self.read().cluster)
     }
+}
+
+fn class_index(c: RejectClass) -> usize {
+    RejectClass::ALL.iter().position(|&x| x == c).unwrap_or(0)
 }
 
 fn mode_name(m: NodeListMode) -> &'static str {

@@ -333,6 +333,11 @@ impl WireNode {
         &self.view.metadata.name
     }
 
+    /// The node's name, without copying it.
+    pub fn into_name(self) -> String {
+        self.view.metadata.name
+    }
+
     pub fn view(&self) -> &Node {
         &self.view
     }

@@ -4,7 +4,7 @@
 use crate::core::cluster::{AllocError, Cluster, Node, PodAssignment};
 use crate::core::resources::PodRequest;
 use crate::placement::compact::{self, Outcome, Plan};
-use crate::placement::feasibility::{place_on_node, GpuChoice, Infeasible, Placement};
+use crate::placement::feasibility::{place_on_node, reject_reason, GpuChoice, Infeasible, Placement};
 use crate::placement::gpu_select::ShareChoice;
 use crate::placement::profile::Profile;
 use crate::placement::scorer::{ScoreContext, Scorer};
@@ -203,6 +203,14 @@ impl Engine {
         self.place(cluster, req, node).err()
     }
 
+    /// Why the pod does not fit on a node that [`Engine::evaluate`] rejected: the same answer as
+    /// [`Engine::explain`], cheaper, as the evaluation already classified the rejection (filter writes
+    /// a reason for every rejected node, thousands per pod in a large cluster).
+    pub fn explain_rejection(&self, cluster: &Cluster, req: &PodRequest, r: &Rejection) -> Option<Infeasible> {
+        let node = cluster.nodes().get(r.node)?;
+        reject_reason(node, req, &self.gpu_choice(req), r.unresolvable).or_else(|| self.explain(cluster, req, r.node))
+    }
+
     fn context<'a>(
         &'a self,
         cluster: &'a Cluster,
@@ -263,6 +271,19 @@ impl Engine {
 
     /// Filters and scores the given nodes (indices into the cluster; others are skipped).
     pub fn evaluate(&self, cluster: &Cluster, req: &PodRequest, nodes: &[usize], now_unix_ms: i64) -> Evaluation {
+        self.evaluate_in_order(cluster, req, nodes, now_unix_ms, true)
+    }
+
+    /// [`Engine::evaluate`], leaving `ranked` in the order of `nodes` unless `rank` is set: the
+    /// extender's filter and prioritize answer per node and only need the order for placement logs.
+    pub fn evaluate_in_order(
+        &self,
+        cluster: &Cluster,
+        req: &PodRequest,
+        nodes: &[usize],
+        now_unix_ms: i64,
+        rank: bool,
+    ) -> Evaluation {
         let group = req.group.as_ref().map(|g| GroupView::new(cluster, g));
         let ctx = self.context(cluster, req, now_unix_ms, group.as_ref());
         let plan = Plan::new(req, self.gpu_choice(req));
@@ -294,7 +315,12 @@ impl Engine {
                 found.push((i, total, pick));
             }
         });
-        Evaluation { ranked: rank_candidates(cluster, found), rejected }
+        let ranked = if rank {
+            rank_candidates(cluster, found)
+        } else {
+            found.into_iter().map(|(node, total, pick)| Candidate { node, total, score: scale(total), pick }).collect()
+        };
+        Evaluation { ranked, rejected }
     }
 
     /// Evaluates every node of the cluster.

@@ -81,11 +81,23 @@ fn capacity_summary(node: &Node, state: &FreeState, demand: &GpuDemand) -> Strin
 /// The order app containers are placed in: largest demands first, as they have the fewest options.
 pub(crate) fn container_order(req: &PodRequest) -> Vec<usize> {
     let mut order: Vec<usize> = (0..req.containers.len()).collect();
-    order.sort_by_key(|&i| {
-        let d = &req.containers[i].demand;
-        std::cmp::Reverse((d.gpus(), d.is_whole(), d.core_on(), d.mem_on(u64::MAX / 1000)))
-    });
+    order.sort_by_key(|&i| order_key(&req.containers[i]));
     order
+}
+
+fn order_key(c: &ContainerDemand) -> std::cmp::Reverse<(u32, bool, u32, u64)> {
+    let d = &c.demand;
+    std::cmp::Reverse((d.gpus(), d.is_whole(), d.core_on(), d.mem_on(u64::MAX / 1000)))
+}
+
+/// The error [`assign`] returns when the first container it places has fewer GPUs to choose from
+/// than it needs (the usual rejection), worked out without its bookkeeping; `None` otherwise.
+fn early_failure(node: &Node, req: &PodRequest, state: &FreeState) -> Option<String> {
+    // the first of `container_order` (a stable sort: the lowest index among the largest)
+    let c = req.containers.iter().min_by_key(|c| order_key(c))?;
+    let k = c.demand.gpus() as usize;
+    let fitting = (0..node.gpus.len()).filter(|&g| state.fits(node, g, &c.demand)).count();
+    (fitting < k).then(|| format!("{}; {}", describe(node, c), capacity_summary(node, state, &c.demand)))
 }
 
 /// Places containers on `state` (mutated). Returns the container assignments in spec order.
@@ -172,8 +184,7 @@ fn host_check(node: &Node, req: &PodRequest) -> Result<(), Infeasible> {
     Ok(())
 }
 
-/// Where the pod's containers would go on this node now, or why they cannot.
-pub fn place_on_node(node: &Node, req: &PodRequest, how: &GpuChoice<'_>) -> Result<Placement, Infeasible> {
+fn model_check(node: &Node, req: &PodRequest) -> Result<(), Infeasible> {
     if !req.allowed_models.is_empty() && !node.gpus.iter().any(|g| req.allows_model(&g.model)) {
         let have: Vec<&str> = {
             let mut m: Vec<&str> = node.gpus.iter().map(|g| g.model.as_str()).collect();
@@ -185,6 +196,42 @@ pub fn place_on_node(node: &Node, req: &PodRequest, how: &GpuChoice<'_>) -> Resu
             req.allowed_models, have
         )));
     }
+    Ok(())
+}
+
+/// The reason [`place_on_node`] gives for a node the compact path already rejected, with its
+/// classification (`unresolvable`) taken from that path instead of being worked out again: only the
+/// failing attempt is repeated (on the node as it is, or emptied when unresolvable), which fails
+/// early, while `place_on_node` also searches GPU sets on the emptied node to classify a preemptable
+/// rejection. `None` when the node turns out to fit after all (the caller falls back to
+/// `place_on_node`).
+pub fn reject_reason(node: &Node, req: &PodRequest, how: &GpuChoice<'_>, unresolvable: bool) -> Option<Infeasible> {
+    if let Err(why) = model_check(node, req) {
+        return Some(why);
+    }
+    let allows = |m: &str| req.allows_model(m);
+    let state = if unresolvable { FreeState::empty(node, allows) } else { FreeState::current(node, allows) };
+    let attempt = match early_failure(node, req, &state) {
+        Some(e) => Err(e),
+        None => assign(node, req, state, how).map(|_| ()),
+    };
+    let gpu = match attempt {
+        Ok(()) => {
+            // fits on the GPUs: the rejection can only be the host's (same precedence as below)
+            return host_check(node, req).err().filter(|h| h.is_unresolvable() == unresolvable);
+        }
+        Err(e) if unresolvable => Infeasible::Unresolvable(e),
+        Err(e) => Infeasible::Preemptable(e),
+    };
+    Some(match (host_check(node, req), gpu) {
+        (Err(host @ Infeasible::Unresolvable(_)), _) => host,
+        (_, gpu) => gpu,
+    })
+}
+
+/// Where the pod's containers would go on this node now, or why they cannot.
+pub fn place_on_node(node: &Node, req: &PodRequest, how: &GpuChoice<'_>) -> Result<Placement, Infeasible> {
+    model_check(node, req)?;
     let allows = |m: &str| req.allows_model(m);
     let current = FreeState::current(node, allows);
     let result = match assign(node, req, current, how) {
