@@ -4,7 +4,9 @@
 //! - [`placement`]: the placement engine and its scorers (pure, deterministic).
 //! - [`sim`]: the trace simulator behind `gpuplace simulate`.
 //! - [`extender`]: the kube-scheduler extender: wire format, pod adaptation, and the `serve` service.
+//! - [`apiserver`]: the Kubernetes API client both binaries share, and a fake API server for tests.
 
+pub mod apiserver;
 pub mod core;
 pub mod extender;
 pub mod placement;
