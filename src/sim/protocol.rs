@@ -75,18 +75,8 @@ pub fn arrival_order(pods: &[TracePod], capacity_milli: u64, tune: f64, rng: &mu
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sim::trace::tests::pod;
     use rand::SeedableRng;
-
-    fn pod(name: &str, num: u32, milli: u32) -> TracePod {
-        TracePod {
-            name: name.into(),
-            cpu_milli: 1000,
-            memory_mib: 1024,
-            num_gpu: num,
-            gpu_milli: milli,
-            gpu_spec: String::new(),
-        }
-    }
 
     #[test]
     fn grows_to_target_and_is_deterministic_per_seed() {

@@ -97,20 +97,10 @@ fn choose(nodes: &[SimNode], pod: &TracePod) -> Option<(usize, Vec<usize>)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sim::trace::tests::pod;
 
     fn node(name: &str, gpus: u32) -> TraceNode {
         TraceNode { name: name.into(), cpu_milli: 64_000, memory_mib: 262_144, gpu: gpus, model: "V100M16".into() }
-    }
-
-    fn pod(name: &str, num: u32, milli: u32) -> TracePod {
-        TracePod {
-            name: name.into(),
-            cpu_milli: 1000,
-            memory_mib: 1024,
-            num_gpu: num,
-            gpu_milli: milli,
-            gpu_spec: String::new(),
-        }
     }
 
     #[test]

@@ -117,3 +117,20 @@ pub fn load_pods(dir: &Path, workload: &str) -> Result<Vec<TracePod>, TraceError
     }
     Ok(pods)
 }
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::TracePod;
+
+    /// A pod of 1 CPU and 1 GiB asking for `num` GPUs of `milli` thousandths each, for unit tests.
+    pub(crate) fn pod(name: &str, num: u32, milli: u32) -> TracePod {
+        TracePod {
+            name: name.into(),
+            cpu_milli: 1000,
+            memory_mib: 1024,
+            num_gpu: num,
+            gpu_milli: milli,
+            gpu_spec: String::new(),
+        }
+    }
+}
