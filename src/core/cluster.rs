@@ -296,8 +296,18 @@ pub struct Node {
     used: PerGpu<UsedShare>,
     utilization: PerGpu<Option<UtilSample>>,
     pods: BTreeMap<String, PodAssignment>,
-    /// Bumped on every change, so callers can cache per-node results.
+    /// A stamp taken from one process-wide counter on every change (and when a node enters a
+    /// cluster), so callers can cache per-node results: two nodes with the same stamp are the same
+    /// node in the same state, even across clusters and clones, so a cache keyed by node index and
+    /// stamp cannot serve a verdict for a node that was replaced or edited.
     generation: u64,
+}
+
+/// The next node stamp (see `Node::generation`). Relaxed is enough: only uniqueness matters, and the
+/// stamp is read under the same lock as the node it describes.
+fn next_stamp() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 impl PartialEq for Node {
@@ -365,7 +375,7 @@ impl Node {
             used: PerGpu::filled(n),
             utilization: PerGpu::filled(n),
             pods: BTreeMap::new(),
-            generation: 0,
+            generation: next_stamp(),
         };
         node.refresh_facts();
         node
@@ -463,6 +473,8 @@ impl Node {
         self.pods.get(key)
     }
 
+    /// This node state's stamp: it changes whenever anything placement reads about the node
+    /// changes (allocations, GPUs, labels, utilization), and is never reused for another state.
     pub fn generation(&self) -> u64 {
         self.generation
     }
@@ -475,14 +487,14 @@ impl Node {
     pub fn set_utilization(&mut self, gpu: usize, sample: Option<UtilSample>) {
         if let Some(slot) = self.utilization.get_mut(gpu) {
             *slot = sample;
-            self.generation += 1;
+            self.generation = next_stamp();
         }
     }
 
     pub fn set_gpu_health(&mut self, gpu: usize, healthy: bool) {
         if let Some(g) = self.gpus.get_mut(gpu) {
             g.healthy = healthy;
-            self.generation += 1;
+            self.generation = next_stamp();
             self.refresh_facts();
         }
     }
@@ -570,7 +582,7 @@ impl Node {
         self.cpu_used += a.cpu_milli;
         self.mem_used += a.memory_mib;
         self.pods.insert(a.pod.clone(), a);
-        self.generation += 1;
+        self.generation = next_stamp();
         Ok(())
     }
 
@@ -588,7 +600,7 @@ impl Node {
         }
         self.cpu_used -= a.cpu_milli;
         self.mem_used -= a.memory_mib;
-        self.generation += 1;
+        self.generation = next_stamp();
         Some(a)
     }
 }
@@ -614,6 +626,8 @@ impl std::ops::DerefMut for NodeMut<'_> {
 impl Drop for NodeMut<'_> {
     fn drop(&mut self) {
         self.0.refresh_facts();
+        // any public field may have been edited: results cached for the old state must not match
+        self.0.generation = next_stamp();
     }
 }
 
@@ -675,8 +689,10 @@ impl Cluster {
     /// Adds a node, or replaces the node of that name while keeping its allocations where they still
     /// fit (a node whose inventory changed). Returns the records that no longer fit.
     pub fn upsert_node(&mut self, mut node: Node) -> Vec<RebuildConflict> {
-        // its public fields may have been edited since it was built
+        // its public fields may have been edited since it was built (or it is a copy of a node of
+        // another cluster): a fresh stamp, so nothing cached for another state matches it
         node.refresh_facts();
+        node.generation = next_stamp();
         match self.by_name.get(&node.name) {
             None => {
                 for p in node.pods.keys() {
@@ -695,7 +711,6 @@ impl Cluster {
                 node.refresh_facts();
                 node.cpu_used = 0;
                 node.mem_used = 0;
-                node.generation = self.nodes[i].generation + 1;
                 for (_, a) in old {
                     let pod = a.pod.clone();
                     if let Err(reason) = node.allocate(a) {
@@ -888,6 +903,34 @@ mod tests {
         assert_eq!((f.len(), f[9].memory_mib, f[3].healthy, f[1].numa_node), (10, 7, false, None));
         c.node_mut("m").unwrap().set_gpu_health(0, false);
         assert!(!c.node("m").unwrap().gpu_facts()[0].healthy);
+    }
+
+    #[test]
+    fn every_change_takes_a_new_stamp_never_reused() {
+        let mut c = Cluster::new(vec![node("n", 2)]);
+        let mut seen = std::collections::HashSet::new();
+        let mut stamp = |c: &Cluster| {
+            let g = c.node("n").unwrap().generation();
+            assert!(seen.insert(g), "stamp {g} reused");
+        };
+        stamp(&c);
+        c.allocate(share("a", 0, 100, 10)).unwrap();
+        stamp(&c);
+        c.release("a").unwrap();
+        stamp(&c);
+        drop(c.node_mut("n").unwrap()); // a borrow may have edited public fields
+        stamp(&c);
+        c.node_mut("n").unwrap().set_utilization(0, Some(UtilSample { sm_pct: 1, mem_used_mib: 1, at_unix_ms: 1 }));
+        stamp(&c);
+        // a copy edited elsewhere and brought back is a new state, even though it was a clone
+        let mut copy = c.clone();
+        copy.node_mut("n").unwrap().labels.insert("k".into(), "v".into());
+        let edited = copy.node("n").unwrap().clone();
+        c.upsert_node(edited);
+        stamp(&c);
+        let before = c.node("n").unwrap().generation();
+        assert!(c.allocate(share("b", 0, 5000, 10)).is_err());
+        assert_eq!(c.node("n").unwrap().generation(), before, "a refused change is no change");
     }
 
     #[test]
