@@ -608,7 +608,7 @@ impl Node {
 /// A node borrowed mutably from a cluster; its public fields may be edited, and its compact copy of
 /// them is brought up to date when the borrow ends.
 #[derive(Debug)]
-pub struct NodeMut<'a>(&'a mut Node);
+pub struct NodeMut<'a>(&'a mut Node, &'a mut u64);
 
 impl std::ops::Deref for NodeMut<'_> {
     type Target = Node;
@@ -628,6 +628,7 @@ impl Drop for NodeMut<'_> {
         self.0.refresh_facts();
         // any public field may have been edited: results cached for the old state must not match
         self.0.generation = next_stamp();
+        *self.1 = self.0.generation;
     }
 }
 
@@ -642,6 +643,8 @@ pub struct RebuildConflict {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Cluster {
     nodes: Vec<Node>,
+    /// Each node's stamp ([`Node::generation`]), by index, kept in step with `nodes`.
+    stamps: Stamps,
     by_name: HashMap<String, usize>,
     pod_node: HashMap<String, usize>,
     /// Node label keys that describe the network, coarse to fine (e.g. spine, then ToR).
@@ -661,6 +664,17 @@ impl PartialEq for NameRank {
     }
 }
 
+/// The nodes' stamps in one array: a cache check per candidate node reads 8 bytes here rather than a
+/// cache line of each (scattered) node record. Derived data, so it takes no part in equality.
+#[derive(Debug, Clone, Default)]
+struct Stamps(Vec<u64>);
+
+impl PartialEq for Stamps {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
 /// The default network levels: spine, then top-of-rack switch.
 pub const DEFAULT_NETWORK_LEVELS: [&str; 2] = ["network.gpuplace.io/spine", "network.gpuplace.io/tor"];
 
@@ -675,6 +689,7 @@ impl Cluster {
     pub fn new(nodes: Vec<Node>) -> Self {
         let mut c = Self {
             nodes: Vec::new(),
+            stamps: Stamps::default(),
             by_name: HashMap::new(),
             pod_node: HashMap::new(),
             network_levels: DEFAULT_NETWORK_LEVELS.iter().map(|s| s.to_string()).collect(),
@@ -699,6 +714,7 @@ impl Cluster {
                     self.pod_node.insert(p.clone(), self.nodes.len());
                 }
                 self.by_name.insert(node.name.clone(), self.nodes.len());
+                self.stamps.0.push(node.generation);
                 self.nodes.push(node);
                 self.name_rank = NameRank::default();
                 Vec::new()
@@ -718,6 +734,7 @@ impl Cluster {
                         conflicts.push(RebuildConflict { pod, reason });
                     }
                 }
+                self.stamps.0[i] = node.generation;
                 self.nodes[i] = node;
                 conflicts
             }
@@ -751,7 +768,13 @@ impl Cluster {
 
     /// Mutable access to a node (its name must stay as it is: the cluster finds nodes by name).
     pub fn node_mut(&mut self, name: &str) -> Option<NodeMut<'_>> {
-        self.by_name.get(name).map(|&i| NodeMut(&mut self.nodes[i]))
+        let i = *self.by_name.get(name)?;
+        Some(NodeMut(&mut self.nodes[i], &mut self.stamps.0[i]))
+    }
+
+    /// Each node's [`Node::generation`], by index.
+    pub fn stamps(&self) -> &[u64] {
+        &self.stamps.0
     }
 
     /// Where a pod is allocated.
@@ -772,6 +795,7 @@ impl Cluster {
         let i = *self.by_name.get(&a.node).ok_or_else(|| AllocError::UnknownNode(a.node.clone()))?;
         let pod = a.pod.clone();
         self.nodes[i].allocate(a)?;
+        self.stamps.0[i] = self.nodes[i].generation;
         self.pod_node.insert(pod, i);
         Ok(())
     }
@@ -779,17 +803,20 @@ impl Cluster {
     /// Gives back everything a pod holds, restoring the node exactly.
     pub fn release(&mut self, pod: &str) -> Result<PodAssignment, AllocError> {
         let i = self.pod_node.remove(pod).ok_or_else(|| AllocError::NotAllocated(pod.to_string()))?;
-        self.nodes[i].release(pod).ok_or_else(|| AllocError::NotAllocated(pod.to_string()))
+        let a = self.nodes[i].release(pod).ok_or_else(|| AllocError::NotAllocated(pod.to_string()));
+        self.stamps.0[i] = self.nodes[i].generation;
+        a
     }
 
     /// Forgets every allocation and applies the records in order (sorted by pod for determinism).
     /// Records that conflict with one applied earlier are refused and returned.
     pub fn rebuild(&mut self, mut records: Vec<PodAssignment>) -> Vec<RebuildConflict> {
-        for n in &mut self.nodes {
+        for (n, stamp) in self.nodes.iter_mut().zip(&mut self.stamps.0) {
             let pods: Vec<String> = n.pods.keys().cloned().collect();
             for p in pods {
                 n.release(&p);
             }
+            *stamp = n.generation;
         }
         self.pod_node.clear();
         records.sort_by(|a, b| a.pod.cmp(&b.pod));
@@ -928,6 +955,10 @@ mod tests {
         let edited = copy.node("n").unwrap().clone();
         c.upsert_node(edited);
         stamp(&c);
+        assert_eq!(c.stamps(), [c.node("n").unwrap().generation()], "the array follows every change");
+        c.rebuild(vec![share("r", 1, 1, 1)]);
+        stamp(&c);
+        assert_eq!(c.stamps(), [c.node("n").unwrap().generation()]);
         let before = c.node("n").unwrap().generation();
         assert!(c.allocate(share("b", 0, 5000, 10)).is_err());
         assert_eq!(c.node("n").unwrap().generation(), before, "a refused change is no change");

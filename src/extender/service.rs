@@ -230,6 +230,28 @@ impl Judged {
     }
 }
 
+/// Reasons for candidates not in the node cache, one per name.
+struct Unknown<'a> {
+    objects: Option<&'a [WireNode]>,
+    reasons: HashMap<&'a str, Arc<Reason>>,
+}
+
+impl<'a> Unknown<'a> {
+    fn new(args: &'a ExtenderArgsRef<'_>) -> Self {
+        Self { objects: args.nodes.as_ref().map(|l| l.items.as_slice()), reasons: HashMap::new() }
+    }
+
+    /// The verdict on the unknown candidate at position `p`.
+    fn answer(&mut self, p: usize, name: &'a str) -> Answer {
+        let objects = self.objects;
+        let r = self.reasons.entry(name).or_insert_with(|| {
+            let why = Extender::unknown_reason(objects.and_then(|o| o.get(p)), name);
+            Arc::new(Reason::new(RejectClass::UnknownNode, prefixed(&why)))
+        });
+        Answer::No(r.clone())
+    }
+}
+
 /// What filter answers with: an extender error, or a verdict per candidate.
 enum Filtered<'a> {
     Error(String),
@@ -633,64 +655,52 @@ impl Extender {
         }
     }
 
-    /// The verdict on every known candidate from the shape's cache, judging (and caching) the nodes
-    /// whose entry is missing, made for another state of the node, or expired. Per position; `None`
-    /// for names not in the node cache.
-    fn cached_answers(
+    /// The verdict on every candidate from the shape's cache, judging (and caching) the nodes whose
+    /// entry is missing, made for another state of the node, or expired. `emit` gets each position
+    /// in order with its verdict (`None` for names not in the node cache).
+    fn with_cached(
         &self,
         st: &State,
         shape: &Shape,
         req: &PodRequest,
         c: &Candidates<'_>,
         now: i64,
-    ) -> Vec<Option<Answer>> {
+        mut emit: impl FnMut(usize, Option<&Answer>),
+    ) {
         let cluster = &st.cluster;
-        let nodes = cluster.nodes();
+        let stamps = cluster.stamps();
         let mut table = shape.table();
-        // one pass answers what the cache holds and lists the rest (each node once)
+        // each node once: what the cache cannot answer
         let mut stale = Vec::new();
         let mut unique = 0;
-        let mut out: Vec<Option<Answer>> = Vec::with_capacity(c.at.len());
-        for (p, &i) in c.at.iter().enumerate() {
-            let Some(i) = i else {
-                out.push(None);
-                continue;
-            };
-            let first = c.first[p];
-            unique += usize::from(first);
-            match table.get(i, nodes[i].generation(), now) {
-                Some(a) => out.push(Some(a.clone())),
-                None => {
-                    if first {
-                        stale.push(i);
-                    }
-                    out.push(None);
+        for (&i, &first) in c.at.iter().zip(&c.first) {
+            if let (Some(i), true) = (i, first) {
+                unique += 1;
+                if table.get(i, stamps[i], now).is_none() {
+                    stale.push(i);
                 }
             }
         }
         self.shapes.count(unique - stale.len(), stale.len());
-        if stale.is_empty() {
-            return out;
-        }
-        let ev = self.engine.evaluate_in_order(cluster, req, &stale, now, false);
         let mut fresh = HashMap::with_capacity(stale.len());
-        for cand in &ev.ranked {
-            fresh.insert(cand.node, Answer::Fits(cand.score.clamp(0, MAX_EXTENDER_PRIORITY) as u8));
-        }
-        for r in &ev.rejected {
-            let (class, text) = self.rejection(cluster, req, r);
-            fresh.insert(r.node, Answer::No(table.intern(class, text)));
-        }
-        for (&i, a) in &fresh {
-            let node = &nodes[i];
-            table.set(i, node.generation(), self.engine.verdict_window(node, now), a.clone());
-        }
-        for (a, &i) in out.iter_mut().zip(&c.at) {
-            if let (None, Some(i)) = (&a, i) {
-                *a = fresh.get(&i).cloned();
+        if !stale.is_empty() {
+            let nodes = cluster.nodes();
+            let ev = self.engine.evaluate_in_order(cluster, req, &stale, now, false);
+            for cand in &ev.ranked {
+                fresh.insert(cand.node, Answer::Fits(cand.score.clamp(0, MAX_EXTENDER_PRIORITY) as u8));
+            }
+            for r in &ev.rejected {
+                let (class, text) = self.rejection(cluster, req, r);
+                fresh.insert(r.node, Answer::No(table.intern(class, text)));
+            }
+            for (&i, a) in &fresh {
+                table.set(i, stamps[i], self.engine.verdict_window(&nodes[i], now), a.clone());
             }
         }
-        out
+        for (p, &i) in c.at.iter().enumerate() {
+            // `fresh` too: a verdict whose window does not reach past now is answered but not kept
+            emit(p, i.and_then(|i| table.get(i, stamps[i], now).or_else(|| fresh.get(&i))));
+        }
     }
 
     /// Filters and scores the known candidates without the shape cache (each evaluated once however
@@ -715,27 +725,6 @@ impl Extender {
             rejects.insert(r.node, Arc::new(Reason::new(class, text)));
         }
         Judged { scores, rejects, evaluation }
-    }
-
-    /// Per position, the known candidates' verdicts joined with reasons for the unknown ones.
-    fn with_unknown(args: &ExtenderArgsRef<'_>, c: &Candidates<'_>, known: Vec<Option<Answer>>) -> Vec<Answer> {
-        let objects = args.nodes.as_ref().map(|l| &l.items);
-        let mut unknown: HashMap<&str, Arc<Reason>> = HashMap::new();
-        known
-            .into_iter()
-            .enumerate()
-            .map(|(p, a)| match a {
-                Some(a) => a,
-                None => {
-                    let name = c.names[p];
-                    let object = objects.and_then(|o| o.get(p));
-                    let r = unknown.entry(name).or_insert_with(|| {
-                        Arc::new(Reason::new(RejectClass::UnknownNode, prefixed(&Self::unknown_reason(object, name))))
-                    });
-                    Answer::No(r.clone())
-                }
-            })
-            .collect()
     }
 
     /// The best nodes with each scorer's share, re-scored in full (the ranking pass keeps only totals).
@@ -821,11 +810,20 @@ impl Extender {
             self.learn_nodes(&list.items);
         }
         let st = self.read();
-        let mut c = self.names.resolve(&st.cluster, names);
-        c.verbatim = args.names_verbatim();
+        let c = self.names.resolve(&st.cluster, names, args.names_verbatim());
         let now = self.now_ms();
-        let (known, top) = match self.cached_shape(&req) {
-            Some(shape) => (self.cached_answers(&st, &shape, &req, &c, now), Vec::new()),
+        let mut unknown = Unknown::new(args);
+        let mut answers = Vec::with_capacity(c.names.len());
+        let top = match self.cached_shape(&req) {
+            Some(shape) => {
+                self.with_cached(&st, &shape, &req, &c, now, |p, a| {
+                    answers.push(match a {
+                        Some(a) => a.clone(),
+                        None => unknown.answer(p, c.names[p]),
+                    })
+                });
+                Vec::new()
+            }
             None => {
                 let judged = self.judge(&st, &req, &c, now, true);
                 // the placement log's top scores re-score nodes in full: only when there is a log
@@ -834,7 +832,12 @@ impl Extender {
                 } else {
                     Vec::new()
                 };
-                let known = c.at.iter().map(|i| i.and_then(|i| judged.answer(i))).collect();
+                for (p, i) in c.at.iter().enumerate() {
+                    answers.push(match i.and_then(|i| judged.answer(i)) {
+                        Some(a) => a,
+                        None => unknown.answer(p, c.names[p]),
+                    });
+                }
                 if !args.pod.metadata.uid.is_empty() {
                     // for the prioritize call that follows (kube-scheduler sends it next, for the same pod)
                     self.evals().insert(CachedEval {
@@ -847,11 +850,10 @@ impl Extender {
                         top: top.clone(),
                     });
                 }
-                (known, top)
+                top
             }
         };
         drop(st);
-        let answers = Self::with_unknown(args, &c, known);
         let mut class_counts = [0u64; 4];
         let mut feasible = 0;
         for p in c.unique() {
@@ -928,18 +930,19 @@ impl Extender {
             self.learn_nodes(&list.items);
         }
         let st = self.read();
-        let mut c = self.names.resolve(&st.cluster, names);
-        c.verbatim = args.names_verbatim();
+        let c = self.names.resolve(&st.cluster, names, args.names_verbatim());
         let now = self.now_ms();
         // per position: the score, or REJECTED
         let (scores, top): (Vec<i8>, Vec<TopScore>) = match self.cached_shape(&req) {
             Some(shape) => {
-                let known = self.cached_answers(&st, &shape, &req, &c, now);
-                let score = |a: &Option<Answer>| match a {
-                    Some(Answer::Fits(s)) => *s as i8,
-                    _ => REJECTED,
-                };
-                (known.iter().map(score).collect(), Vec::new())
+                let mut scores = Vec::with_capacity(c.at.len());
+                self.with_cached(&st, &shape, &req, &c, now, |_, a| {
+                    scores.push(match a {
+                        Some(Answer::Fits(s)) => *s as i8,
+                        _ => REJECTED,
+                    })
+                });
+                (scores, Vec::new())
             }
             None => {
                 let uid = &args.pod.metadata.uid;

@@ -104,39 +104,97 @@ impl<'a> Candidates<'a> {
 
 /// Name to node index, guessing from the order of the last request: for each node, the index of
 /// the node that followed it. kube-scheduler sends its node list in one order, rotated from call to
-/// call, so nearly every guess is right and costs one string comparison instead of a hash and a
-/// probe; a wrong guess falls back to the cluster's map. Shared by all workers without a lock on the
-/// path: the guesses are relaxed atomics, and a stale guess is only a miss.
+/// call, so nearly every guess is right and costs one comparison with a copy of the node's name
+/// (all names in one array: the nodes' own names lie scattered over the heap, a cache miss each)
+/// instead of a hash and a probe; a wrong guess falls back to the cluster's map. Shared by all
+/// workers: the guesses are relaxed atomics, and a stale guess is only a miss.
 #[derive(Debug, Default)]
 pub(crate) struct NameOrder {
-    next: RwLock<Vec<AtomicU32>>,
+    table: RwLock<OrderTable>,
+}
+
+#[derive(Debug, Default)]
+struct OrderTable {
+    next: Vec<AtomicU32>,
+    /// Each node's name as (start, end) in `arena`. A node keeps its name and index for the life of
+    /// the cluster (nodes are replaced by name, never removed or renamed).
+    spans: Vec<(u32, u32)>,
+    arena: Vec<u8>,
+}
+
+impl OrderTable {
+    fn is(&self, i: usize, name: &str) -> bool {
+        self.spans
+            .get(i)
+            .and_then(|&(a, b)| self.arena.get(a as usize..b as usize))
+            .is_some_and(|n| same(n, name.as_bytes()))
+    }
+}
+
+/// `a == b`, inline for the 8-16 byte names this compares thousands of times per request (a
+/// `memcmp` call each cost more than the comparison).
+#[inline]
+fn same(a: &[u8], b: &[u8]) -> bool {
+    let n = a.len();
+    if n != b.len() {
+        return false;
+    }
+    let word =
+        |s: &[u8], at: usize| s.get(at..at + 8).and_then(|w| <[u8; 8]>::try_from(w).ok()).map(u64::from_ne_bytes);
+    if (8..=16).contains(&n) {
+        // two (possibly overlapping) words cover it
+        word(a, 0) == word(b, 0) && word(a, n - 8) == word(b, n - 8)
+    } else {
+        a == b
+    }
 }
 
 const NO_GUESS: u32 = u32::MAX;
+/// How far along the chain a name is looked for before hashing.
+const CHAIN_HOPS: usize = 4;
 
 impl NameOrder {
-    pub fn resolve<'a>(&self, cluster: &Cluster, names: Vec<&'a str>) -> Candidates<'a> {
+    pub fn resolve<'a>(&self, cluster: &Cluster, names: Vec<&'a str>, verbatim: bool) -> Candidates<'a> {
         let nodes = cluster.nodes();
-        if self.next.read().unwrap_or_else(|e| e.into_inner()).len() < nodes.len() {
-            let mut w = self.next.write().unwrap_or_else(|e| e.into_inner());
-            while w.len() < nodes.len() {
-                w.push(AtomicU32::new(NO_GUESS));
+        if self.table.read().unwrap_or_else(|e| e.into_inner()).next.len() < nodes.len() {
+            let mut w = self.table.write().unwrap_or_else(|e| e.into_inner());
+            while w.next.len() < nodes.len() {
+                let name = nodes[w.next.len()].name.as_bytes();
+                let start = w.arena.len() as u32;
+                w.arena.extend_from_slice(name);
+                let end = w.arena.len() as u32;
+                w.spans.push((start, end));
+                w.next.push(AtomicU32::new(NO_GUESS));
             }
         }
-        let next = self.next.read().unwrap_or_else(|e| e.into_inner());
+        let t = self.table.read().unwrap_or_else(|e| e.into_inner());
         let mut at = Vec::with_capacity(names.len());
         let mut first = Vec::with_capacity(names.len());
         let mut seen = vec![false; nodes.len()];
         let mut unknown: HashSet<&str> = HashSet::new();
         let mut prev: Option<usize> = None;
         for &name in &names {
-            let guess = prev.and_then(|p| next.get(p)).map(|g| g.load(Ordering::Relaxed) as usize);
-            let i = match guess {
-                Some(g) if nodes.get(g).is_some_and(|n| n.name == name) => Some(g),
-                _ => {
+            // prioritize sends the nodes filter passed, in filter's order: a few hops along the
+            // chain skip the ones it turned down (and leave filter's chain as it was)
+            let mut guess = prev;
+            let mut found = None;
+            for _ in 0..CHAIN_HOPS {
+                guess = guess.and_then(|g| t.next.get(g)).map(|g| g.load(Ordering::Relaxed) as usize);
+                match guess {
+                    Some(g) if t.is(g, name) => {
+                        found = Some(g);
+                        break;
+                    }
+                    Some(_) => {}
+                    None => break,
+                }
+            }
+            let i = match found {
+                Some(g) => Some(g),
+                None => {
                     let i = cluster.node_index(name);
                     if let (Some(p), Some(i)) = (prev, i) {
-                        if let Some(slot) = next.get(p) {
+                        if let Some(slot) = t.next.get(p) {
                             slot.store(i as u32, Ordering::Relaxed);
                         }
                     }
@@ -150,8 +208,8 @@ impl NameOrder {
             at.push(i);
             prev = i;
         }
-        drop(next);
-        Candidates { names, at, first, verbatim: false }
+        drop(t);
+        Candidates { names, at, first, verbatim }
     }
 }
 
@@ -337,62 +395,52 @@ fn push_score(out: &mut Vec<u8>, score: u8) {
 /// The filter answer's JSON (as [`filter_result`] would serialize, except that the failure maps
 /// list nodes in request order rather than by name, which decoders do not see).
 pub(crate) fn filter_json(args: &ExtenderArgsRef<'_>, c: &Candidates<'_>, answers: &[Answer]) -> Vec<u8> {
-    let fits = |p: usize| matches!(answers.get(p), Some(Answer::Fits(_)));
-    let failed = |p: usize, unresolvable: bool| match answers.get(p) {
-        Some(Answer::No(r)) if c.first.get(p) == Some(&true) && r.unresolvable() == unresolvable => Some(&**r),
-        _ => None,
-    };
-    let mut size = 128;
-    for (p, name) in c.names.iter().enumerate() {
-        size += match answers.get(p) {
-            Some(Answer::No(r)) => name.len() + r.json.len() + 4,
-            _ => args.nodes.as_ref().and_then(|l| l.items.get(p)).map_or(name.len(), |n| n.raw_json().len()) + 3,
-        };
-    }
-    let mut out = Vec::with_capacity(size);
+    // one pass writes the passing nodes and sets the failures aside (each name once)
+    let mut failed: [Vec<(&str, &Reason)>; 2] = [Vec::new(), Vec::new()];
+    let mut failed_bytes = 0;
+    let items = args.nodes.as_ref().map(|l| (l, l.items.as_slice()));
+    // names run under 24 bytes; Node objects are echoed whole
+    let echoed = items.map_or(0, |(_, items)| items.iter().map(|n| n.raw_json().len() + 1).sum::<usize>());
+    let mut out = Vec::with_capacity(c.names.len() * 24 + echoed + 256);
     out.extend_from_slice(b"{\"Nodes\":");
-    let mut sep = false;
-    let mut comma = |out: &mut Vec<u8>| {
-        if std::mem::replace(&mut sep, true) {
-            out.push(b',');
-        }
-    };
-    match &args.nodes {
-        Some(list) => {
+    match items {
+        Some((list, _)) => {
             out.extend_from_slice(b"{\"metadata\":");
             let _ = serde_json::to_writer(&mut out, &list.metadata);
             out.extend_from_slice(b",\"items\":[");
-            for (p, n) in list.items.iter().enumerate() {
-                if fits(p) {
-                    comma(&mut out);
-                    out.extend_from_slice(n.raw_json().as_bytes());
-                }
-            }
-            out.extend_from_slice(b"]},\"NodeNames\":null");
         }
-        None => {
-            out.extend_from_slice(b"null,\"NodeNames\":[");
-            for (p, n) in c.names.iter().enumerate() {
-                if fits(p) {
-                    comma(&mut out);
-                    push_name(&mut out, n, c.verbatim);
-                }
-            }
-            out.push(b']');
-        }
+        None => out.extend_from_slice(b"null,\"NodeNames\":["),
     }
-    for (key, unresolvable) in [(&b",\"FailedNodes\":{"[..], false), (b"},\"FailedAndUnresolvableNodes\":{", true)] {
-        out.extend_from_slice(key);
-        let mut sep = false;
-        for (p, n) in c.names.iter().enumerate() {
-            if let Some(r) = failed(p, unresolvable) {
+    let mut sep = false;
+    for (p, (name, a)) in c.names.iter().zip(answers).enumerate() {
+        match a {
+            Answer::Fits(_) => {
                 if std::mem::replace(&mut sep, true) {
                     out.push(b',');
                 }
-                push_name(&mut out, n, c.verbatim);
-                out.push(b':');
-                out.extend_from_slice(&r.json);
+                match items {
+                    Some((_, items)) => out.extend_from_slice(items.get(p).map_or("null", |n| n.raw_json()).as_bytes()),
+                    None => push_name(&mut out, name, c.verbatim),
+                }
             }
+            Answer::No(r) if c.first.get(p) == Some(&true) => {
+                failed_bytes += name.len() + r.json.len() + 4;
+                failed[usize::from(r.unresolvable())].push((name, r));
+            }
+            Answer::No(_) => {}
+        }
+    }
+    out.extend_from_slice(if items.is_some() { b"]},\"NodeNames\":null" } else { b"]" });
+    out.reserve(failed_bytes + 64);
+    for (key, list) in [&b",\"FailedNodes\":{"[..], b"},\"FailedAndUnresolvableNodes\":{"].iter().zip(&failed) {
+        out.extend_from_slice(key);
+        for (k, (name, r)) in list.iter().enumerate() {
+            if k > 0 {
+                out.push(b',');
+            }
+            push_name(&mut out, name, c.verbatim);
+            out.push(b':');
+            out.extend_from_slice(&r.json);
         }
     }
     out.extend_from_slice(b"},\"Error\":\"\"}");
@@ -457,6 +505,17 @@ mod tests {
     use super::*;
     use crate::core::resources::{GpuDemand, GroupSpec, PackingPolicy};
     use crate::extender::wire::decode_args;
+
+    #[test]
+    fn short_comparisons_agree_with_eq() {
+        let words = ["", "a", "gpu-node-1", "gpu-node-12", "gpu-node-1234", "gpu-node-1235", "abcdefgh", "abcdefgi"];
+        let long = ["abcdefghijklmnopq", "abcdefghijklmnopr", "abcdefghijklmnop", "bbcdefghijklmnop"];
+        for a in words.iter().chain(&long) {
+            for b in words.iter().chain(&long) {
+                assert_eq!(same(a.as_bytes(), b.as_bytes()), a == b, "{a} {b}");
+            }
+        }
+    }
 
     #[test]
     fn strings_are_escaped_only_when_needed() {
