@@ -8,6 +8,11 @@
 //! new pod) and, in full-Nodes mode, their Node object renamed to each of the cluster's nodes.
 //! Prioritize carries the nodes filter passed, as kube-scheduler sends them.
 //!
+//! With `--bind-every N`, every N-th pair is followed by a bind of the pod to prioritize's best node
+//! (the "churn" regime: one node changes between pairs, as when kube-scheduler places replicas one
+//! after another); without it no pair changes the cluster ("steady"). Bind time is not part of the
+//! pair's latency, but it is part of the wall time pairs per second are counted over.
+//!
 //! Before measuring, `--fill` binds a deterministic warm-up set of pods (whole GPUs and shares, one
 //! node at a time) until about that fraction of GPU capacity is allocated; the pod UIDs are fixed, so
 //! running again against the same server repeats those binds instead of adding to them.
@@ -92,6 +97,11 @@ struct Args {
     /// Seed of the warm-up allocation.
     #[arg(long, default_value_t = 7)]
     seed: u64,
+    /// Churn: after every N-th pair, bind the pod to prioritize's top node (0: never), as
+    /// kube-scheduler does after choosing, so one node changes between pairs. Binds accumulate (the
+    /// static mode has no release), so runs with binds should start from a fresh server.
+    #[arg(long, default_value_t = 0)]
+    bind_every: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -249,8 +259,6 @@ fn body(pod: &str, tail: &str, buf: &mut Vec<u8>) {
 
 #[derive(Deserialize)]
 struct FilterAnswer<'a> {
-    #[serde(rename = "NodeNames", borrow, default)]
-    node_names: Option<Vec<&'a str>>,
     #[serde(rename = "Nodes", borrow, default)]
     nodes: Option<AnswerNodes<'a>>,
     #[serde(rename = "FailedNodes", borrow, default)]
@@ -279,24 +287,219 @@ struct AnswerMeta<'a> {
     name: &'a str,
 }
 
-#[derive(Deserialize)]
-struct HostPriority<'a> {
-    #[serde(rename = "Host", borrow)]
-    host: &'a str,
-    #[serde(rename = "Score")]
-    score: i64,
+/// A small JSON cursor for checking answers without building a document: the load generator
+/// shares the two cores with the server, and serde_json with maps of borrowed keys cost it about as
+/// much per pair as the server spent answering. Only the shapes the extender answers with are
+/// accepted; anything else is an error.
+struct Cur<'a> {
+    b: &'a [u8],
+    i: usize,
 }
 
-/// The passing nodes of a filter answer, checked: every candidate answered once, no error.
-fn passing<'a>(mode: Mode, answer: &'a [u8], candidates: usize) -> Result<Vec<&'a str>> {
-    let a: FilterAnswer<'a> = serde_json::from_slice(answer)?;
+const ONES: u64 = u64::MAX / 255;
+
+impl<'a> Cur<'a> {
+    fn err<T>(&self, what: &str) -> Result<T> {
+        let end = (self.i + 40).min(self.b.len());
+        Err(LoadError::Answer(format!(
+            "answer: expected {what} at byte {}: {:?}",
+            self.i,
+            String::from_utf8_lossy(&self.b[self.i.min(end)..end])
+        )))
+    }
+
+    fn ws(&mut self) {
+        while let Some(b' ' | b'\n' | b'\r' | b'\t') = self.b.get(self.i) {
+            self.i += 1;
+        }
+    }
+
+    fn eat(&mut self, c: u8) -> bool {
+        self.ws();
+        if self.b.get(self.i) == Some(&c) {
+            self.i += 1;
+            true
+        } else {
+            false
+        }
+    }
+
+    fn expect(&mut self, c: u8) -> Result<()> {
+        if self.eat(c) {
+            Ok(())
+        } else {
+            self.err(&format!("{:?}", c as char))
+        }
+    }
+
+    fn null(&mut self) -> bool {
+        self.ws();
+        if self.b[self.i.min(self.b.len())..].starts_with(b"null") {
+            self.i += 4;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// A string's raw bytes (escapes left as they are), 8 bytes at a time to the closing quote.
+    fn string(&mut self) -> Result<&'a [u8]> {
+        self.expect(b'"')?;
+        let start = self.i;
+        let b = self.b;
+        loop {
+            if let Some(chunk) = b.get(self.i..self.i + 8) {
+                let w = u64::from_le_bytes([
+                    chunk[0], chunk[1], chunk[2], chunk[3], chunk[4], chunk[5], chunk[6], chunk[7],
+                ]);
+                let zero = |x: u64| x.wrapping_sub(ONES) & !x & (ONES << 7);
+                let m = zero(w ^ (ONES * u64::from(b'"'))) | zero(w ^ (ONES * u64::from(b'\\')));
+                if m == 0 {
+                    self.i += 8;
+                    continue;
+                }
+                self.i += (m.trailing_zeros() / 8) as usize;
+            }
+            match b.get(self.i) {
+                Some(b'"') => {
+                    self.i += 1;
+                    return Ok(&b[start..self.i - 1]);
+                }
+                Some(b'\\') => self.i += 2,
+                Some(_) => self.i += 1,
+                None => return self.err("the end of a string"),
+            }
+        }
+    }
+
+    /// `{` key `:` value, … `}`, calling `f` with each key (which must read the value).
+    fn object(&mut self, mut f: impl FnMut(&mut Self, &'a [u8]) -> Result<()>) -> Result<()> {
+        self.expect(b'{')?;
+        if self.eat(b'}') {
+            return Ok(());
+        }
+        loop {
+            self.ws();
+            let k = self.string()?;
+            self.expect(b':')?;
+            f(self, k)?;
+            if self.eat(b',') {
+                continue;
+            }
+            return self.expect(b'}');
+        }
+    }
+
+    /// `[` item, … `]` (`f` starts at the item, whitespace skipped).
+    fn array(&mut self, mut f: impl FnMut(&mut Self) -> Result<()>) -> Result<()> {
+        self.expect(b'[')?;
+        if self.eat(b']') {
+            return Ok(());
+        }
+        loop {
+            self.ws();
+            f(self)?;
+            if self.eat(b',') {
+                continue;
+            }
+            return self.expect(b']');
+        }
+    }
+
+    fn int(&mut self) -> Result<i64> {
+        self.ws();
+        let start = self.i;
+        while self.b.get(self.i).is_some_and(|c| c.is_ascii_digit() || *c == b'-') {
+            self.i += 1;
+        }
+        std::str::from_utf8(&self.b[start..self.i])
+            .ok()
+            .and_then(|t| t.parse().ok())
+            .map_or_else(|| self.err("an integer"), Ok)
+    }
+
+    fn end(&mut self) -> Result<()> {
+        self.ws();
+        if self.i == self.b.len() {
+            Ok(())
+        } else {
+            self.err("the end")
+        }
+    }
+}
+
+/// The passing nodes of a filter answer, checked: no error, every candidate answered once, and the
+/// passing ones in the order sent (`candidates` in request order). Returns the candidates' own
+/// names: each passing name is matched against the next candidates in turn, which finds it without
+/// scanning for its end.
+fn passing<'c>(mode: Mode, answer: &[u8], candidates: &'c [String]) -> Result<Vec<&'c str>> {
+    if mode == Mode::Nodes {
+        let n = passing_nodes(answer, candidates.len())?;
+        // full-Nodes answers carry names of their own; return ours, in the order answered
+        let mut sent = candidates.iter();
+        return n
+            .iter()
+            .map(|p| {
+                sent.find(|c| c == p)
+                    .map(String::as_str)
+                    .ok_or_else(|| LoadError::Answer(format!("filter passed {p:?}, not a candidate (or out of order)")))
+            })
+            .collect();
+    }
+    let mut c = Cur { b: answer, i: 0 };
+    let (mut pass, mut failed, mut error) = (Vec::with_capacity(candidates.len()), 0usize, &b""[..]);
+    let mut next = 0;
+    c.object(|c, key| {
+        match key {
+            b"Nodes" if c.null() => {}
+            b"NodeNames" if c.null() => {}
+            b"NodeNames" => c.array(|c| {
+                c.expect(b'"')?;
+                loop {
+                    let Some(n) = candidates.get(next) else {
+                        return c.err("a candidate's name (or the names out of order)");
+                    };
+                    next += 1;
+                    if c.b.get(c.i..c.i + n.len()) == Some(n.as_bytes()) && c.b.get(c.i + n.len()) == Some(&b'"') {
+                        c.i += n.len() + 1;
+                        pass.push(n.as_str());
+                        return Ok(());
+                    }
+                }
+            })?,
+            b"FailedNodes" | b"FailedAndUnresolvableNodes" if c.null() => {}
+            b"FailedNodes" | b"FailedAndUnresolvableNodes" => c.object(|c, _| {
+                failed += 1;
+                c.string().map(|_| ())
+            })?,
+            b"Error" if c.null() => {}
+            b"Error" => error = c.string()?,
+            other => return c.err(&format!("a filter answer field, not {:?}", String::from_utf8_lossy(other))),
+        }
+        Ok(())
+    })?;
+    c.end()?;
+    if !error.is_empty() {
+        return Err(LoadError::Answer(format!("filter: Error {:?}", String::from_utf8_lossy(error))));
+    }
+    if pass.len() + failed != candidates.len() {
+        return Err(LoadError::Answer(format!(
+            "filter answered {} passing + {failed} failed for {} candidates",
+            pass.len(),
+            candidates.len()
+        )));
+    }
+    Ok(pass)
+}
+
+/// [`passing`] for full-Nodes answers (the Node objects are large; serde_json skips them well).
+fn passing_nodes(answer: &[u8], candidates: usize) -> Result<Vec<&str>> {
+    let a: FilterAnswer<'_> = serde_json::from_slice(answer)?;
     if let Some(e) = a.error.as_deref().filter(|e| !e.is_empty()) {
         return Err(LoadError::Answer(format!("filter: Error {e:?}")));
     }
-    let pass: Vec<&str> = match mode {
-        Mode::Names => a.node_names.unwrap_or_default(),
-        Mode::Nodes => a.nodes.and_then(|n| n.items).unwrap_or_default().into_iter().map(|n| n.metadata.name).collect(),
-    };
+    let pass: Vec<&str> =
+        a.nodes.and_then(|n| n.items).unwrap_or_default().into_iter().map(|n| n.metadata.name).collect();
     let failed = a.failed.map_or(0, |m| m.len()) + a.unresolvable.map_or(0, |m| m.len());
     if pass.len() + failed != candidates {
         return Err(LoadError::Answer(format!(
@@ -307,17 +510,56 @@ fn passing<'a>(mode: Mode, answer: &'a [u8], candidates: usize) -> Result<Vec<&'
     Ok(pass)
 }
 
-fn check_priorities(answer: &[u8], candidates: &[&str]) -> Result<()> {
-    let list: Vec<HostPriority<'_>> = serde_json::from_slice(answer)?;
-    if list.len() != candidates.len() {
-        return Err(LoadError::Answer(format!("prioritize: {} scores for {} nodes", list.len(), candidates.len())));
-    }
-    for (hp, want) in list.iter().zip(candidates) {
-        if hp.host != *want || !(0..=10).contains(&hp.score) {
-            return Err(LoadError::Answer(format!("prioritize: {}={} for {want}", hp.host, hp.score)));
+/// Checks a prioritize answer (one score 0..=10 per candidate, in order) and returns the position
+/// of the best node (the first of the best). Entries in the form the extender writes are matched
+/// against the expected name directly; others are parsed.
+fn check_priorities(answer: &[u8], candidates: &[&str]) -> Result<usize> {
+    const HOST: &[u8] = b"{\"Host\":\"";
+    const SCORE: &[u8] = b"\",\"Score\":";
+    let mut c = Cur { b: answer, i: 0 };
+    let (mut k, mut best) = (0usize, (0usize, -1i64));
+    c.array(|c| {
+        let want = candidates.get(k).copied().unwrap_or("(none)");
+        let (host_end, score_at) = (c.i + HOST.len() + want.len(), c.i + HOST.len() + want.len() + SCORE.len());
+        let plain = c.b.get(c.i..c.i + HOST.len()) == Some(HOST)
+            && c.b.get(c.i + HOST.len()..host_end) == Some(want.as_bytes())
+            && c.b.get(host_end..score_at) == Some(SCORE);
+        let (host, score) = if plain {
+            c.i = score_at;
+            let s = c.int()?;
+            c.expect(b'}')?;
+            (Some(want.as_bytes()), Some(s))
+        } else {
+            let (mut host, mut score) = (None, None);
+            c.object(|c, key| {
+                match key {
+                    b"Host" => host = Some(c.string()?),
+                    b"Score" => score = Some(c.int()?),
+                    other => return c.err(&format!("Host or Score, not {:?}", String::from_utf8_lossy(other))),
+                }
+                Ok(())
+            })?;
+            (host, score)
+        };
+        match (host, score) {
+            (Some(h), Some(s)) if h == want.as_bytes() && (0..=10).contains(&s) => {
+                if s > best.1 {
+                    best = (k, s);
+                }
+            }
+            (h, s) => {
+                let h = h.map(String::from_utf8_lossy);
+                return Err(LoadError::Answer(format!("prioritize: {h:?}={s:?} for {want}")));
+            }
         }
+        k += 1;
+        Ok(())
+    })?;
+    c.end()?;
+    if k != candidates.len() {
+        return Err(LoadError::Answer(format!("prioritize: {k} scores for {} nodes", candidates.len())));
     }
-    Ok(())
+    Ok(best.0)
 }
 
 fn post(conn: &mut Connection, path: &str, verb: &'static str, body: &[u8]) -> Result<Vec<u8>> {
@@ -382,7 +624,7 @@ fn fill(args: &Args, host: &str, prefix: &str, threads: usize) -> Result<(usize,
                         let tail = format!(r#","Nodes":null,"NodeNames":["{name}"]}}"#);
                         body(&pod, &tail, &mut buf);
                         let answer = post(&mut conn, &format!("{prefix}/filter"), "filter", &buf)?;
-                        if passing(Mode::Names, &answer, 1)?.is_empty() {
+                        if passing(Mode::Names, &answer, std::slice::from_ref(&name))?.is_empty() {
                             continue;
                         }
                         let v: Value = serde_json::from_str(&pod)?;
@@ -427,6 +669,8 @@ struct Samples {
     pair: Vec<u32>,
     filter: Vec<u32>,
     prioritize: Vec<u32>,
+    bind: Vec<u32>,
+    bind_refused: u64,
     feasible: u64,
     no_fit: u64,
     errors: u64,
@@ -439,6 +683,7 @@ fn micros(d: Duration) -> u32 {
 
 struct Shared {
     mode: Mode,
+    bind_every: u64,
     host: String,
     prefix: String,
     names: Vec<String>,
@@ -453,10 +698,13 @@ fn worker(sh: &Shared, id: usize, measure_from: Instant, end: Instant, stop: &At
     let mut conn = None;
     let mut buf = Vec::new();
     let (filter_path, prio_path) = (format!("{}/filter", sh.prefix), format!("{}/prioritize", sh.prefix));
+    let bind_path = format!("{}/bind", sh.prefix);
     let mut seq = 0u64;
     while !stop.load(Ordering::Relaxed) && Instant::now() < end && (limit == 0 || s.pair.len() < limit) {
         let (_, template) = &sh.templates[(seq as usize + id) % sh.templates.len()];
-        let pod = template.render(&format!("load-{id}-{seq}"), &format!("{id:08x}-0000-4000-8000-{seq:012x}"));
+        let (pod_name, uid) = (format!("load-{id}-{seq}"), format!("{id:08x}-0000-4000-8000-{seq:012x}"));
+        let pod = template.render(&pod_name, &uid);
+        let bind_now = sh.bind_every > 0 && seq % sh.bind_every == 0;
         seq += 1;
         let started = Instant::now();
         let c = match &mut conn {
@@ -471,27 +719,51 @@ fn worker(sh: &Shared, id: usize, measure_from: Instant, end: Instant, stop: &At
                 }
             },
         };
-        let result = (|| -> Result<(Duration, Option<Duration>, usize)> {
+        let mut pair = Duration::ZERO;
+        let mut refused = false;
+        let result = (|| -> Result<(Duration, Option<Duration>, usize, Option<Duration>)> {
             body(&pod, &sh.all_tail, &mut buf);
             let answer = post(c, &filter_path, "filter", &buf)?;
             let filtered = started.elapsed();
-            let pass = passing(sh.mode, &answer, sh.names.len())?;
+            let pass = passing(sh.mode, &answer, &sh.names)?;
             if pass.is_empty() {
                 // kube-scheduler does not prioritize a pod no node passed
-                return Ok((filtered, None, 0));
+                pair = started.elapsed();
+                return Ok((filtered, None, 0, None));
             }
             let t = Instant::now();
             body(&pod, &candidates_json(sh.mode, &pass, &sh.objects, &sh.index), &mut buf);
             let answer = post(c, &prio_path, "prioritize", &buf)?;
             let prio = t.elapsed();
-            check_priorities(&answer, &pass)?;
-            Ok((filtered, Some(prio), pass.len()))
+            let best = check_priorities(&answer, &pass)?;
+            pair = started.elapsed();
+            if !bind_now {
+                return Ok((filtered, Some(prio), pass.len(), None));
+            }
+            // kube-scheduler binds to the node it chose (here prioritize's best): one node changes
+            let t = Instant::now();
+            let bind = json!({ "PodName": pod_name, "PodNamespace": "load", "PodUID": uid, "Node": pass[best] });
+            let answer = post(c, &bind_path, "bind", &serde_json::to_vec(&bind)?)?;
+            let r: Value = serde_json::from_slice(&answer)?;
+            match r["Error"].as_str() {
+                Some("") | None => Ok((filtered, Some(prio), pass.len(), Some(t.elapsed()))),
+                // another connection's bind took the room first: kube-scheduler would schedule the
+                // pod again; the extender answered correctly, so this is not an error
+                Some(e) if e.contains("no longer fits") => {
+                    refused = true;
+                    Ok((filtered, Some(prio), pass.len(), None))
+                }
+                Some(e) => Err(LoadError::Answer(format!("bind: {e}"))),
+            }
         })();
-        let pair = started.elapsed();
         match result {
-            Ok((f, p, n)) if started >= measure_from && Instant::now() <= end => {
+            Ok((f, p, n, b)) if started >= measure_from && Instant::now() <= end => {
                 s.pair.push(micros(pair));
                 s.filter.push(micros(f));
+                if let Some(b) = b {
+                    s.bind.push(micros(b));
+                }
+                s.bind_refused += u64::from(refused);
                 match p {
                     Some(p) => s.prioritize.push(micros(p)),
                     None => s.no_fit += 1,
@@ -553,6 +825,7 @@ fn run(args: &Args) -> Result<Value> {
     let all_tail = candidates_json(args.mode, &refs, &objects, &index);
     let shared = Shared {
         mode: args.mode,
+        bind_every: args.bind_every,
         host,
         prefix,
         names: names.clone(),
@@ -580,6 +853,8 @@ fn run(args: &Args) -> Result<Value> {
         all.pair.extend(p.pair);
         all.filter.extend(p.filter);
         all.prioritize.extend(p.prioritize);
+        all.bind.extend(p.bind);
+        all.bind_refused += p.bind_refused;
         all.feasible += p.feasible;
         all.no_fit += p.no_fit;
         all.errors += p.errors;
@@ -610,6 +885,10 @@ fn run(args: &Args) -> Result<Value> {
         "pair": stats(all.pair),
         "filter": stats(all.filter),
         "prioritize": stats(all.prioritize),
+        "bind_every": args.bind_every,
+        "binds": all.bind.len(),
+        "bind_refused": all.bind_refused,
+        "bind": stats(all.bind),
     }))
 }
 
@@ -626,8 +905,9 @@ fn table(r: &Value) -> String {
         r["feasible_mean"].as_f64().unwrap_or(0.0),
     );
     out.push_str(&format!("{:<12}{:>9}{:>9}{:>9}{:>9}  (ms)\n", "", "p50", "p90", "p99", "max"));
-    for k in ["pair", "filter", "prioritize"] {
-        let s = &r[k];
+    let binds = if r["binds"].as_u64().unwrap_or(0) > 0 { &["bind"][..] } else { &[] };
+    for k in ["pair", "filter", "prioritize"].iter().chain(binds) {
+        let s = &r[*k];
         let f = |q: &str| s[q].as_f64().unwrap_or(0.0);
         out.push_str(&format!(
             "{k:<12}{:>9.3}{:>9.3}{:>9.3}{:>9.3}\n",

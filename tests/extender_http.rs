@@ -619,8 +619,9 @@ fn scores(answer: &Value) -> BTreeMap<String, i64> {
         .collect()
 }
 
-/// The same requests to a server with the evaluation cache and to one without give the same
-/// answers; the cached one only saves work.
+/// The same requests to a server with the (per-pod) evaluation cache and to one without give the
+/// same answers; the cached one only saves work. Both run without the shape cache, which would
+/// otherwise answer these pods (tests/shape_cache.rs covers it).
 struct CachePair {
     cached: Server,
     plain: Server,
@@ -628,11 +629,9 @@ struct CachePair {
 
 impl CachePair {
     fn new() -> Self {
-        let plain = ServiceOptions { eval_cache: 0, ..ServiceOptions::default() };
-        Self {
-            cached: Server::on_opts(fixture_cluster(), ServiceOptions::default()),
-            plain: Server::on_opts(fixture_cluster(), plain),
-        }
+        let cached = ServiceOptions { shape_cache: 0, ..ServiceOptions::default() };
+        let plain = ServiceOptions { eval_cache: 0, shape_cache: 0, ..ServiceOptions::default() };
+        Self { cached: Server::on_opts(fixture_cluster(), cached), plain: Server::on_opts(fixture_cluster(), plain) }
     }
 
     fn both(&self, verb: &str, body: &[u8]) -> Value {

@@ -296,8 +296,18 @@ pub struct Node {
     used: PerGpu<UsedShare>,
     utilization: PerGpu<Option<UtilSample>>,
     pods: BTreeMap<String, PodAssignment>,
-    /// Bumped on every change, so callers can cache per-node results.
+    /// A stamp taken from one process-wide counter on every change (and when a node enters a
+    /// cluster), so callers can cache per-node results: two nodes with the same stamp are the same
+    /// node in the same state, even across clusters and clones, so a cache keyed by node index and
+    /// stamp cannot serve a verdict for a node that was replaced or edited.
     generation: u64,
+}
+
+/// The next node stamp (see `Node::generation`). Relaxed is enough: only uniqueness matters, and the
+/// stamp is read under the same lock as the node it describes.
+fn next_stamp() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 impl PartialEq for Node {
@@ -365,7 +375,7 @@ impl Node {
             used: PerGpu::filled(n),
             utilization: PerGpu::filled(n),
             pods: BTreeMap::new(),
-            generation: 0,
+            generation: next_stamp(),
         };
         node.refresh_facts();
         node
@@ -463,6 +473,8 @@ impl Node {
         self.pods.get(key)
     }
 
+    /// This node state's stamp: it changes whenever anything placement reads about the node
+    /// changes (allocations, GPUs, labels, utilization), and is never reused for another state.
     pub fn generation(&self) -> u64 {
         self.generation
     }
@@ -475,14 +487,14 @@ impl Node {
     pub fn set_utilization(&mut self, gpu: usize, sample: Option<UtilSample>) {
         if let Some(slot) = self.utilization.get_mut(gpu) {
             *slot = sample;
-            self.generation += 1;
+            self.generation = next_stamp();
         }
     }
 
     pub fn set_gpu_health(&mut self, gpu: usize, healthy: bool) {
         if let Some(g) = self.gpus.get_mut(gpu) {
             g.healthy = healthy;
-            self.generation += 1;
+            self.generation = next_stamp();
             self.refresh_facts();
         }
     }
@@ -570,7 +582,7 @@ impl Node {
         self.cpu_used += a.cpu_milli;
         self.mem_used += a.memory_mib;
         self.pods.insert(a.pod.clone(), a);
-        self.generation += 1;
+        self.generation = next_stamp();
         Ok(())
     }
 
@@ -588,7 +600,7 @@ impl Node {
         }
         self.cpu_used -= a.cpu_milli;
         self.mem_used -= a.memory_mib;
-        self.generation += 1;
+        self.generation = next_stamp();
         Some(a)
     }
 }
@@ -596,7 +608,7 @@ impl Node {
 /// A node borrowed mutably from a cluster; its public fields may be edited, and its compact copy of
 /// them is brought up to date when the borrow ends.
 #[derive(Debug)]
-pub struct NodeMut<'a>(&'a mut Node);
+pub struct NodeMut<'a>(&'a mut Node, &'a mut u64);
 
 impl std::ops::Deref for NodeMut<'_> {
     type Target = Node;
@@ -614,6 +626,9 @@ impl std::ops::DerefMut for NodeMut<'_> {
 impl Drop for NodeMut<'_> {
     fn drop(&mut self) {
         self.0.refresh_facts();
+        // any public field may have been edited: results cached for the old state must not match
+        self.0.generation = next_stamp();
+        *self.1 = self.0.generation;
     }
 }
 
@@ -628,6 +643,8 @@ pub struct RebuildConflict {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Cluster {
     nodes: Vec<Node>,
+    /// Each node's stamp ([`Node::generation`]), by index, kept in step with `nodes`.
+    stamps: Stamps,
     by_name: HashMap<String, usize>,
     pod_node: HashMap<String, usize>,
     /// Node label keys that describe the network, coarse to fine (e.g. spine, then ToR).
@@ -647,6 +664,17 @@ impl PartialEq for NameRank {
     }
 }
 
+/// The nodes' stamps in one array: a cache check per candidate node reads 8 bytes here rather than a
+/// cache line of each (scattered) node record. Derived data, so it takes no part in equality.
+#[derive(Debug, Clone, Default)]
+struct Stamps(Vec<u64>);
+
+impl PartialEq for Stamps {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
 /// The default network levels: spine, then top-of-rack switch.
 pub const DEFAULT_NETWORK_LEVELS: [&str; 2] = ["network.gpuplace.io/spine", "network.gpuplace.io/tor"];
 
@@ -661,6 +689,7 @@ impl Cluster {
     pub fn new(nodes: Vec<Node>) -> Self {
         let mut c = Self {
             nodes: Vec::new(),
+            stamps: Stamps::default(),
             by_name: HashMap::new(),
             pod_node: HashMap::new(),
             network_levels: DEFAULT_NETWORK_LEVELS.iter().map(|s| s.to_string()).collect(),
@@ -675,14 +704,17 @@ impl Cluster {
     /// Adds a node, or replaces the node of that name while keeping its allocations where they still
     /// fit (a node whose inventory changed). Returns the records that no longer fit.
     pub fn upsert_node(&mut self, mut node: Node) -> Vec<RebuildConflict> {
-        // its public fields may have been edited since it was built
+        // its public fields may have been edited since it was built (or it is a copy of a node of
+        // another cluster): a fresh stamp, so nothing cached for another state matches it
         node.refresh_facts();
+        node.generation = next_stamp();
         match self.by_name.get(&node.name) {
             None => {
                 for p in node.pods.keys() {
                     self.pod_node.insert(p.clone(), self.nodes.len());
                 }
                 self.by_name.insert(node.name.clone(), self.nodes.len());
+                self.stamps.0.push(node.generation);
                 self.nodes.push(node);
                 self.name_rank = NameRank::default();
                 Vec::new()
@@ -695,7 +727,6 @@ impl Cluster {
                 node.refresh_facts();
                 node.cpu_used = 0;
                 node.mem_used = 0;
-                node.generation = self.nodes[i].generation + 1;
                 for (_, a) in old {
                     let pod = a.pod.clone();
                     if let Err(reason) = node.allocate(a) {
@@ -703,6 +734,7 @@ impl Cluster {
                         conflicts.push(RebuildConflict { pod, reason });
                     }
                 }
+                self.stamps.0[i] = node.generation;
                 self.nodes[i] = node;
                 conflicts
             }
@@ -736,7 +768,13 @@ impl Cluster {
 
     /// Mutable access to a node (its name must stay as it is: the cluster finds nodes by name).
     pub fn node_mut(&mut self, name: &str) -> Option<NodeMut<'_>> {
-        self.by_name.get(name).map(|&i| NodeMut(&mut self.nodes[i]))
+        let i = *self.by_name.get(name)?;
+        Some(NodeMut(&mut self.nodes[i], &mut self.stamps.0[i]))
+    }
+
+    /// Each node's [`Node::generation`], by index.
+    pub fn stamps(&self) -> &[u64] {
+        &self.stamps.0
     }
 
     /// Where a pod is allocated.
@@ -757,6 +795,7 @@ impl Cluster {
         let i = *self.by_name.get(&a.node).ok_or_else(|| AllocError::UnknownNode(a.node.clone()))?;
         let pod = a.pod.clone();
         self.nodes[i].allocate(a)?;
+        self.stamps.0[i] = self.nodes[i].generation;
         self.pod_node.insert(pod, i);
         Ok(())
     }
@@ -764,17 +803,20 @@ impl Cluster {
     /// Gives back everything a pod holds, restoring the node exactly.
     pub fn release(&mut self, pod: &str) -> Result<PodAssignment, AllocError> {
         let i = self.pod_node.remove(pod).ok_or_else(|| AllocError::NotAllocated(pod.to_string()))?;
-        self.nodes[i].release(pod).ok_or_else(|| AllocError::NotAllocated(pod.to_string()))
+        let a = self.nodes[i].release(pod).ok_or_else(|| AllocError::NotAllocated(pod.to_string()));
+        self.stamps.0[i] = self.nodes[i].generation;
+        a
     }
 
     /// Forgets every allocation and applies the records in order (sorted by pod for determinism).
     /// Records that conflict with one applied earlier are refused and returned.
     pub fn rebuild(&mut self, mut records: Vec<PodAssignment>) -> Vec<RebuildConflict> {
-        for n in &mut self.nodes {
+        for (n, stamp) in self.nodes.iter_mut().zip(&mut self.stamps.0) {
             let pods: Vec<String> = n.pods.keys().cloned().collect();
             for p in pods {
                 n.release(&p);
             }
+            *stamp = n.generation;
         }
         self.pod_node.clear();
         records.sort_by(|a, b| a.pod.cmp(&b.pod));
@@ -888,6 +930,38 @@ mod tests {
         assert_eq!((f.len(), f[9].memory_mib, f[3].healthy, f[1].numa_node), (10, 7, false, None));
         c.node_mut("m").unwrap().set_gpu_health(0, false);
         assert!(!c.node("m").unwrap().gpu_facts()[0].healthy);
+    }
+
+    #[test]
+    fn every_change_takes_a_new_stamp_never_reused() {
+        let mut c = Cluster::new(vec![node("n", 2)]);
+        let mut seen = std::collections::HashSet::new();
+        let mut stamp = |c: &Cluster| {
+            let g = c.node("n").unwrap().generation();
+            assert!(seen.insert(g), "stamp {g} reused");
+        };
+        stamp(&c);
+        c.allocate(share("a", 0, 100, 10)).unwrap();
+        stamp(&c);
+        c.release("a").unwrap();
+        stamp(&c);
+        drop(c.node_mut("n").unwrap()); // a borrow may have edited public fields
+        stamp(&c);
+        c.node_mut("n").unwrap().set_utilization(0, Some(UtilSample { sm_pct: 1, mem_used_mib: 1, at_unix_ms: 1 }));
+        stamp(&c);
+        // a copy edited elsewhere and brought back is a new state, even though it was a clone
+        let mut copy = c.clone();
+        copy.node_mut("n").unwrap().labels.insert("k".into(), "v".into());
+        let edited = copy.node("n").unwrap().clone();
+        c.upsert_node(edited);
+        stamp(&c);
+        assert_eq!(c.stamps(), [c.node("n").unwrap().generation()], "the array follows every change");
+        c.rebuild(vec![share("r", 1, 1, 1)]);
+        stamp(&c);
+        assert_eq!(c.stamps(), [c.node("n").unwrap().generation()]);
+        let before = c.node("n").unwrap().generation();
+        assert!(c.allocate(share("b", 0, 5000, 10)).is_err());
+        assert_eq!(c.node("n").unwrap().generation(), before, "a refused change is no change");
     }
 
     #[test]

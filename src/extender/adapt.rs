@@ -6,8 +6,9 @@ use std::collections::BTreeMap;
 
 use crate::core::resources::{pod_request, ContainerResources, PodRequest, PodSpecView, RequestError};
 use crate::extender::wire::{
-    Container, ExtenderArgs, ExtenderBindingArgs, ExtenderBindingResult, ExtenderFilterResult, ExtenderPreemptionArgs,
-    FailedNodesMap, HostPriority, HostPriorityList, MetaPod, MetaVictims, NodeList, Pod, WireError,
+    Container, ExtenderArgs, ExtenderArgsRef, ExtenderBindingArgs, ExtenderBindingResult, ExtenderFilterResult,
+    ExtenderPreemptionArgs, FailedNodesMap, HostPriority, HostPriorityList, MetaPod, MetaVictims, NodeList, Pod,
+    WireError,
 };
 use crate::placement::feasibility::Infeasible;
 
@@ -234,6 +235,33 @@ impl ExtenderArgs {
     /// The prioritize answer: one entry per candidate in request order, scores clamped to 0..=10.
     pub fn priorities(&self, mut score: impl FnMut(&str) -> i64) -> Result<HostPriorityList, WireError> {
         Ok(self.candidate_names()?.into_iter().map(|n| HostPriority::new(n, score(n))).collect())
+    }
+}
+
+impl ExtenderArgsRef<'_> {
+    /// As [`ExtenderArgs::mode`].
+    pub fn mode(&self) -> Result<NodeListMode, WireError> {
+        match (&self.nodes, &self.node_names) {
+            (Some(_), _) => Ok(NodeListMode::FullNodes),
+            (None, Some(_)) => Ok(NodeListMode::NamesOnly),
+            (None, None) => Err(WireError::NoCandidates),
+        }
+    }
+
+    /// Whether every candidate name can be written back into JSON as it is: names-only mode, and
+    /// every name was borrowed from the body, so it was a JSON string without escapes there
+    /// (serde_json refuses raw control characters, and other bytes need no escaping).
+    pub fn names_verbatim(&self) -> bool {
+        use std::borrow::Cow;
+        self.nodes.is_none() && self.node_names.iter().flatten().all(|n| matches!(n.0, Cow::Borrowed(_)))
+    }
+
+    /// As [`ExtenderArgs::candidate_names`].
+    pub fn candidate_names(&self) -> Result<Vec<&str>, WireError> {
+        Ok(match self.mode()? {
+            NodeListMode::FullNodes => self.nodes.iter().flat_map(|l| l.items.iter().map(|n| n.name())).collect(),
+            NodeListMode::NamesOnly => self.node_names.iter().flatten().map(|n| n.as_str()).collect(),
+        })
     }
 }
 

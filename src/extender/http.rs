@@ -20,7 +20,7 @@ use serde::Serialize;
 
 use crate::extender::metrics::Verb;
 use crate::extender::service::Extender;
-use crate::extender::wire::{ExtenderFilterResult, WireError};
+use crate::extender::wire::WireError;
 
 /// Default address: every interface, port 8888 (the Service in front of the extender targets it).
 pub const DEFAULT_LISTEN: &str = "0.0.0.0:8888";
@@ -150,30 +150,15 @@ fn text(status: StatusCode, message: impl Into<String>) -> HttpResponse {
 }
 
 fn json<T: Serialize>(value: &T) -> HttpResponse {
-    json_sized(value, 128)
-}
-
-/// `json` into a buffer of about the answer's size: answers for thousands of nodes are 100 KiB and
-/// more, and growing the buffer from empty copied them several times.
-fn json_sized<T: Serialize>(value: &T, size_hint: usize) -> HttpResponse {
-    let mut body = Vec::with_capacity(size_hint);
-    match serde_json::to_writer(&mut body, value) {
-        Ok(()) => HttpResponse::Ok().content_type("application/json").body(body),
+    match serde_json::to_vec(value) {
+        Ok(body) => json_body(body),
         Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, format!("encoding the answer: {e}")),
     }
 }
 
-/// About the encoded size of a filter answer (escapes aside).
-fn filter_size(r: &ExtenderFilterResult) -> usize {
-    let names = r.node_names.iter().flatten().map(|n| n.len() + 3).sum::<usize>();
-    let nodes = r.nodes.iter().flat_map(|l| &l.items).map(|n| n.raw_json().len() + 1).sum::<usize>();
-    let failed = r
-        .failed_nodes
-        .iter()
-        .chain(&r.failed_and_unresolvable_nodes)
-        .map(|(k, v)| k.len() + v.len() + 6)
-        .sum::<usize>();
-    names + nodes + failed + r.error.len() + 128
+/// An answer already encoded (filter and prioritize write theirs straight into a sized buffer).
+fn json_body(body: Vec<u8>) -> HttpResponse {
+    HttpResponse::Ok().content_type("application/json").body(body)
 }
 
 fn bad_request(e: &WireError) -> HttpResponse {
@@ -220,8 +205,8 @@ where
 
 async fn filter(ext: web::Data<Extender>, req: HttpRequest, payload: web::Payload) -> HttpResponse {
     run_verb(Verb::Filter, ext, req, payload, |ext, b| async move {
-        match ext.filter(&b) {
-            Ok(r) => json_sized(&r, filter_size(&r)),
+        match ext.filter_json(&b) {
+            Ok(body) => json_body(body),
             Err(e) => bad_request(&e),
         }
     })
@@ -237,9 +222,8 @@ async fn prioritize(ext: web::Data<Extender>, req: HttpRequest, payload: web::Pa
         if !ext.is_ready() {
             return not_ready();
         }
-        match ext.prioritize(&b) {
-            // `{"Host":"…","Score":10},` per node
-            Ok(r) => json_sized(&r, r.iter().map(|h| h.host.len() + 24).sum::<usize>() + 2),
+        match ext.prioritize_json(&b) {
+            Ok(body) => json_body(body),
             Err(e) => bad_request(&e),
         }
     })

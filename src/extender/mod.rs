@@ -18,5 +18,7 @@ pub mod http;
 pub mod inspect;
 pub mod metrics;
 pub mod placement_log;
+mod scan;
 pub mod service;
+pub mod shapes;
 pub mod wire;

@@ -13,7 +13,7 @@
 //! implements [`Binder`].
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -25,17 +25,19 @@ use crate::core::annotations::{
 };
 use crate::core::cluster::{Cluster, Node, PodAssignment};
 use crate::core::resources::{PodRequest, RESOURCE_GPU};
-use crate::extender::adapt::{NodeListMode, Verdict};
+use crate::extender::adapt::NodeListMode;
 use crate::extender::binder::{BindRequest, Binder};
 use crate::extender::metrics::{BindOutcome, ClusterSummary, ConflictKind, Metrics, RejectClass};
 use crate::extender::placement_log::{
     Chosen, ChosenGpu, Decision, PlacementLog, Requests, TopScore, PLACEMENT_LOG_VERSION,
 };
+use crate::extender::shapes::{self, Answer, Candidates, NameOrder, Reason, Shape, ShapeCache, DEFAULT_SHAPE_CACHE};
 use crate::extender::wire::{
-    decode, ExtenderArgs, ExtenderBindingArgs, ExtenderBindingResult, ExtenderFilterResult, ExtenderPreemptionArgs,
-    ExtenderPreemptionResult, HostPriorityList, MetaPod, MetaVictims, Pod, WireError, WireNode, MAX_EXTENDER_PRIORITY,
+    decode, decode_args, ExtenderArgsRef, ExtenderBindingArgs, ExtenderBindingResult, ExtenderFilterResult,
+    ExtenderPreemptionArgs, ExtenderPreemptionResult, HostPriorityList, MetaPod, MetaVictims, Pod, WireError, WireNode,
+    MAX_EXTENDER_PRIORITY,
 };
-use crate::placement::engine::{Engine, Evaluation};
+use crate::placement::engine::{Engine, Evaluation, Rejection};
 use crate::placement::feasibility::Infeasible;
 use crate::placement::scorers::network::GroupView;
 
@@ -59,9 +61,13 @@ const TOP_NODES: usize = 5;
 /// flight at once.
 pub const DEFAULT_EVAL_CACHE: usize = 64;
 
-/// Scores can depend on the clock (utilization samples age out), so a cached evaluation is reused
-/// only this long after it was made: prioritize follows filter within milliseconds.
+/// A cached evaluation is reused at most this long after it was made: prioritize follows filter
+/// within milliseconds, and the cache is not meant to serve later pods. (Scores that depend on the
+/// clock are covered by the evaluation's validity window, not by this.)
 const EVAL_CACHE_MAX_AGE: Duration = Duration::from_secs(1);
+
+/// `Extender::clock` when no fixed time is set.
+const SYSTEM_CLOCK: i64 = i64::MIN;
 
 /// In [`CachedEval::scores`]: a node the evaluation did not cover, and one it rejected.
 const NOT_JUDGED: i8 = -1;
@@ -140,15 +146,24 @@ struct State {
 #[derive(Debug, Clone)]
 pub struct ServiceOptions {
     pub pod_cache: usize,
-    /// Pods whose filter evaluation prioritize may reuse (0: none, prioritize evaluates again).
+    /// Pods whose filter evaluation prioritize may reuse (0: none, prioritize evaluates again). Used
+    /// for the pods the shape cache does not take (groups), or all pods when it is off.
     pub eval_cache: usize,
+    /// Request shapes whose per-node verdicts later pods of the same shape reuse (0: off; see
+    /// `extender::shapes`).
+    pub shape_cache: usize,
     /// Answer as ready from the start (static mode: the cluster file is the whole truth).
     pub ready: bool,
 }
 
 impl Default for ServiceOptions {
     fn default() -> Self {
-        Self { pod_cache: DEFAULT_POD_CACHE, eval_cache: DEFAULT_EVAL_CACHE, ready: true }
+        Self {
+            pod_cache: DEFAULT_POD_CACHE,
+            eval_cache: DEFAULT_EVAL_CACHE,
+            shape_cache: DEFAULT_SHAPE_CACHE,
+            ready: true,
+        }
     }
 }
 
@@ -178,6 +193,11 @@ pub struct Extender {
     /// the state's write lock, which also invalidates every cached evaluation.
     seen: Mutex<PodCache>,
     evals: Mutex<EvalCache>,
+    /// Per request shape, each node's verdict (filter and prioritize; not cluster state).
+    shapes: ShapeCache,
+    names: NameOrder,
+    /// Fixed Unix ms for tests, or [`SYSTEM_CLOCK`].
+    clock: AtomicI64,
     binder: Arc<dyn Binder>,
     metrics: Metrics,
     log: Option<PlacementLog>,
@@ -190,31 +210,52 @@ impl std::fmt::Debug for Extender {
     }
 }
 
-/// Filter's and prioritize's view of the candidates, by their position in the request.
+/// Filter's and prioritize's evaluation of the known candidates without the shape cache.
 struct Judged {
-    /// Each candidate's node index (`None`: not a known GPU node).
-    at: Vec<Option<usize>>,
     /// Per node index: the score (0..=10) where the pod fits, [`REJECTED`] or [`NOT_JUDGED`].
     scores: Vec<i8>,
     /// Why each rejected node (by index) was turned down (filter only).
-    rejects: HashMap<usize, Verdict>,
-    /// Why each unknown candidate (by name) was turned down (filter only).
-    unknown: HashMap<String, Verdict>,
-    /// Nodes turned down per class (each node once), in [`RejectClass::ALL`] order.
-    class_counts: [u64; 4],
+    rejects: HashMap<usize, Arc<Reason>>,
     evaluation: Evaluation,
 }
 
 impl Judged {
-    /// The verdict on the candidate at `pos` (named `name`).
-    fn verdict(&self, pos: usize, name: &str) -> Verdict {
-        match self.at.get(pos).copied().flatten() {
-            Some(i) if self.scores.get(i).is_some_and(|&s| s >= 0) => Verdict::Fits,
-            // every evaluated node either fits or has a reason
-            Some(i) => self.rejects.get(&i).cloned().unwrap_or(Verdict::Fits),
-            None => self.unknown.get(name).cloned().unwrap_or(Verdict::Fits),
+    /// The verdict on node `i` (`None` when not judged, or rejected without a reason).
+    fn answer(&self, i: usize) -> Option<Answer> {
+        match self.scores.get(i).copied() {
+            Some(s) if s >= 0 => Some(Answer::Fits(s as u8)),
+            Some(REJECTED) => self.rejects.get(&i).map(|r| Answer::No(r.clone())),
+            _ => None,
         }
     }
+}
+
+/// Reasons for candidates not in the node cache, one per name.
+struct Unknown<'a> {
+    objects: Option<&'a [WireNode]>,
+    reasons: HashMap<&'a str, Arc<Reason>>,
+}
+
+impl<'a> Unknown<'a> {
+    fn new(args: &'a ExtenderArgsRef<'_>) -> Self {
+        Self { objects: args.nodes.as_ref().map(|l| l.items.as_slice()), reasons: HashMap::new() }
+    }
+
+    /// The verdict on the unknown candidate at position `p`.
+    fn answer(&mut self, p: usize, name: &'a str) -> Answer {
+        let objects = self.objects;
+        let r = self.reasons.entry(name).or_insert_with(|| {
+            let why = Extender::unknown_reason(objects.and_then(|o| o.get(p)), name);
+            Arc::new(Reason::new(RejectClass::UnknownNode, prefixed(&why)))
+        });
+        Answer::No(r.clone())
+    }
+}
+
+/// What filter answers with: an extender error, or a verdict per candidate.
+enum Filtered<'a> {
+    Error(String),
+    Judged(Candidates<'a>, Vec<Answer>),
 }
 
 /// A pod's filter evaluation, reused by the prioritize call that follows it.
@@ -223,6 +264,9 @@ struct CachedEval {
     request: PodRequest,
     generation: u64,
     made: Instant,
+    /// When (Unix ms) the scores hold: every judged node's utilization samples keep their
+    /// freshness in it.
+    window: (i64, i64),
     /// Per node index: score, [`REJECTED`] or [`NOT_JUDGED`].
     scores: Vec<i8>,
     /// For the placement log (empty without one).
@@ -251,16 +295,22 @@ impl EvalCache {
     }
 
     /// Per candidate position, the cached score, when an evaluation of exactly this pod (UID and
-    /// request) at this generation, recent enough, covered every known candidate.
+    /// request) at this generation, recent enough and valid at `now`, covered every known candidate.
     fn scores(
         &mut self,
         uid: &str,
         req: &PodRequest,
         generation: u64,
+        now: i64,
         at: &[Option<usize>],
     ) -> Option<(Vec<i8>, Vec<TopScore>)> {
         let found = self.entries.iter().find(|e| {
-            e.uid == uid && e.generation == generation && e.made.elapsed() <= EVAL_CACHE_MAX_AGE && e.request == *req
+            e.uid == uid
+                && e.generation == generation
+                && e.made.elapsed() <= EVAL_CACHE_MAX_AGE
+                && e.window.0 <= now
+                && now < e.window.1
+                && e.request == *req
         });
         let out = found.and_then(|e| {
             let scores = at
@@ -309,6 +359,9 @@ impl Extender {
             state: RwLock::new(state),
             seen: Mutex::new(PodCache { cap: opts.pod_cache, ..PodCache::default() }),
             evals: Mutex::new(EvalCache { cap: opts.eval_cache, ..EvalCache::default() }),
+            shapes: ShapeCache::new(opts.shape_cache),
+            names: NameOrder::default(),
+            clock: AtomicI64::new(SYSTEM_CLOCK),
             binder,
             metrics: Metrics::new(),
             log: None,
@@ -539,9 +592,8 @@ impl Extender {
         }
     }
 
-    /// Why an unknown candidate is turned down (the Node object, when sent, says more).
-    fn unknown_reason(args: &ExtenderArgs, name: &str) -> String {
-        let object = args.nodes.iter().flat_map(|l| l.items.iter()).find(|n| n.name() == name);
+    /// Why an unknown candidate is turned down (its Node object, when sent, says more).
+    fn unknown_reason(object: Option<&WireNode>, name: &str) -> String {
         match object {
             None => format!("node {name} is not in gpuplace's node cache, so its GPUs are unknown"),
             Some(n) if !n.view().status.allocatable.contains_key(RESOURCE_GPU) => format!(
@@ -553,64 +605,130 @@ impl Extender {
         }
     }
 
-    /// Filters and scores the candidates (`names`, in request order; each known node is evaluated
-    /// once however often it is named); unknown nodes are unresolvable with a reason. Rejection
-    /// reasons are written only when `reasons` is set (prioritize does not send them).
-    fn judge(&self, st: &State, req: &PodRequest, args: &ExtenderArgs, names: &[&str], reasons: bool) -> Judged {
-        let cluster = &st.cluster;
-        let mut scores = vec![NOT_JUDGED; cluster.nodes().len()];
-        let mut at = Vec::with_capacity(names.len());
-        let mut indices = Vec::with_capacity(names.len());
-        let mut unknown = HashMap::new();
-        let mut class_counts = [0u64; 4];
-        for &name in names {
-            let i = cluster.node_index(name);
-            at.push(i);
-            match i {
-                // marks the node as listed (once); the evaluation below overwrites the ones that fit
-                Some(i) if scores.get(i) == Some(&NOT_JUDGED) => {
-                    scores[i] = REJECTED;
-                    indices.push(i);
-                }
-                Some(_) => {}
-                None if reasons && !unknown.contains_key(name) => {
-                    let why = Self::unknown_reason(args, name);
-                    unknown.insert(name.to_string(), Verdict::Unresolvable(prefixed(&why)));
-                    class_counts[class_index(RejectClass::UnknownNode)] += 1;
-                }
-                None => {}
+    /// The clock scores are computed against (utilization samples age).
+    fn now_ms(&self) -> i64 {
+        match self.clock.load(Ordering::Relaxed) {
+            SYSTEM_CLOCK => now_unix_ms(),
+            fixed => fixed,
+        }
+    }
+
+    /// Fixes the clock filter and prioritize judge utilization samples' age by (tests and replays
+    /// that need time to stand still or jump); `None` goes back to the system clock.
+    pub fn set_clock(&self, now_unix_ms: Option<i64>) {
+        self.clock.store(now_unix_ms.unwrap_or(SYSTEM_CLOCK), Ordering::Relaxed);
+    }
+
+    /// (node verdicts answered from the shape cache, node verdicts judged afresh for it).
+    pub fn shape_cache_stats(&self) -> (u64, u64) {
+        self.shapes.stats()
+    }
+
+    /// The shape cache entry for this pod, unless its verdicts are not cacheable (a group's pod) or
+    /// a placement log wants every evaluation's top scores in full.
+    fn cached_shape(&self, req: &PodRequest) -> Option<Arc<Shape>> {
+        if self.log.is_some() {
+            return None;
+        }
+        self.shapes.shape(req)
+    }
+
+    /// When the scores of the judged nodes (`scores` by index) hold: the intersection of their windows.
+    fn window_of(&self, cluster: &Cluster, scores: &[i8], now: i64) -> (i64, i64) {
+        let judged = cluster.nodes().iter().zip(scores).filter(|(_, &s)| s != NOT_JUDGED);
+        judged.fold((i64::MIN, i64::MAX), |(from, until), (n, _)| {
+            let (f, u) = self.engine.verdict_window(n, now);
+            (from.max(f), until.min(u))
+        })
+    }
+
+    /// Why the engine rejected a node, as the answer says it.
+    fn rejection(&self, cluster: &Cluster, req: &PodRequest, r: &Rejection) -> (RejectClass, String) {
+        match self.engine.explain_rejection(cluster, req, r) {
+            Some(Infeasible::Unresolvable(why)) => (RejectClass::Unresolvable, prefixed(&why)),
+            Some(Infeasible::Preemptable(why)) => (RejectClass::Preemptable, prefixed(&why)),
+            None => {
+                let kind = if r.unresolvable { "never fits" } else { "might fit after preemption" };
+                let class = if r.unresolvable { RejectClass::Unresolvable } else { RejectClass::Preemptable };
+                (class, prefixed(&format!("does not fit ({kind})")))
             }
         }
-        let evaluation = self.engine.evaluate_in_order(cluster, req, &indices, now_unix_ms(), self.log.is_some());
-        for c in &evaluation.ranked {
-            scores[c.node] = c.score.clamp(0, MAX_EXTENDER_PRIORITY) as i8;
+    }
+
+    /// The verdict on every candidate from the shape's cache, judging (and caching) the nodes whose
+    /// entry is missing, made for another state of the node, or expired. `emit` gets each position
+    /// in order with its verdict (`None` for names not in the node cache).
+    fn with_cached(
+        &self,
+        st: &State,
+        shape: &Shape,
+        req: &PodRequest,
+        c: &Candidates<'_>,
+        now: i64,
+        mut emit: impl FnMut(usize, Option<&Answer>),
+    ) {
+        let cluster = &st.cluster;
+        let stamps = cluster.stamps();
+        let mut table = shape.table();
+        // each node once: what the cache cannot answer
+        let mut stale = Vec::new();
+        let mut unique = 0;
+        for (&i, &first) in c.at.iter().zip(&c.first) {
+            if let (Some(i), true) = (i, first) {
+                unique += 1;
+                if table.get(i, stamps[i], now).is_none() {
+                    stale.push(i);
+                }
+            }
+        }
+        self.shapes.count(unique - stale.len(), stale.len());
+        let mut fresh = HashMap::with_capacity(stale.len());
+        if !stale.is_empty() {
+            let nodes = cluster.nodes();
+            let ev = self.engine.evaluate_in_order(cluster, req, &stale, now, false);
+            for cand in &ev.ranked {
+                fresh.insert(cand.node, Answer::Fits(cand.score.clamp(0, MAX_EXTENDER_PRIORITY) as u8));
+            }
+            for r in &ev.rejected {
+                let (class, text) = self.rejection(cluster, req, r);
+                fresh.insert(r.node, Answer::No(table.intern(class, text)));
+            }
+            for (&i, a) in &fresh {
+                table.set(i, stamps[i], self.engine.verdict_window(&nodes[i], now), a.clone());
+            }
+        }
+        for (p, &i) in c.at.iter().enumerate() {
+            // `fresh` too: a verdict whose window does not reach past now is answered but not kept
+            emit(p, i.and_then(|i| table.get(i, stamps[i], now).or_else(|| fresh.get(&i))));
+        }
+    }
+
+    /// Filters and scores the known candidates without the shape cache (each evaluated once however
+    /// often it is named). Rejection reasons are written only when `reasons` is set (prioritize
+    /// does not send them).
+    fn judge(&self, st: &State, req: &PodRequest, c: &Candidates<'_>, now: i64, reasons: bool) -> Judged {
+        let cluster = &st.cluster;
+        let mut scores = vec![NOT_JUDGED; cluster.nodes().len()];
+        let indices: Vec<usize> = c.unique().filter_map(|p| c.at[p]).collect();
+        for &i in &indices {
+            // marks the node as listed; the evaluation below overwrites the ones that fit
+            scores[i] = REJECTED;
+        }
+        let evaluation = self.engine.evaluate_in_order(cluster, req, &indices, now, self.log.is_some());
+        for cand in &evaluation.ranked {
+            scores[cand.node] = cand.score.clamp(0, MAX_EXTENDER_PRIORITY) as i8;
         }
         let mut rejects = HashMap::with_capacity(if reasons { evaluation.rejected.len() } else { 0 });
         for r in evaluation.rejected.iter().filter(|_| reasons) {
             // the engine filters without writing reasons; only rejected nodes pay for the text
-            let (verdict, class) = match self.engine.explain_rejection(cluster, req, r) {
-                Some(Infeasible::Unresolvable(why)) => {
-                    (Verdict::Unresolvable(prefixed(&why)), RejectClass::Unresolvable)
-                }
-                Some(Infeasible::Preemptable(why)) => (Verdict::Preemptable(prefixed(&why)), RejectClass::Preemptable),
-                None => {
-                    let kind = if r.unresolvable { "never fits" } else { "might fit after preemption" };
-                    let why = format!("does not fit ({kind})");
-                    if r.unresolvable {
-                        (Verdict::Unresolvable(prefixed(&why)), RejectClass::Unresolvable)
-                    } else {
-                        (Verdict::Preemptable(prefixed(&why)), RejectClass::Preemptable)
-                    }
-                }
-            };
-            class_counts[class_index(class)] += 1;
-            rejects.insert(r.node, verdict);
+            let (class, text) = self.rejection(cluster, req, r);
+            rejects.insert(r.node, Arc::new(Reason::new(class, text)));
         }
-        Judged { at, scores, rejects, unknown, class_counts, evaluation }
+        Judged { scores, rejects, evaluation }
     }
 
     /// The best nodes with each scorer's share, re-scored in full (the ranking pass keeps only totals).
-    fn top_scores(&self, cluster: &Cluster, req: &PodRequest, ev: &Evaluation) -> Vec<TopScore> {
+    fn top_scores(&self, cluster: &Cluster, req: &PodRequest, ev: &Evaluation, now: i64) -> Vec<TopScore> {
         let group = req.group.as_ref().map(|g| GroupView::new(cluster, g));
         ev.ranked
             .iter()
@@ -618,7 +736,7 @@ impl Extender {
             .map(|c| {
                 let parts = c
                     .placement(cluster, req)
-                    .map(|p| self.engine.score(cluster, req, c.node, &p, now_unix_ms(), group.as_ref()).parts)
+                    .map(|p| self.engine.score(cluster, req, c.node, &p, now, group.as_ref()).parts)
                     .unwrap_or_default();
                 TopScore {
                     node: cluster.nodes()[c.node].name.clone(),
@@ -632,8 +750,25 @@ impl Extender {
 
     /// The filter verb. `Err` only for a body that cannot be used (answered with HTTP 400).
     pub fn filter(&self, body: &[u8]) -> Result<ExtenderFilterResult, WireError> {
+        let args = decode_args(body)?;
+        Ok(match self.filter_args(&args)? {
+            Filtered::Error(e) => ExtenderFilterResult::error(e),
+            Filtered::Judged(c, answers) => shapes::filter_result(&args, &c, &answers),
+        })
+    }
+
+    /// [`Extender::filter`], answered as the JSON body kube-scheduler reads, encoded directly (what
+    /// the HTTP service sends).
+    pub fn filter_json(&self, body: &[u8]) -> Result<Vec<u8>, WireError> {
+        let args = decode_args(body)?;
+        Ok(match self.filter_args(&args)? {
+            Filtered::Error(e) => serde_json::to_vec(&ExtenderFilterResult::error(e)).unwrap_or_default(),
+            Filtered::Judged(c, answers) => shapes::filter_json(&args, &c, &answers),
+        })
+    }
+
+    fn filter_args<'a>(&self, args: &'a ExtenderArgsRef<'_>) -> Result<Filtered<'a>, WireError> {
         let started = Instant::now();
-        let args: ExtenderArgs = decode(body)?;
         let mode = args.mode()?;
         let names = args.candidate_names()?;
         let mut d = self.decision("filter", &args.pod, started);
@@ -642,64 +777,111 @@ impl Extender {
         if !self.is_ready() {
             // an answer from an incomplete state could place a pod on GPUs that are taken
             d.error = Some(NOT_READY.into());
-            return Ok(self.finish(d, started, ExtenderFilterResult::error(NOT_READY)));
+            return Ok(self.finish(d, started, Filtered::Error(NOT_READY.into())));
         }
         let req = match self.remember_pod(&args.pod) {
             Ok(r) => r,
             Err(reason) => {
-                let reason = prefixed(&reason);
-                let out = args.refuse_all(&reason)?;
+                let reason = Arc::new(Reason::new(RejectClass::Contract, prefixed(&reason)));
                 self.metrics.rejection(RejectClass::Contract, names.len() as u64);
-                d.rejections.insert(reason.clone(), names.len());
+                d.rejections.insert(reason.text.clone(), names.len());
                 d.rejection_classes.insert(RejectClass::Contract.name().into(), names.len());
-                d.refused = Some(reason);
-                return Ok(self.finish(d, started, out));
+                d.refused = Some(reason.text.clone());
+                let answers = vec![Answer::No(reason); names.len()];
+                return Ok(self.finish(
+                    d,
+                    started,
+                    Filtered::Judged(Candidates::unresolved(names, args.names_verbatim()), answers),
+                ));
             }
         };
         d.requests = Some(requests_of(&req));
         if req.is_gpu_free() {
             // not ours to judge: kube-scheduler only asks about it when no managedResources are set
-            let out = args.filter_result(|_| Verdict::Fits)?;
             d.feasible = names.len();
-            return Ok(self.finish(d, started, out));
+            let answers = vec![Answer::Fits(0); names.len()];
+            return Ok(self.finish(
+                d,
+                started,
+                Filtered::Judged(Candidates::unresolved(names, args.names_verbatim()), answers),
+            ));
         }
         if let Some(list) = &args.nodes {
             self.learn_nodes(&list.items);
         }
         let st = self.read();
-        let judged = self.judge(&st, &req, &args, &names, true);
-        let made = Instant::now();
-        let generation = st.generation;
-        // the placement log's top scores re-score nodes in full: only when there is a log
-        let top = if self.log.is_some() { self.top_scores(&st.cluster, &req, &judged.evaluation) } else { Vec::new() };
+        let c = self.names.resolve(&st.cluster, names, args.names_verbatim());
+        let now = self.now_ms();
+        let mut unknown = Unknown::new(args);
+        let mut answers = Vec::with_capacity(c.names.len());
+        let top = match self.cached_shape(&req) {
+            Some(shape) => {
+                self.with_cached(&st, &shape, &req, &c, now, |p, a| {
+                    answers.push(match a {
+                        Some(a) => a.clone(),
+                        None => unknown.answer(p, c.names[p]),
+                    })
+                });
+                Vec::new()
+            }
+            None => {
+                let judged = self.judge(&st, &req, &c, now, true);
+                // the placement log's top scores re-score nodes in full: only when there is a log
+                let top = if self.log.is_some() {
+                    self.top_scores(&st.cluster, &req, &judged.evaluation, now)
+                } else {
+                    Vec::new()
+                };
+                for (p, i) in c.at.iter().enumerate() {
+                    answers.push(match i.and_then(|i| judged.answer(i)) {
+                        Some(a) => a,
+                        None => unknown.answer(p, c.names[p]),
+                    });
+                }
+                if !args.pod.metadata.uid.is_empty() {
+                    // for the prioritize call that follows (kube-scheduler sends it next, for the same pod)
+                    self.evals().insert(CachedEval {
+                        uid: args.pod.metadata.uid.clone(),
+                        request: req.clone(),
+                        generation: st.generation,
+                        made: Instant::now(),
+                        window: self.window_of(&st.cluster, &judged.scores, now),
+                        scores: judged.scores,
+                        top: top.clone(),
+                    });
+                }
+                top
+            }
+        };
         drop(st);
-        drop(names);
-        let uid = args.pod.metadata.uid.clone();
-        let out = args.into_filter_result(|pos, name| judged.verdict(pos, name))?;
-        for (class, &n) in RejectClass::ALL.iter().zip(&judged.class_counts) {
+        let mut class_counts = [0u64; 4];
+        let mut feasible = 0;
+        for p in c.unique() {
+            match &answers[p] {
+                Answer::Fits(_) => feasible += 1,
+                Answer::No(r) => class_counts[class_index(r.class)] += 1,
+            }
+        }
+        for (class, &n) in RejectClass::ALL.iter().zip(&class_counts) {
             if n > 0 {
                 self.metrics.rejection(*class, n);
             }
         }
-        d.feasible = judged.evaluation.ranked.len();
+        d.feasible = feasible;
         if self.log.is_some() {
-            d.top = top.clone();
-            for (class, &n) in RejectClass::ALL.iter().zip(&judged.class_counts) {
+            d.top = top;
+            for (class, &n) in RejectClass::ALL.iter().zip(&class_counts) {
                 if n > 0 {
                     d.rejection_classes.insert(class.name().into(), n as usize);
                 }
             }
-            for v in judged.rejects.values().chain(judged.unknown.values()) {
-                if let Verdict::Unresolvable(r) | Verdict::Preemptable(r) = v {
-                    *d.rejections.entry(r.clone()).or_default() += 1;
+            for p in c.unique() {
+                if let Answer::No(r) = &answers[p] {
+                    *d.rejections.entry(r.text.clone()).or_default() += 1;
                 }
             }
         }
-        if !uid.is_empty() {
-            // for the prioritize call that follows (kube-scheduler sends it next, for the same pod)
-            self.evals().insert(CachedEval { uid, request: req, generation, made, scores: judged.scores, top });
-        }
-        Ok(self.finish(d, started, out))
+        Ok(self.finish(d, started, Filtered::Judged(c, answers)))
     }
 
     fn finish<T>(&self, mut d: Decision, started: Instant, out: T) -> T {
@@ -709,10 +891,23 @@ impl Extender {
     }
 
     /// The prioritize verb: 0..=10 per candidate from the engine; 0 where the pod does not fit.
-    /// Reuses filter's evaluation of the same pod when nothing changed since (see [`EvalCache`]).
+    /// Answers from the shape cache, or for uncached shapes from filter's evaluation of the same pod
+    /// when nothing changed since (see [`EvalCache`]).
     pub fn prioritize(&self, body: &[u8]) -> Result<HostPriorityList, WireError> {
+        let args = decode_args(body)?;
+        let (names, scores) = self.prioritize_args(&args)?;
+        Ok(shapes::priorities(&names, &scores))
+    }
+
+    /// [`Extender::prioritize`], answered as the JSON body kube-scheduler reads.
+    pub fn prioritize_json(&self, body: &[u8]) -> Result<Vec<u8>, WireError> {
+        let args = decode_args(body)?;
+        let (names, scores) = self.prioritize_args(&args)?;
+        Ok(shapes::priorities_json(&names, args.names_verbatim(), &scores))
+    }
+
+    fn prioritize_args<'a>(&self, args: &'a ExtenderArgsRef<'_>) -> Result<(Vec<&'a str>, Vec<u8>), WireError> {
         let started = Instant::now();
-        let args: ExtenderArgs = decode(body)?;
         let mode = args.mode()?;
         let names = args.candidate_names()?;
         let mut d = self.decision("prioritize", &args.pod, started);
@@ -722,41 +917,57 @@ impl Extender {
             Ok(r) => r,
             Err(reason) => {
                 d.refused = Some(prefixed(&reason));
-                let out = args.priorities(|_| 0)?;
-                return Ok(self.finish(d, started, out));
+                let zeros = vec![0; names.len()];
+                return Ok(self.finish(d, started, (names, zeros)));
             }
         };
         d.requests = Some(requests_of(&req));
         if req.is_gpu_free() {
-            let out = args.priorities(|_| 0)?;
-            return Ok(self.finish(d, started, out));
+            let zeros = vec![0; names.len()];
+            return Ok(self.finish(d, started, (names, zeros)));
         }
         if let Some(list) = &args.nodes {
             self.learn_nodes(&list.items);
         }
         let st = self.read();
-        let at: Vec<Option<usize>> = names.iter().map(|n| st.cluster.node_index(n)).collect();
-        let uid = &args.pod.metadata.uid;
-        let cached = if uid.is_empty() { None } else { self.evals().scores(uid, &req, st.generation, &at) };
-        let (scores, top) = match cached {
-            Some(hit) => hit,
+        let c = self.names.resolve(&st.cluster, names, args.names_verbatim());
+        let now = self.now_ms();
+        // per position: the score, or REJECTED
+        let (scores, top): (Vec<i8>, Vec<TopScore>) = match self.cached_shape(&req) {
+            Some(shape) => {
+                let mut scores = Vec::with_capacity(c.at.len());
+                self.with_cached(&st, &shape, &req, &c, now, |_, a| {
+                    scores.push(match a {
+                        Some(Answer::Fits(s)) => *s as i8,
+                        _ => REJECTED,
+                    })
+                });
+                (scores, Vec::new())
+            }
             None => {
-                let judged = self.judge(&st, &req, &args, &names, false);
-                let scores = judged.at.iter().map(|i| i.map_or(REJECTED, |i| judged.scores[i])).collect();
-                let top = if self.log.is_some() {
-                    self.top_scores(&st.cluster, &req, &judged.evaluation)
-                } else {
-                    Vec::new()
-                };
-                (scores, top)
+                let uid = &args.pod.metadata.uid;
+                let cached =
+                    if uid.is_empty() { None } else { self.evals().scores(uid, &req, st.generation, now, &c.at) };
+                match cached {
+                    Some(hit) => hit,
+                    None => {
+                        let judged = self.judge(&st, &req, &c, now, false);
+                        let scores = c.at.iter().map(|i| i.map_or(REJECTED, |i| judged.scores[i])).collect();
+                        let top = if self.log.is_some() {
+                            self.top_scores(&st.cluster, &req, &judged.evaluation, now)
+                        } else {
+                            Vec::new()
+                        };
+                        (scores, top)
+                    }
+                }
             }
         };
         drop(st);
-        drop(names);
         d.feasible = scores.iter().filter(|&&s| s >= 0).count();
         d.top = top;
-        let out = args.into_priorities(|pos, _| scores.get(pos).map_or(0, |&s| i64::from(s.max(0))))?;
-        Ok(self.finish(d, started, out))
+        let scores = scores.iter().map(|&s| s.clamp(0, MAX_EXTENDER_PRIORITY as i8) as u8).collect();
+        Ok(self.finish(d, started, (c.names, scores)))
     }
 
     // -----------------------------------------------------------------------------------------------

@@ -224,9 +224,22 @@ impl Engine {
             node_policy: req.node_policy.unwrap_or(self.profile.config.node_policy),
             mix: &self.mix,
             now_unix_ms,
-            max_sample_age_ms: (self.profile.config.max_sample_age_s as i64).saturating_mul(1000),
+            max_sample_age_ms: self.max_sample_age_ms(),
             group,
         }
+    }
+
+    fn max_sample_age_ms(&self) -> i64 {
+        i64::try_from(self.profile.config.max_sample_age_s).unwrap_or(i64::MAX).saturating_mul(1000)
+    }
+
+    /// When (Unix ms, `[from, until)`) a verdict on `node` made at `now` for a pod without a group
+    /// still holds, as far as the clock goes: the node's utilization samples keep their freshness
+    /// throughout. Such a verdict depends on nothing else but the request and the node's state
+    /// (its [`Node::generation`]): feasibility and every scorer but the group's network locality
+    /// read the node alone.
+    pub fn verdict_window(&self, node: &Node, now: i64) -> (i64, i64) {
+        crate::placement::scorers::utilization::stable_window(node, now, self.max_sample_age_ms())
     }
 
     /// Weighted mean of the scorers; `part` sees each scorer with its weighted share.

@@ -15,9 +15,7 @@ const FUTURE_SKEW_MS: i64 = 60_000;
 /// How far a GPU's measured load exceeds its allocation, 0.0..=1.0 (0 when unknown or stale).
 pub fn excess(ctx: &ScoreContext<'_>, node: &Node, g: usize) -> f64 {
     let Some(sample) = node.utilization(g) else { return 0.0 };
-    // saturating: a corrupt timestamp must read as stale, not overflow (a panic, or a wrap to "fresh")
-    let age = ctx.now_unix_ms.saturating_sub(sample.at_unix_ms);
-    if age > ctx.max_sample_age_ms || age < -FUTURE_SKEW_MS {
+    if !is_fresh(sample.at_unix_ms, ctx.now_unix_ms, ctx.max_sample_age_ms) {
         return 0.0;
     }
     let u = node.usage(g);
@@ -27,6 +25,39 @@ pub fn excess(ctx: &ScoreContext<'_>, node: &Node, g: usize) -> f64 {
     let core_excess = (f64::from(sample.sm_pct.min(100)) - allocated_core).max(0.0) / 100.0;
     let mem_excess = (sample.mem_used_mib as f64 - allocated_mem).max(0.0) / cap;
     core_excess.max(mem_excess).min(1.0)
+}
+
+/// Whether a sample taken at `at` counts at `now`.
+fn is_fresh(at: i64, now: i64, max_age_ms: i64) -> bool {
+    // saturating: a corrupt timestamp must read as stale, not overflow (a panic, or a wrap to "fresh")
+    let age = now.saturating_sub(at);
+    !(age > max_age_ms || age < -FUTURE_SKEW_MS)
+}
+
+/// The span of time around `now`, `[from, until)`, in which every sample on `node` stays as fresh
+/// or as stale as it is at `now`: a score computed at `now` holds throughout it, and no longer
+/// (caches of per-node verdicts expire with it). `(i64::MIN, i64::MAX)` for a node without samples.
+///
+/// A sample counts while `at - FUTURE_SKEW_MS <= now <= at + max_age_ms`; computed exactly in
+/// 128 bits, which agrees with [`is_fresh`]'s saturating arithmetic (where it saturates, the exact
+/// age is out of range on the same side) for `max_age_ms >= 0`. Bounds are clamped inward.
+pub fn stable_window(node: &Node, now: i64, max_age_ms: i64) -> (i64, i64) {
+    let (mut from, mut until) = (i128::from(i64::MIN), i128::from(i64::MAX));
+    let now128 = i128::from(now);
+    for g in 0..node.gpus.len() {
+        let Some(s) = node.utilization(g) else { continue };
+        let at = i128::from(s.at_unix_ms);
+        // the two instants where freshness flips: counted from the first, stale from the second
+        for edge in [at - i128::from(FUTURE_SKEW_MS), at + i128::from(max_age_ms.max(0)) + 1] {
+            if edge <= now128 {
+                from = from.max(edge);
+            } else {
+                until = until.min(edge);
+            }
+        }
+    }
+    let clamp = |x: i128| x.clamp(i128::from(i64::MIN), i128::from(i64::MAX)) as i64;
+    (clamp(from), clamp(until))
 }
 
 impl Scorer for UtilizationScorer {
@@ -174,6 +205,40 @@ mod tests {
         assert_eq!(score_at(&c, &[1], i64::MIN), 1.0);
         // no sample at all: no penalty
         assert_eq!(score_at(&cluster(&["n"]), &[0, 1, 2, 3], NOW), 1.0);
+    }
+
+    #[test]
+    fn freshness_is_constant_within_the_stable_window() {
+        let edges = |at: i64| [at.saturating_sub(60_000), at.saturating_add(MAX_AGE), at.saturating_add(MAX_AGE + 1)];
+        for at in [NOW, NOW - MAX_AGE, NOW + 30_000, NOW + 61_000, 0, i64::MIN, i64::MAX, i64::MIN + 5, i64::MAX - 5] {
+            let mut c = cluster(&["n"]);
+            c.node_mut("n").unwrap().set_utilization(1, sample(100, 0, at));
+            let node = &c.nodes()[0];
+            let mut probes = vec![NOW, 0, i64::MIN, i64::MAX, NOW - 1, NOW + 1];
+            for e in edges(at) {
+                probes.extend([e.saturating_sub(1), e, e.saturating_add(1)]);
+            }
+            for now in probes {
+                let (from, until) = stable_window(node, now, MAX_AGE);
+                assert!(from <= now && (now < until || until == i64::MAX), "{at} {now}: [{from}, {until})");
+                let fresh = is_fresh(at, now, MAX_AGE);
+                let last = until.saturating_sub(1);
+                for t in [from, from.saturating_add(1), now, last.saturating_sub(1), last] {
+                    if t >= from && t <= last.max(from) {
+                        assert_eq!(
+                            is_fresh(at, t, MAX_AGE),
+                            fresh,
+                            "sample at {at}, now {now}, t {t}: [{from}, {until})"
+                        );
+                    }
+                }
+                if until != i64::MAX {
+                    assert_ne!(is_fresh(at, until, MAX_AGE), fresh, "the window ends where freshness flips");
+                }
+            }
+        }
+        let c = cluster(&["n"]);
+        assert_eq!(stable_window(&c.nodes()[0], NOW, MAX_AGE), (i64::MIN, i64::MAX), "no samples: forever");
     }
 
     #[test]
