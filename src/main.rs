@@ -36,7 +36,7 @@ enum Command {
     /// Static mode (--cluster): nodes come from a cluster file and binds are recorded, not sent to
     /// an API server. API-server mode (no --cluster): nodes and assignments come from watches,
     /// binds write the assignment and the Binding, two replicas elect a leader through a Lease.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Show per node and per GPU what is allocated, to whom, and live utilization.
     Inspect(InspectArgs),
 }
