@@ -6,6 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use gpuplace::apiserver::{ApiOptions, ConnectArgs, KubeBinder, LeaderConfig};
+use gpuplace::core::cluster::Cluster;
 use gpuplace::core::inventory::load_cluster;
 use gpuplace::extender::binder::RecordingBinder;
 use gpuplace::extender::http::{HttpOptions, DEFAULT_LISTEN, DEFAULT_MAX_BODY_BYTES, DEFAULT_PREFIX};
@@ -32,8 +34,9 @@ enum Command {
     Simulate(SimulateArgs),
     /// Serve kube-scheduler's extender verbs (filter, prioritize, bind, preempt) over HTTP.
     /// Static mode (--cluster): nodes come from a cluster file and binds are recorded, not sent to
-    /// an API server (API-server mode arrives with the kube-rs watchers).
-    Serve(ServeArgs),
+    /// an API server. API-server mode (no --cluster): nodes and assignments come from watches,
+    /// binds write the assignment and the Binding, two replicas elect a leader through a Lease.
+    Serve(Box<ServeArgs>),
     /// Show per node and per GPU what is allocated, to whom, and live utilization.
     Inspect(InspectArgs),
 }
@@ -41,8 +44,34 @@ enum Command {
 #[derive(clap::Args, Debug)]
 struct ServeArgs {
     /// Cluster file (examples/clusters/*.yaml): static mode, no API server.
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["kubeconfig", "apiserver"])]
     cluster: Option<PathBuf>,
+    #[command(flatten)]
+    connect: ConnectArgs,
+    /// API-server mode: watch only Nodes with these labels (e.g. `nvidia.com/gpu.present=true`).
+    #[arg(long, value_name = "SELECTOR")]
+    node_selector: Option<String>,
+    /// API-server mode: elect a leader through a Lease (run two replicas); `false` for one replica.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    leader_elect: bool,
+    /// Namespace of the leader Lease (default: $POD_NAMESPACE, else gpuplace-system).
+    #[arg(long)]
+    leader_elect_namespace: Option<String>,
+    /// Name of the leader Lease.
+    #[arg(long, default_value = "gpuplace-extender")]
+    leader_elect_name: String,
+    /// This replica's identity in the Lease (default: $POD_NAME, else $HOSTNAME).
+    #[arg(long)]
+    leader_elect_identity: Option<String>,
+    /// Seconds a standby waits after the Lease last changed before taking it over.
+    #[arg(long, default_value_t = 15)]
+    leader_elect_lease_duration: u64,
+    /// Seconds the leader counts itself leading after its last renewal (below the lease duration).
+    #[arg(long, default_value_t = 10)]
+    leader_elect_renew_deadline: u64,
+    /// Seconds between reads (and renewals) of the Lease.
+    #[arg(long, default_value_t = 2)]
+    leader_elect_retry_period: u64,
     /// Address to listen on.
     #[arg(long, default_value = DEFAULT_LISTEN)]
     listen: String,
@@ -92,9 +121,85 @@ fn load_yaml<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, String> {
     serde_norway::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
 }
 
+fn engine_of(args: &ServeArgs) -> Result<Engine, String> {
+    let profile = match &args.profile {
+        Some(p) => load_yaml::<ProfileConfig>(p)?,
+        None => ProfileConfig::default(),
+    };
+    let mix = match &args.mix {
+        Some(p) => load_yaml::<WorkloadMix>(p)?,
+        None => WorkloadMix::default(),
+    };
+    Ok(Engine::new(Profile::new(profile), mix))
+}
+
+fn placement_log_of(args: &ServeArgs) -> Result<Option<PlacementLog>, String> {
+    args.placement_log
+        .as_ref()
+        .map(|target| {
+            PlacementLog::open(target, args.placement_log_max_mib.saturating_mul(1 << 20))
+                .map_err(|e| format!("placement log {target}: {e}"))
+        })
+        .transpose()
+}
+
+fn env_nonempty(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.is_empty())
+}
+
+/// API-server mode: the kube side on its own thread (gpuplace::apiserver::run), HTTP on this one.
+fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
+    let source = args.connect.source().map_err(|e| e.to_string())?;
+    let engine = engine_of(args)?;
+    let log = placement_log_of(args)?;
+    let identity = args
+        .leader_elect_identity
+        .clone()
+        .or_else(|| env_nonempty("POD_NAME"))
+        .or_else(|| env_nonempty("HOSTNAME"))
+        .unwrap_or_default();
+    let leader = if args.leader_elect {
+        let namespace = args
+            .leader_elect_namespace
+            .clone()
+            .or_else(|| env_nonempty("POD_NAMESPACE"))
+            .unwrap_or_else(|| "gpuplace-system".into());
+        let mut cfg = LeaderConfig::new(&namespace, &args.leader_elect_name, &identity);
+        cfg.lease_duration = Duration::from_secs(args.leader_elect_lease_duration);
+        cfg.renew_deadline = Duration::from_secs(args.leader_elect_renew_deadline);
+        cfg.retry_period = Duration::from_secs(args.leader_elect_retry_period);
+        cfg.check().map_err(|e| format!("leader election: {e}"))?;
+        Some(cfg)
+    } else {
+        None
+    };
+    let elect = leader.is_some();
+    let opts = ApiOptions { node_selector: args.node_selector.clone(), leader, instance: identity };
+    let http = HttpOptions { prefix: args.prefix.clone(), max_body_bytes: args.max_body_bytes };
+    let prefix = http.normalized_prefix()?;
+    let ext = gpuplace::apiserver::run::spawn_thread(source, opts, move |client, leadership| {
+        let binder = Arc::new(KubeBinder::new(client, leadership));
+        let options = ServiceOptions { ready: false, ..ServiceOptions::default() };
+        let mut ext = Extender::new(Cluster::default(), engine, binder, options);
+        if let Some(log) = log {
+            ext = ext.with_placement_log(log);
+        }
+        Arc::new(ext)
+    })
+    .map_err(|e| e.to_string())?;
+    eprintln!(
+        "gpuplace: API-server mode (leader election {}); listening on http://{}{prefix}; ready once rebuilt{}",
+        if elect { "on" } else { "off" },
+        args.listen,
+        if elect { " and leading" } else { "" }
+    );
+    gpuplace::extender::http::serve_forever(ext, http, &args.listen, args.workers)
+        .map_err(|e| format!("serving on {}: {e}", args.listen))
+}
+
 fn serve(args: &ServeArgs) -> Result<(), String> {
     let Some(cluster_file) = &args.cluster else {
-        return Err("--cluster FILE is required: API-server mode (kube-rs watchers) is not built yet".into());
+        return serve_apiserver(args);
     };
     let cluster = load_cluster(cluster_file).map_err(|e| e.to_string())?;
     let profile = match &args.profile {

@@ -192,11 +192,17 @@ fn inspect_reads_a_cluster_file() {
 }
 
 #[test]
-fn serve_refuses_to_start_without_a_cluster_file_or_with_a_bad_prefix() {
-    let out = gpuplace(&["serve"]);
+fn serve_refuses_bad_api_server_settings_or_a_bad_prefix() {
+    // without --cluster: API-server mode, which checks its connection and election settings first
+    let out = gpuplace(&["serve", "--apiserver", "https://127.0.0.1:1", "--leader-elect", "false"]);
     assert!(!out.status.success());
-    assert!(text(&out.stderr).contains("--cluster FILE is required"), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("--apiserver \"https://127.0.0.1:1\""), "{}", text(&out.stderr));
+    let out = gpuplace(&["serve", "--leader-elect-identity", "me", "--leader-elect-renew-deadline", "20"]);
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("must be shorter than the lease duration"), "{}", text(&out.stderr));
     let cluster = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/clusters/fixture-cluster.yaml");
+    let out = gpuplace(&["serve", "--cluster", cluster, "--apiserver", "http://127.0.0.1:1"]);
+    assert!(!out.status.success(), "static mode takes no API server");
     let out = gpuplace(&["serve", "--cluster", cluster, "--prefix", "gpuplace", "--listen", "127.0.0.1:0"]);
     assert!(!out.status.success());
     assert!(text(&out.stderr).contains("--prefix must start with '/'"), "{}", text(&out.stderr));

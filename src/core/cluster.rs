@@ -741,6 +741,23 @@ impl Cluster {
         }
     }
 
+    /// Removes a node (its Node object was deleted) and returns it with its allocations, which no
+    /// longer count anywhere. Node order is kept; indices after it shift down by one.
+    pub fn remove_node(&mut self, name: &str) -> Option<Node> {
+        let i = self.by_name.remove(name)?;
+        let node = self.nodes.remove(i);
+        for p in node.pods.keys() {
+            self.pod_node.remove(p);
+        }
+        for v in self.by_name.values_mut().chain(self.pod_node.values_mut()) {
+            if *v > i {
+                *v -= 1;
+            }
+        }
+        self.name_rank = NameRank::default();
+        Some(node)
+    }
+
     pub fn nodes(&self) -> &[Node] {
         &self.nodes
     }
@@ -986,5 +1003,21 @@ mod tests {
         assert_eq!(conflicts[0].pod, "b");
         assert!(c.assignment("a").is_some());
         assert!(c.assignment("b").is_none());
+    }
+
+    #[test]
+    fn remove_node_keeps_the_other_nodes_and_their_pods_findable() {
+        let mut c = Cluster::new(vec![node("m", 1), node("n", 1), node("o", 1)]);
+        c.allocate(share("a", 0, 100, 10)).unwrap();
+        let mut on_o = share("b", 0, 100, 10);
+        on_o.node = "o".into();
+        c.allocate(on_o).unwrap();
+        let gone = c.remove_node("n").unwrap();
+        assert_eq!(gone.pods().count(), 1);
+        assert!(c.assignment("a").is_none() && c.node("n").is_none());
+        assert_eq!(c.assignment("b").map(|a| a.node.as_str()), Some("o"));
+        assert_eq!(c.node_index("o"), Some(1));
+        assert!(c.remove_node("n").is_none());
+        assert_eq!(c.name_rank(), [0, 1]);
     }
 }

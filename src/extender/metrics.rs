@@ -8,7 +8,7 @@
 //! tolerates.
 
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::core::cluster::Cluster;
@@ -140,6 +140,28 @@ impl ConflictKind {
     }
 }
 
+/// The resources API-server mode watches, as metric label values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Watched {
+    Nodes,
+    Pods,
+}
+
+impl Watched {
+    pub const ALL: [Watched; 2] = [Watched::Nodes, Watched::Pods];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Watched::Nodes => "nodes",
+            Watched::Pods => "pods",
+        }
+    }
+
+    fn index(self) -> usize {
+        Watched::ALL.iter().position(|&w| w == self).unwrap_or(0)
+    }
+}
+
 /// Upper bounds of the latency histogram, in seconds: 50 µs to 1 s, finest where the 5 ms target is.
 const BUCKETS: [f64; 13] = [0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0];
 
@@ -172,6 +194,12 @@ pub struct Metrics {
     preempt_nodes: [AtomicU64; 2],
     preempt_victims_dropped: AtomicU64,
     placement_log_errors: AtomicU64,
+    /// Per watched resource: Unix time (ms) of the last event or completed (re)list; 0 until the
+    /// watcher first reports (static mode has none, and renders no staleness).
+    watch_fresh_ms: [AtomicI64; 2],
+    watch_errors: [AtomicU64; 2],
+    /// -1: no leader election (static mode, or disabled); 0/1: this replica leads.
+    leader: AtomicI64,
 }
 
 fn verb_index(v: Verb) -> usize {
@@ -180,7 +208,40 @@ fn verb_index(v: Verb) -> usize {
 
 impl Metrics {
     pub fn new() -> Self {
-        Self::default()
+        let m = Self::default();
+        m.leader.store(-1, Ordering::Relaxed);
+        m
+    }
+
+    /// A watcher delivered an event or completed a (re)list at `now_ms` (Unix ms).
+    pub fn watch_fresh(&self, w: Watched, now_ms: i64) {
+        self.watch_fresh_ms[w.index()].store(now_ms.max(1), Ordering::Relaxed);
+    }
+
+    /// A watcher's stream reported an error (it retries with backoff).
+    pub fn watch_error(&self, w: Watched) {
+        self.watch_errors[w.index()].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Seconds since the watcher was last fresh, at `now_ms`; `None` before it first reported.
+    pub fn watch_staleness(&self, w: Watched, now_ms: i64) -> Option<f64> {
+        let at = self.watch_fresh_ms[w.index()].load(Ordering::Relaxed);
+        (at > 0).then(|| (now_ms - at).max(0) as f64 / 1000.0)
+    }
+
+    pub fn watch_errors(&self, w: Watched) -> u64 {
+        self.watch_errors[w.index()].load(Ordering::Relaxed)
+    }
+
+    /// Whether this replica holds the leader Lease (API-server mode with leader election).
+    pub fn set_leader(&self, leader: bool) {
+        self.leader.store(i64::from(leader), Ordering::Relaxed);
+    }
+
+    /// Conflicts of this kind counted so far.
+    pub fn conflicts(&self, kind: ConflictKind) -> u64 {
+        let i = ConflictKind::ALL.iter().position(|&c| c == kind).unwrap_or(0);
+        self.conflicts[i].load(Ordering::Relaxed)
     }
 
     /// One answered request: its HTTP status and how long it took.
@@ -310,6 +371,7 @@ impl Metrics {
             "Placement log lines that could not be written.",
         );
         let _ = writeln!(out, "gpuplace_placement_log_errors_total {}", ld(&self.placement_log_errors));
+        self.render_apiserver(&mut out);
 
         let s = ClusterSummary::of(cluster);
         header(&mut out, "gpuplace_ready", "gauge", "1 when the extender answers from a complete state.");
@@ -355,6 +417,42 @@ impl Metrics {
         );
         let _ = writeln!(out, "gpuplace_fragmentation_ratio {}", s.fragmentation());
         out
+    }
+}
+
+impl Metrics {
+    /// API-server mode's families: watch staleness and errors, leadership. Left out in static mode.
+    fn render_apiserver(&self, out: &mut String) {
+        let now = crate::extender::service::now_unix_ms();
+        let started: Vec<Watched> =
+            Watched::ALL.into_iter().filter(|&w| self.watch_staleness(w, now).is_some()).collect();
+        if !started.is_empty() {
+            header(
+                out,
+                "gpuplace_watch_staleness_seconds",
+                "gauge",
+                "Seconds since the watch last delivered an event or completed a (re)list (bookmarks are not seen; rises in a quiet cluster too).",
+            );
+            for &w in &started {
+                let s = self.watch_staleness(w, now).unwrap_or_default();
+                let _ = writeln!(out, "gpuplace_watch_staleness_seconds{{resource=\"{}\"}} {s}", w.name());
+            }
+            header(
+                out,
+                "gpuplace_watch_errors_total",
+                "counter",
+                "Watch or list errors, by resource (each is retried).",
+            );
+            for &w in &started {
+                let _ =
+                    writeln!(out, "gpuplace_watch_errors_total{{resource=\"{}\"}} {}", w.name(), self.watch_errors(w));
+            }
+        }
+        let leader = self.leader.load(Ordering::Relaxed);
+        if leader >= 0 {
+            header(out, "gpuplace_leader", "gauge", "1 while this replica holds the leader Lease.");
+            let _ = writeln!(out, "gpuplace_leader {leader}");
+        }
     }
 }
 

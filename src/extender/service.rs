@@ -8,9 +8,10 @@
 //! allocation; bind takes the write lock to re-check and count the allocation at once, releases it
 //! while the [`Binder`] runs, and takes it again to confirm or roll back.
 //!
-//! Seams for API-server mode (to come): the watchers call [`Extender::upsert_node`],
-//! [`Extender::remember_pod`], [`Extender::restore`] and [`Extender::set_ready`]; the kube-rs binder
-//! implements [`Binder`].
+//! Seams for API-server mode (`src/apiserver/`): the watchers call [`Extender::observe_node`],
+//! [`Extender::remove_node`], [`Extender::observe_pod`], [`Extender::release_pod`],
+//! [`Extender::retain_pods`], [`Extender::restore`] and [`Extender::set_ready`] (the decisions on
+//! what to trust are in the `observe` submodule); the kube-rs binder implements [`Binder`].
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
@@ -140,6 +141,18 @@ struct State {
     /// so an unchanged node is not parsed again.
     node_sources: HashMap<String, (String, BTreeMap<String, String>)>,
     util_sources: HashMap<String, String>,
+    /// Allocations on nodes whose Node object was deleted, by node name: counted again if the node
+    /// comes back, dropped when their pods go (see `observe::remove_node`).
+    parked: HashMap<String, Vec<PodAssignment>>,
+    /// UID → the assignment text last refused on that pod and the node it was bound to, so that a
+    /// watch echo of an unchanged pod is not reported (logged, counted, raised as an Event) again.
+    refused: HashMap<String, (String, Option<String>)>,
+    /// UID → the assignment text of a bind that was rolled back: the watch may still show it on the
+    /// unbound pod for a moment, which is not a forgery.
+    withdrawn: HashMap<String, String>,
+    /// UID → when this process's own bind of it was confirmed: a re-list that started before then
+    /// may not show the pod yet, and must not release it (`observe::retain_pods`).
+    bound_at: HashMap<String, Instant>,
 }
 
 /// Options of the service.
@@ -353,6 +366,10 @@ impl Extender {
             last_seq: HashMap::new(),
             node_sources: HashMap::new(),
             util_sources: HashMap::new(),
+            parked: HashMap::new(),
+            refused: HashMap::new(),
+            withdrawn: HashMap::new(),
+            bound_at: HashMap::new(),
         };
         Self {
             engine,
@@ -473,6 +490,17 @@ impl Extender {
             self.metrics.conflict(ConflictKind::BadAssignment);
             tracing::warn!(pod = %c.pod, node = %name, reason = %c.reason, "allocation no longer fits the node's new inventory; dropped");
         }
+        // a node deleted and created again: its pods' allocations count again where they still fit
+        for a in st.parked.remove(&name).unwrap_or_default() {
+            let pod = a.pod.clone();
+            if let Err(e) = st.cluster.allocate(a) {
+                self.metrics.conflict(ConflictKind::BadAssignment);
+                tracing::warn!(pod = %pod, node = %name, error = %e, "allocation kept from the deleted node no longer fits; dropped");
+                if let Some(uid) = st.uid_of.remove(&pod) {
+                    st.bound.remove(&uid);
+                }
+            }
+        }
     }
 
     /// Rebuilds every allocation from pod assignment annotations (after a restart). Each annotation
@@ -485,6 +513,7 @@ impl Extender {
         let mut records = Vec::new();
         let mut meta: HashMap<String, BoundPod> = HashMap::new();
         let mut last_seq: HashMap<String, u64> = HashMap::new();
+        let mut refused: HashMap<String, (String, Option<String>)> = HashMap::new();
         for p in pods {
             let checked = AssignmentAnnotation::parse(&p.annotation).and_then(|a| {
                 let node = st.cluster.node(&p.node).ok_or_else(|| AnnotationError::WrongNode {
@@ -513,6 +542,7 @@ impl Extender {
                 Err(e) => {
                     self.metrics.conflict(ConflictKind::BadAssignment);
                     tracing::warn!(pod = %p.request.key, error = %e, "assignment annotation not trusted");
+                    refused.insert(p.uid.clone(), (p.annotation.clone(), Some(p.node.clone())));
                     conflicts.push(RestoreConflict { pod: p.request.key.clone(), reason: e.to_string() });
                 }
             }
@@ -520,11 +550,17 @@ impl Extender {
         for c in st.cluster.rebuild(records) {
             self.metrics.conflict(ConflictKind::BadAssignment);
             tracing::warn!(pod = %c.pod, reason = %c.reason, "assignment collides with another pod's; not counted");
-            meta.remove(&c.pod);
+            if let Some(b) = meta.remove(&c.pod) {
+                refused.insert(b.uid, (b.annotation.unwrap_or_default(), Some(b.node)));
+            }
             conflicts.push(RestoreConflict { pod: c.pod, reason: c.reason.to_string() });
         }
         st.bound.clear();
         st.uid_of.clear();
+        st.parked.clear();
+        st.withdrawn.clear();
+        st.bound_at.clear();
+        st.refused = refused;
         for (key, b) in meta {
             st.uid_of.insert(key, b.uid.clone());
             st.bound.insert(b.uid.clone(), b);
@@ -1000,6 +1036,7 @@ impl Extender {
                     let mut st = self.write();
                     if let Some(b) = st.bound.get_mut(&args.pod_uid) {
                         b.confirmed = true;
+                        st.bound_at.insert(args.pod_uid.clone(), Instant::now());
                     }
                     (BindOutcome::Bound, None)
                 }
@@ -1124,7 +1161,13 @@ impl Extender {
         if !ours {
             return;
         }
-        st.bound.remove(&args.pod_uid);
+        if let Some(text) = st.bound.remove(&args.pod_uid).and_then(|b| b.annotation) {
+            // more rolled-back binds than are ever in flight at once: forget the old ones
+            if st.withdrawn.len() >= DEFAULT_POD_CACHE {
+                st.withdrawn.clear();
+            }
+            st.withdrawn.insert(args.pod_uid.clone(), text);
+        }
         if st.uid_of.get(&key) == Some(&args.pod_uid) {
             st.uid_of.remove(&key);
         }
@@ -1269,6 +1312,9 @@ impl Extender {
         ClusterSummary::of(&self.read().cluster)
     }
 }
+
+mod observe;
+pub use observe::{NodeOutcome, ObservedPod, PodOutcome};
 
 fn class_index(c: RejectClass) -> usize {
     RejectClass::ALL.iter().position(|&x| x == c).unwrap_or(0)

@@ -352,6 +352,16 @@ impl Store {
                 return Err(ApiError::stale(r, &key.2));
             }
         }
+        // metadata.uid is immutable: a body naming another UID is refused (422), which makes a UID
+        // in a patch a precondition, as on the real server.
+        let old_uid = meta_str(&old, "uid").unwrap_or_default();
+        if let Some(uid) = meta_str(&new, "uid").filter(|u| !u.is_empty() && *u != old_uid) {
+            return Err(ApiError::invalid(
+                r,
+                &key.2,
+                &format!("metadata.uid: Invalid value: {uid:?}: field is immutable"),
+            ));
+        }
         // Identity and server-set fields are the server's, whatever the body says.
         if let (Some(meta), Some(old_meta)) = (metadata_mut(&mut new), old.get("metadata")) {
             for field in ["name", "namespace", "uid", "creationTimestamp"] {
@@ -411,6 +421,16 @@ impl Store {
             return Err(ApiError::invalid(Resource::Pods, &key.2, "target.name: Required value"));
         }
         let old = self.objects.get(&key).cloned().ok_or_else(|| ApiError::not_found(Resource::Pods, &key.2))?;
+        // the Binding's UID, when given, is a precondition (as in the real registry)
+        let want_uid = binding.pointer("/metadata/uid").and_then(Value::as_str).unwrap_or_default();
+        let have_uid = meta_str(&old, "uid").unwrap_or_default();
+        if !want_uid.is_empty() && want_uid != have_uid {
+            return Err(ApiError::conflict(
+                "pods/binding",
+                &key.2,
+                &format!("Precondition failed: UID in precondition: {want_uid}, UID in object meta: {have_uid}"),
+            ));
+        }
         let current = old.pointer("/spec/nodeName").and_then(Value::as_str).unwrap_or_default();
         if !current.is_empty() {
             return Err(ApiError::conflict(

@@ -1,0 +1,61 @@
+//! Kubernetes Events (events.k8s.io/v1, through kube's `Recorder`) on objects whose annotations
+//! gpuplace refused, so that `kubectl describe pod` shows why an assignment was not trusted.
+//! Best effort: publishing runs on its own task, and a failure is logged, never retried.
+
+use k8s_openapi::api::core::v1::ObjectReference;
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::Client;
+
+/// `reportingController` of every Event.
+pub const CONTROLLER: &str = "gpuplace.io/extender";
+/// Reason of the Event on a pod whose assignment annotation is not trusted.
+pub const REASON_ASSIGNMENT: &str = "AssignmentNotTrusted";
+/// Reason of the Event on a node whose inventory annotation is refused.
+pub const REASON_INVENTORY: &str = "InventoryRefused";
+
+/// events.k8s.io/v1 limits `note` to 1 kB.
+const MAX_NOTE: usize = 1000;
+
+#[derive(Clone)]
+pub struct EventSink {
+    recorder: Recorder,
+}
+
+impl std::fmt::Debug for EventSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EventSink").finish_non_exhaustive()
+    }
+}
+
+impl EventSink {
+    /// `instance`: this replica's name (`reportingInstance`).
+    pub fn new(client: Client, instance: &str) -> Self {
+        let reporter = Reporter { controller: CONTROLLER.into(), instance: Some(instance.into()) };
+        Self { recorder: Recorder::new(client, reporter) }
+    }
+
+    /// A Warning on `object`. Must be called inside a tokio runtime.
+    pub fn warn(&self, object: ObjectReference, reason: &'static str, action: &'static str, note: &str) {
+        let mut note = note.to_string();
+        if note.len() > MAX_NOTE {
+            let mut cut = MAX_NOTE;
+            while !note.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            note.truncate(cut);
+        }
+        let recorder = self.recorder.clone();
+        tokio::spawn(async move {
+            let ev = Event {
+                type_: EventType::Warning,
+                reason: reason.into(),
+                note: Some(note),
+                action: action.into(),
+                secondary: None,
+            };
+            if let Err(e) = recorder.publish(&ev, &object).await {
+                tracing::warn!(error = %e, object = ?object.name, reason, "Event not written");
+            }
+        });
+    }
+}

@@ -1,0 +1,350 @@
+//! Leader election through a `coordination.k8s.io/v1` Lease (kube-rs has none), as client-go does it.
+//!
+//! Every replica reads the Lease each retry period. The holder renews it; the others wait until
+//! they have seen it unchanged for a whole lease duration *by their own clock* (no comparison of
+//! clocks across machines), then take it over. Writes replace the Lease with the resourceVersion
+//! just read, so when two candidates race the API server accepts one and answers 409 to the other.
+//!
+//! A leader counts itself as leading for `renew_deadline` after its last successful write, which is
+//! shorter than the lease duration the others wait: it stops binding and reports not ready before
+//! anyone else can take over, even if it cannot reach the API server to find out.
+//!
+//! [`Elector`] is the decision alone (unit-tested with made-up instants); [`run`] does the calls.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use kube::api::PostParams;
+use kube::{Api, Client};
+use tokio::time::Instant;
+
+/// Where the Lease is, who this replica is, and the timings.
+#[derive(Debug, Clone)]
+pub struct LeaderConfig {
+    pub namespace: String,
+    pub name: String,
+    /// This replica's name in `holderIdentity` (the pod name).
+    pub identity: String,
+    /// How long the others wait, after the Lease last changed, before taking it over.
+    pub lease_duration: Duration,
+    /// How long the leader counts itself leading after its last successful renewal.
+    pub renew_deadline: Duration,
+    /// How often every replica reads (and the leader renews) the Lease.
+    pub retry_period: Duration,
+}
+
+impl LeaderConfig {
+    /// The usual timings (client-go's defaults): 15 s, 10 s, 2 s.
+    pub fn new(namespace: &str, name: &str, identity: &str) -> Self {
+        Self {
+            namespace: namespace.into(),
+            name: name.into(),
+            identity: identity.into(),
+            lease_duration: Duration::from_secs(15),
+            renew_deadline: Duration::from_secs(10),
+            retry_period: Duration::from_secs(2),
+        }
+    }
+
+    /// Refuses timings under which two replicas could both lead.
+    pub fn check(&self) -> Result<(), String> {
+        if self.identity.is_empty() {
+            return Err("leader election needs an identity (--leader-elect-identity, or POD_NAME / HOSTNAME)".into());
+        }
+        if self.renew_deadline >= self.lease_duration {
+            return Err(format!(
+                "the renew deadline ({:?}) must be shorter than the lease duration ({:?})",
+                self.renew_deadline, self.lease_duration
+            ));
+        }
+        if self.retry_period.is_zero() || self.retry_period >= self.renew_deadline {
+            return Err(format!(
+                "the retry period ({:?}) must be above zero and shorter than the renew deadline ({:?})",
+                self.retry_period, self.renew_deadline
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Whether this replica leads right now: read by the binder (before every bind) and readiness.
+#[derive(Debug)]
+pub struct Leadership {
+    /// No election: always leading (one replica).
+    always: bool,
+    /// Leading until then (the last successful write plus the renew deadline).
+    until: Mutex<Option<Instant>>,
+}
+
+impl Leadership {
+    /// Leader election is off: this replica always leads.
+    pub fn always() -> Arc<Self> {
+        Arc::new(Self { always: true, until: Mutex::new(None) })
+    }
+
+    /// Not leading until [`run`] wins the Lease.
+    pub fn elected() -> Arc<Self> {
+        Arc::new(Self { always: false, until: Mutex::new(None) })
+    }
+
+    pub fn is_elected(&self) -> bool {
+        !self.always
+    }
+
+    pub fn is_leader(&self) -> bool {
+        self.always || self.lock().is_some_and(|t| Instant::now() < t)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Instant>> {
+        // a plain value: a panic elsewhere cannot leave it half-written
+        self.until.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn lead_until(&self, until: Option<Instant>) {
+        *self.lock() = until;
+    }
+}
+
+/// What the Lease says, as far as the decision goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseView {
+    pub holder: Option<String>,
+    /// Changes with every write: what "the Lease changed" means.
+    pub resource_version: String,
+}
+
+impl LeaseView {
+    pub fn of(lease: &Lease) -> Self {
+        Self {
+            holder: lease.spec.as_ref().and_then(|s| s.holder_identity.clone()).filter(|h| !h.is_empty()),
+            resource_version: lease.metadata.resource_version.clone().unwrap_or_default(),
+        }
+    }
+}
+
+/// What to do with the Lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// There is none: create it, held by this replica.
+    Create,
+    /// This replica holds it: renew.
+    Renew,
+    /// Nobody holds it, or its holder stopped renewing: take it over.
+    TakeOver,
+    /// Someone else holds it and renews it.
+    Wait,
+}
+
+/// The decision, from what was read and when.
+#[derive(Debug, Clone)]
+pub struct Elector {
+    identity: String,
+    lease_duration: Duration,
+    /// The Lease as last seen, and when it was first seen that way (by this replica's clock).
+    observed: Option<(LeaseView, Instant)>,
+}
+
+impl Elector {
+    pub fn new(identity: &str, lease_duration: Duration) -> Self {
+        Self { identity: identity.into(), lease_duration, observed: None }
+    }
+
+    pub fn decide(&mut self, lease: Option<&LeaseView>, now: Instant) -> Action {
+        let Some(lease) = lease else {
+            self.observed = None;
+            return Action::Create;
+        };
+        let since = match &self.observed {
+            Some((seen, at)) if seen == lease => *at,
+            _ => {
+                self.observed = Some((lease.clone(), now));
+                now
+            }
+        };
+        match lease.holder.as_deref() {
+            Some(h) if h == self.identity => Action::Renew,
+            None => Action::TakeOver,
+            Some(_) if now.saturating_duration_since(since) >= self.lease_duration => Action::TakeOver,
+            Some(_) => Action::Wait,
+        }
+    }
+}
+
+fn micro_now() -> MicroTime {
+    MicroTime(k8s_openapi::jiff::Timestamp::now())
+}
+
+/// The Lease as this replica writes it for `action` (`current` is what was read, if any).
+pub fn lease_for(cfg: &LeaderConfig, action: Action, current: Option<&Lease>) -> Lease {
+    let mut lease = current.cloned().unwrap_or_else(|| Lease {
+        metadata: ObjectMeta {
+            name: Some(cfg.name.clone()),
+            namespace: Some(cfg.namespace.clone()),
+            ..ObjectMeta::default()
+        },
+        spec: None,
+    });
+    let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
+    let now = micro_now();
+    let secs = i32::try_from(cfg.lease_duration.as_secs().max(1)).unwrap_or(i32::MAX);
+    spec.lease_duration_seconds = Some(secs);
+    spec.renew_time = Some(now.clone());
+    if action != Action::Renew {
+        if action == Action::TakeOver {
+            spec.lease_transitions = Some(spec.lease_transitions.unwrap_or(0) + 1);
+        } else {
+            spec.lease_transitions = Some(0);
+        }
+        spec.holder_identity = Some(cfg.identity.clone());
+        spec.acquire_time = Some(now);
+    }
+    lease
+}
+
+/// Why one round of the election failed.
+#[derive(Debug, thiserror::Error)]
+pub enum LeaseError {
+    #[error("lease {namespace}/{name}: {call}: {source}")]
+    Api {
+        namespace: String,
+        name: String,
+        call: &'static str,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("lease {namespace}/{name}: {call} took longer than {timeout:?}")]
+    Timeout { namespace: String, name: String, call: &'static str, timeout: Duration },
+}
+
+/// Runs the election forever: reads the Lease every retry period, renews or takes it over, and
+/// keeps `leadership` current. `changed` is called after every round with whether this replica
+/// leads (readiness and metrics follow it).
+pub async fn run(client: Client, cfg: LeaderConfig, leadership: Arc<Leadership>, changed: impl Fn(bool)) {
+    let api: Api<Lease> = Api::namespaced(client, &cfg.namespace);
+    let mut elector = Elector::new(&cfg.identity, cfg.lease_duration);
+    let mut was_leader = false;
+    loop {
+        let started = Instant::now();
+        match round(&api, &cfg, &mut elector, started).await {
+            Ok(true) => leadership.lead_until(Some(started + cfg.renew_deadline)),
+            Ok(false) => leadership.lead_until(None),
+            // the last renewal still holds until its deadline, which then lapses by itself
+            Err(e) => tracing::warn!(error = %e, "leader election round failed"),
+        }
+        let leader = leadership.is_leader();
+        if leader != was_leader {
+            tracing::info!(identity = %cfg.identity, leader, "leadership changed");
+            was_leader = leader;
+        }
+        changed(leader);
+        tokio::time::sleep_until(started + cfg.retry_period).await;
+    }
+}
+
+/// One round: `Ok(true)` when this replica wrote the Lease as its holder.
+async fn round(api: &Api<Lease>, cfg: &LeaderConfig, elector: &mut Elector, now: Instant) -> Result<bool, LeaseError> {
+    // kube's client retries 503s for a long while; a round must end before the renew deadline
+    let timeout = cfg.retry_period;
+    let err = |call: &'static str| {
+        let (namespace, name) = (cfg.namespace.clone(), cfg.name.clone());
+        move |source| LeaseError::Api { namespace, name, call, source }
+    };
+    let timed_out = |call: &'static str| LeaseError::Timeout {
+        namespace: cfg.namespace.clone(),
+        name: cfg.name.clone(),
+        call,
+        timeout,
+    };
+    let current = tokio::time::timeout(timeout, api.get_opt(&cfg.name))
+        .await
+        .map_err(|_| timed_out("get"))?
+        .map_err(err("get"))?;
+    let action = elector.decide(current.as_ref().map(LeaseView::of).as_ref(), now);
+    if action == Action::Wait {
+        return Ok(false);
+    }
+    let lease = lease_for(cfg, action, current.as_ref());
+    let pp = PostParams::default();
+    let written = match action {
+        Action::Create => tokio::time::timeout(timeout, api.create(&pp, &lease)).await,
+        _ => tokio::time::timeout(timeout, api.replace(&cfg.name, &pp, &lease)).await,
+    };
+    match written.map_err(|_| timed_out("write"))? {
+        Ok(_) => {
+            if action != Action::Renew {
+                tracing::info!(identity = %cfg.identity, ?action, "acquired the leader lease");
+            }
+            Ok(true)
+        }
+        // someone else wrote it first (resourceVersion precondition, or created it): not leading
+        Err(kube::Error::Api(s)) if s.code == 409 => {
+            tracing::info!(identity = %cfg.identity, ?action, "another replica wrote the lease first");
+            Ok(false)
+        }
+        Err(e) => Err(err("write")(e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(holder: Option<&str>, rv: &str) -> LeaseView {
+        LeaseView { holder: holder.map(str::to_owned), resource_version: rv.into() }
+    }
+
+    #[test]
+    fn creates_renews_waits_and_takes_over_after_a_full_unchanged_duration() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let mut e = Elector::new("me", s(15));
+        assert_eq!(e.decide(None, t0), Action::Create);
+        assert_eq!(e.decide(Some(&view(Some("me"), "1")), t0), Action::Renew);
+        assert_eq!(e.decide(Some(&view(None, "2")), t0), Action::TakeOver);
+        // held by another: wait while it keeps changing, however long in total
+        assert_eq!(e.decide(Some(&view(Some("other"), "3")), t0), Action::Wait);
+        assert_eq!(e.decide(Some(&view(Some("other"), "3")), t0 + s(14)), Action::Wait);
+        assert_eq!(e.decide(Some(&view(Some("other"), "4")), t0 + s(16)), Action::Wait, "renewed: the clock restarts");
+        assert_eq!(e.decide(Some(&view(Some("other"), "4")), t0 + s(30)), Action::Wait);
+        assert_eq!(e.decide(Some(&view(Some("other"), "4")), t0 + s(31)), Action::TakeOver);
+    }
+
+    #[test]
+    fn lease_written_for_each_action() {
+        let cfg = LeaderConfig::new("ns", "gpuplace", "me");
+        let created = lease_for(&cfg, Action::Create, None);
+        let spec = created.spec.clone().unwrap();
+        assert_eq!(spec.holder_identity.as_deref(), Some("me"));
+        assert_eq!((spec.lease_duration_seconds, spec.lease_transitions), (Some(15), Some(0)));
+        assert_eq!(created.metadata.name.as_deref(), Some("gpuplace"));
+        let mut other = created.clone();
+        other.spec.as_mut().unwrap().holder_identity = Some("other".into());
+        let taken = lease_for(&cfg, Action::TakeOver, Some(&other)).spec.unwrap();
+        assert_eq!((taken.holder_identity.as_deref(), taken.lease_transitions), (Some("me"), Some(1)));
+        let renewed = lease_for(&cfg, Action::Renew, Some(&created)).spec.unwrap();
+        assert_eq!((renewed.holder_identity.as_deref(), renewed.acquire_time), (Some("me"), spec.acquire_time));
+    }
+
+    #[test]
+    fn timings_that_allow_two_leaders_are_refused() {
+        let mut cfg = LeaderConfig::new("ns", "l", "me");
+        assert!(cfg.check().is_ok());
+        cfg.renew_deadline = cfg.lease_duration;
+        assert!(cfg.check().is_err());
+        cfg = LeaderConfig::new("ns", "l", "");
+        assert!(cfg.check().is_err());
+    }
+
+    #[tokio::test]
+    async fn leadership_lapses_by_itself() {
+        let l = Leadership::elected();
+        assert!(!l.is_leader());
+        l.lead_until(Some(Instant::now() + Duration::from_millis(30)));
+        assert!(l.is_leader());
+        tokio::time::sleep(Duration::from_millis(40)).await;
+        assert!(!l.is_leader());
+        assert!(Leadership::always().is_leader());
+    }
+}

@@ -1,0 +1,94 @@
+//! The Node watcher: each Node object's labels and gpuplace annotations go to
+//! [`Extender::observe_node`], deletions to [`Extender::remove_node`]. A re-list removes the nodes it
+//! no longer shows (their deletion happened while the watch was broken). Refused inventories are
+//! raised as Events on the node; nothing here can stop the loop.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Node;
+use kube::runtime::watcher::{self, Event};
+use kube::runtime::WatchStreamExt;
+use kube::{Api, Resource, ResourceExt};
+use tokio::sync::watch;
+
+use crate::apiserver::events::{EventSink, REASON_INVENTORY};
+use crate::extender::metrics::Watched;
+use crate::extender::service::{now_unix_ms, Extender, NodeOutcome};
+
+/// Applies one Node object; returns whether gpuplace now knows it as a GPU node.
+pub fn apply(ext: &Extender, node: &Node, events: Option<&EventSink>) -> bool {
+    let name = node.name_any();
+    let empty = BTreeMap::new();
+    let labels = node.metadata.labels.as_ref().unwrap_or(&empty);
+    let annotations = node.metadata.annotations.as_ref().unwrap_or(&empty);
+    match ext.observe_node(&name, labels, annotations) {
+        NodeOutcome::Refused(why) => {
+            if let Some(ev) = events {
+                ev.warn(node.object_ref(&()), REASON_INVENTORY, "ReadInventory", &why);
+            }
+            ext.has_node(&name)
+        }
+        NodeOutcome::NotGpu | NodeOutcome::Removed { .. } => false,
+        NodeOutcome::Unchanged | NodeOutcome::Upserted { .. } => ext.has_node(&name),
+    }
+}
+
+/// Watches Nodes (optionally only those matching `selector`) until the stream ends, which it does
+/// not: errors are retried with backoff. `synced` turns true after the first complete list.
+pub async fn watch_nodes(
+    api: Api<Node>,
+    selector: Option<String>,
+    ext: Arc<Extender>,
+    events: Option<EventSink>,
+    synced: watch::Sender<bool>,
+) {
+    let mut config = watcher::Config::default().page_size(500);
+    if let Some(s) = &selector {
+        config = config.labels(s);
+    }
+    let mut stream = watcher::watcher(api, config).default_backoff().boxed();
+    // GPU nodes applied from this watch, to find the ones a re-list no longer shows
+    let mut known: HashSet<String> = HashSet::new();
+    let mut listed: HashSet<String> = HashSet::new();
+    while let Some(item) = stream.next().await {
+        let ev = match item {
+            Ok(ev) => ev,
+            Err(e) => {
+                ext.metrics().watch_error(Watched::Nodes);
+                tracing::warn!(error = %e, "node watch failed; retrying");
+                continue;
+            }
+        };
+        ext.metrics().watch_fresh(Watched::Nodes, now_unix_ms());
+        match ev {
+            Event::Init => listed.clear(),
+            Event::InitApply(n) => {
+                listed.insert(n.name_any());
+                if apply(&ext, &n, events.as_ref()) {
+                    known.insert(n.name_any());
+                }
+            }
+            Event::InitDone => {
+                for gone in known.iter().filter(|n| !listed.contains(*n)) {
+                    tracing::info!(node = %gone, "node no longer listed; removed");
+                    ext.remove_node(gone);
+                }
+                known.retain(|n| listed.contains(n));
+                synced.send_replace(true);
+            }
+            Event::Apply(n) => {
+                if apply(&ext, &n, events.as_ref()) {
+                    known.insert(n.name_any());
+                } else {
+                    known.remove(&n.name_any());
+                }
+            }
+            Event::Delete(n) => {
+                known.remove(&n.name_any());
+                ext.remove_node(&n.name_any());
+            }
+        }
+    }
+}

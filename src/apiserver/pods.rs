@@ -1,0 +1,161 @@
+//! The Pod watcher: every pod (resources cannot be selected server-side; pods that neither ask for
+//! gpuplace resources nor carry an assignment are dropped cheaply) goes to
+//! [`Extender::observe_pod`], deletions to [`Extender::release_pod`].
+//!
+//! Start-up: the first complete list is held back until the node watcher has listed too, then the
+//! whole set rebuilds every allocation at once ([`Extender::restore`]) and readiness may turn on. A
+//! later re-list (after a watch broke and its history expired) releases the pods it no longer shows
+//! ([`Extender::retain_pods`]). Assignments that are not trusted are raised as Events on their pod.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{ObjectReference, Pod};
+use kube::runtime::watcher::{self, Event};
+use kube::runtime::WatchStreamExt;
+use kube::{Api, Resource};
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::apiserver::events::{EventSink, REASON_ASSIGNMENT};
+use crate::extender::metrics::Watched;
+use crate::extender::service::{now_unix_ms, Extender, ObservedPod, PodOutcome, RestoredPod};
+use crate::extender::wire;
+
+/// The extender's view of a pod (`None`: not a pod the extender's decoder takes, never the case for
+/// an object the API server sent).
+pub fn observed(pod: &Pod) -> Option<ObservedPod> {
+    let value = serde_json::to_value(pod).ok()?;
+    let view: wire::Pod = serde_json::from_value(value).ok()?;
+    Some(ObservedPod::from_wire(&view))
+}
+
+/// Applies one added or changed pod, raising an Event when its assignment is refused.
+pub fn apply(ext: &Extender, pod: &Pod, events: Option<&EventSink>) -> PodOutcome {
+    let Some(p) = observed(pod) else {
+        tracing::warn!(pod = ?pod.metadata.name, "pod object not readable; skipped");
+        return PodOutcome::Ignored;
+    };
+    let outcome = ext.observe_pod(&p);
+    if let (PodOutcome::Refused(why), Some(ev)) = (&outcome, events) {
+        ev.warn(pod.object_ref(&()), REASON_ASSIGNMENT, "CountAssignment", why);
+    }
+    outcome
+}
+
+/// Rebuilds every allocation from one complete list of pods: bound, unfinished pods with an
+/// assignment and a readable request go to [`Extender::restore`] together; the rest (unbound,
+/// unreadable request) are judged one by one afterwards ([`Extender::refuse_unbound`]). Returns the number of pods refused.
+pub fn rebuild(ext: &Extender, pods: &[Pod], events: Option<&EventSink>) -> usize {
+    let mut restored = Vec::new();
+    let mut refs: HashMap<String, ObjectReference> = HashMap::new();
+    let mut later = Vec::new();
+    for pod in pods {
+        let Some(p) = observed(pod) else { continue };
+        if p.finished || p.is_foreign() {
+            continue;
+        }
+        match (&p.node, &p.annotation, &p.request) {
+            (Some(node), Some(annotation), Ok(request)) => {
+                refs.insert(p.key.clone(), pod.object_ref(&()));
+                restored.push(RestoredPod {
+                    uid: p.uid.clone(),
+                    request: request.clone(),
+                    node: node.clone(),
+                    annotation: annotation.clone(),
+                });
+            }
+            _ => later.push(pod),
+        }
+    }
+    let counted = restored.len();
+    let conflicts = ext.restore(restored);
+    let mut refused = conflicts.len();
+    for c in &conflicts {
+        if let (Some(ev), Some(r)) = (events, refs.get(&c.pod)) {
+            ev.warn(r.clone(), REASON_ASSIGNMENT, "RebuildAssignments", &c.reason);
+        }
+    }
+    for pod in later {
+        let Some(p) = observed(pod) else { continue };
+        if let PodOutcome::Refused(why) = ext.refuse_unbound(&p) {
+            refused += 1;
+            if let Some(ev) = events {
+                ev.warn(pod.object_ref(&()), REASON_ASSIGNMENT, "RebuildAssignments", &why);
+            }
+        }
+    }
+    tracing::info!(
+        pods = pods.len(),
+        counted = counted - conflicts.len(),
+        refused,
+        "allocations rebuilt from pod assignments"
+    );
+    refused
+}
+
+/// Watches every pod until the stream ends, which it does not: errors are retried with backoff.
+/// The first complete list waits for `nodes_synced`, is rebuilt from, and then `rebuilt` is called.
+pub async fn watch_pods(
+    api: Api<Pod>,
+    ext: Arc<Extender>,
+    events: Option<EventSink>,
+    mut nodes_synced: watch::Receiver<bool>,
+    rebuilt: impl Fn(),
+) {
+    let mut stream = watcher::watcher(api, watcher::Config::default().page_size(500)).default_backoff().boxed();
+    let mut initial = true;
+    let mut buffer: Vec<Pod> = Vec::new();
+    let mut listed: HashSet<String> = HashSet::new();
+    let mut since = Instant::now();
+    while let Some(item) = stream.next().await {
+        let ev = match item {
+            Ok(ev) => ev,
+            Err(e) => {
+                ext.metrics().watch_error(Watched::Pods);
+                tracing::warn!(error = %e, "pod watch failed; retrying");
+                continue;
+            }
+        };
+        ext.metrics().watch_fresh(Watched::Pods, now_unix_ms());
+        match ev {
+            Event::Init => {
+                // the list starts after this: a bind confirmed from now on may be missing from it
+                since = Instant::now();
+                buffer.clear();
+                listed.clear();
+            }
+            Event::InitApply(p) if initial => buffer.push(p),
+            Event::InitApply(p) => {
+                if let Some(uid) = &p.metadata.uid {
+                    listed.insert(uid.clone());
+                }
+                apply(&ext, &p, events.as_ref());
+            }
+            Event::InitDone if initial => {
+                // the node cache must be complete first, or bound pods would name unknown nodes
+                if nodes_synced.wait_for(|&s| s).await.is_err() {
+                    tracing::error!("node watcher ended before listing; pods not rebuilt");
+                    return;
+                }
+                rebuild(&ext, &buffer, events.as_ref());
+                buffer = Vec::new();
+                initial = false;
+                ext.metrics().watch_fresh(Watched::Pods, now_unix_ms());
+                rebuilt();
+            }
+            Event::InitDone => {
+                ext.retain_pods(&listed, since.into_std());
+            }
+            Event::Apply(p) => {
+                apply(&ext, &p, events.as_ref());
+            }
+            Event::Delete(p) => {
+                if let Some(uid) = &p.metadata.uid {
+                    ext.release_pod(uid);
+                }
+            }
+        }
+    }
+}

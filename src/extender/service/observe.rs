@@ -1,0 +1,385 @@
+//! What the API-server watchers tell the extender, and what of it is trusted.
+//!
+//! The watchers (`src/apiserver/nodes.rs`, `pods.rs`) only translate objects; every decision is
+//! here, next to the state it changes:
+//!
+//! - Nodes: the inventory annotation (re)defines a node, unchanged objects cost a read lock only; a
+//!   refused inventory leaves the node as it was. A deleted node (or one whose inventory annotation
+//!   went away) leaves the model, and its pods' allocations are *parked*, not dropped: Kubernetes
+//!   deletes pods of a deleted node (pod GC), which releases them, but a node deleted and registered
+//!   again keeps its running pods, whose GPUs must count again.
+//! - Pods: a bound pod whose assignment annotation validates against its own request, its node and
+//!   that node's GPUs, and fits next to what is already counted, is counted once. First counted
+//!   wins: a later pod claiming GPUs that are taken is refused, never the pod already counted. The
+//!   watch echo of a bind this process made matches its record (same UID) and changes nothing.
+//!   Finished (`Succeeded`/`Failed`) and deleted pods are released.
+//! - An assignment on a pod that is not bound is never counted. While watching it is not reported
+//!   either: every bind shows it for a moment (the annotation is written before the Binding, by this
+//!   replica or by the leader). At a rebuild, where no bind is in flight, it is reported
+//!   ([`Extender::refuse_unbound`]).
+//! - Refusals are logged and counted once per pod, annotation text and node, and returned so that
+//!   the caller raises a Kubernetes Event on the pod.
+
+use std::collections::{BTreeMap, HashSet};
+use std::time::Instant;
+
+use super::{BoundPod, Extender, SeenPod, State};
+use crate::core::annotations::{
+    AnnotationError, AssignmentAnnotation, NodeInventory, UtilizationAnnotation, ANNOTATION_ASSIGNMENT,
+    ANNOTATION_INVENTORY, ANNOTATION_UTILIZATION,
+};
+use crate::core::resources::PodRequest;
+use crate::extender::metrics::ConflictKind;
+use crate::extender::wire::Pod;
+
+/// A pod as the pod watcher saw it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ObservedPod {
+    /// `namespace/name`.
+    pub key: String,
+    pub uid: String,
+    /// `spec.nodeName`, when bound.
+    pub node: Option<String>,
+    /// `Succeeded` or `Failed`.
+    pub finished: bool,
+    /// The request, or the contract's refusal.
+    pub request: Result<PodRequest, String>,
+    /// The `gpuplace.io/assignment` value.
+    pub annotation: Option<String>,
+}
+
+impl ObservedPod {
+    pub fn from_wire(pod: &Pod) -> Self {
+        Self {
+            key: pod.key(),
+            uid: pod.metadata.uid.clone(),
+            node: Some(pod.spec.node_name.clone()).filter(|n| !n.is_empty()),
+            finished: pod.is_finished(),
+            request: pod.request().map_err(|e| e.to_string()),
+            annotation: pod.metadata.annotations.get(ANNOTATION_ASSIGNMENT).cloned(),
+        }
+    }
+
+    /// Neither asks for gpuplace resources nor carries an assignment: nothing to do unless it holds
+    /// a record (a GPU-free pod gpuplace bound).
+    pub fn is_foreign(&self) -> bool {
+        self.annotation.is_none() && self.request.as_ref().is_ok_and(PodRequest::is_gpu_free)
+    }
+}
+
+/// What [`Extender::observe_pod`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PodOutcome {
+    /// Nothing gpuplace tracks (or a refusal already reported).
+    Ignored,
+    /// Not bound yet: remembered for bind.
+    Pending,
+    /// A trusted assignment, now counted.
+    Counted,
+    /// Already counted (the echo of this process's bind, or a pod seen before).
+    Known,
+    /// Finished: its GPUs were given back.
+    Released,
+    /// An assignment that is not trusted (not counted), with why; reported once per annotation text.
+    Refused(String),
+}
+
+/// What [`Extender::observe_node`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NodeOutcome {
+    /// No inventory annotation, and not a known node.
+    NotGpu,
+    /// Nothing gpuplace reads changed (utilization may have been applied).
+    Unchanged,
+    /// Added or replaced, with this many GPUs.
+    Upserted { gpus: usize },
+    /// The inventory annotation was refused (the node stays as it was), with why.
+    Refused(String),
+    /// Its inventory annotation went away: removed, with this many allocations parked.
+    Removed { parked: usize },
+}
+
+impl Extender {
+    /// The node watcher's entry point for an added or changed Node object.
+    pub fn observe_node(
+        &self,
+        name: &str,
+        labels: &BTreeMap<String, String>,
+        annotations: &BTreeMap<String, String>,
+    ) -> NodeOutcome {
+        let inventory = annotations.get(ANNOTATION_INVENTORY);
+        let utilization = annotations.get(ANNOTATION_UTILIZATION);
+        {
+            // most Node updates are status heartbeats: answered under the read lock
+            let st = self.read();
+            let known = st.cluster.node(name).is_some();
+            let same_inventory = match inventory {
+                Some(text) => st.node_sources.get(name).is_some_and(|(t, l)| t == text && l == labels),
+                None => !known,
+            };
+            let same_util = utilization.is_none_or(|u| !known || st.util_sources.get(name) == Some(u));
+            if same_inventory && same_util {
+                return if known || inventory.is_some() { NodeOutcome::Unchanged } else { NodeOutcome::NotGpu };
+            }
+        }
+        let Some(text) = inventory else {
+            let parked = self.remove_node(name).unwrap_or(0);
+            tracing::info!(node = %name, parked, "inventory annotation gone; node removed");
+            return NodeOutcome::Removed { parked };
+        };
+        let mut st = self.write();
+        let st = &mut *st;
+        let mut outcome = NodeOutcome::Unchanged;
+        let changed = st.node_sources.get(name).is_none_or(|(t, l)| t != text || l != labels);
+        if changed {
+            st.node_sources.insert(name.to_string(), (text.clone(), labels.clone()));
+            match NodeInventory::parse(text).and_then(|inv| inv.to_node(name, labels.clone())) {
+                Ok(node) => {
+                    let gpus = node.gpus.len();
+                    tracing::info!(node = %name, gpus, "node inventory taken from the Node object");
+                    self.upsert_locked(st, node);
+                    // a new Node value starts without samples: the current ones apply again below
+                    st.util_sources.remove(name);
+                    outcome = NodeOutcome::Upserted { gpus };
+                }
+                Err(e) => {
+                    self.metrics.conflict(ConflictKind::BadInventory);
+                    tracing::warn!(node = %name, error = %e, "inventory annotation refused; the node stays as it was");
+                    outcome = NodeOutcome::Refused(e.to_string());
+                }
+            }
+        }
+        if let Some(text) = utilization {
+            if st.util_sources.get(name) != Some(text) {
+                match (UtilizationAnnotation::parse(text), st.cluster.node_mut(name)) {
+                    (Ok(u), Some(mut node)) => {
+                        for problem in u.apply_to(&mut node) {
+                            tracing::debug!(node = %name, %problem, "utilization sample skipped");
+                        }
+                        st.util_sources.insert(name.to_string(), text.clone());
+                    }
+                    (Ok(_), None) => {}
+                    (Err(e), _) => {
+                        tracing::warn!(node = %name, error = %e, "utilization annotation refused; ignored");
+                        st.util_sources.insert(name.to_string(), text.clone());
+                    }
+                }
+            }
+        }
+        outcome
+    }
+
+    /// Whether a GPU node of this name is in the model.
+    pub fn has_node(&self, name: &str) -> bool {
+        self.read().cluster.node(name).is_some()
+    }
+
+    /// The node watcher's entry point for a deleted Node object: the node leaves the model and its
+    /// allocations are parked until their pods go or the node comes back. `None`: not a known node.
+    pub fn remove_node(&self, name: &str) -> Option<usize> {
+        let mut st = self.write();
+        st.node_sources.remove(name);
+        st.util_sources.remove(name);
+        let node = st.cluster.remove_node(name)?;
+        let pods: Vec<_> = node.pods().cloned().collect();
+        let n = pods.len();
+        if n > 0 {
+            st.parked.entry(name.to_string()).or_default().extend(pods);
+        }
+        tracing::info!(node = %name, parked = n, "node removed");
+        Some(n)
+    }
+
+    /// The pod watcher's entry point for an added or changed pod (a deleted one goes to
+    /// [`release_pod`](Self::release_pod)).
+    pub fn observe_pod(&self, pod: &ObservedPod) -> PodOutcome {
+        if pod.uid.is_empty() {
+            return PodOutcome::Ignored;
+        }
+        if pod.finished {
+            return if self.release_pod(&pod.uid) { PodOutcome::Released } else { PodOutcome::Ignored };
+        }
+        {
+            let st = self.read();
+            let reported = Self::already_refused(&st, pod);
+            if let Some(b) = st.bound.get(&pod.uid) {
+                let differs = pod.annotation.is_some() && pod.annotation != b.annotation;
+                if !differs || reported {
+                    return PodOutcome::Known;
+                }
+            } else if pod.is_foreign() || reported {
+                return PodOutcome::Ignored;
+            }
+        }
+        let Some(text) = pod.annotation.as_deref() else {
+            if pod.node.is_none() {
+                self.remember(pod);
+                return PodOutcome::Pending;
+            }
+            return PodOutcome::Ignored;
+        };
+        let mut st = self.write();
+        let st = &mut *st;
+        if st.bound.contains_key(&pod.uid) {
+            // someone rewrote the annotation after gpuplace bound the pod: the GPUs it counted stay
+            let why =
+                "the assignment was changed after gpuplace bound the pod; the GPUs counted at bind stay as they were"
+                    .to_string();
+            return self.refuse(st, pod, text, why);
+        }
+        let Some(node) = pod.node.as_deref() else {
+            // a bind in flight (or a rolled-back one) shows this for a moment: not counted, and
+            // reported only at a rebuild (see the module documentation)
+            self.remember(pod);
+            tracing::debug!(pod = %pod.key, "assignment on a pod not bound yet; not counted");
+            return PodOutcome::Pending;
+        };
+        let request = match &pod.request {
+            Ok(r) => r,
+            Err(e) => return self.refuse(st, pod, text, e.clone()),
+        };
+        let checked = AssignmentAnnotation::parse(text).and_then(|a| {
+            let n = st.cluster.node(node).ok_or_else(|| AnnotationError::WrongNode {
+                annotated: a.node.clone(),
+                bound: format!("{node} (not a known GPU node)"),
+            })?;
+            Ok((a.validate(&pod.uid, node, request, n)?, a.bind_seq))
+        });
+        let (record, seq) = match checked {
+            Ok(x) => x,
+            Err(e) => return self.refuse(st, pod, text, e.to_string()),
+        };
+        if let Some(old) = st.uid_of.get(&pod.key).cloned() {
+            // two live pods cannot share a name: the old UID's pod is gone and its release was missed
+            self.metrics.conflict(ConflictKind::StaleUid);
+            tracing::warn!(pod = %pod.key, old_uid = %old, new_uid = %pod.uid, "pod name counted again under a new UID; releasing the old record");
+            Self::release_locked(st, &old);
+        }
+        if let Err(e) = st.cluster.allocate(record) {
+            return self.refuse(st, pod, text, format!("collides with GPUs already counted: {e}"));
+        }
+        let last = st.last_seq.entry(node.to_string()).or_default();
+        *last = (*last).max(seq);
+        st.uid_of.insert(pod.key.clone(), pod.uid.clone());
+        st.bound.insert(
+            pod.uid.clone(),
+            BoundPod {
+                key: pod.key.clone(),
+                uid: pod.uid.clone(),
+                node: node.to_string(),
+                bind_seq: seq,
+                annotation: Some(text.to_string()),
+                confirmed: true,
+            },
+        );
+        st.refused.remove(&pod.uid);
+        tracing::info!(pod = %pod.key, node, "assignment counted from the pod");
+        PodOutcome::Counted
+    }
+
+    /// Gives back what a pod holds (deleted or finished). Returns whether it held a record.
+    pub fn release_pod(&self, uid: &str) -> bool {
+        {
+            let st = self.read();
+            if !st.bound.contains_key(uid) && !st.refused.contains_key(uid) && !st.withdrawn.contains_key(uid) {
+                return false;
+            }
+        }
+        let mut st = self.write();
+        let released = Self::release_locked(&mut st, uid);
+        if released {
+            tracing::debug!(uid, "pod released");
+        }
+        released
+    }
+
+    /// After a re-list: releases the records of pods the list no longer shows (their deletion
+    /// happened while the watch was broken). A bind this process confirmed after `listed_since`
+    /// (when the re-list began) is kept: the list may predate it. Returns the pods released.
+    pub fn retain_pods(&self, listed: &HashSet<String>, listed_since: Instant) -> Vec<String> {
+        let mut st = self.write();
+        let st = &mut *st;
+        let gone: Vec<String> = st
+            .bound
+            .values()
+            .filter(|b| {
+                !listed.contains(&b.uid) && b.confirmed && st.bound_at.get(&b.uid).is_none_or(|&t| t < listed_since)
+            })
+            .map(|b| b.uid.clone())
+            .collect();
+        let mut keys = Vec::with_capacity(gone.len());
+        for uid in gone {
+            if let Some(b) = st.bound.get(&uid) {
+                keys.push(b.key.clone());
+            }
+            Self::release_locked(st, &uid);
+        }
+        st.refused.retain(|uid, _| listed.contains(uid));
+        st.withdrawn.retain(|uid, _| listed.contains(uid));
+        if !keys.is_empty() {
+            tracing::info!(released = keys.len(), "pods gone while the watch was broken released");
+        }
+        keys
+    }
+
+    fn release_locked(st: &mut State, uid: &str) -> bool {
+        st.refused.remove(uid);
+        st.withdrawn.remove(uid);
+        st.bound_at.remove(uid);
+        let Some(b) = st.bound.remove(uid) else {
+            return false;
+        };
+        if st.uid_of.get(&b.key).is_some_and(|u| u == uid) {
+            st.uid_of.remove(&b.key);
+        }
+        if st.cluster.assignment(&b.key).is_some_and(|a| a.node == b.node) {
+            let _ = st.cluster.release(&b.key);
+        }
+        if let Some(parked) = st.parked.get_mut(&b.node) {
+            parked.retain(|a| a.pod != b.key);
+            if parked.is_empty() {
+                st.parked.remove(&b.node);
+            }
+        }
+        true
+    }
+
+    /// At a rebuild: an assignment on a pod that is not bound (left by a bind that never finished,
+    /// or written by hand) is reported as not trusted, unless it is a rolled-back bind's own.
+    pub fn refuse_unbound(&self, pod: &ObservedPod) -> PodOutcome {
+        let (Some(text), None) = (pod.annotation.as_deref(), &pod.node) else {
+            return self.observe_pod(pod);
+        };
+        self.remember(pod);
+        let mut st = self.write();
+        if Self::already_refused(&st, pod) || st.withdrawn.get(&pod.uid).is_some_and(|w| w == text) {
+            return PodOutcome::Pending;
+        }
+        self.refuse(&mut st, pod, text, "an assignment on a pod that is not bound".into())
+    }
+
+    fn already_refused(st: &State, pod: &ObservedPod) -> bool {
+        pod.annotation
+            .as_ref()
+            .is_some_and(|text| st.refused.get(&pod.uid).is_some_and(|(t, n)| t == text && *n == pod.node))
+    }
+
+    fn refuse(&self, st: &mut State, pod: &ObservedPod, text: &str, why: String) -> PodOutcome {
+        self.metrics.conflict(ConflictKind::BadAssignment);
+        tracing::warn!(pod = %pod.key, uid = %pod.uid, node = ?pod.node, reason = %why, "assignment annotation not trusted");
+        st.refused.insert(pod.uid.clone(), (text.to_string(), pod.node.clone()));
+        PodOutcome::Refused(why)
+    }
+
+    /// A pod not bound yet, for bind (as filter does).
+    fn remember(&self, pod: &ObservedPod) {
+        if pod.request.as_ref().is_ok_and(PodRequest::is_gpu_free) {
+            return;
+        }
+        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        let known = seen.by_uid.get(&pod.uid).is_some_and(|s| s.key == pod.key && s.request == pod.request);
+        if !known {
+            seen.insert(SeenPod { key: pod.key.clone(), uid: pod.uid.clone(), request: pod.request.clone() });
+        }
+    }
+}
