@@ -650,6 +650,19 @@ pub struct Cluster {
     /// Node label keys that describe the network, coarse to fine (e.g. spine, then ToR).
     pub network_levels: Vec<String>,
     name_rank: NameRank,
+    layout: Layout,
+}
+
+/// A stamp of the node indexing, new whenever indices may change (a cluster is built, a node is
+/// removed): caches keyed by node index check it before trusting an index. Bookkeeping, so it takes
+/// no part in equality.
+#[derive(Debug, Clone, Copy)]
+struct Layout(u64);
+
+impl PartialEq for Layout {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
 }
 
 /// Each node's position in name order, computed on first use: ranking breaks score ties by node name,
@@ -694,6 +707,7 @@ impl Cluster {
             pod_node: HashMap::new(),
             network_levels: DEFAULT_NETWORK_LEVELS.iter().map(|s| s.to_string()).collect(),
             name_rank: NameRank::default(),
+            layout: Layout(next_stamp()),
         };
         for n in nodes {
             c.upsert_node(n);
@@ -754,8 +768,16 @@ impl Cluster {
                 *v -= 1;
             }
         }
+        self.stamps.0.remove(i);
         self.name_rank = NameRank::default();
+        self.layout = Layout(next_stamp());
         Some(node)
+    }
+
+    /// The stamp of the current node indexing: equal stamps mean every index names the same node
+    /// (appending a node keeps it: existing indices do not move).
+    pub fn layout(&self) -> u64 {
+        self.layout.0
     }
 
     pub fn nodes(&self) -> &[Node] {
@@ -854,7 +876,7 @@ impl Cluster {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     pub(crate) fn node(name: &str, gpus: usize) -> Node {
@@ -1012,7 +1034,11 @@ mod tests {
         let mut on_o = share("b", 0, 100, 10);
         on_o.node = "o".into();
         c.allocate(on_o).unwrap();
+        let layout = c.layout();
         let gone = c.remove_node("n").unwrap();
+        assert_ne!(c.layout(), layout, "indices after n moved");
+        let stamps: Vec<u64> = c.nodes().iter().map(|n| n.generation()).collect();
+        assert_eq!(c.stamps(), stamps, "the stamp array follows the removal");
         assert_eq!(gone.pods().count(), 1);
         assert!(c.assignment("a").is_none() && c.node("n").is_none());
         assert_eq!(c.assignment("b").map(|a| a.node.as_str()), Some("o"));

@@ -116,10 +116,11 @@ pub(crate) struct NameOrder {
 #[derive(Debug, Default)]
 struct OrderTable {
     next: Vec<AtomicU32>,
-    /// Each node's name as (start, end) in `arena`. A node keeps its name and index for the life of
-    /// the cluster (nodes are replaced by name, never removed or renamed).
+    /// Each node's name as (start, end) in `arena`, by node index, for the cluster layout `layout`
+    /// ([`Cluster::layout`]): removing a node shifts the indices after it, and the table starts over.
     spans: Vec<(u32, u32)>,
     arena: Vec<u8>,
+    layout: u64,
 }
 
 impl OrderTable {
@@ -156,8 +157,12 @@ const CHAIN_HOPS: usize = 4;
 impl NameOrder {
     pub fn resolve<'a>(&self, cluster: &Cluster, names: Vec<&'a str>, verbatim: bool) -> Candidates<'a> {
         let nodes = cluster.nodes();
-        if self.table.read().unwrap_or_else(|e| e.into_inner()).next.len() < nodes.len() {
+        let stale = |t: &OrderTable| t.layout != cluster.layout() || t.next.len() < nodes.len();
+        if stale(&self.table.read().unwrap_or_else(|e| e.into_inner())) {
             let mut w = self.table.write().unwrap_or_else(|e| e.into_inner());
+            if w.layout != cluster.layout() {
+                *w = OrderTable { layout: cluster.layout(), ..OrderTable::default() };
+            }
             while w.next.len() < nodes.len() {
                 let name = nodes[w.next.len()].name.as_bytes();
                 let start = w.arena.len() as u32;
@@ -505,6 +510,20 @@ mod tests {
     use super::*;
     use crate::core::resources::{GpuDemand, GroupSpec, PackingPolicy};
     use crate::extender::wire::decode_args;
+
+    #[test]
+    fn name_guesses_never_outlive_a_node_removal() {
+        use crate::core::cluster::tests::node;
+        let mut c = Cluster::new(vec![node("a", 1), node("b", 1), node("c", 1)]);
+        let order = NameOrder::default();
+        let names = vec!["a", "b", "c"];
+        assert_eq!(order.resolve(&c, names.clone(), true).at, [Some(0), Some(1), Some(2)]);
+        // the same order again follows the learnt chain; after removing a, b and c move down one
+        assert_eq!(order.resolve(&c, names.clone(), true).at, [Some(0), Some(1), Some(2)]);
+        c.remove_node("a");
+        assert_eq!(order.resolve(&c, names.clone(), true).at, [None, Some(0), Some(1)]);
+        assert_eq!(order.resolve(&c, vec!["b", "c"], true).at, [Some(0), Some(1)]);
+    }
 
     #[test]
     fn short_comparisons_agree_with_eq() {
