@@ -157,6 +157,9 @@ async fn binding_sets_the_node_once() {
     assert_eq!(bound.annotations()["gpuplace.io/assignment"], "gpus=0,1");
     let conditions = bound.status.unwrap().conditions.unwrap();
     assert!(conditions.iter().any(|c| c.type_ == "PodScheduled" && c.status == "True"));
+    let running = json!({"status": {"phase": "Running"}});
+    let st = pods.patch_status("p", &PatchParams::default(), &Patch::Merge(&running)).await.unwrap().status.unwrap();
+    assert_eq!((st.phase.as_deref(), st.conditions.map(|c| c.len())), (Some("Running"), Some(1)));
 
     // Already bound: 409, to another node or the same one (as the real registry does).
     for node in ["n2", "n1"] {
@@ -179,6 +182,8 @@ async fn node_status_patch_and_apply() {
     assert_eq!(st.capacity.unwrap()["gpuplace.io/gpu"].0, "8");
     assert_eq!(st.allocatable.unwrap()["gpuplace.io/gpu"].0, "7");
     let stored: Node = fake.get("", "n1").unwrap();
+    nodes.create(&PostParams::default(), &node("n0")).await.unwrap();
+    assert!(fake.get::<Node>("", "n0").unwrap().metadata.namespace.is_none());
     assert_eq!(stored.status.unwrap().capacity.unwrap()["gpuplace.io/gpu"].0, "8");
 
     // The object ignores status changes (they go through /status), as the real API does.
@@ -192,7 +197,7 @@ async fn node_status_patch_and_apply() {
     let apply = json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n2", "annotations": {"a": "b"}}});
     let created = nodes.patch("n2", &pp, &Patch::Apply(&apply)).await.unwrap();
     assert_eq!(created.annotations()["a"], "b");
-    assert_eq!(fake.list::<Node>().len(), 2);
+    assert_eq!(fake.list::<Node>().len(), 3);
     let apply_status = json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n2"},
                               "status": {"capacity": {"gpuplace.io/gpu": "4"}}});
     let applied = nodes.patch_status("n2", &pp, &Patch::Apply(&apply_status)).await.unwrap();

@@ -83,8 +83,9 @@ async fn respond(
                 list(shared, r, ns.as_deref(), &sel, &q)
             }
         }
-        (Route::Collection { r, ns: Some(ns) }, Method::POST) => {
-            let obj = shared.store().create(r, &ns, json_body()?)?;
+        // Namespaced kinds are created in a namespace; POST to the all-namespaces path is 405.
+        (Route::Collection { r, ns }, Method::POST) if ns.is_some() || !r.namespaced() => {
+            let obj = shared.store().create(r, ns.as_deref().unwrap_or_default(), json_body()?)?;
             Ok(json_response(201, &obj))
         }
         (Route::Object { key, part: _ }, Method::GET) => {
