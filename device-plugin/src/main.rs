@@ -47,6 +47,11 @@ struct Cli {
     no_apiserver: bool,
     #[command(flatten)]
     connect: ConnectArgs,
+    /// With the API server, still let kubelet's slots decide the GPUs (no extender assignments, no
+    /// per-pod limits; node capacity, inventory and utilization are written): for clusters whose
+    /// extender does not write assignments yet (static mode), where every Allocate would be refused.
+    #[arg(long)]
+    no_assignments: bool,
     /// How often the node's gpu-mem / gpu-core capacity and inventory annotation are checked (one
     /// GET; a PATCH only when something differs). Also checked at every kubelet registration and
     /// GPU health change.
@@ -199,9 +204,15 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
     let _rt_guard = rt.enter();
     let api = rt.block_on(api_client(cli))?;
     let telemetry = Telemetry::new(inventory.gpus.len(), true);
+    if api.is_some() {
+        telemetry.enable_api();
+    }
     let source: Option<Arc<dyn AssignmentSource>> = match &api {
+        Some(_) if cli.no_assignments => {
+            tracing::warn!("--no-assignments: kubelet's slots decide the GPUs; extender assignments are not applied");
+            None
+        }
         Some((client, node)) => {
-            telemetry.enable_api();
             let model = cluster_node(&inventory, node)
                 .map_err(|e| format!("this node's GPUs as the extender sees them: {e}"))?;
             Some(KubeAssignments::start(client.clone(), node, model, telemetry.clone()))

@@ -245,7 +245,9 @@ async fn node_capacity_and_inventory_survive_kubelet_restarts_and_follow_health(
     let task = tokio::spawn(sync.run());
     let _ = h.register_and_connect().await;
 
-    assert!(fake.wait_until(WAIT, |f| has_capacity(f, 8 * H100_MIB, 800)).await, "capacity 8 GPUs");
+    // one pass writes the status, then the annotation
+    let written = |f: &FakeApiServer| has_capacity(f, 8 * H100_MIB, 800) && node_inventory(f).is_some();
+    assert!(fake.wait_until(WAIT, written).await, "capacity 8 GPUs and the inventory");
     let ann = node_inventory(&fake).expect("inventory annotation");
     assert_eq!(ann.slots_per_gpu, Some(10));
     assert_eq!(ann.gpus.len(), 8);
@@ -265,7 +267,6 @@ async fn node_capacity_and_inventory_survive_kubelet_restarts_and_follow_health(
         list.insert("gpuplace.io/gpu-core".into(), Quantity("0".into()));
     }
     fake.put(&zeroed);
-    assert!(!has_capacity(&fake, 8 * H100_MIB, 800));
     h.restart_kubelet().await;
     let _ = h.register_and_connect().await;
     assert!(fake.wait_until(WAIT, |f| has_capacity(f, 8 * H100_MIB, 800)).await, "re-applied after the restart");
@@ -293,7 +294,13 @@ async fn node_capacity_and_inventory_survive_kubelet_restarts_and_follow_health(
     // failures are errors, counted, and the next pass repairs
     fake.fail_next("PATCH", "/api/v1/nodes/test-node/status", 1, 500);
     h.backend.inject(3, Fault::Recover).unwrap();
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    for _ in 0..500 {
+        if h.plugin.is_healthy(3) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(h.plugin.is_healthy(3), "GPU 3 recovered");
     let e = sync.reconcile().await.unwrap_err();
     assert!(e.to_string().contains("node_status_patch"), "{e}");
     assert_eq!(telemetry.snapshot().api_errors.get("node_status_patch"), Some(&1));
