@@ -111,6 +111,14 @@ async fn pods_list_get_and_patch_annotations() {
         ]
     );
 
+    // A patch that names another UID is a conflict too (the pod was re-created); its own UID is accepted.
+    let other = json!({"metadata": {"uid": "not-this-pod", "labels": {"x": "y"}}});
+    let err = pods.patch("a", &pp, &Patch::Merge(&other)).await.unwrap_err();
+    assert_eq!(api_code(&err), Some((409, "Conflict".into())));
+    let uid = pods.get("a").await.unwrap().metadata.uid.unwrap();
+    let same = json!({"metadata": {"uid": uid, "labels": {"x": "z"}}});
+    assert_eq!(pods.patch("a", &pp, &Patch::Merge(&same)).await.unwrap().labels()["x"], "z");
+
     // Errors are Status objects kube parses.
     let err = pods.get("missing").await.unwrap_err();
     assert_eq!(api_code(&err), Some((404, "NotFound".into())));

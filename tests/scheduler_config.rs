@@ -189,6 +189,28 @@ fn extender_deployment_service_and_device_plugin_agree_with_the_code() {
         pod["tolerations"].as_sequence().unwrap().iter().filter_map(|t| t["key"].as_str()).collect();
     assert!(tolerated.contains(&"nvidia.com/gpu") && tolerated.contains(&RESOURCE_GPU), "{tolerated:?}");
 
+    // the device plugin's RBAC is exactly its calls (device-plugin/src/k8s/)
+    let role = named(&docs, "ClusterRole", "gpuplace-device-plugin");
+    let rules: Vec<(String, Vec<String>)> = role["rules"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .flat_map(|r| {
+            let verbs: Vec<String> =
+                r["verbs"].as_sequence().unwrap().iter().map(|v| v.as_str().unwrap().to_owned()).collect();
+            r["resources"]
+                .as_sequence()
+                .unwrap()
+                .iter()
+                .map(move |res| (res.as_str().unwrap().to_owned(), verbs.clone()))
+        })
+        .collect();
+    let want =
+        [("nodes", vec!["get", "patch"]), ("nodes/status", vec!["patch"]), ("pods", vec!["list", "watch", "patch"])];
+    let want: Vec<(String, Vec<String>)> =
+        want.iter().map(|(r, v)| (r.to_string(), v.iter().map(|s| s.to_string()).collect())).collect();
+    assert_eq!(rules, want);
+
     // every ServiceAccount a workload runs as exists, in its namespace
     for (k, name) in
         [("Deployment", SERVICE), ("DaemonSet", "gpuplace-device-plugin"), ("Deployment", "gpuplace-scheduler")]

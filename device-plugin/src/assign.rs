@@ -87,6 +87,11 @@ pub enum MatchError {
 pub trait AssignmentSource: Send + Sync {
     /// This node's bound gpuplace pods whose assignment is not fully allocated, any order.
     async fn pending(&self) -> Result<Vec<PendingPod>, SourceError>;
+    /// The same, read fresh from the source of truth: called when [`pending`](Self::pending) (which
+    /// may be served from a cache) has no match, since kubelet admits a pod moments after binding.
+    async fn refresh(&self) -> Result<Vec<PendingPod>, SourceError> {
+        self.pending().await
+    }
     /// Records on the pod that `container` got its devices, so no later admission matches it again
     /// (the Kubernetes implementation patches an annotation on the pod).
     async fn mark_allocated(&self, pod: &PodKey, container: &str) -> Result<(), SourceError>;

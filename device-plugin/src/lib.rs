@@ -11,6 +11,7 @@
 //! - [`podresources`]: kubelet's pod-resources `List`: which container holds which GPU.
 //! - [`metrics`]: `/metrics` with DCGM-exporter names and gpuplace's allocated-vs-used gauges.
 //! - [`publish`]: when to publish `gpuplace.io/utilization`, and the [`publish::UtilizationSink`] seam.
+//! - [`k8s`]: the API server: this node's pods and assignments, node status and annotations.
 //! - [`discover`]: the `discover` command's output.
 //! - [`api`]: the generated kubelet APIs.
 //! - [`testing`]: a fake kubelet (registration, pod-resources) for tests and demos.
@@ -20,6 +21,7 @@
 pub mod api;
 pub mod assign;
 pub mod discover;
+pub mod k8s;
 pub mod metrics;
 pub mod nvml;
 pub mod plugin;

@@ -8,14 +8,20 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use gpuplace::apiserver::{connect, ConnectArgs, ConnectError, Source};
 use gpuplace_device_plugin::api::DEFAULT_DEVICE_PLUGIN_DIR;
+use gpuplace_device_plugin::assign::AssignmentSource;
+use gpuplace_device_plugin::k8s::assignments::KubeAssignments;
+use gpuplace_device_plugin::k8s::inventory::cluster_node;
+use gpuplace_device_plugin::k8s::node::NodeSync;
+use gpuplace_device_plugin::k8s::utilization::KubeUtilizationSink;
 use gpuplace_device_plugin::metrics::{self, MetricsSource, DEFAULT_METRICS_LISTEN};
 use gpuplace_device_plugin::nvml::fake::{FakeBackend, FakeScript};
 use gpuplace_device_plugin::nvml::real::NvmlBackend;
 use gpuplace_device_plugin::nvml::{BackendError, GpuBackend};
 use gpuplace_device_plugin::plugin::{spawn_health_monitor, Plugin, PluginConfig, RESOURCE_NAME};
 use gpuplace_device_plugin::podresources::{PodResourcesClient, DEFAULT_POD_RESOURCES_SOCKET};
-use gpuplace_device_plugin::publish::{LogSink, PublishPolicy, Publisher};
+use gpuplace_device_plugin::publish::{LogSink, PublishPolicy, Publisher, UtilizationSink};
 use gpuplace_device_plugin::sampler::{Sampler, Telemetry};
 use gpuplace_device_plugin::server::{run, ServeConfig};
 use gpuplace_device_plugin::slots::DEFAULT_SLOTS_PER_GPU;
@@ -30,9 +36,27 @@ struct Cli {
     /// Utilization and fault script for the fake node (see docs/device-plugin.md).
     #[arg(long, global = true, value_name = "FILE", requires = "fake_topology")]
     fake_script: Option<PathBuf>,
-    /// This node's name (default: $NODE_NAME, else "fake-node"); seeds the fake GPUs' UUIDs.
+    /// This node's name (default: $NODE_NAME, set from the downward API in the DaemonSet). Selects
+    /// this node's pods and the Node object to write; seeds the fake GPUs' UUIDs ("fake-node" when
+    /// unset).
     #[arg(long, global = true)]
     node_name: Option<String>,
+    /// Run without the API server: kubelet's slots decide the GPUs (no extender assignments, no
+    /// per-pod limits), and node capacity, inventory and utilization are not written.
+    #[arg(long, conflicts_with_all = ["kubeconfig", "apiserver"])]
+    no_apiserver: bool,
+    #[command(flatten)]
+    connect: ConnectArgs,
+    /// With the API server, still let kubelet's slots decide the GPUs (no extender assignments, no
+    /// per-pod limits; node capacity, inventory and utilization are written): for clusters whose
+    /// extender does not write assignments yet (static mode), where every Allocate would be refused.
+    #[arg(long)]
+    no_assignments: bool,
+    /// How often the node's gpu-mem / gpu-core capacity and inventory annotation are checked (one
+    /// GET; a PATCH only when something differs). Also checked at every kubelet registration and
+    /// GPU health change.
+    #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = parse_duration)]
+    node_sync_interval: Duration,
     /// kubelet's device plugin directory (kubelet.sock and our socket live here).
     #[arg(long, default_value = DEFAULT_DEVICE_PLUGIN_DIR)]
     device_plugin_dir: PathBuf,
@@ -104,6 +128,12 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
     Duration::try_from_secs_f64(secs).map_err(|e| format!("{text:?}: {e}"))
 }
 
+/// `--node-name`, else `NODE_NAME` (read by hand rather than with clap's `env` feature, which would
+/// rebuild clap, and the root crate, with other features than the root crate alone uses).
+fn node_name(cli: &Cli) -> Option<String> {
+    cli.node_name.clone().or_else(|| std::env::var("NODE_NAME").ok()).filter(|n| !n.trim().is_empty())
+}
+
 /// The `Hostname` label: the node name when known, as dcgm-exporter does under Kubernetes.
 fn hostname(cli: &Cli) -> String {
     cli.node_name
@@ -117,9 +147,7 @@ fn hostname(cli: &Cli) -> String {
 fn backend(cli: &Cli) -> Result<Arc<dyn GpuBackend>, BackendError> {
     match &cli.fake_topology {
         Some(path) => {
-            // read by hand rather than with clap's `env` feature, which would rebuild clap (and
-            // the root crate) with other features than the root crate alone uses
-            let node = cli.node_name.clone().or_else(|| std::env::var("NODE_NAME").ok());
+            let node = node_name(cli);
             let mut fake = FakeBackend::load(path, node.as_deref().unwrap_or("fake-node"))?;
             if let Some(script) = &cli.fake_script {
                 fake = fake.with_script(FakeScript::load(script)?)?;
@@ -164,9 +192,36 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
     if cli.publish_min_interval > cli.publish_max_interval {
         return Err("--publish-min-interval must not be longer than --publish-max-interval".into());
     }
-    // no Kubernetes assignment source yet: kubelet's slots decide the GPUs (docs/device-plugin.md)
-    let plugin = Plugin::new(config, &inventory, None).map_err(|e| e.to_string())?;
-    tracing::info!(gpus = inventory.gpus.len(), backend = %inventory.backend, slots = cli.slots_per_gpu, "inventory");
+    if cli.node_sync_interval.is_zero() {
+        return Err("--node-sync-interval must be positive".into());
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| format!("tokio runtime: {e}"))?;
+    // the kube client and the pod watcher spawn tasks: they need the runtime's context
+    let _rt_guard = rt.enter();
+    let api = rt.block_on(api_client(cli))?;
+    let telemetry = Telemetry::new(inventory.gpus.len(), true);
+    if api.is_some() {
+        telemetry.enable_api();
+    }
+    let source: Option<Arc<dyn AssignmentSource>> = match &api {
+        Some(_) if cli.no_assignments => {
+            tracing::warn!("--no-assignments: kubelet's slots decide the GPUs; extender assignments are not applied");
+            None
+        }
+        Some((client, node)) => {
+            let model = cluster_node(&inventory, node)
+                .map_err(|e| format!("this node's GPUs as the extender sees them: {e}"))?;
+            Some(KubeAssignments::start(client.clone(), node, model, telemetry.clone()))
+        }
+        None => None,
+    };
+    // without a source, kubelet's slots decide the GPUs (docs/device-plugin.md)
+    let plugin = Plugin::new(config, &inventory, source).map_err(|e| e.to_string())?;
+    tracing::info!(gpus = inventory.gpus.len(), backend = %inventory.backend, slots = cli.slots_per_gpu, apiserver = api.is_some(), "inventory");
     let stop = Arc::new(AtomicBool::new(false));
     let monitor = spawn_health_monitor(plugin.clone(), backend.clone(), stop.clone())
         .map_err(|e| format!("health monitor: {e}"))?;
@@ -176,20 +231,30 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
         poll_interval: Duration::from_millis(cli.poll_interval_ms.max(10)),
         ..ServeConfig::default()
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| format!("tokio runtime: {e}"))?;
     let listener = rt.block_on(metrics::bind(cli.metrics_listen)).map_err(|e| e.to_string())?;
-    let telemetry = Telemetry::new(inventory.gpus.len(), true);
     let policy = PublishPolicy {
         threshold_pct: cli.publish_threshold,
         min_interval: cli.publish_min_interval,
         max_interval: cli.publish_max_interval,
     };
-    // no Kubernetes sink yet: the policy runs and is counted, the value is logged at debug
-    let publisher = Publisher::new(policy, Arc::new(LogSink));
+    let mut node_sync = None;
+    let sink: Arc<dyn UtilizationSink> = match &api {
+        Some((client, node)) => {
+            let sync = NodeSync::new(
+                client.clone(),
+                node,
+                inventory.clone(),
+                plugin.clone(),
+                telemetry.clone(),
+                cli.node_sync_interval,
+            );
+            node_sync = Some(rt.spawn(sync.run()));
+            Arc::new(KubeUtilizationSink::new(client.clone(), node, telemetry.clone()))
+        }
+        // the policy runs and is counted, the value is logged at debug
+        None => Arc::new(LogSink),
+    };
+    let publisher = Publisher::new(policy, sink);
     // connect and call together, well inside a sample interval
     let pr_timeout = cli.sample_interval.clamp(Duration::from_millis(100), Duration::from_secs(2));
     let pod_resources = PodResourcesClient::new(&cli.pod_resources_socket, pr_timeout);
@@ -200,9 +265,38 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
     let result = rt.block_on(run(plugin, cfg, Box::pin(shutdown_signal())));
     sampling.abort();
     metrics_server.abort();
+    if let Some(t) = node_sync {
+        t.abort();
+    }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let _ = monitor.join();
     result.map_err(|e| e.to_string())
+}
+
+/// The API client and this node's name, or `None` to run without the API server: with
+/// `--no-apiserver`, or when nothing names an API server and none can be inferred (not in a cluster,
+/// no KUBECONFIG, no ~/.kube/config), which keeps the standalone demo working. An API server that is
+/// named but unusable, or a missing node name, is an error: running standalone there would hand out
+/// GPUs without the extender's assignments.
+async fn api_client(cli: &Cli) -> Result<Option<(kube::Client, String)>, String> {
+    if cli.no_apiserver {
+        tracing::info!("--no-apiserver: kubelet's slots decide the GPUs; nothing is written to the API server");
+        return Ok(None);
+    }
+    let source = cli.connect.source().map_err(|e| e.to_string())?;
+    let client = match connect(&source).await {
+        Ok(c) => c,
+        Err(ConnectError::Infer(e)) if source == Source::Inferred => {
+            tracing::warn!(error = %e, "no API server configured or found; running without it (as with --no-apiserver)");
+            return Ok(None);
+        }
+        Err(e) => return Err(e.to_string()),
+    };
+    let node = node_name(cli).ok_or(
+        "the node name is unknown: pass --node-name or set NODE_NAME (the DaemonSet sets it from spec.nodeName), \
+         or run with --no-apiserver",
+    )?;
+    Ok(Some((client, node)))
 }
 
 fn main() -> ExitCode {

@@ -326,6 +326,19 @@ pub fn render(
         let mut f = Family::new(&mut out, name, "counter", "gpuplace.io/utilization writes that failed.");
         f.series(name, &labels(&[("Hostname", hostname)]), t.publish_errors);
     }
+    if t.api_enabled {
+        let name = "gpuplace_apiserver_errors_total";
+        let mut f = Family::new(
+            &mut out,
+            name,
+            "counter",
+            "Failed API-server calls, by operation (pods_list, pods_watch, pod_patch, node_get, node_patch, node_status_patch).",
+        );
+        for op in crate::k8s::API_OPS {
+            let n = t.api_errors.get(op).copied().unwrap_or(0);
+            f.series(name, &labels(&[("Hostname", hostname), ("op", op)]), n);
+        }
+    }
     out
 }
 

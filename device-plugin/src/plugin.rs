@@ -22,7 +22,7 @@ use crate::api::v1beta1::{
     PreferredAllocationRequest, PreferredAllocationResponse, TopologyInfo,
 };
 use crate::api::{HEALTHY, UNHEALTHY};
-use crate::assign::{match_allocation, match_preference, AssignmentSource, Grant, MatchError, PodKey};
+use crate::assign::{match_allocation, match_preference, AssignmentSource, Grant, MatchError, PodKey, SourceError};
 use crate::nvml::{xid_is_critical, GpuBackend, GpuEvent, GpuEventKind, GpuInfo, Inventory};
 use crate::slots::{Slot, SlotError, SlotTable, DEFAULT_SLOTS_PER_GPU};
 
@@ -105,6 +105,9 @@ pub struct Plugin {
     slots: SlotTable,
     health: Mutex<Vec<Health>>,
     devices: watch::Sender<Arc<Vec<Device>>>,
+    /// Successful registrations with kubelet so far: a new one means kubelet (re)started and rewrote
+    /// the node's status, so the node-status writer re-applies gpu-mem and gpu-core.
+    registrations: watch::Sender<u64>,
     source: Option<Arc<dyn AssignmentSource>>,
     claims: tokio::sync::Mutex<Claims>,
     /// Slices of matched Allocates, for the allocated-vs-used metrics. Pruned by the sampler to the
@@ -141,6 +144,7 @@ impl Plugin {
             topology,
             slots,
             devices: watch::Sender::new(Arc::new(Vec::new())),
+            registrations: watch::Sender::new(0),
             health: Mutex::new(health),
             source,
             claims: tokio::sync::Mutex::new(Claims::default()),
@@ -195,6 +199,16 @@ impl Plugin {
     /// Every change of the device list, for ListAndWatch.
     pub fn subscribe(&self) -> watch::Receiver<Arc<Vec<Device>>> {
         self.devices.subscribe()
+    }
+
+    /// Records a successful registration with kubelet (called by [`crate::server`]).
+    pub fn note_registered(&self) {
+        self.registrations.send_modify(|n| *n += 1);
+    }
+
+    /// Every registration with kubelet, counted from 1.
+    pub fn subscribe_registrations(&self) -> watch::Receiver<u64> {
+        self.registrations.subscribe()
     }
 
     /// Every GPU's health and XID record, by index.
@@ -338,9 +352,24 @@ impl Plugin {
                 return None;
             }
         };
-        let claims = self.claims.lock().await;
         let free_gpus: BTreeSet<u32> = free.keys().copied().collect();
-        match_preference(size, &free_gpus, required, &pending, &claims.claimed, claims.sticky.as_ref())
+        {
+            let claims = self.claims.lock().await;
+            let hit = match_preference(size, &free_gpus, required, &pending, &claims.claimed, claims.sticky.as_ref());
+            if hit.is_some() {
+                return hit;
+            }
+        }
+        // kubelet admits a pod moments after it is bound: a cached view may not have it yet
+        let fresh = match source.refresh().await {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!(error = %e, "no fresh assignments for GetPreferredAllocation; using topology");
+                return None;
+            }
+        };
+        let claims = self.claims.lock().await;
+        match_preference(size, &free_gpus, required, &fresh, &claims.claimed, claims.sticky.as_ref())
     }
 
     fn preferred_by_topology(
@@ -407,10 +436,22 @@ impl Plugin {
     /// admissions can never claim the same container.
     async fn claim(&self, source: &dyn AssignmentSource, gpus: &[u32]) -> Result<Grant, Status> {
         let mut claims = self.claims.lock().await;
-        let pending = source.pending().await.map_err(|e| Status::unavailable(e.to_string()))?;
+        let unavailable = |e: SourceError| Status::unavailable(e.to_string());
+        let pending = source.pending().await.map_err(unavailable)?;
         let live: HashSet<&PodKey> = pending.iter().map(|p| &p.key).collect();
         claims.claimed.retain(|(k, _)| live.contains(k));
-        let grant = match_allocation(gpus, &pending, &claims.claimed, claims.sticky.as_ref()).map_err(|e| match e {
+        let grant = match match_allocation(gpus, &pending, &claims.claimed, claims.sticky.as_ref()) {
+            Ok(g) => Ok(g),
+            // kubelet admits a pod moments after it is bound: a cached view may not have it yet
+            Err(MatchError::NoMatch { .. }) => {
+                let fresh = source.refresh().await.map_err(unavailable)?;
+                let live: HashSet<&PodKey> = fresh.iter().map(|p| &p.key).collect();
+                claims.claimed.retain(|(k, _)| live.contains(k));
+                match_allocation(gpus, &fresh, &claims.claimed, claims.sticky.as_ref())
+            }
+            Err(e) => Err(e),
+        }
+        .map_err(|e| match e {
             MatchError::NoMatch { .. } => Status::failed_precondition(e.to_string()),
             MatchError::Source(e) => Status::unavailable(e.to_string()),
         })?;

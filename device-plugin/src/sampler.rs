@@ -34,6 +34,10 @@ pub struct TelemetryState {
     pub pod_resources_last_error: Option<&'static str>,
     pub publishes: BTreeMap<&'static str, u64>,
     pub publish_errors: u64,
+    /// Whether the plugin talks to the API server: its error series are exported only then.
+    pub api_enabled: bool,
+    /// Failed API-server calls, by operation (`crate::k8s::API_OPS`).
+    pub api_errors: BTreeMap<&'static str, u64>,
 }
 
 /// Shared between the sampler (writer) and the metrics endpoint (reader).
@@ -51,6 +55,16 @@ impl Telemetry {
     fn lock(&self) -> MutexGuard<'_, TelemetryState> {
         // plain data: a panic elsewhere leaves it usable
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Exports the API-server error series (zero until a call fails).
+    pub fn enable_api(&self) {
+        self.lock().api_enabled = true;
+    }
+
+    /// Counts one failed API-server call.
+    pub fn api_error(&self, op: &'static str) {
+        *self.lock().api_errors.entry(op).or_insert(0) += 1;
     }
 
     /// A copy for rendering (taken under the lock, rendered without it).

@@ -178,6 +178,7 @@ async fn serve_round(
             match register(plugin, cfg).await {
                 Ok(()) => {
                     tracing::info!(resource = %plugin.config().resource_name, "registered with kubelet");
+                    plugin.note_registered();
                     registered = Some(kubelet_id);
                 }
                 Err(e) => tracing::warn!(error = %e, "registration failed; retrying"),

@@ -68,7 +68,7 @@ async fn binary_registers_with_the_test_kubelet_and_serves_allocations() {
             .arg("--device-plugin-dir")
             .arg(dir.path())
             .args(["--slots-per-gpu", "2", "--poll-interval-ms", "50", "--sample-interval", "100ms"])
-            .args(["--metrics-listen", &metrics_addr.to_string(), "--node-name", "cli-node"])
+            .args(["--metrics-listen", &metrics_addr.to_string(), "--node-name", "cli-node", "--no-apiserver"])
             .arg("--pod-resources-socket")
             .arg(dir.path().join("no-pod-resources.sock"))
             .stdout(Stdio::null())
@@ -141,4 +141,140 @@ async fn binary_registers_with_the_test_kubelet_and_serves_allocations() {
     let (status, _child) = tokio::time::timeout(Duration::from_secs(10), status).await.unwrap().unwrap();
     assert!(status.unwrap().success());
     assert!(!dir.path().join(&reg.endpoint).exists());
+}
+
+/// The binary against the fake API server (`--apiserver URL`): it writes the node's capacity,
+/// inventory and utilization, and Allocate applies a pod's assignment and marks it.
+#[tokio::test]
+async fn binary_with_an_api_server_writes_the_node_and_applies_assignments() {
+    use gpuplace::apiserver::fake::FakeApiServer;
+    use gpuplace::core::annotations::{AssignmentAnnotation, ANNOTATION_ALLOCATED, ANNOTATION_ASSIGNMENT};
+    use gpuplace::core::cluster::{ContainerAssignment, GpuSlice, PodAssignment};
+    use gpuplace_device_plugin::k8s::inventory::cluster_node;
+    use gpuplace_device_plugin::nvml::fake::FakeBackend;
+    use gpuplace_device_plugin::nvml::GpuBackend;
+    use k8s_openapi::api::core::v1::{Binding, Container, Node, ObjectReference, Pod, PodSpec, ResourceRequirements};
+    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+    use kube::ResourceExt;
+
+    const NODE: &str = "cli-api-node";
+    let fake = FakeApiServer::start().await.unwrap();
+    fake.put(&Node { metadata: ObjectMeta { name: Some(NODE.into()), ..Default::default() }, ..Default::default() });
+    // without a node name there is nothing to select pods by: a clear error, not a standalone plugin
+    let out = Command::new(BIN)
+        .args(["--fake-topology"])
+        .arg(topology("hgx-h100-8"))
+        .args(["--apiserver", &fake.url()])
+        .env_remove("NODE_NAME")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--node-name"), "{}", String::from_utf8_lossy(&out.stderr));
+
+    let dir = tempfile::Builder::new().prefix("gdp").tempdir().unwrap();
+    let mut kubelet = FakeKubelet::start(dir.path());
+    let metrics_addr = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let _child = Child(
+        Command::new(BIN)
+            .arg("--fake-topology")
+            .arg(topology("hgx-h100-8"))
+            .arg("--device-plugin-dir")
+            .arg(dir.path())
+            .args(["--slots-per-gpu", "2", "--poll-interval-ms", "50", "--sample-interval", "100ms"])
+            .args(["--metrics-listen", &metrics_addr.to_string(), "--apiserver", &fake.url()])
+            .arg("--pod-resources-socket")
+            .arg(dir.path().join("no-pod-resources.sock"))
+            .env("NODE_NAME", NODE)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let reg = kubelet.next_registration().await;
+    let node_has = |f: &FakeApiServer| {
+        let n: Node = f.get("", NODE).unwrap();
+        let cap = n.status.and_then(|s| s.capacity).unwrap_or_default();
+        let ann = n.metadata.annotations.unwrap_or_default();
+        cap.get("gpuplace.io/gpu-core").is_some_and(|q| q.0 == "800")
+            && cap.get("gpuplace.io/gpu-mem").is_some_and(|q| q.0 == (8 * 81559).to_string())
+            && ann.get("gpuplace.io/inventory").is_some_and(|t| t.contains(r#""slotsPerGpu":2"#))
+            && ann.contains_key("gpuplace.io/utilization")
+    };
+    assert!(fake.wait_until(Duration::from_secs(10), node_has).await, "{:?}", fake.get::<Node>("", NODE));
+
+    // a pod bound with the extender's assignment: GPU 6, a 25 % share
+    let limits = [("gpuplace.io/gpu", "1"), ("gpuplace.io/gpu-mem", "20480"), ("gpuplace.io/gpu-core", "25")];
+    let pod = Pod {
+        metadata: ObjectMeta { name: Some("p".into()), namespace: Some("ns".into()), ..Default::default() },
+        spec: Some(PodSpec {
+            containers: vec![Container {
+                name: "main".into(),
+                resources: Some(ResourceRequirements {
+                    limits: Some(limits.iter().map(|(k, v)| (k.to_string(), Quantity(v.to_string()))).collect()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let uid = fake.put(&pod).uid().unwrap();
+    let model =
+        cluster_node(&FakeBackend::load(&topology("hgx-h100-8"), NODE).unwrap().inventory().unwrap(), NODE).unwrap();
+    let record = PodAssignment {
+        pod: "ns/p".into(),
+        node: NODE.into(),
+        containers: vec![ContainerAssignment {
+            name: "main".into(),
+            init: false,
+            slices: vec![GpuSlice { gpu: 6, mem_mib: 20480, core_pct: 25, exclusive: false }],
+        }],
+        cpu_milli: 0,
+        memory_mib: 0,
+        group: None,
+    };
+    let ann = AssignmentAnnotation::from_assignment(&record, &uid, &model, 1).unwrap().to_json();
+    let binding = Binding {
+        metadata: ObjectMeta {
+            name: Some("p".into()),
+            annotations: Some([(ANNOTATION_ASSIGNMENT.to_string(), ann)].into()),
+            ..Default::default()
+        },
+        target: ObjectReference { kind: Some("Node".into()), name: Some(NODE.into()), ..Default::default() },
+    };
+    let pods: kube::Api<Pod> = kube::Api::namespaced(fake.client().unwrap(), "ns");
+    let _: serde_json::Value =
+        pods.create_subresource("binding", "p", &kube::api::PostParams::default(), &binding).await.unwrap();
+
+    let mut c = DevicePluginClient::new(connect_unix(&dir.path().join(&reg.endpoint)).await.unwrap());
+    let mut stream = c.list_and_watch(Empty {}).await.unwrap().into_inner();
+    let devices =
+        tokio::time::timeout(Duration::from_secs(10), stream.message()).await.unwrap().unwrap().unwrap().devices;
+    let pref = c
+        .get_preferred_allocation(PreferredAllocationRequest {
+            container_requests: vec![ContainerPreferredAllocationRequest {
+                available_device_i_ds: devices.into_iter().map(|d| d.id).collect(),
+                must_include_device_i_ds: vec![],
+                allocation_size: 1,
+            }],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let chosen = pref.container_responses[0].device_i_ds.clone();
+    assert_eq!(chosen, vec![format!("{}::0", model.gpus[6].uuid)], "the assigned GPU is preferred");
+    let r = c
+        .allocate(AllocateRequest { container_requests: vec![ContainerAllocateRequest { devices_ids: chosen }] })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.container_responses[0].envs["GPUPLACE_POD"], "ns/p");
+    assert_eq!(r.container_responses[0].envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "25");
+    let marked: Pod = fake.get("ns", "p").unwrap();
+    assert!(marked.annotations()[ANNOTATION_ALLOCATED].contains(r#""containers":["main"]"#));
+    // API errors are exported (none so far)
+    let (_, _, page) = http_get(metrics_addr, "/metrics").await.unwrap();
+    assert!(page.contains("gpuplace_apiserver_errors_total{Hostname=\"cli-api-node\",op=\"pod_patch\"} 0"), "{page}");
 }

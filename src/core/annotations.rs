@@ -5,6 +5,8 @@
 //!   bind, read back by the watchers after a restart and by the device plugin in `Allocate`.
 //! - [`ANNOTATION_INVENTORY`] on a node: its GPUs and their links, published by the device plugin.
 //! - [`ANNOTATION_UTILIZATION`] on a node: the last live sample per GPU, published by the device plugin.
+//! - [`ANNOTATION_ALLOCATED`] on a pod: which of its containers the device plugin has given their GPUs
+//!   (kubelet's `Allocate`), so a restarted plugin never matches one of them again.
 //!
 //! Each value is JSON with a `version`. A reader refuses a version it does not know (a typed error,
 //! never a guess); fields may be added within a version, so unknown fields are skipped.
@@ -30,10 +32,13 @@ pub const ANNOTATION_ASSIGNMENT: &str = "gpuplace.io/assignment";
 pub const ANNOTATION_INVENTORY: &str = "gpuplace.io/inventory";
 /// Node annotation: live utilization per GPU (JSON, [`UtilizationAnnotation`]).
 pub const ANNOTATION_UTILIZATION: &str = "gpuplace.io/utilization";
+/// Pod annotation: the containers the device plugin has allocated (JSON, [`AllocatedAnnotation`]).
+pub const ANNOTATION_ALLOCATED: &str = "gpuplace.io/allocated";
 
 pub const ASSIGNMENT_VERSION: u32 = 1;
 pub const INVENTORY_VERSION: u32 = 1;
 pub const UTILIZATION_VERSION: u32 = 1;
+pub const ALLOCATED_VERSION: u32 = 1;
 
 /// Why an annotation was not accepted. Each message names the annotation and what is wrong with it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -286,6 +291,10 @@ pub struct NodeInventory {
     /// GPU pairs; a pair left out is taken as `SYS` without NVLink, the safe guess.
     #[serde(default)]
     pub links: Vec<InventoryLink>,
+    /// K: the device plugin advertises each GPU as K devices, so at most K containers can hold one
+    /// GPU. Absent when the publisher does not say (inventories written before the field existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slots_per_gpu: Option<u32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -355,6 +364,7 @@ impl NodeInventory {
                 .links()
                 .map(|(a, b, l)| InventoryLink { a: a as u32, b: b as u32, nvlinks: l.nvlinks, pcie: l.pcie })
                 .collect(),
+            slots_per_gpu: None,
         }
     }
 
@@ -462,6 +472,40 @@ impl UtilizationAnnotation {
             }
         }
         unknown
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Allocated containers
+// ---------------------------------------------------------------------------------------------------
+
+/// `gpuplace.io/allocated`: the containers of a pod that the device plugin has given their GPUs.
+///
+/// Written by the device plugin in `Allocate` (a merge patch with the pod's UID as precondition)
+/// before it answers kubelet, so a pod whose containers are all listed is never matched again, even
+/// by a restarted plugin.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AllocatedAnnotation {
+    pub version: u32,
+    /// The UID of the pod it was written for: a marker copied onto another pod means nothing there.
+    #[serde(rename = "podUID")]
+    pub pod_uid: String,
+    /// Container names, sorted, each once.
+    pub containers: BTreeSet<String>,
+}
+
+impl AllocatedAnnotation {
+    pub fn new(pod_uid: &str, containers: impl IntoIterator<Item = String>) -> Self {
+        Self { version: ALLOCATED_VERSION, pod_uid: pod_uid.to_string(), containers: containers.into_iter().collect() }
+    }
+
+    pub fn parse(text: &str) -> Result<Self, AnnotationError> {
+        parse_versioned(ANNOTATION_ALLOCATED, text, ALLOCATED_VERSION)
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
     }
 }
 
@@ -626,6 +670,26 @@ mod tests {
         let n = NodeInventory::parse(minimal).unwrap().to_node("x", BTreeMap::new()).unwrap();
         assert!(n.gpus.iter().all(|g| g.healthy));
         assert_eq!(n.topology.link(0, 1), Some(Link { nvlinks: 0, pcie: PcieLevel::Sys }));
+    }
+
+    #[test]
+    fn allocated_marker_round_trips_and_inventory_carries_k() {
+        let a = AllocatedAnnotation::new("uid-1", ["main".to_string(), "init".to_string(), "main".to_string()]);
+        let text = a.to_json();
+        assert_eq!(text, r#"{"version":1,"podUID":"uid-1","containers":["init","main"]}"#);
+        assert_eq!(AllocatedAnnotation::parse(&text).unwrap(), a);
+        assert!(matches!(
+            AllocatedAnnotation::parse(r#"{"version":2}"#),
+            Err(AnnotationError::UnsupportedVersion { key: ANNOTATION_ALLOCATED, .. })
+        ));
+        assert!(matches!(AllocatedAnnotation::parse("main"), Err(AnnotationError::Json { .. })));
+
+        let mut inv = NodeInventory::from_node(&h100_node("n1"));
+        assert!(!inv.to_json().contains("slotsPerGpu"));
+        inv.slots_per_gpu = Some(10);
+        let text = inv.to_json();
+        assert!(text.contains(r#""slotsPerGpu":10"#), "{text}");
+        assert_eq!(NodeInventory::parse(&text).unwrap().slots_per_gpu, Some(10));
     }
 
     #[test]

@@ -352,15 +352,17 @@ impl Store {
                 return Err(ApiError::stale(r, &key.2));
             }
         }
-        // metadata.uid is immutable: a body naming another UID is refused (422), which makes a UID
-        // in a patch a precondition, as on the real server.
-        let old_uid = meta_str(&old, "uid").unwrap_or_default();
-        if let Some(uid) = meta_str(&new, "uid").filter(|u| !u.is_empty() && *u != old_uid) {
-            return Err(ApiError::invalid(
-                r,
-                &key.2,
-                &format!("metadata.uid: Invalid value: {uid:?}: field is immutable"),
-            ));
+        // A UID in the body is a precondition, as in the real registry: a patch or update meant for
+        // a pod that was deleted and re-created under the same name must not land on the new one.
+        if let Some(uid) = meta_str(&new, "uid").filter(|u| !u.is_empty()) {
+            let have = meta_str(&old, "uid").unwrap_or_default();
+            if uid != have {
+                return Err(ApiError::conflict(
+                    &r.qualified(),
+                    &key.2,
+                    &format!("Precondition failed: UID in precondition: {uid}, UID in object meta: {have}"),
+                ));
+            }
         }
         // Identity and server-set fields are the server's, whatever the body says.
         if let (Some(meta), Some(old_meta)) = (metadata_mut(&mut new), old.get("metadata")) {

@@ -1,0 +1,320 @@
+//! [`KubeAssignments`]: the [`AssignmentSource`] over this node's pods.
+//!
+//! - A watcher (`spec.nodeName=<node>`) feeds a reflector cache, so `Allocate` does not LIST on every
+//!   call; [`refresh`](AssignmentSource::refresh) LISTs afresh (the plugin calls it when the cache has
+//!   no match: kubelet admits a pod moments after it is bound), and so does `pending` until the cache
+//!   has synced once.
+//! - Each pod's `gpuplace.io/assignment` is parsed and validated with the core schema against the
+//!   pod's own request, the node it is bound to and this node's GPUs. A pod whose annotation is
+//!   unparseable, written for another pod or node, or does not match its request is skipped with one
+//!   warning per problem: never matched, never a crash.
+//! - `gpuplace.io/allocated` lists the containers already given their GPUs; a fully allocated pod is
+//!   not pending. [`mark_allocated`](AssignmentSource::mark_allocated) merge-patches it with the pod's
+//!   UID as precondition (a re-created pod of the same name is not marked). Because the cache lags
+//!   its own writes, the source also remembers what it marked (and every marker it has seen) and
+//!   counts those as allocated whatever a view says. A marker that cannot be parsed makes the pod
+//!   skipped (it may be allocated already); a marker written for another UID is ignored.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use gpuplace::core::annotations::{
+    AllocatedAnnotation, AnnotationError, AssignmentAnnotation, ANNOTATION_ALLOCATED, ANNOTATION_ASSIGNMENT,
+};
+use gpuplace::core::cluster::Node;
+use gpuplace::core::resources::{pod_request, ContainerResources, PodSpecView, RequestError};
+use k8s_openapi::api::core::v1::{Container, Pod};
+use kube::api::{ListParams, Patch, PatchParams};
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{watcher, WatchStreamExt};
+use kube::{Api, Client, ResourceExt};
+use serde_json::json;
+use tokio::task::JoinHandle;
+
+use super::{call, CALL_TIMEOUT};
+use crate::assign::{AssignmentSource, PendingPod, PodKey, SourceError};
+use crate::sampler::Telemetry;
+
+/// How long a remembered marker outlives its pod's disappearance from the cache (the cache may not
+/// have seen a pod that a fresh LIST found).
+const FORGET_AFTER: Duration = Duration::from_secs(600);
+/// Distinct problems logged before the record is cleared (bounds memory under a flood of bad pods).
+const MAX_WARNED: usize = 4096;
+
+/// Why a pod on this node is not a candidate for `Allocate`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PodProblem {
+    #[error("no UID")]
+    NoUid,
+    #[error("bound to {bound:?}, not this node {node:?}")]
+    OtherNode { bound: String, node: String },
+    #[error(transparent)]
+    Annotation(#[from] AnnotationError),
+    #[error("its GPU request: {0}")]
+    Request(#[from] RequestError),
+}
+
+fn resources(c: &Container) -> ContainerResources {
+    let text = |m: Option<
+        &std::collections::BTreeMap<String, k8s_openapi::apimachinery::pkg::api::resource::Quantity>,
+    >| { m.map(|m| m.iter().map(|(k, q)| (k.clone(), q.0.clone())).collect()).unwrap_or_default() };
+    let r = c.resources.as_ref();
+    ContainerResources {
+        name: c.name.clone(),
+        requests: text(r.and_then(|r| r.requests.as_ref())),
+        limits: text(r.and_then(|r| r.limits.as_ref())),
+    }
+}
+
+/// The parts of a pod the resource contract reads.
+pub fn spec_view(pod: &Pod) -> PodSpecView {
+    let spec = pod.spec.as_ref();
+    PodSpecView {
+        namespace: pod.namespace().unwrap_or_default(),
+        name: pod.name_any(),
+        labels: pod.labels().clone(),
+        annotations: pod.annotations().clone(),
+        containers: spec.map(|s| s.containers.iter().map(resources).collect()).unwrap_or_default(),
+        init_containers: spec
+            .and_then(|s| s.init_containers.as_ref())
+            .map(|v| v.iter().map(resources).collect())
+            .unwrap_or_default(),
+    }
+}
+
+/// A pod as a candidate: `Ok(None)` when it is not a gpuplace pod awaiting devices (no assignment,
+/// finished, being deleted); `Err` when it carries an assignment that must not be trusted. The
+/// allocated set is the pod's own marker only (the caller adds what it remembers).
+pub fn pending_pod(pod: &Pod, node_name: &str, node: &Node) -> Result<Option<PendingPod>, PodProblem> {
+    let Some(text) = pod.annotations().get(ANNOTATION_ASSIGNMENT) else { return Ok(None) };
+    let finished =
+        pod.status.as_ref().and_then(|s| s.phase.as_deref()).is_some_and(|p| p == "Succeeded" || p == "Failed");
+    if finished || pod.metadata.deletion_timestamp.is_some() {
+        return Ok(None);
+    }
+    let uid = pod.uid().ok_or(PodProblem::NoUid)?;
+    let bound = pod.spec.as_ref().and_then(|s| s.node_name.clone()).unwrap_or_default();
+    if bound != node_name {
+        return Err(PodProblem::OtherNode { bound, node: node_name.to_string() });
+    }
+    let annotation = AssignmentAnnotation::parse(text)?;
+    let request = pod_request(&spec_view(pod))?;
+    let assignment = annotation.validate(&uid, &bound, &request, node)?;
+    let allocated = match pod.annotations().get(ANNOTATION_ALLOCATED) {
+        None => BTreeSet::new(),
+        Some(t) => {
+            let marker = AllocatedAnnotation::parse(t)?;
+            if marker.pod_uid == uid {
+                marker.containers
+            } else {
+                // copied from another pod (a re-applied manifest): says nothing about this one
+                tracing::debug!(pod = %assignment.pod, marker_uid = %marker.pod_uid, "ignoring another pod's allocated marker");
+                BTreeSet::new()
+            }
+        }
+    };
+    Ok(Some(PendingPod {
+        key: PodKey { pod: assignment.pod.clone(), uid },
+        bind_seq: annotation.bind_seq,
+        assignment,
+        allocated,
+    }))
+}
+
+/// Containers known to be allocated, per pod UID.
+#[derive(Debug)]
+struct Known {
+    containers: BTreeSet<String>,
+    /// Last seen in a view or marked.
+    touched: Instant,
+}
+
+impl Known {
+    fn new() -> Self {
+        Self { containers: BTreeSet::new(), touched: Instant::now() }
+    }
+}
+
+/// See the module docs.
+pub struct KubeAssignments {
+    client: Client,
+    node_name: String,
+    node: Node,
+    store: Store<Pod>,
+    telemetry: Arc<Telemetry>,
+    known: Mutex<HashMap<String, Known>>,
+    warned: Mutex<HashSet<String>>,
+    /// Per API call: Allocate waits on it.
+    timeout: Duration,
+    watch: JoinHandle<()>,
+}
+
+impl Drop for KubeAssignments {
+    fn drop(&mut self) {
+        self.watch.abort();
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // plain bookkeeping: a panic elsewhere leaves it usable
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl KubeAssignments {
+    /// Starts watching this node's pods. `node` is this node as the cluster model sees it (its GPUs
+    /// by UUID and index), what assignments are validated against. Needs a tokio runtime.
+    pub fn start(client: Client, node_name: &str, node: Node, telemetry: Arc<Telemetry>) -> Arc<Self> {
+        Self::start_with_timeout(client, node_name, node, telemetry, CALL_TIMEOUT)
+    }
+
+    /// [`start`](Self::start) with another limit per API call (tests of outages).
+    pub fn start_with_timeout(
+        client: Client,
+        node_name: &str,
+        node: Node,
+        telemetry: Arc<Telemetry>,
+        timeout: Duration,
+    ) -> Arc<Self> {
+        let (store, writer) = reflector::store();
+        let config = watcher::Config::default().fields(&format!("spec.nodeName={node_name}"));
+        let stream = watcher(Api::<Pod>::all(client.clone()), config).default_backoff().reflect(writer);
+        let watch = tokio::spawn({
+            let telemetry = telemetry.clone();
+            let node = node_name.to_string();
+            async move {
+                let mut failing = false;
+                let mut stream = std::pin::pin!(stream);
+                while let Some(event) = stream.next().await {
+                    match event {
+                        Ok(_) if failing => {
+                            failing = false;
+                            tracing::info!(%node, "watching this node's pods again");
+                        }
+                        Ok(_) => {}
+                        Err(e) => {
+                            telemetry.api_error("pods_watch");
+                            // once per outage; the backoff retries
+                            if !failing {
+                                tracing::warn!(%node, error = %e, "watching this node's pods failed; retrying");
+                            }
+                            failing = true;
+                        }
+                    }
+                }
+            }
+        });
+        Arc::new(Self {
+            client,
+            node_name: node_name.to_string(),
+            node,
+            store,
+            telemetry,
+            known: Mutex::new(HashMap::new()),
+            warned: Mutex::new(HashSet::new()),
+            timeout,
+            watch,
+        })
+    }
+
+    fn synced(&self) -> bool {
+        use futures::FutureExt;
+        matches!(self.store.wait_until_ready().now_or_never(), Some(Ok(())))
+    }
+
+    async fn list(&self) -> Result<Vec<Pod>, SourceError> {
+        let api: Api<Pod> = Api::all(self.client.clone());
+        let params = ListParams::default().fields(&format!("spec.nodeName={}", self.node_name));
+        match call("pods_list", self.timeout, api.list(&params)).await {
+            Ok(list) => Ok(list.items),
+            Err(e) => {
+                self.telemetry.api_error("pods_list");
+                Err(SourceError::Unavailable(format!("listing the pods of node {}: {e}", self.node_name)))
+            }
+        }
+    }
+
+    /// Candidates from a view of the node's pods, with what this source remembers added.
+    fn candidates<'a>(&self, pods: impl Iterator<Item = &'a Pod>) -> Vec<PendingPod> {
+        let mut out = Vec::new();
+        let mut known = lock(&self.known);
+        for pod in pods {
+            match pending_pod(pod, &self.node_name, &self.node) {
+                Ok(None) => {}
+                Ok(Some(mut p)) => {
+                    let k = known.entry(p.key.uid.clone()).or_insert_with(Known::new);
+                    k.containers.extend(p.allocated.iter().cloned());
+                    k.touched = Instant::now();
+                    p.allocated.extend(k.containers.iter().cloned());
+                    let waiting =
+                        p.assignment.containers.iter().any(|c| !c.slices.is_empty() && !p.allocated.contains(&c.name));
+                    if waiting {
+                        out.push(p);
+                    }
+                }
+                Err(problem) => self.warn_once(pod, &problem),
+            }
+        }
+        out
+    }
+
+    fn warn_once(&self, pod: &Pod, problem: &PodProblem) {
+        let who = format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any());
+        let key = format!("{}|{problem}", pod.uid().unwrap_or_default());
+        let mut warned = lock(&self.warned);
+        if warned.len() >= MAX_WARNED {
+            warned.clear();
+        }
+        if warned.insert(key) {
+            tracing::warn!(pod = %who, problem = %problem, "skipping the pod's gpuplace assignment; it will not be matched");
+        }
+    }
+
+    /// Forgets markers of pods the cache no longer has, once they are old enough that a lagging
+    /// cache cannot bring the pod back unmarked.
+    fn forget_gone(&self) {
+        let live: HashSet<String> = self.store.state().iter().filter_map(|p| p.uid()).collect();
+        let now = Instant::now();
+        lock(&self.known).retain(|uid, k| live.contains(uid) || now.duration_since(k.touched) < FORGET_AFTER);
+    }
+}
+
+#[tonic::async_trait]
+impl AssignmentSource for KubeAssignments {
+    async fn pending(&self) -> Result<Vec<PendingPod>, SourceError> {
+        if !self.synced() {
+            return self.refresh().await;
+        }
+        self.forget_gone();
+        let pods = self.store.state();
+        Ok(self.candidates(pods.iter().map(|p| p.as_ref())))
+    }
+
+    async fn refresh(&self) -> Result<Vec<PendingPod>, SourceError> {
+        let pods = self.list().await?;
+        Ok(self.candidates(pods.iter()))
+    }
+
+    async fn mark_allocated(&self, pod: &PodKey, container: &str) -> Result<(), SourceError> {
+        let fail = |message: String| SourceError::Mark { pod: pod.pod.clone(), container: container.into(), message };
+        let (ns, name) = pod.pod.split_once('/').ok_or_else(|| fail("not a namespace/name key".into()))?;
+        let mut containers = lock(&self.known).get(&pod.uid).map(|k| k.containers.clone()).unwrap_or_default();
+        containers.insert(container.to_string());
+        let marker = AllocatedAnnotation::new(&pod.uid, containers.iter().cloned());
+        // the UID makes it a precondition: a re-created pod of the same name gets a 409, not a marker
+        let patch = json!({"metadata": {"uid": pod.uid, "annotations": {ANNOTATION_ALLOCATED: marker.to_json()}}});
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), ns);
+        if let Err(e) =
+            call("pod_patch", self.timeout, api.patch(name, &PatchParams::default(), &Patch::Merge(&patch))).await
+        {
+            self.telemetry.api_error("pod_patch");
+            return Err(fail(e.to_string()));
+        }
+        let mut known = lock(&self.known);
+        let k = known.entry(pod.uid.clone()).or_insert_with(Known::new);
+        k.containers.extend(containers);
+        k.touched = Instant::now();
+        Ok(())
+    }
+}

@@ -1,0 +1,75 @@
+//! The plugin's side of the Kubernetes API. Named `k8s` so that the `kube` crate stays visible.
+//!
+//! - [`assignments::KubeAssignments`]: the [`crate::assign::AssignmentSource`] over this node's pods
+//!   (a watch-backed cache, with a fresh LIST when the cache has no match) and the
+//!   `gpuplace.io/allocated` marker.
+//! - [`node::NodeSync`]: `gpuplace.io/gpu-mem` and `gpuplace.io/gpu-core` capacity and allocatable
+//!   in the node's status, and the `gpuplace.io/inventory` annotation, kept correct across kubelet
+//!   restarts and health changes.
+//! - [`utilization::KubeUtilizationSink`]: the [`crate::publish::UtilizationSink`] writing
+//!   `gpuplace.io/utilization` on the node.
+//! - [`inventory`]: what the node publishes, computed from the discovered GPUs and their health (pure).
+//!
+//! The calls, and so the RBAC (scheduler-config/device-plugin/rbac.yaml): pods list and watch (field
+//! selector `spec.nodeName`) and patch; its node get and patch; `nodes/status` patch. A failed call
+//! never stops the plugin: it is logged, counted in `gpuplace_apiserver_errors_total{op}`, and
+//! retried (the loops) or reported to kubelet as `Unavailable` (Allocate).
+
+pub mod assignments;
+pub mod inventory;
+pub mod node;
+pub mod utilization;
+
+use std::future::Future;
+use std::time::Duration;
+
+/// Labels of `gpuplace_apiserver_errors_total`, all exported from the start.
+pub const API_OPS: [&str; 6] = ["pods_list", "pods_watch", "pod_patch", "node_get", "node_patch", "node_status_patch"];
+
+/// How long one API call may take. kubelet waits on Allocate, so a hung API server must turn into a
+/// clear error quickly rather than a stuck admission; kube's own retries of 503/429 fit inside.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Why an API call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    #[error("{op}: {source}")]
+    Api {
+        op: &'static str,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("{op}: no answer from the API server within {timeout:?}")]
+    Timeout { op: &'static str, timeout: Duration },
+}
+
+impl CallError {
+    /// The operation, the `op` label of `gpuplace_apiserver_errors_total`.
+    pub fn op(&self) -> &'static str {
+        match self {
+            CallError::Api { op, .. } | CallError::Timeout { op, .. } => op,
+        }
+    }
+
+    /// The API's HTTP status, when the server answered with one.
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            CallError::Api { source: kube::Error::Api(s), .. } => Some(s.code),
+            _ => None,
+        }
+    }
+}
+
+/// Runs one API call under `timeout`, labelling a failure with `op`. kube's client retries 503, 429
+/// and 504 itself for more than a minute, so an outage ends here, at the timeout.
+pub async fn call<T>(
+    op: &'static str,
+    timeout: Duration,
+    f: impl Future<Output = Result<T, kube::Error>>,
+) -> Result<T, CallError> {
+    match tokio::time::timeout(timeout, f).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(source)) => Err(CallError::Api { op, source }),
+        Err(_) => Err(CallError::Timeout { op, timeout }),
+    }
+}

@@ -1,0 +1,591 @@
+//! The plugin's Kubernetes side against the in-process fake API server (`gpuplace::apiserver::fake`),
+//! with the fake kubelet over real gRPC: node status and annotations, the utilization sink, and
+//! Allocate finding pods by the extender's assignments.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{topology, Harness, WAIT};
+use gpuplace::apiserver::fake::FakeApiServer;
+use gpuplace::core::annotations::{
+    AllocatedAnnotation, AssignmentAnnotation, GpuUtilization, NodeInventory, UtilizationAnnotation,
+    ANNOTATION_ALLOCATED, ANNOTATION_ASSIGNMENT, ANNOTATION_INVENTORY, ANNOTATION_UTILIZATION,
+};
+use gpuplace::core::cluster::{ContainerAssignment, GpuSlice, Node as ModelNode, PodAssignment};
+use gpuplace_device_plugin::api::v1beta1::device_plugin_client::DevicePluginClient;
+use gpuplace_device_plugin::api::v1beta1::{
+    AllocateRequest, ContainerAllocateRequest, ContainerAllocateResponse, ContainerPreferredAllocationRequest,
+    PreferredAllocationRequest,
+};
+use gpuplace_device_plugin::assign::{AssignmentSource, PendingPod};
+use gpuplace_device_plugin::k8s::assignments::KubeAssignments;
+use gpuplace_device_plugin::k8s::inventory::cluster_node;
+use gpuplace_device_plugin::k8s::node::{NodeSync, Reconciled};
+use gpuplace_device_plugin::k8s::utilization::KubeUtilizationSink;
+use gpuplace_device_plugin::nvml::fake::{FakeBackend, Fault};
+use gpuplace_device_plugin::nvml::{GpuBackend, Inventory};
+use gpuplace_device_plugin::plugin::PluginConfig;
+use gpuplace_device_plugin::publish::UtilizationSink;
+use gpuplace_device_plugin::sampler::Telemetry;
+use gpuplace_device_plugin::slots::slot_id;
+use k8s_openapi::api::core::v1::{
+    Binding, Container, Node, ObjectReference, Pod, PodSpec, PodStatus, ResourceRequirements,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::PostParams;
+use kube::{Api, ResourceExt};
+use serde_json::Value;
+use tonic::transport::Channel;
+use tonic::Code;
+
+/// The Kubernetes node; also the fake backend's UUID seed in the harness.
+const NODE: &str = "test-node";
+const H100_MIB: u64 = 81559;
+
+fn inventory(topo: &str) -> Inventory {
+    FakeBackend::load(&topology(topo), NODE).unwrap().inventory().unwrap()
+}
+
+fn model() -> ModelNode {
+    cluster_node(&inventory("hgx-h100-8"), NODE).unwrap()
+}
+
+fn k8s_node(name: &str) -> Node {
+    Node { metadata: ObjectMeta { name: Some(name.into()), ..Default::default() }, ..Default::default() }
+}
+
+/// Resource limits, name and quantity.
+type Limits<'a> = &'a [(&'a str, &'a str)];
+
+/// A pod whose containers (name, init, limits) ask for gpuplace resources.
+fn gpu_pod(ns: &str, name: &str, containers: &[(&str, bool, Limits)]) -> Pod {
+    let container = |(cname, res): (&str, Limits)| Container {
+        name: cname.into(),
+        resources: Some(ResourceRequirements {
+            limits: Some(res.iter().map(|(k, v)| (k.to_string(), Quantity(v.to_string()))).collect()),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let apps: Vec<Container> = containers.iter().filter(|c| !c.1).map(|c| container((c.0, c.2))).collect();
+    let inits: Vec<Container> = containers.iter().filter(|c| c.1).map(|c| container((c.0, c.2))).collect();
+    Pod {
+        metadata: ObjectMeta { name: Some(name.into()), namespace: Some(ns.into()), ..Default::default() },
+        spec: Some(PodSpec {
+            containers: apps,
+            init_containers: if inits.is_empty() { None } else { Some(inits) },
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+const SHARE_20G_25: &[(&str, &str)] =
+    &[("gpuplace.io/gpu", "1"), ("gpuplace.io/gpu-mem", "20480"), ("gpuplace.io/gpu-core", "25")];
+const SHARE_10G_10: &[(&str, &str)] =
+    &[("gpuplace.io/gpu", "1"), ("gpuplace.io/gpu-mem", "10240"), ("gpuplace.io/gpu-core", "10")];
+const WHOLE_2: &[(&str, &str)] = &[("gpuplace.io/gpu", "2")];
+
+fn share(gpu: u32, mem_mib: u64, core_pct: u32) -> GpuSlice {
+    GpuSlice { gpu, mem_mib, core_pct, exclusive: false }
+}
+
+fn whole(gpu: u32) -> GpuSlice {
+    GpuSlice { gpu, mem_mib: H100_MIB, core_pct: 100, exclusive: true }
+}
+
+/// Creates the pod and binds it to [`NODE`] with the assignment annotation, as the extender's bind
+/// does (annotation and Binding in one call); returns the pod's UID.
+async fn bind(fake: &FakeApiServer, pod: Pod, containers: Vec<(&str, bool, Vec<GpuSlice>)>, seq: u64) -> String {
+    let (ns, name) = (pod.namespace().unwrap(), pod.name_any());
+    let uid = fake.put(&pod).uid().unwrap();
+    let record = PodAssignment {
+        pod: format!("{ns}/{name}"),
+        node: NODE.into(),
+        containers: containers
+            .into_iter()
+            .map(|(c, init, slices)| ContainerAssignment { name: c.into(), init, slices })
+            .collect(),
+        cpu_milli: 0,
+        memory_mib: 0,
+        group: None,
+    };
+    let ann = AssignmentAnnotation::from_assignment(&record, &uid, &model(), seq).unwrap();
+    bind_raw(fake, &ns, &name, &ann.to_json()).await;
+    uid
+}
+
+/// A Binding carrying `annotation` (any text) as the assignment.
+async fn bind_raw(fake: &FakeApiServer, ns: &str, name: &str, annotation: &str) {
+    let binding = Binding {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            annotations: Some([(ANNOTATION_ASSIGNMENT.to_string(), annotation.to_string())].into()),
+            ..Default::default()
+        },
+        target: ObjectReference { kind: Some("Node".into()), name: Some(NODE.into()), ..Default::default() },
+    };
+    let pods: Api<Pod> = Api::namespaced(fake.client().unwrap(), ns);
+    let _: Value = pods.create_subresource("binding", name, &PostParams::default(), &binding).await.unwrap();
+}
+
+fn allocated(fake: &FakeApiServer, ns: &str, name: &str) -> Option<AllocatedAnnotation> {
+    let pod: Pod = fake.get(ns, name)?;
+    pod.annotations().get(ANNOTATION_ALLOCATED).map(|t| AllocatedAnnotation::parse(t).unwrap())
+}
+
+fn containers(names: &[&str]) -> BTreeSet<String> {
+    names.iter().map(|s| s.to_string()).collect()
+}
+
+struct Slots {
+    uuids: Vec<String>,
+}
+
+impl Slots {
+    fn of(h: &Harness) -> Self {
+        Self { uuids: h.plugin.gpus().iter().map(|g| g.uuid.clone()).collect() }
+    }
+    fn id(&self, gpu: u32, slot: u32) -> String {
+        slot_id(&self.uuids[gpu as usize], slot)
+    }
+    fn all(&self, k: u32) -> Vec<String> {
+        (0..self.uuids.len() as u32).flat_map(|g| (0..k).map(move |s| (g, s))).map(|(g, s)| self.id(g, s)).collect()
+    }
+    fn gpus(&self, ids: &[String]) -> BTreeSet<u32> {
+        ids.iter()
+            .map(|id| self.uuids.iter().position(|u| *u == id.rsplit_once("::").unwrap().0).unwrap() as u32)
+            .collect()
+    }
+}
+
+async fn allocate(
+    c: &mut DevicePluginClient<Channel>,
+    ids: Vec<String>,
+) -> Result<ContainerAllocateResponse, tonic::Status> {
+    let req = AllocateRequest { container_requests: vec![ContainerAllocateRequest { devices_ids: ids }] };
+    Ok(c.allocate(req).await?.into_inner().container_responses.remove(0))
+}
+
+async fn preferred(c: &mut DevicePluginClient<Channel>, available: Vec<String>, size: i32) -> Vec<String> {
+    let req = PreferredAllocationRequest {
+        container_requests: vec![ContainerPreferredAllocationRequest {
+            available_device_i_ds: available,
+            must_include_device_i_ds: vec![],
+            allocation_size: size,
+        }],
+    };
+    c.get_preferred_allocation(req).await.unwrap().into_inner().container_responses.remove(0).device_i_ds
+}
+
+/// The plugin with a Kubernetes assignment source, serving the fake kubelet.
+async fn harness(fake: &FakeApiServer, k: u32) -> (Harness, Arc<KubeAssignments>, Arc<Telemetry>) {
+    let telemetry = Telemetry::new(8, false);
+    telemetry.enable_api();
+    // a short limit per call keeps the outage test short (the plugin's default is 5 s)
+    let source = KubeAssignments::start_with_timeout(
+        fake.client().unwrap(),
+        NODE,
+        model(),
+        telemetry.clone(),
+        Duration::from_secs(1),
+    );
+    let config = PluginConfig { slots_per_gpu: k, ..PluginConfig::default() };
+    let h = Harness::start("hgx-h100-8", config, Some(source.clone() as Arc<dyn AssignmentSource>)).await;
+    (h, source, telemetry)
+}
+
+fn pods_named(pending: &[PendingPod]) -> Vec<String> {
+    let mut v: Vec<String> = pending.iter().map(|p| p.key.pod.clone()).collect();
+    v.sort();
+    v
+}
+
+// ---------------------------------------------------------------------------------------------------
+
+fn quantity(n: &Node, list: &str, key: &str) -> Option<String> {
+    let st = n.status.as_ref()?;
+    let m = if list == "capacity" { st.capacity.as_ref() } else { st.allocatable.as_ref() }?;
+    m.get(key).map(|q| q.0.clone())
+}
+
+fn node_inventory(fake: &FakeApiServer) -> Option<NodeInventory> {
+    let n: Node = fake.get("", NODE)?;
+    n.annotations().get(ANNOTATION_INVENTORY).map(|t| NodeInventory::parse(t).unwrap())
+}
+
+fn has_capacity(fake: &FakeApiServer, mem: u64, core: u64) -> bool {
+    let Some(n) = fake.get::<Node>("", NODE) else { return false };
+    ["capacity", "allocatable"].iter().all(|l| {
+        quantity(&n, l, "gpuplace.io/gpu-mem") == Some(mem.to_string())
+            && quantity(&n, l, "gpuplace.io/gpu-core") == Some(core.to_string())
+    })
+}
+
+#[tokio::test]
+async fn node_capacity_and_inventory_survive_kubelet_restarts_and_follow_health() {
+    let fake = FakeApiServer::start().await.unwrap();
+    fake.put(&k8s_node(NODE));
+    let mut h = Harness::start("hgx-h100-8", PluginConfig::default(), None).await;
+    let telemetry = Telemetry::new(8, false);
+    let inv = inventory("hgx-h100-8");
+    // a long resync: every write below is caused by a registration or a health change
+    let sync = NodeSync::new(
+        fake.client().unwrap(),
+        NODE,
+        inv.clone(),
+        h.plugin.clone(),
+        telemetry.clone(),
+        Duration::from_secs(3600),
+    );
+    let task = tokio::spawn(sync.run());
+    let _ = h.register_and_connect().await;
+
+    // one pass writes the status, then the annotation
+    let written = |f: &FakeApiServer| has_capacity(f, 8 * H100_MIB, 800) && node_inventory(f).is_some();
+    assert!(fake.wait_until(WAIT, written).await, "capacity 8 GPUs and the inventory");
+    let ann = node_inventory(&fake).expect("inventory annotation");
+    assert_eq!(ann.slots_per_gpu, Some(10));
+    assert_eq!(ann.gpus.len(), 8);
+    assert!(ann.gpus.iter().all(|g| g.healthy));
+    assert_eq!(
+        ann.gpus.iter().map(|g| g.uuid.clone()).collect::<Vec<_>>(),
+        inv.gpus.iter().map(|g| g.uuid.clone()).collect::<Vec<_>>()
+    );
+    assert!(ann.to_node(NODE, BTreeMap::new()).is_ok(), "the extender can read it");
+
+    // kubelet restarts: it zeroes extended resources it does not manage, then the plugin re-registers
+    let mut zeroed: Node = fake.get("", NODE).unwrap();
+    let st = zeroed.status.get_or_insert_with(Default::default);
+    for list in [st.capacity.get_or_insert_with(Default::default), st.allocatable.get_or_insert_with(Default::default)]
+    {
+        list.insert("gpuplace.io/gpu-mem".into(), Quantity("0".into()));
+        list.insert("gpuplace.io/gpu-core".into(), Quantity("0".into()));
+    }
+    fake.put(&zeroed);
+    h.restart_kubelet().await;
+    let _ = h.register_and_connect().await;
+    assert!(fake.wait_until(WAIT, |f| has_capacity(f, 8 * H100_MIB, 800)).await, "re-applied after the restart");
+
+    // GPU 3 falls off the bus: the inventory marks it, capacity drops by one GPU
+    h.backend.inject(3, Fault::FallOffBus).unwrap();
+    assert!(fake.wait_until(WAIT, |f| has_capacity(f, 7 * H100_MIB, 700)).await, "capacity without GPU 3");
+    assert!(fake.wait_until(WAIT, |f| node_inventory(f).is_some_and(|i| !i.gpus[3].healthy)).await);
+    assert_eq!(node_inventory(&fake).unwrap().gpus.iter().filter(|g| g.healthy).count(), 7);
+    task.abort();
+
+    // a pass that finds everything in place writes nothing
+    let sync = NodeSync::new(
+        fake.client().unwrap(),
+        NODE,
+        inv.clone(),
+        h.plugin.clone(),
+        telemetry.clone(),
+        Duration::from_secs(3600),
+    );
+    fake.clear_requests();
+    assert_eq!(sync.reconcile().await.unwrap(), Reconciled::default());
+    assert!(fake.requests().iter().all(|r| r.method == "GET"), "{:?}", fake.requests());
+
+    // failures are errors, counted, and the next pass repairs
+    fake.fail_next("PATCH", "/api/v1/nodes/test-node/status", 1, 500);
+    h.backend.inject(3, Fault::Recover).unwrap();
+    for _ in 0..500 {
+        if h.plugin.is_healthy(3) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(h.plugin.is_healthy(3), "GPU 3 recovered");
+    let e = sync.reconcile().await.unwrap_err();
+    assert!(e.to_string().contains("node_status_patch"), "{e}");
+    assert_eq!(telemetry.snapshot().api_errors.get("node_status_patch"), Some(&1));
+    let done = sync.reconcile().await.unwrap();
+    assert!(done.status_patched && done.inventory_patched);
+    assert!(has_capacity(&fake, 8 * H100_MIB, 800));
+    // a node that does not exist is a clear error, not a crash
+    let other = NodeSync::new(
+        fake.client().unwrap(),
+        "no-such-node",
+        inv,
+        h.plugin.clone(),
+        telemetry.clone(),
+        Duration::from_secs(1),
+    );
+    assert!(other.reconcile().await.unwrap_err().to_string().contains("no-such-node does not exist"));
+    h.shutdown().await;
+}
+
+#[tokio::test]
+async fn utilization_sink_patches_the_node_annotation() {
+    let fake = FakeApiServer::start().await.unwrap();
+    let mut node = k8s_node(NODE);
+    node.metadata.annotations = Some([("keep".to_string(), "me".to_string())].into());
+    fake.put(&node);
+    let telemetry = Telemetry::new(8, false);
+    let sink = KubeUtilizationSink::new(fake.client().unwrap(), NODE, telemetry.clone());
+    let value = UtilizationAnnotation {
+        version: 1,
+        at_unix_ms: 1_700_000_000_000,
+        gpus: vec![GpuUtilization { uuid: "GPU-a".into(), sm_percent: 55, memory_used_mib: 1234 }],
+    };
+    sink.publish(&value).await.unwrap();
+    let stored: Node = fake.get("", NODE).unwrap();
+    assert_eq!(UtilizationAnnotation::parse(&stored.annotations()[ANNOTATION_UTILIZATION]).unwrap(), value);
+    assert_eq!(stored.annotations()["keep"], "me", "a merge patch leaves other annotations alone");
+    assert_eq!(fake.requests().last().unwrap().content_type.as_deref(), Some("application/merge-patch+json"));
+
+    fake.fail_next("PATCH", "/api/v1/nodes/*", 1, 500);
+    let e = sink.publish(&value).await.unwrap_err();
+    assert!(e.to_string().contains("gpuplace.io/utilization") && e.to_string().contains(NODE), "{e}");
+    assert_eq!(telemetry.snapshot().api_errors.get("node_patch"), Some(&1));
+    sink.publish(&value).await.unwrap();
+}
+
+#[tokio::test]
+async fn allocate_applies_the_extenders_assignments_in_bind_order_and_out_of_order() {
+    let fake = FakeApiServer::start().await.unwrap();
+    fake.put(&k8s_node(NODE));
+    let k = 4;
+    // bound before the plugin starts: found by the watcher's initial list
+    bind(
+        &fake,
+        gpu_pod("ns", "share-a", &[("main", false, SHARE_20G_25)]),
+        vec![("main", false, vec![share(1, 20480, 25)])],
+        1,
+    )
+    .await;
+    bind(
+        &fake,
+        gpu_pod("ns", "share-b", &[("main", false, SHARE_10G_10)]),
+        vec![("main", false, vec![share(1, 10240, 10)])],
+        2,
+    )
+    .await;
+    let pair_uid = bind(
+        &fake,
+        gpu_pod("ns", "pair", &[("train", false, WHOLE_2)]),
+        vec![("train", false, vec![whole(2), whole(3)])],
+        3,
+    )
+    .await;
+    bind(
+        &fake,
+        gpu_pod("ns", "late", &[("main", false, SHARE_20G_25)]),
+        vec![("main", false, vec![share(6, 20480, 25)])],
+        4,
+    )
+    .await;
+    // same shape as share-a, same GPU, bound later
+    bind(
+        &fake,
+        gpu_pod("ns", "share-c", &[("main", false, SHARE_20G_25)]),
+        vec![("main", false, vec![share(1, 20480, 25)])],
+        5,
+    )
+    .await;
+    // an init container and an app container of one pod, on GPU 4
+    bind(
+        &fake,
+        gpu_pod("ns", "init", &[("main", false, SHARE_10G_10), ("warm", true, SHARE_10G_10)]),
+        vec![("main", false, vec![share(4, 10240, 10)]), ("warm", true, vec![share(4, 10240, 10)])],
+        6,
+    )
+    .await;
+    // a pod without gpuplace resources and one on another node: neither is a candidate
+    fake.put(&Pod {
+        spec: Some(PodSpec { node_name: Some(NODE.into()), ..Default::default() }),
+        ..gpu_pod("ns", "plain", &[])
+    });
+
+    let (mut h, source, _telemetry) = harness(&fake, k).await;
+    let (_, mut c) = h.register_and_connect().await;
+    let slots = Slots::of(&h);
+    assert_eq!(
+        pods_named(&source.pending().await.unwrap()),
+        ["ns/init", "ns/late", "ns/pair", "ns/share-a", "ns/share-b", "ns/share-c"]
+    );
+
+    // the two-GPU pod: preference and Allocate follow its assignment
+    let got = preferred(&mut c, slots.all(k), 2).await;
+    assert_eq!(slots.gpus(&got), BTreeSet::from([2, 3]));
+    let r = allocate(&mut c, got).await.unwrap();
+    assert_eq!(r.envs["GPUPLACE_POD"], "ns/pair");
+    assert_eq!(r.envs["NVIDIA_VISIBLE_DEVICES"], format!("{},{}", slots.uuids[2], slots.uuids[3]));
+    let marker = allocated(&fake, "ns", "pair").expect("marked on the pod");
+    assert_eq!((marker.pod_uid.as_str(), marker.containers), (pair_uid.as_str(), containers(&["train"])));
+
+    // out of bind order: ns/late (GPU 6) before the shares of GPU 1
+    let r = allocate(&mut c, vec![slots.id(6, 0)]).await.unwrap();
+    assert_eq!((r.envs["GPUPLACE_POD"].as_str(), r.envs["GPUPLACE_GPU_MEM_MIB"].as_str()), ("ns/late", "20480"));
+    // GPU 1, concurrently twice: bind order gives share-a then share-b, each once, each on GPU 1
+    let (mut c1, mut c2) = (c.clone(), c.clone());
+    let (a, b) = tokio::join!(allocate(&mut c1, vec![slots.id(1, 0)]), allocate(&mut c2, vec![slots.id(1, 1)]));
+    let (a, b) = (a.unwrap(), b.unwrap());
+    let mut got = [a.envs["GPUPLACE_POD"].clone(), b.envs["GPUPLACE_POD"].clone()];
+    got.sort();
+    assert_eq!(got, ["ns/share-a".to_string(), "ns/share-b".to_string()]);
+    for r in [&a, &b] {
+        assert_eq!(r.envs["NVIDIA_VISIBLE_DEVICES"], slots.uuids[1]);
+        let want = if r.envs["GPUPLACE_POD"] == "ns/share-a" { "0=20480M" } else { "0=10240M" };
+        assert_eq!(r.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], want);
+    }
+    // the init container first, then the app container of the same pod
+    let r = allocate(&mut c, vec![slots.id(4, 0)]).await.unwrap();
+    assert_eq!((r.envs["GPUPLACE_POD"].as_str(), r.envs["GPUPLACE_CONTAINER"].as_str()), ("ns/init", "warm"));
+    let r = allocate(&mut c, vec![slots.id(4, 0)]).await.unwrap();
+    assert_eq!((r.envs["GPUPLACE_POD"].as_str(), r.envs["GPUPLACE_CONTAINER"].as_str()), ("ns/init", "main"));
+    assert_eq!(allocated(&fake, "ns", "init").unwrap().containers, containers(&["main", "warm"]));
+
+    // bound now and admitted at once: the cache may not have it; the fresh list does
+    bind(
+        &fake,
+        gpu_pod("ns", "fresh", &[("main", false, SHARE_10G_10)]),
+        vec![("main", false, vec![share(7, 10240, 10)])],
+        7,
+    )
+    .await;
+    let r = allocate(&mut c, vec![slots.id(7, 0)]).await.unwrap();
+    assert_eq!(r.envs["GPUPLACE_POD"], "ns/fresh");
+
+    // GPU 5: nobody's assignment. A clear refusal that lists what waits, never some other pod's GPU
+    let e = allocate(&mut c, vec![slots.id(5, 0)]).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition);
+    assert!(e.message().contains("GPU(s) [5]") && e.message().contains("ns/share-c/main on [1]"), "{}", e.message());
+    // GPU 1 once more: share-c, the last one there
+    assert_eq!(allocate(&mut c, vec![slots.id(1, 2)]).await.unwrap().envs["GPUPLACE_POD"], "ns/share-c");
+    assert!(fake.wait_until(WAIT, |f| allocated(f, "ns", "share-c").is_some()).await);
+    h.shutdown().await;
+    drop(source);
+
+    // a restarted plugin reads the markers: nothing is pending, nothing is matched twice
+    let (mut h, source, _) = harness(&fake, k).await;
+    let (_, mut c) = h.register_and_connect().await;
+    assert!(source.pending().await.unwrap().is_empty());
+    let e = allocate(&mut c, vec![Slots::of(&h).id(1, 3)]).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition);
+    h.shutdown().await;
+}
+
+#[tokio::test]
+async fn corrupt_forged_and_mismatched_annotations_are_skipped_never_matched() {
+    let fake = FakeApiServer::start().await.unwrap();
+    fake.put(&k8s_node(NODE));
+    let one = |name: &str| gpu_pod("bad", name, &[("main", false, SHARE_20G_25)]);
+    let slice = |gpu| vec![("main", false, vec![share(gpu, 20480, 25)])];
+    // unparseable, an unknown version, empty
+    for (name, text) in [("garbage", "{not json"), ("v9", r#"{"version":9}"#), ("empty", "")] {
+        fake.put(&one(name));
+        bind_raw(&fake, "bad", name, text).await;
+    }
+    // copied from another pod (wrong UID)
+    let donor_uid = bind(&fake, one("donor"), slice(0), 1).await;
+    let donor: Pod = fake.get("bad", "donor").unwrap();
+    fake.put(&one("copy"));
+    bind_raw(&fake, "bad", "copy", &donor.annotations()[ANNOTATION_ASSIGNMENT]).await;
+    // the request says 20480 MiB, the annotation 40960 MiB
+    let uid = fake.put(&one("greedy")).uid().unwrap();
+    let mut rec = AssignmentAnnotation::parse(&donor.annotations()[ANNOTATION_ASSIGNMENT]).unwrap();
+    rec.pod_uid = uid;
+    rec.containers[0].gpus[0].memory_mib = 40960;
+    bind_raw(&fake, "bad", "greedy", &rec.to_json()).await;
+    // names another node
+    let uid = fake.put(&one("elsewhere")).uid().unwrap();
+    let mut rec = AssignmentAnnotation::parse(&donor.annotations()[ANNOTATION_ASSIGNMENT]).unwrap();
+    (rec.pod_uid, rec.node) = (uid, "other-node".into());
+    bind_raw(&fake, "bad", "elsewhere", &rec.to_json()).await;
+    // a GPU this node does not have
+    let uid = fake.put(&one("forged-gpu")).uid().unwrap();
+    let mut rec = AssignmentAnnotation::parse(&donor.annotations()[ANNOTATION_ASSIGNMENT]).unwrap();
+    rec.pod_uid = uid;
+    rec.containers[0].gpus[0].uuid = "GPU-00000000-forged".into();
+    bind_raw(&fake, "bad", "forged-gpu", &rec.to_json()).await;
+    // a corrupt allocated marker: it may be allocated already, so it is skipped too
+    bind(&fake, one("bad-marker"), slice(2), 2).await;
+    let mut p: Pod = fake.get("bad", "bad-marker").unwrap();
+    p.annotations_mut().insert(ANNOTATION_ALLOCATED.into(), "main".into());
+    fake.put(&p);
+    // another pod's marker means nothing here
+    bind(&fake, one("foreign-marker"), slice(3), 3).await;
+    let mut p: Pod = fake.get("bad", "foreign-marker").unwrap();
+    p.annotations_mut()
+        .insert(ANNOTATION_ALLOCATED.into(), AllocatedAnnotation::new(&donor_uid, ["main".to_string()]).to_json());
+    fake.put(&p);
+    // finished pods are never candidates
+    bind(&fake, one("done"), slice(4), 4).await;
+    let mut p: Pod = fake.get("bad", "done").unwrap();
+    p.status = Some(PodStatus { phase: Some("Succeeded".into()), ..Default::default() });
+    fake.put(&p);
+
+    let (mut h, source, _) = harness(&fake, 2).await;
+    let (_, mut c) = h.register_and_connect().await;
+    assert_eq!(pods_named(&source.pending().await.unwrap()), ["bad/donor", "bad/foreign-marker"]);
+    let slots = Slots::of(&h);
+    // GPU 0: donor's own assignment, once; the copy on another pod never matches
+    assert_eq!(allocate(&mut c, vec![slots.id(0, 0)]).await.unwrap().envs["GPUPLACE_POD"], "bad/donor");
+    let e = allocate(&mut c, vec![slots.id(0, 1)]).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{}", e.message());
+    for gpu in [2, 4] {
+        assert_eq!(allocate(&mut c, vec![slots.id(gpu, 0)]).await.unwrap_err().code(), Code::FailedPrecondition);
+    }
+    assert_eq!(allocate(&mut c, vec![slots.id(3, 0)]).await.unwrap().envs["GPUPLACE_POD"], "bad/foreign-marker");
+    // the foreign marker is replaced by this pod's own
+    assert_eq!(
+        allocated(&fake, "bad", "foreign-marker").unwrap().pod_uid,
+        fake.get::<Pod>("bad", "foreign-marker").unwrap().uid().unwrap()
+    );
+    // and the plugin is still serving
+    assert!(c.get_device_plugin_options(gpuplace_device_plugin::api::v1beta1::Empty {}).await.is_ok());
+    h.shutdown().await;
+}
+
+#[tokio::test]
+async fn api_server_down_fails_allocate_clearly_and_recovers() {
+    let fake = FakeApiServer::start().await.unwrap();
+    fake.put(&k8s_node(NODE));
+    bind(
+        &fake,
+        gpu_pod("ns", "a", &[("main", false, SHARE_20G_25)]),
+        vec![("main", false, vec![share(1, 20480, 25)])],
+        1,
+    )
+    .await;
+    let (mut h, source, telemetry) = harness(&fake, 2).await;
+    let (_, mut c) = h.register_and_connect().await;
+    let slots = Slots::of(&h);
+    assert_eq!(pods_named(&source.pending().await.unwrap()), ["ns/a"]);
+
+    fake.set_down(true);
+    // the cached pod matches, but it cannot be marked: refused, not started unmarked
+    let e = allocate(&mut c, vec![slots.id(1, 0)]).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable);
+    assert!(e.message().contains("ns/a") && e.message().contains("marking"), "{}", e.message());
+    // GPUs the cache knows nothing about: the fresh list fails, so Unavailable, not a guess
+    let e = allocate(&mut c, vec![slots.id(5, 0)]).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable);
+    assert!(e.message().contains("listing the pods of node test-node"), "{}", e.message());
+    let errors = telemetry.snapshot().api_errors;
+    assert!(
+        errors.get("pod_patch").is_some_and(|&n| n >= 1) && errors.get("pods_list").is_some_and(|&n| n >= 1),
+        "{errors:?}"
+    );
+
+    fake.set_down(false);
+    let r = allocate(&mut c, vec![slots.id(1, 0)]).await.unwrap();
+    assert_eq!(r.envs["GPUPLACE_POD"], "ns/a");
+    assert_eq!(allocated(&fake, "ns", "a").unwrap().containers, containers(&["main"]));
+    // a pod bound after the outage is found (watch resumed or fresh list)
+    bind(
+        &fake,
+        gpu_pod("ns", "b", &[("main", false, SHARE_10G_10)]),
+        vec![("main", false, vec![share(5, 10240, 10)])],
+        2,
+    )
+    .await;
+    assert_eq!(allocate(&mut c, vec![slots.id(5, 0)]).await.unwrap().envs["GPUPLACE_POD"], "ns/b");
+    h.shutdown().await;
+}
