@@ -704,7 +704,7 @@ fn worker(sh: &Shared, id: usize, measure_from: Instant, end: Instant, stop: &At
         let (_, template) = &sh.templates[(seq as usize + id) % sh.templates.len()];
         let (pod_name, uid) = (format!("load-{id}-{seq}"), format!("{id:08x}-0000-4000-8000-{seq:012x}"));
         let pod = template.render(&pod_name, &uid);
-        let bind_now = sh.bind_every > 0 && seq % sh.bind_every == 0;
+        let bind_now = sh.bind_every > 0 && seq.is_multiple_of(sh.bind_every);
         seq += 1;
         let started = Instant::now();
         let c = match &mut conn {

@@ -180,7 +180,8 @@ async fn bind_writes_the_annotation_and_the_binding_once_and_retries_are_idempot
     );
     let q = fake.put(&gpu_pod("q", whole(1)));
     let stale = BindRequest { name: "q".into(), uid: "not-q".into(), ..again };
-    assert!(matches!(r.binder.bind(&stale).await, Err(BindError::Api { call: "annotating", status: Some(422), .. })));
+    // the registry treats a UID in the body as a precondition: 409 Conflict, nothing written
+    assert!(matches!(r.binder.bind(&stale).await, Err(BindError::Api { call: "annotating", status: Some(409), .. })));
     assert_eq!(annotation(&fake, "q"), None);
     assert_eq!(node_of(&fake, "q"), None);
     drop(q);

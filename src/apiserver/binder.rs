@@ -1,8 +1,8 @@
 //! [`KubeBinder`]: a bind decision made real through the API server.
 //!
-//! 1. Merge-patch the annotations (the assignment) onto the pod. The patch names the pod's UID: the
-//!    API server refuses to change `metadata.uid`, so a pod deleted and created again under the same
-//!    name is never annotated with another pod's GPUs.
+//! 1. Merge-patch the annotations (the assignment) onto the pod. The patch names the pod's UID, which
+//!    the registry checks as a precondition (409 Conflict when it differs), so a pod deleted and
+//!    created again under the same name is never annotated with another pod's GPUs.
 //! 2. POST `pods/{name}/binding` (with the UID too, which the registry checks as a precondition).
 //! 3. If the Binding fails, read the pod back: bound to this node with this assignment (a retry of
 //!    a bind that went through, or an answer lost on the way) is success; otherwise the annotation
