@@ -119,35 +119,8 @@ impl ExtenderArgs {
     /// their order, as names (`NodeNames`) or as the Node objects received (`Nodes`), so the answer is
     /// always a subset of the candidates; failures go to the map their kind belongs in.
     pub fn filter_result(&self, mut verdict: impl FnMut(&str) -> Verdict) -> Result<ExtenderFilterResult, WireError> {
-        let mut failed = FailedNodesMap::new();
-        let mut unresolvable = FailedNodesMap::new();
-        let mut passes = |name: &str| match verdict(name) {
-            Verdict::Fits => true,
-            Verdict::Preemptable(r) => {
-                failed.insert(name.to_string(), r);
-                false
-            }
-            Verdict::Unresolvable(r) => {
-                unresolvable.insert(name.to_string(), r);
-                false
-            }
-        };
-        let mut out = ExtenderFilterResult::default();
-        // same precedence as mode()
-        if let Some(list) = &self.nodes {
-            let items = list.items.iter().filter(|n| passes(n.name())).cloned().collect();
-            out.nodes = Some(NodeList { metadata: list.metadata.clone(), items });
-        } else if let Some(names) = &self.node_names {
-            out.node_names = Some(names.iter().filter(|n| passes(n)).cloned().collect());
-        } else {
-            return Err(WireError::NoCandidates);
-        }
-        // kube-scheduler lets FailedAndUnresolvableNodes win; keeping a node in one map only says the same
-        // without relying on that rule (it only arises when a name is sent twice).
-        failed.retain(|n, _| !unresolvable.contains_key(n));
-        out.failed_nodes = failed;
-        out.failed_and_unresolvable_nodes = unresolvable;
-        Ok(out)
+        // off the hot path (refusals, tests): a copy of the candidates is cheap enough there
+        self.clone().into_filter_result(|_, name| verdict(name))
     }
 
     /// [`ExtenderArgs::filter_result`] consuming the request: the passing names or Node objects move
@@ -191,6 +164,8 @@ impl ExtenderArgs {
         } else {
             return Err(WireError::NoCandidates);
         }
+        // kube-scheduler lets FailedAndUnresolvableNodes win; keeping a node in one map only says the same
+        // without relying on that rule (it only arises when a name is sent twice).
         failed.retain(|n, _| !unresolvable.contains_key(n));
         out.failed_nodes = failed;
         out.failed_and_unresolvable_nodes = unresolvable;
