@@ -202,15 +202,7 @@ fn serve(args: &ServeArgs) -> Result<(), String> {
         return serve_apiserver(args);
     };
     let cluster = load_cluster(cluster_file).map_err(|e| e.to_string())?;
-    let profile = match &args.profile {
-        Some(p) => load_yaml::<ProfileConfig>(p)?,
-        None => ProfileConfig::default(),
-    };
-    let mix = match &args.mix {
-        Some(p) => load_yaml::<WorkloadMix>(p)?,
-        None => WorkloadMix::default(),
-    };
-    let engine = Engine::new(Profile::new(profile), mix);
+    let engine = engine_of(args)?;
     let nodes = cluster.nodes().len();
     let mut ext = Extender::new(cluster, engine, Arc::new(RecordingBinder::new()), ServiceOptions::default());
     if let Some(target) = &args.placement_log {

@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{topology, Harness, WAIT};
+use common::{topology, Harness, SlotIds, WAIT};
 use gpuplace::apiserver::fake::FakeApiServer;
 use gpuplace::core::annotations::{
     AllocatedAnnotation, AssignmentAnnotation, GpuUtilization, NodeInventory, UtilizationAnnotation,
@@ -30,7 +30,6 @@ use gpuplace_device_plugin::nvml::{GpuBackend, Inventory};
 use gpuplace_device_plugin::plugin::PluginConfig;
 use gpuplace_device_plugin::publish::UtilizationSink;
 use gpuplace_device_plugin::sampler::Telemetry;
-use gpuplace_device_plugin::slots::slot_id;
 use k8s_openapi::api::core::v1::{
     Binding, Container, Node, ObjectReference, Pod, PodSpec, PodStatus, ResourceRequirements,
 };
@@ -140,27 +139,6 @@ fn allocated(fake: &FakeApiServer, ns: &str, name: &str) -> Option<AllocatedAnno
 
 fn containers(names: &[&str]) -> BTreeSet<String> {
     names.iter().map(|s| s.to_string()).collect()
-}
-
-struct Slots {
-    uuids: Vec<String>,
-}
-
-impl Slots {
-    fn of(h: &Harness) -> Self {
-        Self { uuids: h.plugin.gpus().iter().map(|g| g.uuid.clone()).collect() }
-    }
-    fn id(&self, gpu: u32, slot: u32) -> String {
-        slot_id(&self.uuids[gpu as usize], slot)
-    }
-    fn all(&self, k: u32) -> Vec<String> {
-        (0..self.uuids.len() as u32).flat_map(|g| (0..k).map(move |s| (g, s))).map(|(g, s)| self.id(g, s)).collect()
-    }
-    fn gpus(&self, ids: &[String]) -> BTreeSet<u32> {
-        ids.iter()
-            .map(|id| self.uuids.iter().position(|u| *u == id.rsplit_once("::").unwrap().0).unwrap() as u32)
-            .collect()
-    }
 }
 
 async fn allocate(
@@ -404,7 +382,7 @@ async fn allocate_applies_the_extenders_assignments_in_bind_order_and_out_of_ord
 
     let (mut h, source, _telemetry) = harness(&fake, k).await;
     let (_, mut c) = h.register_and_connect().await;
-    let slots = Slots::of(&h);
+    let slots = SlotIds::of(&h);
     assert_eq!(
         pods_named(&source.pending().await.unwrap()),
         ["ns/init", "ns/late", "ns/pair", "ns/share-a", "ns/share-b", "ns/share-c"]
@@ -412,7 +390,7 @@ async fn allocate_applies_the_extenders_assignments_in_bind_order_and_out_of_ord
 
     // the two-GPU pod: preference and Allocate follow its assignment
     let got = preferred(&mut c, slots.all(k), 2).await;
-    assert_eq!(slots.gpus(&got), BTreeSet::from([2, 3]));
+    assert_eq!(got.iter().map(|id| slots.gpu_of(id)).collect::<BTreeSet<u32>>(), BTreeSet::from([2, 3]));
     let r = allocate(&mut c, got).await.unwrap();
     assert_eq!(r.envs["GPUPLACE_POD"], "ns/pair");
     assert_eq!(r.envs["NVIDIA_VISIBLE_DEVICES"], format!("{},{}", slots.uuids[2], slots.uuids[3]));
@@ -420,11 +398,11 @@ async fn allocate_applies_the_extenders_assignments_in_bind_order_and_out_of_ord
     assert_eq!((marker.pod_uid.as_str(), marker.containers), (pair_uid.as_str(), containers(&["train"])));
 
     // out of bind order: ns/late (GPU 6) before the shares of GPU 1
-    let r = allocate(&mut c, vec![slots.id(6, 0)]).await.unwrap();
+    let r = allocate(&mut c, vec![slots.slot(6, 0)]).await.unwrap();
     assert_eq!((r.envs["GPUPLACE_POD"].as_str(), r.envs["GPUPLACE_GPU_MEM_MIB"].as_str()), ("ns/late", "20480"));
     // GPU 1, concurrently twice: bind order gives share-a then share-b, each once, each on GPU 1
     let (mut c1, mut c2) = (c.clone(), c.clone());
-    let (a, b) = tokio::join!(allocate(&mut c1, vec![slots.id(1, 0)]), allocate(&mut c2, vec![slots.id(1, 1)]));
+    let (a, b) = tokio::join!(allocate(&mut c1, vec![slots.slot(1, 0)]), allocate(&mut c2, vec![slots.slot(1, 1)]));
     let (a, b) = (a.unwrap(), b.unwrap());
     let mut got = [a.envs["GPUPLACE_POD"].clone(), b.envs["GPUPLACE_POD"].clone()];
     got.sort();
@@ -435,9 +413,9 @@ async fn allocate_applies_the_extenders_assignments_in_bind_order_and_out_of_ord
         assert_eq!(r.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], want);
     }
     // the init container first, then the app container of the same pod
-    let r = allocate(&mut c, vec![slots.id(4, 0)]).await.unwrap();
+    let r = allocate(&mut c, vec![slots.slot(4, 0)]).await.unwrap();
     assert_eq!((r.envs["GPUPLACE_POD"].as_str(), r.envs["GPUPLACE_CONTAINER"].as_str()), ("ns/init", "warm"));
-    let r = allocate(&mut c, vec![slots.id(4, 0)]).await.unwrap();
+    let r = allocate(&mut c, vec![slots.slot(4, 0)]).await.unwrap();
     assert_eq!((r.envs["GPUPLACE_POD"].as_str(), r.envs["GPUPLACE_CONTAINER"].as_str()), ("ns/init", "main"));
     assert_eq!(allocated(&fake, "ns", "init").unwrap().containers, containers(&["main", "warm"]));
 
@@ -449,15 +427,15 @@ async fn allocate_applies_the_extenders_assignments_in_bind_order_and_out_of_ord
         7,
     )
     .await;
-    let r = allocate(&mut c, vec![slots.id(7, 0)]).await.unwrap();
+    let r = allocate(&mut c, vec![slots.slot(7, 0)]).await.unwrap();
     assert_eq!(r.envs["GPUPLACE_POD"], "ns/fresh");
 
     // GPU 5: nobody's assignment. A clear refusal that lists what waits, never some other pod's GPU
-    let e = allocate(&mut c, vec![slots.id(5, 0)]).await.unwrap_err();
+    let e = allocate(&mut c, vec![slots.slot(5, 0)]).await.unwrap_err();
     assert_eq!(e.code(), Code::FailedPrecondition);
     assert!(e.message().contains("GPU(s) [5]") && e.message().contains("ns/share-c/main on [1]"), "{}", e.message());
     // GPU 1 once more: share-c, the last one there
-    assert_eq!(allocate(&mut c, vec![slots.id(1, 2)]).await.unwrap().envs["GPUPLACE_POD"], "ns/share-c");
+    assert_eq!(allocate(&mut c, vec![slots.slot(1, 2)]).await.unwrap().envs["GPUPLACE_POD"], "ns/share-c");
     assert!(fake.wait_until(WAIT, |f| allocated(f, "ns", "share-c").is_some()).await);
     h.shutdown().await;
     drop(source);
@@ -466,7 +444,7 @@ async fn allocate_applies_the_extenders_assignments_in_bind_order_and_out_of_ord
     let (mut h, source, _) = harness(&fake, k).await;
     let (_, mut c) = h.register_and_connect().await;
     assert!(source.pending().await.unwrap().is_empty());
-    let e = allocate(&mut c, vec![Slots::of(&h).id(1, 3)]).await.unwrap_err();
+    let e = allocate(&mut c, vec![SlotIds::of(&h).slot(1, 3)]).await.unwrap_err();
     assert_eq!(e.code(), Code::FailedPrecondition);
     h.shutdown().await;
 }
@@ -524,15 +502,15 @@ async fn corrupt_forged_and_mismatched_annotations_are_skipped_never_matched() {
     let (mut h, source, _) = harness(&fake, 2).await;
     let (_, mut c) = h.register_and_connect().await;
     assert_eq!(pods_named(&source.pending().await.unwrap()), ["bad/donor", "bad/foreign-marker"]);
-    let slots = Slots::of(&h);
+    let slots = SlotIds::of(&h);
     // GPU 0: donor's own assignment, once; the copy on another pod never matches
-    assert_eq!(allocate(&mut c, vec![slots.id(0, 0)]).await.unwrap().envs["GPUPLACE_POD"], "bad/donor");
-    let e = allocate(&mut c, vec![slots.id(0, 1)]).await.unwrap_err();
+    assert_eq!(allocate(&mut c, vec![slots.slot(0, 0)]).await.unwrap().envs["GPUPLACE_POD"], "bad/donor");
+    let e = allocate(&mut c, vec![slots.slot(0, 1)]).await.unwrap_err();
     assert_eq!(e.code(), Code::FailedPrecondition, "{}", e.message());
     for gpu in [2, 4] {
-        assert_eq!(allocate(&mut c, vec![slots.id(gpu, 0)]).await.unwrap_err().code(), Code::FailedPrecondition);
+        assert_eq!(allocate(&mut c, vec![slots.slot(gpu, 0)]).await.unwrap_err().code(), Code::FailedPrecondition);
     }
-    assert_eq!(allocate(&mut c, vec![slots.id(3, 0)]).await.unwrap().envs["GPUPLACE_POD"], "bad/foreign-marker");
+    assert_eq!(allocate(&mut c, vec![slots.slot(3, 0)]).await.unwrap().envs["GPUPLACE_POD"], "bad/foreign-marker");
     // the foreign marker is replaced by this pod's own
     assert_eq!(
         allocated(&fake, "bad", "foreign-marker").unwrap().pod_uid,
@@ -556,16 +534,16 @@ async fn api_server_down_fails_allocate_clearly_and_recovers() {
     .await;
     let (mut h, source, telemetry) = harness(&fake, 2).await;
     let (_, mut c) = h.register_and_connect().await;
-    let slots = Slots::of(&h);
+    let slots = SlotIds::of(&h);
     assert_eq!(pods_named(&source.pending().await.unwrap()), ["ns/a"]);
 
     fake.set_down(true);
     // the cached pod matches, but it cannot be marked: refused, not started unmarked
-    let e = allocate(&mut c, vec![slots.id(1, 0)]).await.unwrap_err();
+    let e = allocate(&mut c, vec![slots.slot(1, 0)]).await.unwrap_err();
     assert_eq!(e.code(), Code::Unavailable);
     assert!(e.message().contains("ns/a") && e.message().contains("marking"), "{}", e.message());
     // GPUs the cache knows nothing about: the fresh list fails, so Unavailable, not a guess
-    let e = allocate(&mut c, vec![slots.id(5, 0)]).await.unwrap_err();
+    let e = allocate(&mut c, vec![slots.slot(5, 0)]).await.unwrap_err();
     assert_eq!(e.code(), Code::Unavailable);
     assert!(e.message().contains("listing the pods of node test-node"), "{}", e.message());
     let errors = telemetry.snapshot().api_errors;
@@ -575,7 +553,7 @@ async fn api_server_down_fails_allocate_clearly_and_recovers() {
     );
 
     fake.set_down(false);
-    let r = allocate(&mut c, vec![slots.id(1, 0)]).await.unwrap();
+    let r = allocate(&mut c, vec![slots.slot(1, 0)]).await.unwrap();
     assert_eq!(r.envs["GPUPLACE_POD"], "ns/a");
     assert_eq!(allocated(&fake, "ns", "a").unwrap().containers, containers(&["main"]));
     // a pod bound after the outage is found (watch resumed or fresh list)
@@ -586,6 +564,6 @@ async fn api_server_down_fails_allocate_clearly_and_recovers() {
         2,
     )
     .await;
-    assert_eq!(allocate(&mut c, vec![slots.id(5, 0)]).await.unwrap().envs["GPUPLACE_POD"], "ns/b");
+    assert_eq!(allocate(&mut c, vec![slots.slot(5, 0)]).await.unwrap().envs["GPUPLACE_POD"], "ns/b");
     h.shutdown().await;
 }

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{next_list, no_update_within, topology, Harness, WAIT};
+use common::{next_list, no_update_within, topology, Harness, SlotIds, WAIT};
 use gpuplace::core::inventory::load_topology_file;
 use gpuplace_device_plugin::api::v1beta1::device_plugin_client::DevicePluginClient;
 use gpuplace_device_plugin::api::v1beta1::{
@@ -16,33 +16,11 @@ use gpuplace_device_plugin::api::v1beta1::{
 use gpuplace_device_plugin::assign::{pending_pod, share, whole, AssignmentSource, PodKey, StaticAssignments};
 use gpuplace_device_plugin::nvml::fake::Fault;
 use gpuplace_device_plugin::plugin::PluginConfig;
-use gpuplace_device_plugin::slots::slot_id;
 use tonic::transport::Channel;
 use tonic::Code;
 
 fn config(slots: u32) -> PluginConfig {
     PluginConfig { slots_per_gpu: slots, ..PluginConfig::default() }
-}
-
-struct Node {
-    uuids: Vec<String>,
-}
-
-impl Node {
-    fn of(h: &Harness) -> Self {
-        Self { uuids: h.plugin.gpus().iter().map(|g| g.uuid.clone()).collect() }
-    }
-    fn slot(&self, gpu: u32, slot: u32) -> String {
-        slot_id(&self.uuids[gpu as usize], slot)
-    }
-    /// Every slot of the given GPUs.
-    fn slots_of(&self, gpus: impl IntoIterator<Item = u32>, k: u32) -> Vec<String> {
-        gpus.into_iter().flat_map(|g| (0..k).map(move |s| (g, s))).map(|(g, s)| self.slot(g, s)).collect()
-    }
-    fn gpu_of(&self, id: &str) -> u32 {
-        let uuid = id.rsplit_once("::").unwrap().0;
-        self.uuids.iter().position(|u| u == uuid).unwrap() as u32
-    }
 }
 
 async fn preferred(
@@ -69,7 +47,7 @@ async fn allocate(
     Ok(c.allocate(req).await?.into_inner().container_responses.remove(0))
 }
 
-fn gpu_set(node: &Node, ids: &[String]) -> BTreeSet<u32> {
+fn gpu_set(node: &SlotIds, ids: &[String]) -> BTreeSet<u32> {
     ids.iter().map(|id| node.gpu_of(id)).collect()
 }
 
@@ -88,7 +66,7 @@ async fn registers_and_advertises_slots_with_numa() {
     let devices = next_list(&mut stream).await;
     // 8 GPUs x the default 10 slots
     assert_eq!(devices.len(), 80);
-    let node = Node::of(&h);
+    let node = SlotIds::of(&h);
     let ids: BTreeSet<&str> = devices.iter().map(|d| d.id.as_str()).collect();
     assert_eq!(ids.len(), 80);
     for g in 0..8u32 {
@@ -110,7 +88,7 @@ async fn preferred_allocation_on_nvswitch_keeps_sets_in_one_socket_and_honours_m
     let k = 4;
     let mut h = Harness::start("hgx-h100-8", config(k), None).await;
     let (_, mut c) = h.register_and_connect().await;
-    let node = Node::of(&h);
+    let node = SlotIds::of(&h);
     let all = node.slots_of(0..8, k);
 
     // 4 GPUs: NV18 everywhere, so the PCIe level decides: one socket (NODE) beats two (SYS)
@@ -156,7 +134,7 @@ async fn preferred_allocation_on_dgx1_volta_matches_the_oracle_optimum() {
     let k = 2;
     let mut h = Harness::start("dgx1-volta", config(k), None).await;
     let (_, mut c) = h.register_and_connect().await;
-    let node = Node::of(&h);
+    let node = SlotIds::of(&h);
     let topo = load_topology_file(&topology("dgx1-volta")).unwrap().graph().unwrap();
     let oracle: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(topology("oracle/dgx1-volta")).unwrap()).unwrap();
@@ -200,7 +178,7 @@ async fn allocate_without_assignments_exposes_the_slots_gpus() {
     let k = 3;
     let mut h = Harness::start("hgx-h100-8", config(k), None).await;
     let (_, mut c) = h.register_and_connect().await;
-    let node = Node::of(&h);
+    let node = SlotIds::of(&h);
     let r = allocate(&mut c, vec![node.slot(5, 2), node.slot(2, 0)]).await.unwrap();
     assert_eq!(r.envs["NVIDIA_VISIBLE_DEVICES"], format!("{},{}", node.uuids[2], node.uuids[5]));
     assert_eq!(r.envs["GPUPLACE_GPU_INDICES"], "2,5");
@@ -231,7 +209,7 @@ async fn allocate_finds_the_pod_by_assignment_and_refuses_when_none_matches() {
     let cfg = PluginConfig { mps_pipe_dir: Some("/run/nvidia/mps".into()), ..config(k) };
     let mut h = Harness::start("hgx-h100-8", cfg, Some(source.clone() as Arc<dyn AssignmentSource>)).await;
     let (_, mut c) = h.register_and_connect().await;
-    let node = Node::of(&h);
+    let node = SlotIds::of(&h);
     let all = node.slots_of(0..8, k);
 
     // the two-GPU pod: preference follows its assignment ({2,3}), not the topology search ({0,1})
@@ -316,7 +294,7 @@ async fn unhealthy_gpus_are_streamed_once_and_avoided() {
     let k = 2;
     let mut h = Harness::start("hgx-h100-8", config(k), None).await;
     let (_, mut c) = h.register_and_connect().await;
-    let node = Node::of(&h);
+    let node = SlotIds::of(&h);
     let mut stream = c.list_and_watch(Empty {}).await.unwrap().into_inner();
     assert!(next_list(&mut stream).await.iter().all(|d| d.health == "Healthy"));
     let unhealthy = |devs: &[gpuplace_device_plugin::api::v1beta1::Device]| -> BTreeMap<u32, usize> {

@@ -15,6 +15,7 @@ use gpuplace_device_plugin::nvml::fake::FakeBackend;
 use gpuplace_device_plugin::nvml::GpuBackend;
 use gpuplace_device_plugin::plugin::{spawn_health_monitor, Plugin, PluginConfig};
 use gpuplace_device_plugin::server::{connect_unix, run, ServeConfig};
+use gpuplace_device_plugin::slots::slot_id;
 use gpuplace_device_plugin::testing;
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
@@ -119,6 +120,36 @@ impl Harness {
         }
         assert!(!self.dir.path().join("gpuplace.sock").exists(), "socket removed on exit");
         self.monitor_stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// The plugin's device IDs (`<uuid>::<slot>`) by GPU index and slot, and back.
+pub struct SlotIds {
+    pub uuids: Vec<String>,
+}
+
+impl SlotIds {
+    pub fn of(h: &Harness) -> Self {
+        Self { uuids: h.plugin.gpus().iter().map(|g| g.uuid.clone()).collect() }
+    }
+
+    pub fn slot(&self, gpu: u32, slot: u32) -> String {
+        slot_id(&self.uuids[gpu as usize], slot)
+    }
+
+    /// Every slot of the given GPUs.
+    pub fn slots_of(&self, gpus: impl IntoIterator<Item = u32>, k: u32) -> Vec<String> {
+        gpus.into_iter().flat_map(|g| (0..k).map(move |s| (g, s))).map(|(g, s)| self.slot(g, s)).collect()
+    }
+
+    /// Every slot of every GPU.
+    pub fn all(&self, k: u32) -> Vec<String> {
+        self.slots_of(0..self.uuids.len() as u32, k)
+    }
+
+    pub fn gpu_of(&self, id: &str) -> u32 {
+        let uuid = id.rsplit_once("::").unwrap().0;
+        self.uuids.iter().position(|u| u == uuid).unwrap() as u32
     }
 }
 
