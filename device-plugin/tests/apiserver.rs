@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{topology, Harness, SlotIds, WAIT};
+use common::{allocate, topology, Harness, SlotIds, WAIT};
 use gpuplace::apiserver::fake::FakeApiServer;
 use gpuplace::core::annotations::{
     AllocatedAnnotation, AssignmentAnnotation, GpuUtilization, NodeInventory, UtilizationAnnotation,
@@ -16,10 +16,7 @@ use gpuplace::core::annotations::{
 };
 use gpuplace::core::cluster::{ContainerAssignment, GpuSlice, Node as ModelNode, PodAssignment};
 use gpuplace_device_plugin::api::v1beta1::device_plugin_client::DevicePluginClient;
-use gpuplace_device_plugin::api::v1beta1::{
-    AllocateRequest, ContainerAllocateRequest, ContainerAllocateResponse, ContainerPreferredAllocationRequest,
-    PreferredAllocationRequest,
-};
+use gpuplace_device_plugin::api::v1beta1::{ContainerPreferredAllocationRequest, PreferredAllocationRequest};
 use gpuplace_device_plugin::assign::{AssignmentSource, PendingPod};
 use gpuplace_device_plugin::k8s::assignments::KubeAssignments;
 use gpuplace_device_plugin::k8s::inventory::cluster_node;
@@ -139,14 +136,6 @@ fn allocated(fake: &FakeApiServer, ns: &str, name: &str) -> Option<AllocatedAnno
 
 fn containers(names: &[&str]) -> BTreeSet<String> {
     names.iter().map(|s| s.to_string()).collect()
-}
-
-async fn allocate(
-    c: &mut DevicePluginClient<Channel>,
-    ids: Vec<String>,
-) -> Result<ContainerAllocateResponse, tonic::Status> {
-    let req = AllocateRequest { container_requests: vec![ContainerAllocateRequest { devices_ids: ids }] };
-    Ok(c.allocate(req).await?.into_inner().container_responses.remove(0))
 }
 
 async fn preferred(c: &mut DevicePluginClient<Channel>, available: Vec<String>, size: i32) -> Vec<String> {

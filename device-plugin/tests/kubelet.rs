@@ -6,13 +6,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{next_list, no_update_within, topology, Harness, SlotIds, WAIT};
+use common::{allocate, next_list, no_update_within, topology, Harness, SlotIds, WAIT};
 use gpuplace::core::inventory::load_topology_file;
 use gpuplace_device_plugin::api::v1beta1::device_plugin_client::DevicePluginClient;
-use gpuplace_device_plugin::api::v1beta1::{
-    AllocateRequest, ContainerAllocateRequest, ContainerAllocateResponse, ContainerPreferredAllocationRequest, Empty,
-    PreferredAllocationRequest,
-};
+use gpuplace_device_plugin::api::v1beta1::{ContainerPreferredAllocationRequest, Empty, PreferredAllocationRequest};
 use gpuplace_device_plugin::assign::{pending_pod, share, whole, AssignmentSource, PodKey, StaticAssignments};
 use gpuplace_device_plugin::nvml::fake::Fault;
 use gpuplace_device_plugin::plugin::PluginConfig;
@@ -37,14 +34,6 @@ async fn preferred(
         }],
     };
     Ok(c.get_preferred_allocation(req).await?.into_inner().container_responses.remove(0).device_i_ds)
-}
-
-async fn allocate(
-    c: &mut DevicePluginClient<Channel>,
-    ids: Vec<String>,
-) -> Result<ContainerAllocateResponse, tonic::Status> {
-    let req = AllocateRequest { container_requests: vec![ContainerAllocateRequest { devices_ids: ids }] };
-    Ok(c.allocate(req).await?.into_inner().container_responses.remove(0))
 }
 
 fn gpu_set(node: &SlotIds, ids: &[String]) -> BTreeSet<u32> {

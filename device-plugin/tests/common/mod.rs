@@ -9,7 +9,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gpuplace_device_plugin::api::v1beta1::device_plugin_client::DevicePluginClient;
-use gpuplace_device_plugin::api::v1beta1::{Device, ListAndWatchResponse, RegisterRequest};
+use gpuplace_device_plugin::api::v1beta1::{
+    AllocateRequest, ContainerAllocateRequest, ContainerAllocateResponse, Device, ListAndWatchResponse, RegisterRequest,
+};
 use gpuplace_device_plugin::assign::AssignmentSource;
 use gpuplace_device_plugin::nvml::fake::FakeBackend;
 use gpuplace_device_plugin::nvml::GpuBackend;
@@ -151,6 +153,15 @@ impl SlotIds {
         let uuid = id.rsplit_once("::").unwrap().0;
         self.uuids.iter().position(|u| u == uuid).unwrap() as u32
     }
+}
+
+/// One container's Allocate for the given device IDs.
+pub async fn allocate(
+    c: &mut DevicePluginClient<Channel>,
+    ids: Vec<String>,
+) -> Result<ContainerAllocateResponse, tonic::Status> {
+    let req = AllocateRequest { container_requests: vec![ContainerAllocateRequest { devices_ids: ids }] };
+    Ok(c.allocate(req).await?.into_inner().container_responses.remove(0))
 }
 
 /// The next ListAndWatch message.
