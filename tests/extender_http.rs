@@ -790,6 +790,50 @@ fn full_nodes_mode_reads_inventory_from_node_annotations() {
     let _ = std::fs::remove_file(&log_path);
 }
 
+/// The device plugin advertises each GPU as K kubelet devices (`slotsPerGpu` in its inventory), so a
+/// K+1st container on one GPU would find no device there at admission: filter turns it away while
+/// memory and compute still have room.
+#[test]
+fn no_more_containers_on_a_gpu_than_the_device_plugin_has_slots() {
+    let s = Server::with(Arc::new(RecordingBinder::new()), HttpOptions::default(), None);
+    let board = Board::Flat { gpus: 1, model: "NVIDIA L4".into(), memory_mib: 22491 };
+    let node = board.resolve(std::path::Path::new(".")).unwrap().node("l4-solo", BTreeMap::new(), 0, 0);
+    let mut inventory = NodeInventory::from_node(&node);
+    inventory.slots_per_gpu = Some(2);
+    let nodes = json!({"metadata": {}, "items": [
+        node_object("l4-solo", json!({"gpuplace.io/inventory": inventory.to_json()}), "2"),
+    ]});
+    let body = |name: &str| {
+        let mut pod = fixture_json("nocache/filter-002")["Pod"].clone();
+        pod["metadata"]["name"] = json!(name);
+        pod["metadata"]["uid"] = json!(format!("uid-{name}"));
+        pod["spec"]["containers"][0]["resources"] =
+            json!({"limits": {"gpuplace.io/gpu": "1", "gpuplace.io/gpu-mem": "1024", "gpuplace.io/gpu-core": "10"}});
+        json!({"Pod": pod, "Nodes": nodes, "NodeNames": null}).to_string()
+    };
+    for name in ["s1", "s2"] {
+        assert_eq!(passing(&s.ok("filter", body(name).as_bytes())), set(&["l4-solo"]), "{name}");
+        let bind =
+            json!({"PodName": name, "PodNamespace": "default", "PodUID": format!("uid-{name}"), "Node": "l4-solo"});
+        bind_ok(&s.ok("bind", bind.to_string().as_bytes()), name);
+    }
+    let a = s.ok("filter", body("s3").as_bytes());
+    assert!(passing(&a).is_empty(), "a third container on a 2-slot GPU: {a}");
+    let why = a["FailedNodes"]["l4-solo"].as_str().unwrap();
+    assert!(why.contains("1 already hold 2 containers, the device plugin's slots per GPU"), "{why}");
+    assert!(why.contains("most free is 20443 MiB / 80%"), "memory and compute are not what is short: {why}");
+    // a bind straight onto the full GPU (no filter first) is refused too, and changes nothing
+    let before = s.ext.cluster();
+    let bind = json!({"PodName": "s3", "PodNamespace": "default", "PodUID": "uid-s3", "Node": "l4-solo"});
+    let e = s.ok("bind", bind.to_string().as_bytes());
+    assert!(e["Error"].as_str().is_some_and(|e| e.contains("no longer fits") && e.contains("slots per GPU")), "{e}");
+    assert_eq!(s.ext.cluster(), before);
+    let r: InspectReport = serde_json::from_slice(&s.call("GET", "/inspect/l4-solo", b"").body).unwrap();
+    let g = &r.nodes[0].gpus[0];
+    assert_eq!((g.slots_used, g.slots, g.holders.len()), (2, Some(2), 2));
+    assert!(r.table().contains("slots-full(2)"), "{}", r.table());
+}
+
 /// What bind wrote is enough to rebuild every allocation exactly after a restart; forged and
 /// colliding annotations are refused.
 #[test]

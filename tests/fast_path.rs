@@ -67,6 +67,10 @@ fn random_node(rng: &mut ChaCha8Rng, name: &str, boards: &[ResolvedBoard], big: 
     let (cpu, mem) =
         if rng.random_bool(0.5) { (rng.random_range(4..64) * 1000, rng.random_range(16..512) * 1024) } else { (0, 0) };
     let mut node = board.node(name, labels, cpu, mem);
+    if rng.random_bool(0.4) {
+        // few device-plugin slots per GPU, so the limit binds often
+        node = node.with_slots_per_gpu(Some(rng.random_range(1..=3)));
+    }
     if node.gpus.len() > 32 {
         // a few usable GPUs, up to the top one: the look-ahead over 60 idle GPUs takes seconds
         for g in (0..node.gpus.len()).filter(|g| g % 8 != 7 && !(60..64).contains(g)) {
@@ -310,6 +314,8 @@ struct Seen {
     /// Candidates using GPU 63 of a 64-GPU node, and on nodes of more than 64 GPUs.
     top_gpu: usize,
     too_large: usize,
+    /// Rejections that name GPUs out of device-plugin slots.
+    slot_limited: usize,
 }
 
 /// Compares one evaluation with the straightforward path; returns nothing, panics with context.
@@ -323,6 +329,8 @@ fn check(engine: &Engine, c: &Cluster, req: &PodRequest, mix: &WorkloadMix, seen
         assert_eq!(engine.place(c, req, i), reference, "{ctx}: place on {}", node.name);
         match reference {
             Ok(p) => {
+                // what placement offers, the model takes: capacity, exclusivity and slots agree
+                assert_eq!(node.can_allocate(&p.assignment), Ok(()), "{ctx}: placement on {}", node.name);
                 let s = engine.score(c, req, i, &p, NOW, group.as_ref());
                 let delta = fragmentation_delta(mix, node, &p);
                 let plain = plain_fragmentation_delta(mix, node, &p);
@@ -330,7 +338,10 @@ fn check(engine: &Engine, c: &Cluster, req: &PodRequest, mix: &WorkloadMix, seen
                 assert_eq!(load_after(node, &p), plain_load_after(node, &p), "{ctx}: load on {}", node.name);
                 fits.push((i, p, s));
             }
-            Err(why) => rejected.push((i, why)),
+            Err(why) => {
+                seen.slot_limited += usize::from(why.reason().contains("the device plugin's slots per GPU"));
+                rejected.push((i, why));
+            }
         }
     }
     fits.sort_by(|a, b| b.2.total.total_cmp(&a.2.total).then_with(|| c.nodes()[a.0].name.cmp(&c.nodes()[b.0].name)));
@@ -386,6 +397,9 @@ fn fast_path_matches_the_straightforward_one() {
                     n.gpus[g].numa_node = [None, Some(0), Some(1), Some(3)][rng.random_range(0..4)];
                     let cap = n.gpus[g].memory_mib;
                     n.gpus[g].memory_mib = cap + rng.random_range(0..1000);
+                    if rng.random_bool(0.3) {
+                        n.slots_per_gpu = [None, Some(1), Some(2), Some(4)][rng.random_range(0..4)];
+                    }
                 }
             }
             if rng.random_bool(0.3) {
@@ -407,6 +421,7 @@ fn fast_path_matches_the_straightforward_one() {
     // the random cases did reach every branch worth comparing
     assert!(seen.candidates > 1000 && seen.rejected > 500, "{} / {}", seen.candidates, seen.rejected);
     assert!(seen.multi_gpu > 100 && seen.init > 50 && seen.required_numa > 100);
+    assert!(seen.slot_limited > 50, "slot-limited rejections: {}", seen.slot_limited);
 }
 
 #[test]

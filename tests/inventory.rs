@@ -32,6 +32,8 @@ fn fixture_cluster_matches_the_fixture_nodes_and_the_h100_board() {
     uuids.sort();
     uuids.dedup();
     assert_eq!(uuids.len(), 32);
+    // the device plugin's default K, as the DaemonSet runs it
+    assert!(c.nodes().iter().all(|n| n.slots_per_gpu == Some(10)));
 }
 
 #[test]
@@ -44,5 +46,9 @@ fn bad_cluster_files_are_clear_errors() {
     assert!(err.contains("bad.yaml"), "{err}");
     std::fs::write(&p, "node_groups: [{prefix: a, count: 1, board: {kind: file, path: missing.json}}]").unwrap();
     assert!(load_cluster(&p).unwrap_err().to_string().contains("missing.json"));
+    let flat = "board: {kind: flat, gpus: 1, model: T4, memory_mib: 15109}";
+    std::fs::write(&p, format!("node_groups: [{{prefix: a, count: 1, {flat}, slots_per_gpu: 0}}]")).unwrap();
+    let err = load_cluster(&p).unwrap_err().to_string();
+    assert!(err.contains("node group a: slots_per_gpu is 0; it must be 1 to 1000"), "{err}");
     std::fs::remove_dir_all(&dir).ok();
 }

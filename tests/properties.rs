@@ -20,6 +20,8 @@ fn nodes() -> Vec<Node> {
         .iter()
         .enumerate()
         .map(|(i, b)| b.resolve(Path::new(".")).unwrap().node(&format!("n{i}"), BTreeMap::new(), 0, 0))
+        // the T4 node's device plugin gives each GPU 2 slots: a third container must go elsewhere
+        .map(|n| if n.gpus.len() == 2 { n.with_slots_per_gpu(Some(2)) } else { n })
         .collect()
 }
 
@@ -56,6 +58,11 @@ fn assert_within_capacity(c: &Cluster) {
             assert!(u.core_pct <= 100, "{} GPU {g}: {}%", n.name, u.core_pct);
             if u.exclusive {
                 assert_eq!(u.holders, 1, "{} GPU {g}: exclusive GPU shared", n.name);
+            }
+            // every pod on the GPU holds at least one slot; the node's K bounds them all
+            assert!(u.slots >= u.holders, "{} GPU {g}: {} slots for {} pods", n.name, u.slots, u.holders);
+            if let Some(k) = n.slots_per_gpu {
+                assert!(u.slots <= k, "{} GPU {g}: {} containers on {k} slots", n.name, u.slots);
             }
         }
     }

@@ -178,7 +178,7 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
     if inventory.gpus.is_empty() {
         return Err("no GPUs found; nothing to advertise".into());
     }
-    if !(1..=1000).contains(&cli.slots_per_gpu) {
+    if !(1..=gpuplace::core::annotations::MAX_SLOTS_PER_GPU).contains(&cli.slots_per_gpu) {
         return Err(slots::SlotError::BadSlotCount(cli.slots_per_gpu).to_string());
     }
     let config = PluginConfig {

@@ -7,6 +7,8 @@
 
 use std::collections::HashMap;
 
+use gpuplace::core::annotations::MAX_SLOTS_PER_GPU;
+
 /// Between the GPU UUID and the slot number.
 pub const SEPARATOR: &str = "::";
 
@@ -69,7 +71,7 @@ pub struct Slot {
 impl SlotTable {
     /// `uuids` by GPU index.
     pub fn new(uuids: Vec<String>, per_gpu: u32) -> Result<Self, SlotError> {
-        if !(1..=1000).contains(&per_gpu) {
+        if !(1..=MAX_SLOTS_PER_GPU).contains(&per_gpu) {
             return Err(SlotError::BadSlotCount(per_gpu));
         }
         for u in &uuids {

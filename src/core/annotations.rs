@@ -332,6 +332,10 @@ pub struct InventoryLink {
 /// More GPUs than any board has: an inventory claiming more is refused rather than searched over.
 const MAX_GPUS_PER_NODE: usize = 64;
 
+/// The most slots per GPU a device plugin may advertise: device IDs `<uuid>::<slot>` must stay within
+/// kubelet's 63 characters, and MPS serves 48 clients per GPU anyway.
+pub const MAX_SLOTS_PER_GPU: u32 = 1000;
+
 impl NodeInventory {
     pub fn parse(text: &str) -> Result<Self, AnnotationError> {
         parse_versioned(ANNOTATION_INVENTORY, text, INVENTORY_VERSION)
@@ -364,7 +368,7 @@ impl NodeInventory {
                 .links()
                 .map(|(a, b, l)| InventoryLink { a: a as u32, b: b as u32, nvlinks: l.nvlinks, pcie: l.pcie })
                 .collect(),
-            slots_per_gpu: None,
+            slots_per_gpu: node.slots_per_gpu,
         }
     }
 
@@ -376,6 +380,9 @@ impl NodeInventory {
         }
         if self.gpus.len() > MAX_GPUS_PER_NODE {
             return Err(bad(format!("{} GPUs listed, at most {MAX_GPUS_PER_NODE} supported", self.gpus.len())));
+        }
+        if let Some(k) = self.slots_per_gpu.filter(|k| !(1..=MAX_SLOTS_PER_GPU).contains(k)) {
+            return Err(bad(format!("slotsPerGpu is {k}; it must be 1 to {MAX_SLOTS_PER_GPU}")));
         }
         let mut gpus = self.gpus.clone();
         gpus.sort_by_key(|g| g.index);
@@ -409,7 +416,7 @@ impl NodeInventory {
                 healthy: g.healthy,
             })
             .collect();
-        Ok(Node::new(name, labels, gpus, Arc::new(topology), 0, 0))
+        Ok(Node::new(name, labels, gpus, Arc::new(topology), 0, 0).with_slots_per_gpu(self.slots_per_gpu))
     }
 }
 
@@ -690,6 +697,15 @@ mod tests {
         let text = inv.to_json();
         assert!(text.contains(r#""slotsPerGpu":10"#), "{text}");
         assert_eq!(NodeInventory::parse(&text).unwrap().slots_per_gpu, Some(10));
+        // K reaches the model, and back
+        let node = inv.to_node("n1", BTreeMap::new()).unwrap();
+        assert_eq!(node.slots_per_gpu, Some(10));
+        assert_eq!(NodeInventory::from_node(&node).slots_per_gpu, Some(10));
+        for bad in [0, MAX_SLOTS_PER_GPU + 1] {
+            inv.slots_per_gpu = Some(bad);
+            let err = inv.to_node("n1", BTreeMap::new()).unwrap_err();
+            assert!(err.to_string().contains(&format!("slotsPerGpu is {bad}; it must be 1 to 1000")), "{err}");
+        }
     }
 
     #[test]

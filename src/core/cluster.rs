@@ -132,6 +132,10 @@ struct Footprint {
     mem_mib: u64,
     core_pct: u32,
     exclusive: bool,
+    /// Device-plugin slots (kubelet devices) the pod holds on the GPU: one per app container using
+    /// it; init containers need one only where no app container has one, since kubelet hands an init
+    /// container's devices on to the app containers.
+    slots: u32,
 }
 
 impl PodAssignment {
@@ -145,11 +149,13 @@ impl PodAssignment {
                     f.mem_mib = f.mem_mib.max(s.mem_mib);
                     f.core_pct = f.core_pct.max(s.core_pct);
                     f.exclusive |= s.exclusive;
+                    f.slots = 1;
                 } else {
                     let f = app.entry(s.gpu).or_default();
                     f.mem_mib = f.mem_mib.saturating_add(s.mem_mib);
                     f.core_pct = f.core_pct.saturating_add(s.core_pct);
                     f.exclusive |= s.exclusive;
+                    f.slots = f.slots.saturating_add(1);
                 }
             }
         }
@@ -158,6 +164,7 @@ impl PodAssignment {
             f.mem_mib = f.mem_mib.max(i.mem_mib);
             f.core_pct = f.core_pct.max(i.core_pct);
             f.exclusive |= i.exclusive;
+            f.slots = f.slots.max(i.slots);
         }
         app
     }
@@ -179,6 +186,9 @@ pub struct GpuUsage {
     pub exclusive: bool,
     /// How many pods hold a slice of this GPU.
     pub holders: u32,
+    /// How many device-plugin slots (kubelet devices) its containers hold: at most the node's
+    /// [`slots_per_gpu`](Node::slots_per_gpu).
+    pub slots: u32,
 }
 
 impl GpuUsage {
@@ -284,6 +294,10 @@ pub struct Node {
     /// Host CPU (millicores) and memory (MiB) capacity; 0 means "not tracked here".
     pub cpu_milli: u64,
     pub memory_mib: u64,
+    /// K: the device plugin advertises each GPU as K kubelet devices and each container holds one
+    /// device of every GPU it uses, so at most K containers can share a GPU. `None`: not limited
+    /// (nodes without the device plugin's word on it, and the simulator).
+    pub slots_per_gpu: Option<u32>,
     cpu_used: u64,
     mem_used: u64,
     usage: PerGpu<GpuUsage>,
@@ -319,6 +333,7 @@ impl PartialEq for Node {
             && self.gpus == other.gpus
             && self.cpu_milli == other.cpu_milli
             && self.memory_mib == other.memory_mib
+            && self.slots_per_gpu == other.slots_per_gpu
             && self.cpu_used == other.cpu_used
             && self.mem_used == other.mem_used
             && self.usage == other.usage
@@ -346,6 +361,10 @@ pub enum AllocError {
     MemoryOvercommit { pod: String, node: String, gpu: u32, need: u64, capacity: u64 },
     #[error("pod {pod}: GPU {gpu} on {node} would hold {need}% compute")]
     CoreOvercommit { pod: String, node: String, gpu: u32, need: u32 },
+    #[error(
+        "pod {pod}: GPU {gpu} on {node} would have {need} containers, but the device plugin gives it {slots} slots"
+    )]
+    SlotsExhausted { pod: String, node: String, gpu: u32, need: u32, slots: u32 },
     #[error("pod {pod}: node {node} would hold {need} of {capacity} {what}")]
     HostOvercommit { pod: String, node: String, what: &'static str, need: u64, capacity: u64 },
 }
@@ -368,6 +387,7 @@ impl Node {
             topology,
             cpu_milli,
             memory_mib,
+            slots_per_gpu: None,
             cpu_used: 0,
             mem_used: 0,
             usage: PerGpu::filled(n),
@@ -433,6 +453,21 @@ impl Node {
 
     pub fn free_core(&self, gpu: usize) -> u32 {
         100u32.saturating_sub(self.usage[gpu].core_pct)
+    }
+
+    /// The node with at most `k` containers per GPU (see [`slots_per_gpu`](Self::slots_per_gpu)).
+    pub fn with_slots_per_gpu(mut self, k: Option<u32>) -> Self {
+        self.slots_per_gpu = k;
+        self.generation = next_stamp();
+        self
+    }
+
+    /// Containers that can still join GPU `gpu` (`u32::MAX` when the node sets no limit).
+    pub fn free_slots(&self, gpu: usize) -> u32 {
+        match self.slots_per_gpu {
+            Some(k) => k.saturating_sub(self.usage[gpu].slots),
+            None => u32::MAX,
+        }
     }
 
     /// Free share of a GPU now, in thousandths: 0 when it is held whole or unhealthy (nobody can use
@@ -540,6 +575,10 @@ impl Node {
             if core > 100 {
                 return Err(AllocError::CoreOvercommit { pod, node, gpu, need: core });
             }
+            let slots = u.slots.saturating_add(fp.slots);
+            if let Some(k) = self.slots_per_gpu.filter(|&k| slots > k) {
+                return Err(AllocError::SlotsExhausted { pod, node, gpu, need: slots, slots: k });
+            }
         }
         if self.cpu_milli > 0 && self.cpu_used + a.cpu_milli > self.cpu_milli {
             let (pod, node) = err_ctx();
@@ -577,6 +616,7 @@ impl Node {
             u.core_pct += fp.core_pct;
             u.exclusive |= fp.exclusive;
             u.holders += 1;
+            u.slots += fp.slots;
             self.usage_changed(gpu as usize);
         }
         self.cpu_used += a.cpu_milli;
@@ -593,6 +633,7 @@ impl Node {
             u.mem_mib -= fp.mem_mib;
             u.core_pct -= fp.core_pct;
             u.holders -= 1;
+            u.slots -= fp.slots;
             if fp.exclusive {
                 u.exclusive = false;
             }
@@ -1015,6 +1056,47 @@ pub(crate) mod tests {
         c.allocate(a).unwrap();
         let u = c.node("n").unwrap().usage(0);
         assert_eq!((u.mem_mib, u.core_pct, u.holders), (500, 30, 1));
+    }
+
+    #[test]
+    fn containers_count_against_the_device_plugins_slots() {
+        let mut c = Cluster::new(vec![node("n", 2).with_slots_per_gpu(Some(3))]);
+        // two app containers on GPU 0 hold two slots; the init container reuses one of theirs
+        let mut a = share("a", 0, 100, 10);
+        a.containers.push(ContainerAssignment {
+            name: "side".into(),
+            init: false,
+            slices: vec![GpuSlice { gpu: 0, mem_mib: 100, core_pct: 10, exclusive: false }],
+        });
+        a.containers.push(ContainerAssignment {
+            name: "init".into(),
+            init: true,
+            slices: vec![
+                GpuSlice { gpu: 0, mem_mib: 100, core_pct: 10, exclusive: false },
+                GpuSlice { gpu: 1, mem_mib: 100, core_pct: 10, exclusive: false },
+            ],
+        });
+        c.allocate(a).unwrap();
+        let n = c.node("n").unwrap();
+        assert_eq!((n.usage(0).slots, n.usage(0).holders, n.free_slots(0)), (2, 1, 1));
+        // an init container alone on a GPU still holds its slot for the pod's life
+        assert_eq!((n.usage(1).slots, n.free_slots(1)), (1, 2));
+        c.allocate(share("b", 0, 10, 1)).unwrap();
+        let before = c.clone();
+        // room in memory and compute, but no device left on GPU 0
+        let err = c.allocate(share("x", 0, 10, 1)).unwrap_err();
+        assert_eq!(err, AllocError::SlotsExhausted { pod: "x".into(), node: "n".into(), gpu: 0, need: 4, slots: 3 });
+        assert!(err.to_string().contains("gives it 3 slots"), "{err}");
+        assert_eq!(c, before);
+        c.release("a").unwrap();
+        let n = c.node("n").unwrap();
+        assert_eq!((n.usage(0).slots, n.usage(1).slots, n.free_slots(0)), (1, 0, 2));
+        // without a limit, slots are still counted but never refuse
+        let mut free = Cluster::new(vec![node("n", 1)]);
+        for i in 0..20 {
+            free.allocate(share(&format!("p{i}"), 0, 10, 1)).unwrap();
+        }
+        assert_eq!((free.node("n").unwrap().usage(0).slots, free.node("n").unwrap().free_slots(0)), (20, u32::MAX));
     }
 
     #[test]

@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
+use crate::core::annotations::MAX_SLOTS_PER_GPU;
 use crate::core::cluster::{Cluster, Gpu, Node};
 use crate::core::topology::{GpuTopology, Link, NvlinkFabric, PcieLevel, TopologyError, TopologyFile};
 
@@ -55,6 +56,10 @@ pub struct NodeGroup {
     pub cpu_milli: u64,
     #[serde(default)]
     pub memory_mib: u64,
+    /// K, the device plugin's `--slots-per-gpu` on these nodes: at most K containers share a GPU.
+    /// Absent: not limited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slots_per_gpu: Option<u32>,
     /// Overrides per node index, e.g. to put half the nodes under another ToR.
     #[serde(default)]
     pub label_overrides: Vec<LabelOverride>,
@@ -228,6 +233,12 @@ impl ClusterFile {
         let mut names = std::collections::HashSet::new();
         for g in &self.node_groups {
             let board = g.board.resolve(base)?;
+            if let Some(k) = g.slots_per_gpu.filter(|k| !(1..=MAX_SLOTS_PER_GPU).contains(k)) {
+                return Err(InventoryError::Invalid(format!(
+                    "node group {}: slots_per_gpu is {k}; it must be 1 to {MAX_SLOTS_PER_GPU}",
+                    g.prefix
+                )));
+            }
             for i in 0..g.count {
                 let name = format!("{}{}", g.prefix, i);
                 if !names.insert(name.clone()) {
@@ -237,7 +248,7 @@ impl ClusterFile {
                 for o in g.label_overrides.iter().filter(|o| (o.from..o.to).contains(&i)) {
                     labels.extend(o.labels.clone());
                 }
-                nodes.push(board.node(&name, labels, g.cpu_milli, g.memory_mib));
+                nodes.push(board.node(&name, labels, g.cpu_milli, g.memory_mib).with_slots_per_gpu(g.slots_per_gpu));
             }
         }
         let mut cluster = Cluster::new(nodes);

@@ -37,6 +37,11 @@ pub struct GpuReport {
     /// Compute allocated, percent of this GPU.
     pub allocated_percent: u32,
     pub exclusive: bool,
+    /// Device-plugin slots its containers hold, and how many the GPU has (`None`: not limited).
+    #[serde(default)]
+    pub slots_used: u32,
+    #[serde(default)]
+    pub slots: Option<u32>,
     pub holders: Vec<Holder>,
     pub utilization: Option<Utilization>,
 }
@@ -131,6 +136,9 @@ impl InspectReport {
                 if g.exclusive {
                     flags.push_str(" whole");
                 }
+                if let Some(k) = g.slots.filter(|&k| g.slots_used >= k) {
+                    let _ = write!(flags, " slots-full({k})");
+                }
                 if !g.healthy {
                     flags.push_str(" UNHEALTHY");
                 }
@@ -191,6 +199,8 @@ fn node_report(n: &Node) -> NodeReport {
                 allocated_mib: if u.exclusive { g.memory_mib } else { u.mem_mib },
                 allocated_percent: if u.exclusive { 100 } else { u.core_pct },
                 exclusive: u.exclusive,
+                slots_used: u.slots,
+                slots: n.slots_per_gpu,
                 holders,
                 utilization: n.utilization(i).map(|s| Utilization {
                     sm_percent: s.sm_pct,

@@ -70,10 +70,24 @@ struct Free {
     idle: u64,
     /// Healthy and of an allowed model.
     eligible: u64,
+    /// Containers that can still join each GPU (device-plugin slots; `u32::MAX` when unlimited),
+    /// and the GPUs where one more can.
+    slots: [u32; M],
+    slotted: u64,
 }
 
 impl Free {
-    const ZERO: Free = Free { cap: [0; M], mem: [0; M], core: [0; M], milli: [0; M], taken: 0, idle: 0, eligible: 0 };
+    const ZERO: Free = Free {
+        cap: [0; M],
+        mem: [0; M],
+        core: [0; M],
+        milli: [0; M],
+        taken: 0,
+        idle: 0,
+        eligible: 0,
+        slots: [0; M],
+        slotted: 0,
+    };
 
     /// Loads the node as it is now; false when no GPU is of an allowed model. One pass over the GPUs:
     /// this is where a node's data is first touched. Free memory and compute are loaded only when some
@@ -81,7 +95,8 @@ impl Free {
     fn load_current(&mut self, node: &Node, req: &PodRequest, shares: bool) -> bool {
         let any_model = req.allowed_models.is_empty();
         let mut model_seen = any_model;
-        let (mut idle, mut eligible) = (0, 0);
+        let (mut idle, mut eligible, mut slotted) = (0, 0, 0);
+        let k = node.slots_per_gpu.unwrap_or(u32::MAX);
         // bit arithmetic rather than branches: which GPUs are busy looks random to the branch
         // predictor, and mispredictions were most of the cost here
         for (g, ((f, u), used)) in node.gpu_facts().iter().zip(node.usages()).zip(node.used_milli()).enumerate() {
@@ -90,6 +105,8 @@ impl Free {
             eligible |= u64::from(allowed & f.healthy) << g;
             idle |= u64::from(u.holders == 0) << g;
             self.cap[g] = f.memory_mib;
+            self.slots[g] = k.saturating_sub(u.slots);
+            slotted |= u64::from(self.slots[g] > 0) << g;
             if shares {
                 // nothing is free on a GPU held whole
                 let shared = u64::from(!u.exclusive).wrapping_neg();
@@ -98,19 +115,22 @@ impl Free {
                 self.milli[g] = 1000 - used;
             }
         }
-        (self.idle, self.eligible, self.taken) = (idle, eligible, 0);
+        (self.idle, self.eligible, self.slotted, self.taken) = (idle, eligible, slotted, 0);
         model_seen
     }
 
     /// Loads the node with every allocation removed (after [`load_current`](Self::load_current) for the
     /// same node, whose capacities it keeps).
-    fn load_empty(&mut self, n: usize, eligible: u64) {
+    fn load_empty(&mut self, n: usize, eligible: u64, slots_per_gpu: Option<u32>) {
         self.mem[..n].copy_from_slice(&self.cap[..n]);
         self.core[..n].fill(100);
+        let k = slots_per_gpu.unwrap_or(u32::MAX);
+        self.slots[..n].fill(k);
         for g in 0..n {
             self.milli[g] = free_milli_of(self.cap[g], 100, self.cap[g]);
         }
         self.idle = u64::MAX.checked_shr(64 - n as u32).unwrap_or(0);
+        self.slotted = if k > 0 { self.idle } else { 0 };
         self.eligible = eligible;
         self.taken = 0;
     }
@@ -118,7 +138,7 @@ impl Free {
     /// GPUs that can take one slice of `demand`.
     fn fit_mask(&self, n: usize, demand: &GpuDemand) -> u64 {
         if demand.is_whole() {
-            return self.eligible & self.idle;
+            return self.eligible & self.idle & self.slotted;
         }
         let core = demand.core_on();
         let mut m = 0;
@@ -126,7 +146,7 @@ impl Free {
             let room = (self.mem[g] >= demand.mem_on(self.cap[g])) & (self.core[g] >= core);
             m |= u64::from(room) << g;
         }
-        m & self.eligible
+        m & self.eligible & self.slotted
     }
 
     /// Takes one slice of `demand` from GPU `g` (as [`FreeState::take`]).
@@ -134,6 +154,10 @@ impl Free {
         self.mem[g] = self.mem[g].saturating_sub(demand.mem_on(self.cap[g]));
         self.core[g] = self.core[g].saturating_sub(demand.core_on());
         self.idle &= !bit(g);
+        self.slots[g] = self.slots[g].saturating_sub(1);
+        if self.slots[g] == 0 {
+            self.slotted &= !bit(g);
+        }
         if demand.is_whole() {
             self.mem[g] = 0;
             self.core[g] = 0;
@@ -157,6 +181,7 @@ impl Free {
             core: self.core[..n].to_vec(),
             idle: (0..n).map(|g| self.idle & bit(g) != 0).collect(),
             eligible: (0..n).map(|g| self.eligible & bit(g) != 0).collect(),
+            slots: self.slots[..n].to_vec(),
         }
     }
 }
@@ -232,7 +257,7 @@ pub(crate) fn place(node: &Node, plan: &Plan<'_>, memo: &mut Memo, sc: &mut Scra
     if host_shortfall(node, req) == Some(true) {
         return Outcome::Rejected { unresolvable: true };
     }
-    sc.free.load_empty(n, eligible);
+    sc.free.load_empty(n, eligible, node.slots_per_gpu);
     let ever = assign(&mut ctx, plan, sc);
     Outcome::Rejected { unresolvable: !ever }
 }

@@ -75,7 +75,12 @@ fn capacity_summary(node: &Node, state: &FreeState, demand: &GpuDemand) -> Strin
     }
     let best = eligible.iter().map(|&g| (state.mem[g], state.core[g])).max().unwrap_or((0, 0));
     let fits = eligible.iter().filter(|&&g| state.fits(node, g, demand)).count();
-    format!("{fits} usable GPU(s) have room; most free is {} MiB / {}%", best.0, best.1)
+    let full = eligible.iter().filter(|&&g| state.slots[g] == 0).count();
+    let slots = match node.slots_per_gpu {
+        Some(k) if full > 0 => format!("; {full} already hold {k} containers, the device plugin's slots per GPU"),
+        _ => String::new(),
+    };
+    format!("{fits} usable GPU(s) have room; most free is {} MiB / {}%{slots}", best.0, best.1)
 }
 
 /// The order app containers are placed in: largest demands first, as they have the fewest options.

@@ -22,6 +22,8 @@ pub struct FreeState {
     pub idle: Vec<bool>,
     /// Healthy and of an allowed model.
     pub eligible: Vec<bool>,
+    /// Containers that can still join the GPU (device-plugin slots; `u32::MAX` when unlimited).
+    pub slots: Vec<u32>,
 }
 
 impl FreeState {
@@ -34,6 +36,7 @@ impl FreeState {
             s.mem[g] = if u.exclusive { 0 } else { node.free_mem(g) };
             s.core[g] = if u.exclusive { 0 } else { node.free_core(g) };
             s.idle[g] = u.holders == 0;
+            s.slots[g] = node.free_slots(g);
         }
         s
     }
@@ -45,12 +48,13 @@ impl FreeState {
             core: vec![100; node.gpus.len()],
             idle: vec![true; node.gpus.len()],
             eligible: node.gpus.iter().map(|g| g.healthy && allows_model(&g.model)).collect(),
+            slots: vec![node.slots_per_gpu.unwrap_or(u32::MAX); node.gpus.len()],
         }
     }
 
     /// Whether GPU `g` can take one slice of `demand`.
     pub fn fits(&self, node: &Node, g: usize, demand: &GpuDemand) -> bool {
-        if !self.eligible[g] {
+        if !self.eligible[g] || self.slots[g] == 0 {
             return false;
         }
         if demand.is_whole() {
@@ -66,6 +70,7 @@ impl FreeState {
         self.mem[g] = self.mem[g].saturating_sub(mem);
         self.core[g] = self.core[g].saturating_sub(core);
         self.idle[g] = false;
+        self.slots[g] = self.slots[g].saturating_sub(1);
         if demand.is_whole() {
             self.mem[g] = 0;
             self.core[g] = 0;
@@ -327,10 +332,10 @@ pub fn choose_one(
             let mut best: Option<(f64, i64, usize)> = None;
             let mut trial = state.clone();
             for &g in cands {
-                let before = (trial.mem[g], trial.core[g], trial.idle[g]);
+                let before = (trial.mem[g], trial.core[g], trial.idle[g], trial.slots[g]);
                 trial.take(node, g, demand);
                 let frag = mix.node_fragmentation(node, &trial, host);
-                (trial.mem[g], trial.core[g], trial.idle[g]) = before;
+                (trial.mem[g], trial.core[g], trial.idle[g], trial.slots[g]) = before;
                 let key = (-frag, -connect(g), g);
                 if best.is_none_or(|(f, c, _)| (key.0, key.1) > (f, c)) {
                     best = Some(key);
