@@ -205,8 +205,12 @@ fn extender_deployment_service_and_device_plugin_agree_with_the_code() {
                 .map(move |res| (res.as_str().unwrap().to_owned(), verbs.clone()))
         })
         .collect();
-    let want =
-        [("nodes", vec!["get", "patch"]), ("nodes/status", vec!["patch"]), ("pods", vec!["list", "watch", "patch"])];
+    let want = [
+        ("nodes", vec!["get", "patch"]),
+        ("nodes/status", vec!["patch"]),
+        ("pods", vec!["list", "watch", "patch"]),
+        ("events", vec!["create", "patch"]),
+    ];
     let want: Vec<(String, Vec<String>)> =
         want.iter().map(|(r, v)| (r.to_string(), v.iter().map(|s| s.to_string()).collect())).collect();
     assert_eq!(rules, want);

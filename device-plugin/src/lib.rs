@@ -9,6 +9,8 @@
 //! - [`server`]: the unix socket, registration with kubelet and re-registration.
 //! - [`sampler`]: the sampling loop over the backend, feeding metrics and the publish policy.
 //! - [`podresources`]: kubelet's pod-resources `List`: which container holds which GPU.
+//! - [`crosscheck`]: pod-resources against Allocate's grants: a container started on another pod's
+//!   assignment is reported.
 //! - [`metrics`]: `/metrics` with DCGM-exporter names and gpuplace's allocated-vs-used gauges.
 //! - [`publish`]: when to publish `gpuplace.io/utilization`, and the [`publish::UtilizationSink`] seam.
 //! - [`k8s`]: the API server: this node's pods and assignments, node status and annotations.
@@ -20,6 +22,7 @@
 
 pub mod api;
 pub mod assign;
+pub mod crosscheck;
 pub mod discover;
 pub mod k8s;
 pub mod metrics;

@@ -12,6 +12,7 @@ use gpuplace::apiserver::{connect, ConnectArgs, ConnectError, Source};
 use gpuplace_device_plugin::api::DEFAULT_DEVICE_PLUGIN_DIR;
 use gpuplace_device_plugin::assign::AssignmentSource;
 use gpuplace_device_plugin::k8s::assignments::KubeAssignments;
+use gpuplace_device_plugin::k8s::events::PluginEvents;
 use gpuplace_device_plugin::k8s::inventory::cluster_node;
 use gpuplace_device_plugin::k8s::node::NodeSync;
 use gpuplace_device_plugin::k8s::utilization::KubeUtilizationSink;
@@ -258,7 +259,10 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
     // connect and call together, well inside a sample interval
     let pr_timeout = cli.sample_interval.clamp(Duration::from_millis(100), Duration::from_secs(2));
     let pod_resources = PodResourcesClient::new(&cli.pod_resources_socket, pr_timeout);
-    let sampler = Sampler::new(backend, plugin.clone(), telemetry.clone(), Some(pod_resources), publisher);
+    let mut sampler = Sampler::new(backend, plugin.clone(), telemetry.clone(), Some(pod_resources), publisher);
+    if let Some((client, node)) = &api {
+        sampler.set_reporter(Arc::new(PluginEvents::new(client.clone(), node)));
+    }
     let source = Arc::new(MetricsSource { hostname: hostname(cli), plugin: plugin.clone(), telemetry });
     let sampling = rt.spawn(sampler.run(cli.sample_interval));
     let metrics_server = rt.spawn(metrics::serve(listener, source, Box::pin(std::future::pending())));

@@ -308,6 +308,16 @@ pub fn render(
             f.series(name, &labels(&[("Hostname", hostname), ("reason", reason)]), n);
         }
     }
+    if t.pod_resources_enabled {
+        let name = "gpuplace_allocation_mismatches_total";
+        let mut f = Family::new(
+            &mut out,
+            name,
+            "counter",
+            "Devices Allocate granted with one pod's gpuplace assignment that kubelet gave to another pod (pod-resources cross-check); each such container runs with the other pod's limits.",
+        );
+        f.series(name, &labels(&[("Hostname", hostname)]), t.allocation_mismatches);
+    }
     {
         let name = "gpuplace_utilization_publishes_total";
         let mut f = Family::new(

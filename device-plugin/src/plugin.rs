@@ -23,7 +23,9 @@ use crate::api::v1beta1::{
 };
 use crate::api::{HEALTHY, UNHEALTHY};
 use crate::assign::{match_allocation, match_preference, AssignmentSource, Grant, MatchError, PodKey, SourceError};
+use crate::crosscheck::{check_grant, Mismatch, Verdict};
 use crate::nvml::{xid_is_critical, GpuBackend, GpuEvent, GpuEventKind, GpuInfo, Inventory};
+use crate::podresources::Attribution;
 use crate::slots::{Slot, SlotError, SlotTable, DEFAULT_SLOTS_PER_GPU};
 
 /// The extended resource kubelet advertises for us.
@@ -86,7 +88,11 @@ pub type GrantKey = (String, String);
 struct GrantRecord {
     /// GPU index -> slice.
     slices: BTreeMap<u32, GrantedSlice>,
+    /// The device IDs kubelet sent with the Allocate.
+    devices: BTreeSet<String>,
     at: Instant,
+    /// Compared with pod-resources already (confirmed, or its mismatch reported once).
+    checked: bool,
 }
 
 /// Containers this process has matched, so a stale pod list cannot match one twice.
@@ -231,6 +237,24 @@ impl Plugin {
     /// The slices granted by matched Allocates, per container.
     pub fn grants(&self) -> BTreeMap<GrantKey, BTreeMap<u32, GrantedSlice>> {
         self.lock_grants().iter().map(|(k, r)| (k.clone(), r.slices.clone())).collect()
+    }
+
+    /// Compares the grants not yet checked with a pod-resources listing (see [`crate::crosscheck`]): each
+    /// mismatch is returned once, and a grant whose devices are not all listed yet waits for the
+    /// next listing.
+    pub fn cross_check(&self, a: &Attribution) -> Vec<Mismatch> {
+        let mut out = Vec::new();
+        for (key, r) in self.lock_grants().iter_mut().filter(|(_, r)| !r.checked) {
+            match check_grant(key, &r.devices, &a.by_device) {
+                Verdict::Unseen => {}
+                Verdict::Confirmed => r.checked = true,
+                Verdict::Mismatched(m) => {
+                    r.checked = true;
+                    out.extend(m);
+                }
+            }
+        }
+        out
     }
 
     /// Forgets the grants of containers that are gone: not in `live` (a pod-resources listing taken
@@ -427,14 +451,14 @@ impl Plugin {
         }
         let grant = match &self.source {
             None => None,
-            Some(source) => Some(self.claim(source.as_ref(), &gpus).await?),
+            Some(source) => Some(self.claim(source.as_ref(), &gpus, &req.devices_ids).await?),
         };
         Ok(self.container_response(&slots, &gpus, grant.as_ref()))
     }
 
     /// Finds the pod being admitted and marks its container allocated, under one lock so two
     /// admissions can never claim the same container.
-    async fn claim(&self, source: &dyn AssignmentSource, gpus: &[u32]) -> Result<Grant, Status> {
+    async fn claim(&self, source: &dyn AssignmentSource, gpus: &[u32], devices: &[String]) -> Result<Grant, Status> {
         let mut claims = self.claims.lock().await;
         let unavailable = |e: SourceError| Status::unavailable(e.to_string());
         let pending = source.pending().await.map_err(unavailable)?;
@@ -460,8 +484,9 @@ impl Plugin {
         claims.claimed.insert((grant.pod.clone(), grant.container.clone()));
         let slices =
             grant.slices.iter().map(|s| (s.gpu, GrantedSlice { mem_mib: s.mem_mib, core_pct: s.core_pct })).collect();
-        self.lock_grants()
-            .insert((grant.pod.pod.clone(), grant.container.clone()), GrantRecord { slices, at: Instant::now() });
+        let record =
+            GrantRecord { slices, devices: devices.iter().cloned().collect(), at: Instant::now(), checked: false };
+        self.lock_grants().insert((grant.pod.pod.clone(), grant.container.clone()), record);
         claims.sticky = Some(grant.pod.clone());
         tracing::info!(pod = %grant.pod, container = %grant.container, gpus = ?gpus, "allocated");
         Ok(grant)

@@ -38,6 +38,9 @@ pub struct Attribution {
     pub by_gpu: BTreeMap<u32, BTreeSet<ContainerRef>>,
     /// Every container holding one of our devices.
     pub containers: BTreeSet<ContainerRef>,
+    /// Who holds each of our device IDs (more than one container when kubelet hands an init
+    /// container's device on to an app container, and both are listed).
+    pub by_device: BTreeMap<String, BTreeSet<ContainerRef>>,
     /// Device IDs of our resource that do not name a slot of this node (a stale kubelet checkpoint
     /// after the GPUs changed, or a slot count lowered across a restart).
     pub unknown_ids: usize,
@@ -55,6 +58,7 @@ pub fn attribute(resp: &ListPodResourcesResponse, resource: &str, slots: &SlotTa
                     Ok(slot) => {
                         out.by_gpu.entry(slot.gpu).or_default().insert(who.clone());
                         out.containers.insert(who.clone());
+                        out.by_device.entry(id.clone()).or_default().insert(who.clone());
                     }
                     Err(_) => out.unknown_ids += 1,
                 }
@@ -172,6 +176,8 @@ mod tests {
         assert_eq!(names(1), ["main"]);
         assert_eq!(a.containers.len(), 2);
         assert_eq!(a.unknown_ids, 2);
+        assert_eq!(a.by_device.len(), 3);
+        assert_eq!(a.by_device["GPU-a::2"].iter().map(|c| c.pod.as_str()).collect::<Vec<_>>(), ["infer"]);
         let srv = a.by_gpu[&0].iter().find(|c| c.container == "srv").unwrap();
         assert_eq!(srv.grant_key(), ("web/infer".to_string(), "srv".to_string()));
     }

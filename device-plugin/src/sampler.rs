@@ -1,5 +1,6 @@
 //! The sampling loop: every `--sample-interval`, one sweep over the GPUs (`GpuBackend::sample`), one
-//! pod-resources `List` for attribution, then the utilization publish policy. The results go into
+//! pod-resources `List` for attribution and the cross-check of Allocate's grants
+//! ([`crate::crosscheck`]), then the utilization publish policy. The results go into
 //! [`Telemetry`], which `/metrics` reads; nothing here fails the plugin: a GPU that does not answer,
 //! a missing pod-resources socket or a failed publish is counted, logged once per change, and retried
 //! at the next tick.
@@ -8,6 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use crate::crosscheck::MismatchReporter;
 use crate::nvml::{BackendError, GpuBackend, GpuSample};
 use crate::plugin::Plugin;
 use crate::podresources::{attribute, Attribution, PodResourcesClient, PodResourcesError};
@@ -38,6 +40,8 @@ pub struct TelemetryState {
     pub api_enabled: bool,
     /// Failed API-server calls, by operation (`crate::k8s::API_OPS`).
     pub api_errors: BTreeMap<&'static str, u64>,
+    /// Devices that Allocate granted as one pod's assignment and kubelet gave to another pod.
+    pub allocation_mismatches: u64,
 }
 
 /// Shared between the sampler (writer) and the metrics endpoint (reader).
@@ -95,6 +99,7 @@ pub struct Sampler {
     pod_resources: Option<PodResourcesClient>,
     publisher: Publisher,
     start: Instant,
+    reporter: Option<Arc<dyn MismatchReporter>>,
 }
 
 impl std::fmt::Debug for Sampler {
@@ -112,7 +117,12 @@ impl Sampler {
         pod_resources: Option<PodResourcesClient>,
         publisher: Publisher,
     ) -> Self {
-        Self { backend, plugin, telemetry, pod_resources, publisher, start: Instant::now() }
+        Self { backend, plugin, telemetry, pod_resources, publisher, start: Instant::now(), reporter: None }
+    }
+
+    /// Also reports each allocation mismatch there (Events, with an API server).
+    pub fn set_reporter(&mut self, reporter: Arc<dyn MismatchReporter>) {
+        self.reporter = Some(reporter);
     }
 
     /// Ticks every `interval` (the first at once) until the task is dropped or aborted.
@@ -211,12 +221,23 @@ impl Sampler {
         }
     }
 
-    /// One `List`, mapped to our GPUs; prunes the plugin's grant records to the containers still there.
+    /// One `List`, mapped to our GPUs; checks the plugin's grant records against it, then prunes
+    /// them to the containers still there.
     async fn attribute(&self) -> Option<Result<Attribution, PodResourcesError>> {
         let client = self.pod_resources.as_ref()?;
         let listed_at = Instant::now();
         Some(client.list().await.map(|resp| {
             let a = attribute(&resp, &self.plugin.config().resource_name, self.plugin.slots());
+            let mismatches = self.plugin.cross_check(&a);
+            if !mismatches.is_empty() {
+                self.telemetry.lock().allocation_mismatches += mismatches.len() as u64;
+            }
+            for m in &mismatches {
+                tracing::error!(device = %m.device, granted = ?m.granted_to, "{m}");
+                if let Some(r) = &self.reporter {
+                    r.report(m);
+                }
+            }
             let live: BTreeSet<(String, String)> = a.containers.iter().map(|c| c.grant_key()).collect();
             self.plugin.prune_grants(&live, listed_at);
             if a.unknown_ids > 0 {

@@ -15,18 +15,24 @@ use gpuplace::core::annotations::{
     ANNOTATION_ALLOCATED, ANNOTATION_ASSIGNMENT, ANNOTATION_INVENTORY, ANNOTATION_UTILIZATION,
 };
 use gpuplace::core::cluster::{ContainerAssignment, GpuSlice, Node as ModelNode, PodAssignment};
+use gpuplace_device_plugin::api::podresources::{
+    ContainerDevices, ContainerResources, ListPodResourcesResponse, PodResources,
+};
 use gpuplace_device_plugin::api::v1beta1::device_plugin_client::DevicePluginClient;
 use gpuplace_device_plugin::api::v1beta1::{ContainerPreferredAllocationRequest, PreferredAllocationRequest};
 use gpuplace_device_plugin::assign::{AssignmentSource, PendingPod};
 use gpuplace_device_plugin::k8s::assignments::KubeAssignments;
+use gpuplace_device_plugin::k8s::events::{PluginEvents, CONTROLLER, REASON_MISMATCH, REASON_SKIPPED};
 use gpuplace_device_plugin::k8s::inventory::cluster_node;
 use gpuplace_device_plugin::k8s::node::{NodeSync, Reconciled};
 use gpuplace_device_plugin::k8s::utilization::KubeUtilizationSink;
 use gpuplace_device_plugin::nvml::fake::{FakeBackend, Fault};
 use gpuplace_device_plugin::nvml::{GpuBackend, Inventory};
 use gpuplace_device_plugin::plugin::PluginConfig;
-use gpuplace_device_plugin::publish::UtilizationSink;
-use gpuplace_device_plugin::sampler::Telemetry;
+use gpuplace_device_plugin::podresources::PodResourcesClient;
+use gpuplace_device_plugin::publish::{MemorySink, PublishPolicy, Publisher, UtilizationSink};
+use gpuplace_device_plugin::sampler::{Sampler, Telemetry};
+use gpuplace_device_plugin::testing::FakePodResources;
 use k8s_openapi::api::core::v1::{
     Binding, Container, Node, ObjectReference, Pod, PodSpec, PodStatus, ResourceRequirements,
 };
@@ -127,6 +133,34 @@ async fn bind_raw(fake: &FakeApiServer, ns: &str, name: &str, annotation: &str) 
     };
     let pods: Api<Pod> = Api::namespaced(fake.client().unwrap(), ns);
     let _: Value = pods.create_subresource("binding", name, &PostParams::default(), &binding).await.unwrap();
+}
+
+/// The Events of `reason`, once there are at least `n` of them (panics after [`WAIT`]). Each was
+/// written by the device plugin, as a Warning, from this node.
+async fn events_of(fake: &FakeApiServer, reason: &str, n: usize) -> Vec<Value> {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let events: Vec<Value> = fake.events().into_iter().filter(|e| e["reason"] == reason).collect();
+        if events.len() >= n {
+            for e in &events {
+                assert_eq!(e["reportingController"], CONTROLLER, "{e}");
+                assert_eq!((e["reportingInstance"].as_str(), e["type"].as_str()), (Some(NODE), Some("Warning")), "{e}");
+            }
+            return events;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{n} {reason} Events expected: {:?}", fake.events());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The pods (`namespace/name`) the Events are about.
+fn regarding(events: &[Value]) -> BTreeSet<String> {
+    events
+        .iter()
+        .map(|e| {
+            format!("{}/{}", e["regarding"]["namespace"].as_str().unwrap(), e["regarding"]["name"].as_str().unwrap())
+        })
+        .collect()
 }
 
 fn allocated(fake: &FakeApiServer, ns: &str, name: &str) -> Option<AllocatedAnnotation> {
@@ -491,6 +525,17 @@ async fn corrupt_forged_and_mismatched_annotations_are_skipped_never_matched() {
     let (mut h, source, _) = harness(&fake, 2).await;
     let (_, mut c) = h.register_and_connect().await;
     assert_eq!(pods_named(&source.pending().await.unwrap()), ["bad/donor", "bad/foreign-marker"]);
+    // each skipped pod gets an Event saying why (once: asking again writes no more)
+    let skipped = ["garbage", "v9", "empty", "copy", "greedy", "elsewhere", "forged-gpu", "bad-marker"];
+    let events = events_of(&fake, REASON_SKIPPED, skipped.len()).await;
+    assert_eq!(regarding(&events), skipped.iter().map(|n| format!("bad/{n}")).collect());
+    let note = |name: &str| events.iter().find(|e| e["regarding"]["name"] == name).unwrap()["note"].to_string();
+    assert!(note("greedy").contains("assigned 40960 MiB, 25%"), "{}", note("greedy"));
+    assert!(note("garbage").contains("Allocate refuses its GPU containers"), "{}", note("garbage"));
+    assert!(note("elsewhere").contains("other-node"), "{}", note("elsewhere"));
+    source.pending().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(fake.events().iter().filter(|e| e["reason"] == REASON_SKIPPED).count(), skipped.len());
     let slots = SlotIds::of(&h);
     // GPU 0: donor's own assignment, once; the copy on another pod never matches
     assert_eq!(allocate(&mut c, vec![slots.slot(0, 0)]).await.unwrap().envs["GPUPLACE_POD"], "bad/donor");
@@ -554,5 +599,69 @@ async fn api_server_down_fails_allocate_clearly_and_recovers() {
     )
     .await;
     assert_eq!(allocate(&mut c, vec![slots.slot(5, 0)]).await.unwrap().envs["GPUPLACE_POD"], "ns/b");
+    h.shutdown().await;
+}
+
+/// The one swap matching cannot rule out: two pods waiting for the same GPU with different slices,
+/// admitted by kubelet out of bind order. Allocate applies the first-bound pod's assignment; the
+/// pod-resources cross-check then sees the device held by the other pod, and says so on both.
+#[tokio::test]
+async fn a_swap_seen_in_pod_resources_raises_events_on_both_pods() {
+    let fake = FakeApiServer::start().await.unwrap();
+    fake.put(&k8s_node(NODE));
+    bind(
+        &fake,
+        gpu_pod("ns", "first", &[("main", false, SHARE_20G_25)]),
+        vec![("main", false, vec![share(1, 20480, 25)])],
+        1,
+    )
+    .await;
+    bind(
+        &fake,
+        gpu_pod("ns", "second", &[("main", false, SHARE_10G_10)]),
+        vec![("main", false, vec![share(1, 10240, 10)])],
+        2,
+    )
+    .await;
+    let (mut h, _source, telemetry) = harness(&fake, 4).await;
+    let (_, mut c) = h.register_and_connect().await;
+    let slots = SlotIds::of(&h);
+    // kubelet is admitting `second`, but nothing in the call says so: bind order picks `first`
+    let granted = allocate(&mut c, vec![slots.slot(1, 0)]).await.unwrap();
+    assert_eq!(granted.envs["GPUPLACE_POD"], "ns/first");
+
+    let socket = h.dir.path().join("pod-resources.sock");
+    let holder = PodResources {
+        name: "second".into(),
+        namespace: "ns".into(),
+        containers: vec![ContainerResources {
+            name: "main".into(),
+            devices: vec![ContainerDevices {
+                resource_name: "gpuplace.io/gpu".into(),
+                device_ids: vec![slots.slot(1, 0)],
+                topology: None,
+            }],
+            ..Default::default()
+        }],
+    };
+    let mut kubelet =
+        FakePodResources::start(&socket, ListPodResourcesResponse { pod_resources: vec![holder] }).unwrap();
+    let policy =
+        PublishPolicy { threshold_pct: 10, min_interval: Duration::ZERO, max_interval: Duration::from_secs(60) };
+    let mut sampler = Sampler::new(
+        h.backend.clone(),
+        h.plugin.clone(),
+        telemetry.clone(),
+        Some(PodResourcesClient::new(&socket, Duration::from_secs(5))),
+        Publisher::new(policy, Arc::new(MemorySink::default())),
+    );
+    sampler.set_reporter(Arc::new(PluginEvents::new(fake.client().unwrap(), NODE)));
+    sampler.tick().await;
+    assert_eq!(telemetry.snapshot().allocation_mismatches, 1);
+    let events = events_of(&fake, REASON_MISMATCH, 2).await;
+    assert_eq!(regarding(&events), ["ns/first".to_string(), "ns/second".to_string()].into());
+    let note = events[0]["note"].as_str().unwrap();
+    assert!(note.contains("assignment of ns/first/main, but kubelet gave it to ns/second/main"), "{note}");
+    kubelet.stop().await;
     h.shutdown().await;
 }

@@ -14,6 +14,7 @@ use gpuplace_device_plugin::api::podresources::{
 };
 use gpuplace_device_plugin::api::v1beta1::ContainerAllocateRequest;
 use gpuplace_device_plugin::assign::{pending_pod, share, StaticAssignments};
+use gpuplace_device_plugin::crosscheck::{Mismatch, MismatchReporter};
 use gpuplace_device_plugin::metrics::{self, MetricsSource, CONTENT_TYPE_TEXT};
 use gpuplace_device_plugin::nvml::fake::{FakeBackend, FakeReading, Fault};
 use gpuplace_device_plugin::nvml::GpuBackend;
@@ -203,6 +204,8 @@ async fn dcgm_series_carry_pod_labels_and_allocated_vs_used() {
     assert_eq!(value(&page, "gpuplace_gpu_memory_allocated_mib", "1", &[]), 0.0);
     assert_eq!(value(&page, "gpuplace_gpu_containers", "0", &[]), 2.0);
     assert_eq!(series(&page, "gpuplace_podresources_up", &[])[0].1, 1.0);
+    // kubelet agrees with the grant: ml/train holds the device its assignment was applied to
+    assert_eq!(series(&page, "gpuplace_allocation_mismatches_total", &[("Hostname", "test-node")])[0].1, 0.0);
     assert_eq!(node.sink.published().len(), 1, "the first sweep is published");
     assert_eq!(node.sink.published()[0].gpus.len(), 8);
 
@@ -273,4 +276,38 @@ async fn without_pod_resources_metrics_still_serve_and_say_why() {
     assert_eq!(series(&page, "gpuplace_podresources_up", &[])[0].1, 1.0);
     assert_eq!(value(&page, "DCGM_FI_DEV_GPU_UTIL", "0", &[("pod", "infer")]), 90.0);
     assert!(Path::new(&node.socket).exists());
+}
+
+/// Mismatches reported to the test.
+#[derive(Default)]
+struct Reported(std::sync::Mutex<Vec<Mismatch>>);
+
+impl MismatchReporter for Reported {
+    fn report(&self, m: &Mismatch) {
+        self.0.lock().unwrap().push(m.clone());
+    }
+}
+
+#[tokio::test]
+async fn a_container_kubelet_started_on_another_pods_grant_is_reported_once() {
+    let mut node = Node::start().await;
+    let reported = Arc::new(Reported::default());
+    node.sampler.set_reporter(reported.clone());
+    // Allocate applied ml/train's assignment to the device on GPU 5, but kubelet gave it to ml/other
+    let device = slot(&node.plugin, 5, 0);
+    let listing = ListPodResourcesResponse { pod_resources: vec![pod("ml", "other", "main", vec![device.clone()])] };
+    let mut kubelet = FakePodResources::start(&node.socket, listing).unwrap();
+    node.sampler.tick().await;
+    let page = node.scrape().await;
+    assert_eq!(series(&page, "gpuplace_allocation_mismatches_total", &[])[0].1, 1.0);
+    let seen = reported.0.lock().unwrap().clone();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].device, device);
+    assert_eq!(seen[0].granted_to, ("ml/train".to_string(), "main".to_string()));
+    assert_eq!(seen[0].held_by.iter().map(|c| c.pod.as_str()).collect::<Vec<_>>(), ["other"]);
+    // the next listing says the same: reported once, not every tick
+    node.sampler.tick().await;
+    assert_eq!(series(&node.scrape().await, "gpuplace_allocation_mismatches_total", &[])[0].1, 1.0);
+    assert_eq!(reported.0.lock().unwrap().len(), 1);
+    kubelet.stop().await;
 }

@@ -1,6 +1,7 @@
-//! Kubernetes Events (events.k8s.io/v1, through kube's `Recorder`) on objects whose annotations
-//! gpuplace refused, so that `kubectl describe pod` shows why an assignment was not trusted.
-//! Best effort: publishing runs on its own task, and a failure is logged, never retried.
+//! Kubernetes Events (events.k8s.io/v1, through kube's `Recorder`) on objects gpuplace has something
+//! to say about: annotations the extender or the device plugin refused, a container kubelet started
+//! on another pod's grant. `kubectl describe pod` then shows why. Best effort: publishing runs on its
+//! own task, and a failure is logged, never retried.
 
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
@@ -28,9 +29,14 @@ impl std::fmt::Debug for EventSink {
 }
 
 impl EventSink {
-    /// `instance`: this replica's name (`reportingInstance`).
+    /// The extender's sink. `instance`: this replica's name (`reportingInstance`).
     pub fn new(client: Client, instance: &str) -> Self {
-        let reporter = Reporter { controller: CONTROLLER.into(), instance: Some(instance.into()) };
+        Self::for_controller(client, CONTROLLER, instance)
+    }
+
+    /// A sink reporting as another component (`reportingController`), e.g. the device plugin.
+    pub fn for_controller(client: Client, controller: &str, instance: &str) -> Self {
+        let reporter = Reporter { controller: controller.into(), instance: Some(instance.into()) };
         Self { recorder: Recorder::new(client, reporter) }
     }
 

@@ -7,7 +7,8 @@
 //! - Each pod's `gpuplace.io/assignment` is parsed and validated with the core schema against the
 //!   pod's own request, the node it is bound to and this node's GPUs. A pod whose annotation is
 //!   unparseable, written for another pod or node, or does not match its request is skipped with one
-//!   warning per problem: never matched, never a crash.
+//!   warning and one `AssignmentSkipped` Event per problem ([`super::events`]): never matched, never
+//!   a crash.
 //! - `gpuplace.io/allocated` lists the containers already given their GPUs; a fully allocated pod is
 //!   not pending. [`mark_allocated`](AssignmentSource::mark_allocated) merge-patches it with the pod's
 //!   UID as precondition (a re-created pod of the same name is not marked). Because the cache lags
@@ -33,6 +34,7 @@ use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 use tokio::task::JoinHandle;
 
+use super::events::PluginEvents;
 use super::{call, CALL_TIMEOUT};
 use crate::assign::{AssignmentSource, PendingPod, PodKey, SourceError};
 use crate::sampler::Telemetry;
@@ -146,6 +148,7 @@ pub struct KubeAssignments {
     telemetry: Arc<Telemetry>,
     known: Mutex<HashMap<String, Known>>,
     warned: Mutex<HashSet<String>>,
+    events: PluginEvents,
     /// Per API call: Allocate waits on it.
     timeout: Duration,
     watch: JoinHandle<()>,
@@ -206,13 +209,14 @@ impl KubeAssignments {
             }
         });
         Arc::new(Self {
-            client,
             node_name: node_name.to_string(),
             node,
             store,
             telemetry,
             known: Mutex::new(HashMap::new()),
             warned: Mutex::new(HashSet::new()),
+            events: PluginEvents::new(client.clone(), node_name),
+            client,
             timeout,
             watch,
         })
@@ -268,6 +272,7 @@ impl KubeAssignments {
         }
         if warned.insert(key) {
             tracing::warn!(pod = %who, problem = %problem, "skipping the pod's gpuplace assignment; it will not be matched");
+            self.events.assignment_skipped(pod, &problem.to_string());
         }
     }
 

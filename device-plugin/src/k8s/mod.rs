@@ -8,14 +8,18 @@
 //!   restarts and health changes.
 //! - [`utilization::KubeUtilizationSink`]: the [`crate::publish::UtilizationSink`] writing
 //!   `gpuplace.io/utilization` on the node.
+//! - [`events::PluginEvents`]: Events on pods whose assignment is skipped, and on both pods of an
+//!   allocation mismatch found by the pod-resources cross-check.
 //! - [`inventory`]: what the node publishes, computed from the discovered GPUs and their health (pure).
 //!
 //! The calls, and so the RBAC (scheduler-config/device-plugin/rbac.yaml): pods list and watch (field
-//! selector `spec.nodeName`) and patch; its node get and patch; `nodes/status` patch. A failed call
+//! selector `spec.nodeName`) and patch; its node get and patch; `nodes/status` patch; events.k8s.io
+//! events create and patch (kube's `Recorder` patches a repeated Event). A failed call
 //! never stops the plugin: it is logged, counted in `gpuplace_apiserver_errors_total{op}`, and
 //! retried (the loops) or reported to kubelet as `Unavailable` (Allocate).
 
 pub mod assignments;
+pub mod events;
 pub mod inventory;
 pub mod node;
 pub mod utilization;

@@ -1,0 +1,72 @@
+//! The Events the device plugin writes (events.k8s.io/v1, `reportingController`
+//! `gpuplace.io/device-plugin`, `reportingInstance` the node), so `kubectl describe pod` shows what
+//! the plugin did with a pod that the log alone would hide:
+//!
+//! - `AssignmentSkipped` on a bound pod whose `gpuplace.io/assignment` the plugin will not apply
+//!   (corrupt, written for another pod or node, not matching its request): its containers' Allocate
+//!   will fail rather than start on GPUs nobody assigned. Once per pod and problem.
+//! - `AllocationMismatch` on both pods when pod-resources shows that kubelet gave a device to another
+//!   pod than the one whose assignment Allocate applied ([`crate::crosscheck`]).
+//!
+//! Best effort, as the extender's Events: a failed write is logged, never retried, never fails a call.
+
+use gpuplace::apiserver::events::EventSink;
+use k8s_openapi::api::core::v1::{ObjectReference, Pod};
+use kube::{Client, Resource};
+
+use crate::crosscheck::{Mismatch, MismatchReporter};
+
+/// `reportingController` of the plugin's Events.
+pub const CONTROLLER: &str = "gpuplace.io/device-plugin";
+/// Reason of the Event on a pod whose assignment is skipped.
+pub const REASON_SKIPPED: &str = "AssignmentSkipped";
+/// Reason of the Event on the pods of an allocation mismatch.
+pub const REASON_MISMATCH: &str = "AllocationMismatch";
+
+/// Writes the plugin's Events. Its methods must be called inside a tokio runtime.
+#[derive(Debug, Clone)]
+pub struct PluginEvents {
+    sink: EventSink,
+}
+
+fn pod_ref(namespace: &str, name: &str) -> ObjectReference {
+    ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Pod".into()),
+        namespace: Some(namespace.into()),
+        name: Some(name.into()),
+        ..ObjectReference::default()
+    }
+}
+
+impl PluginEvents {
+    /// `node`: this node's name, the Events' `reportingInstance`.
+    pub fn new(client: Client, node: &str) -> Self {
+        Self { sink: EventSink::for_controller(client, CONTROLLER, node) }
+    }
+
+    /// `pod`'s assignment will not be applied, because of `problem`.
+    pub fn assignment_skipped(&self, pod: &Pod, problem: &str) {
+        let note = format!(
+            "{problem}. The pod's gpuplace assignment is not applied: Allocate refuses its GPU containers rather than \
+             start them on GPUs the extender did not assign"
+        );
+        self.sink.warn(pod.object_ref(&()), REASON_SKIPPED, "Allocate", &note);
+    }
+}
+
+impl MismatchReporter for PluginEvents {
+    fn report(&self, m: &Mismatch) {
+        let note = m.to_string();
+        let mut pods: Vec<(String, String)> = Vec::new();
+        if let Some((ns, name)) = m.granted_to.0.split_once('/') {
+            pods.push((ns.into(), name.into()));
+        }
+        pods.extend(m.held_by.iter().map(|c| (c.namespace.clone(), c.pod.clone())));
+        pods.sort();
+        pods.dedup();
+        for (ns, name) in pods {
+            self.sink.warn(pod_ref(&ns, &name), REASON_MISMATCH, "Allocate", &note);
+        }
+    }
+}
