@@ -369,6 +369,19 @@ pub enum AllocError {
     HostOvercommit { pod: String, node: String, what: &'static str, need: u64, capacity: u64 },
 }
 
+impl AllocError {
+    /// The record is sound but does not fit what is left (memory, compute, slots, host).
+    pub fn is_over_capacity(&self) -> bool {
+        matches!(
+            self,
+            AllocError::MemoryOvercommit { .. }
+                | AllocError::CoreOvercommit { .. }
+                | AllocError::SlotsExhausted { .. }
+                | AllocError::HostOvercommit { .. }
+        )
+    }
+}
+
 impl Node {
     pub fn new(
         name: impl Into<String>,
@@ -610,6 +623,27 @@ impl Node {
 
     fn allocate(&mut self, a: PodAssignment) -> Result<(), AllocError> {
         let fps = self.check(&a)?;
+        self.apply(a, fps);
+        Ok(())
+    }
+
+    /// Counts a record that fitted the node before its capacity shrank (fewer device-plugin slots,
+    /// less memory): its pod still holds the GPUs, so it keeps counting, and the node is full until it
+    /// goes. Anything else `check` refuses (an unknown GPU, an exclusivity clash) is refused here too.
+    fn allocate_over_capacity(&mut self, a: PodAssignment) -> Result<(), AllocError> {
+        match self.check(&a) {
+            Ok(fps) => self.apply(a, fps),
+            Err(e) if e.is_over_capacity() => {
+                let fps = a.footprints();
+                self.apply(a, fps);
+                return Err(e);
+            }
+            Err(e) => return Err(e),
+        }
+        Ok(())
+    }
+
+    fn apply(&mut self, a: PodAssignment, fps: BTreeMap<u32, Footprint>) {
         for (gpu, fp) in fps {
             let u = &mut self.usage[gpu as usize];
             u.mem_mib += fp.mem_mib;
@@ -623,7 +657,6 @@ impl Node {
         self.mem_used += a.memory_mib;
         self.pods.insert(a.pod.clone(), a);
         self.generation = next_stamp();
-        Ok(())
     }
 
     fn release(&mut self, pod: &str) -> Option<PodAssignment> {
@@ -673,11 +706,13 @@ impl Drop for NodeMut<'_> {
     }
 }
 
-/// A record that [`Cluster::rebuild`] could not apply, and why.
+/// A record that [`Cluster::rebuild`] or [`Cluster::upsert_node`] could not apply as it is, and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RebuildConflict {
     pub pod: String,
     pub reason: AllocError,
+    /// Still counted, over the node's new capacity (see [`Cluster::upsert_node`]); otherwise dropped.
+    pub kept: bool,
 }
 
 /// The whole cluster.
@@ -756,8 +791,11 @@ impl Cluster {
         c
     }
 
-    /// Adds a node, or replaces the node of that name while keeping its allocations where they still
-    /// fit (a node whose inventory changed). Returns the records that no longer fit.
+    /// Adds a node, or replaces the node of that name (its inventory changed) while keeping its
+    /// allocations: their pods still hold the GPUs. A record that no longer fits the new capacity
+    /// (fewer slots, less memory) keeps counting, over capacity, so nothing is placed beside it until
+    /// it goes; one that names a GPU the node no longer has, or clashes with another, is dropped.
+    /// Returns both kinds.
     pub fn upsert_node(&mut self, mut node: Node) -> Vec<RebuildConflict> {
         // its public fields may have been edited since it was built (or it is a copy of a node of
         // another cluster): a fresh stamp, so nothing cached for another state matches it
@@ -784,9 +822,12 @@ impl Cluster {
                 node.mem_used = 0;
                 for (_, a) in old {
                     let pod = a.pod.clone();
-                    if let Err(reason) = node.allocate(a) {
-                        self.pod_node.remove(&pod);
-                        conflicts.push(RebuildConflict { pod, reason });
+                    if let Err(reason) = node.allocate_over_capacity(a) {
+                        let kept = reason.is_over_capacity();
+                        if !kept {
+                            self.pod_node.remove(&pod);
+                        }
+                        conflicts.push(RebuildConflict { pod, reason, kept });
                     }
                 }
                 self.stamps.0[i] = node.generation;
@@ -904,7 +945,7 @@ impl Cluster {
         for r in records {
             let pod = r.pod.clone();
             if let Err(reason) = self.allocate(r) {
-                conflicts.push(RebuildConflict { pod, reason });
+                conflicts.push(RebuildConflict { pod, reason, kept: false });
             }
         }
         conflicts
@@ -1097,6 +1138,34 @@ pub(crate) mod tests {
             free.allocate(share(&format!("p{i}"), 0, 10, 1)).unwrap();
         }
         assert_eq!((free.node("n").unwrap().usage(0).slots, free.node("n").unwrap().free_slots(0)), (20, u32::MAX));
+    }
+
+    #[test]
+    fn a_shrunk_inventory_keeps_counting_what_pods_still_hold() {
+        let mut c = Cluster::new(vec![node("n", 2).with_slots_per_gpu(Some(3))]);
+        for p in ["a", "b", "c"] {
+            c.allocate(share(p, 0, 100, 10)).unwrap();
+        }
+        c.allocate(share("d", 1, 100, 10)).unwrap();
+        // the device plugin restarts with K = 2: kubelet's running containers keep their devices
+        let conflicts = c.upsert_node(node("n", 2).with_slots_per_gpu(Some(2)));
+        assert_eq!(conflicts.len(), 1);
+        assert!(conflicts[0].kept && matches!(conflicts[0].reason, AllocError::SlotsExhausted { .. }));
+        let n = c.node("n").unwrap();
+        assert_eq!((n.pods().count(), n.usage(0).slots, n.free_slots(0), n.usage(0).mem_mib), (4, 3, 0, 300));
+        assert!(c.assignment(&conflicts[0].pod).is_some(), "still findable, so it can be released");
+        assert!(matches!(c.allocate(share("x", 0, 1, 1)), Err(AllocError::SlotsExhausted { .. })));
+        c.release("a").unwrap();
+        assert_eq!(c.node("n").unwrap().free_slots(0), 0, "two of two slots still taken");
+        c.release("b").unwrap();
+        c.allocate(share("x", 0, 1, 1)).unwrap();
+        // a GPU that is gone takes its records with it: they cannot be counted anywhere
+        let conflicts = c.upsert_node(node("n", 1));
+        assert_eq!(conflicts.len(), 1);
+        assert_eq!((conflicts[0].pod.as_str(), conflicts[0].kept), ("d", false));
+        assert!(matches!(conflicts[0].reason, AllocError::UnknownGpu { .. }));
+        assert!(c.assignment("d").is_none());
+        assert!(c.assignment("c").is_some() && c.assignment("x").is_some());
     }
 
     #[test]

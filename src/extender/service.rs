@@ -487,8 +487,13 @@ impl Extender {
     fn upsert_locked(&self, st: &mut State, node: Node) {
         let name = node.name.clone();
         for c in st.cluster.upsert_node(node) {
-            self.metrics.conflict(ConflictKind::BadAssignment);
-            tracing::warn!(pod = %c.pod, node = %name, reason = %c.reason, "allocation no longer fits the node's new inventory; dropped");
+            if c.kept {
+                // the pod still holds the GPUs: counted over capacity, never dropped
+                tracing::warn!(pod = %c.pod, node = %name, reason = %c.reason, "allocation exceeds the node's new inventory; still counted until the pod goes");
+            } else {
+                self.metrics.conflict(ConflictKind::BadAssignment);
+                tracing::warn!(pod = %c.pod, node = %name, reason = %c.reason, "allocation names GPUs the node's new inventory lacks; dropped");
+            }
         }
         // a node deleted and created again: its pods' allocations count again where they still fit
         for a in st.parked.remove(&name).unwrap_or_default() {
