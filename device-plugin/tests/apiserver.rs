@@ -121,6 +121,17 @@ async fn bind(fake: &FakeApiServer, pod: Pod, containers: Vec<(&str, bool, Vec<G
     uid
 }
 
+/// Binds two one-container pods in namespace `ns` to GPU 1: `first` with 20 GiB and 25 % (bind #1),
+/// then `second` with 10 GiB and 10 % (bind #2). The same GPU set, different slices: only bind order
+/// tells their Allocates apart.
+async fn bind_shares_on_gpu_1(fake: &FakeApiServer, first: &str, second: &str) {
+    let pods = [(first, SHARE_20G_25, 20480, 25), (second, SHARE_10G_10, 10240, 10)];
+    for (seq, (name, limits, mem, core)) in (1..).zip(pods) {
+        let slices = vec![("main", false, vec![share(1, mem, core)])];
+        bind(fake, gpu_pod("ns", name, &[("main", false, limits)]), slices, seq).await;
+    }
+}
+
 /// A Binding carrying `annotation` (any text) as the assignment.
 async fn bind_raw(fake: &FakeApiServer, ns: &str, name: &str, annotation: &str) {
     let binding = Binding {
@@ -353,20 +364,7 @@ async fn allocate_applies_the_extenders_assignments_in_bind_order_and_out_of_ord
     fake.put(&k8s_node(NODE));
     let k = 4;
     // bound before the plugin starts: found by the watcher's initial list
-    bind(
-        &fake,
-        gpu_pod("ns", "share-a", &[("main", false, SHARE_20G_25)]),
-        vec![("main", false, vec![share(1, 20480, 25)])],
-        1,
-    )
-    .await;
-    bind(
-        &fake,
-        gpu_pod("ns", "share-b", &[("main", false, SHARE_10G_10)]),
-        vec![("main", false, vec![share(1, 10240, 10)])],
-        2,
-    )
-    .await;
+    bind_shares_on_gpu_1(&fake, "share-a", "share-b").await;
     let pair_uid = bind(
         &fake,
         gpu_pod("ns", "pair", &[("train", false, WHOLE_2)]),
@@ -609,20 +607,7 @@ async fn api_server_down_fails_allocate_clearly_and_recovers() {
 async fn a_swap_seen_in_pod_resources_raises_events_on_both_pods() {
     let fake = FakeApiServer::start().await.unwrap();
     fake.put(&k8s_node(NODE));
-    bind(
-        &fake,
-        gpu_pod("ns", "first", &[("main", false, SHARE_20G_25)]),
-        vec![("main", false, vec![share(1, 20480, 25)])],
-        1,
-    )
-    .await;
-    bind(
-        &fake,
-        gpu_pod("ns", "second", &[("main", false, SHARE_10G_10)]),
-        vec![("main", false, vec![share(1, 10240, 10)])],
-        2,
-    )
-    .await;
+    bind_shares_on_gpu_1(&fake, "first", "second").await;
     let (mut h, _source, telemetry) = harness(&fake, 4).await;
     let (_, mut c) = h.register_and_connect().await;
     let slots = SlotIds::of(&h);
