@@ -105,15 +105,21 @@ impl Free {
             eligible |= u64::from(allowed & f.healthy) << g;
             idle |= u64::from(u.holders == 0) << g;
             self.cap[g] = f.memory_mib;
-            self.slots[g] = k.saturating_sub(u.slots);
-            slotted |= u64::from(self.slots[g] > 0) << g;
             if shares {
                 // nothing is free on a GPU held whole
                 let shared = u64::from(!u.exclusive).wrapping_neg();
                 self.mem[g] = f.memory_mib.saturating_sub(u.mem_mib) & shared;
                 self.core[g] = 100u32.saturating_sub(u.core_pct) & shared as u32;
                 self.milli[g] = 1000 - used;
+                self.slots[g] = k.saturating_sub(u.slots);
+                slotted |= u64::from(self.slots[g] > 0) << g;
             }
+        }
+        if !shares {
+            // whole GPUs go only where nobody holds a slot, so each has all K: a fill, not a pass
+            let n = node.gpus.len().min(M);
+            self.slots[..n].fill(k);
+            slotted = if k > 0 { u64::MAX.checked_shr(64 - n as u32).unwrap_or(0) } else { 0 };
         }
         (self.idle, self.eligible, self.slotted, self.taken) = (idle, eligible, slotted, 0);
         model_seen
