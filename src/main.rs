@@ -177,7 +177,7 @@ fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
     let opts = ApiOptions { node_selector: args.node_selector.clone(), leader, instance: identity };
     let http = HttpOptions { prefix: args.prefix.clone(), max_body_bytes: args.max_body_bytes };
     let prefix = http.normalized_prefix()?;
-    let ext = gpuplace::apiserver::run::spawn_thread(source, opts, move |client, leadership| {
+    let kube = gpuplace::apiserver::run::spawn_thread(source, opts, move |client, leadership| {
         let binder = Arc::new(KubeBinder::new(client, leadership));
         let options = ServiceOptions { ready: false, ..ServiceOptions::default() };
         let mut ext = Extender::new(Cluster::default(), engine, binder, options);
@@ -193,8 +193,10 @@ fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
         args.listen,
         if elect { " and leading" } else { "" }
     );
-    gpuplace::extender::http::serve_forever(ext, http, &args.listen, args.workers)
-        .map_err(|e| format!("serving on {}: {e}", args.listen))
+    let served = gpuplace::extender::http::serve_forever(kube.ext.clone(), http, &args.listen, args.workers);
+    // SIGTERM: the HTTP server has drained its requests (binds included); hand the Lease back
+    kube.shutdown(std::time::Duration::from_secs(3));
+    served.map_err(|e| format!("serving on {}: {e}", args.listen))
 }
 
 fn serve(args: &ServeArgs) -> Result<(), String> {

@@ -436,3 +436,37 @@ async fn two_replicas_elect_one_leader_and_fail_over() {
     settle().await;
     assert!(bind(&standby.ext, &q, "n1").await.contains("no longer fits"));
 }
+
+/// A replica shutting down gracefully hands the Lease back: the standby leads at its next read, long
+/// before the lease (30 s here) could expire.
+#[tokio::test]
+async fn a_replica_shutting_down_hands_the_lease_over_at_once() {
+    let fake = FakeApiServer::start().await.unwrap();
+    fake.put(&gpu_node("n1", 2));
+    let slow = |identity: &str| {
+        let mut cfg = election(identity);
+        (cfg.lease_duration, cfg.renew_deadline) = (Duration::from_secs(30), Duration::from_secs(20));
+        cfg
+    };
+    let a = replica(&fake, Some(slow("a")));
+    eventually("a leads", || a.ext.is_ready()).await;
+    let b = replica(&fake, Some(slow("b")));
+    eventually("b is rebuilt", || b.ctl.readiness.is_rebuilt()).await;
+    settle().await;
+    assert!(!b.ext.is_ready(), "b waits while a renews");
+
+    a.ctl.shutdown().await;
+    assert!(!a.ext.is_ready() && !a.ctl.leadership.is_leader(), "a stops leading before it lets go");
+    eventually("b takes over well within the lease duration", || b.ext.is_ready()).await;
+    let spec = fake.get::<Lease>("gpuplace-system", "gpuplace-extender").unwrap().spec.unwrap();
+    assert_eq!(spec.holder_identity.as_deref(), Some("b"));
+
+    // shutting down a replica that does not hold the Lease leaves it alone
+    let c = replica(&fake, Some(slow("c")));
+    eventually("c is rebuilt", || c.ctl.readiness.is_rebuilt()).await;
+    c.ctl.shutdown().await;
+    settle().await;
+    let spec = fake.get::<Lease>("gpuplace-system", "gpuplace-extender").unwrap().spec.unwrap();
+    assert_eq!(spec.holder_identity.as_deref(), Some("b"));
+    assert!(b.ext.is_ready());
+}

@@ -210,3 +210,53 @@ fn serve_refuses_bad_api_server_settings_or_a_bad_prefix() {
     assert!(!out.status.success());
     assert!(text(&out.stderr).contains("http://127.0.0.1:1/inspect"), "{}", text(&out.stderr));
 }
+
+/// Kills the child if the test fails before it exits.
+struct Reap(std::process::Child);
+
+impl Drop for Reap {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `gpuplace serve` in API-server mode against the in-process fake API server: it takes the leader
+/// Lease, and on SIGTERM (a pod being deleted) it exits cleanly and hands the Lease back, so the
+/// standby does not wait out a lease duration.
+#[tokio::test]
+async fn serve_in_apiserver_mode_hands_its_lease_back_on_sigterm() {
+    use std::process::Stdio;
+    use std::time::Duration;
+
+    use gpuplace::apiserver::fake::FakeApiServer;
+    use k8s_openapi::api::coordination::v1::Lease;
+
+    let fake = FakeApiServer::start().await.unwrap();
+    let listen = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+    let mut child = Reap(
+        Command::new(env!("CARGO_BIN_EXE_gpuplace"))
+            .args(["serve", "--apiserver", &fake.url(), "--listen", &listen, "--workers", "1"])
+            .args(["--leader-elect-identity", "cli-a", "--leader-elect-namespace", "gpuplace-system"])
+            .env_remove("RUST_LOG")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("run gpuplace serve"),
+    );
+    let holder = || fake.get::<Lease>("gpuplace-system", "gpuplace-extender").and_then(|l| l.spec?.holder_identity);
+    let until = tokio::time::Instant::now() + Duration::from_secs(20);
+    while holder().as_deref() != Some("cli-a") {
+        assert!(tokio::time::Instant::now() < until, "the Lease was never taken: {:?}", holder());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let pid = child.0.id().to_string();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let status = tokio::task::spawn_blocking(move || {
+        let s = child.0.wait();
+        (s, child)
+    });
+    let (status, _child) = tokio::time::timeout(Duration::from_secs(15), status).await.unwrap().unwrap();
+    assert!(status.unwrap().success(), "a clean exit on SIGTERM");
+    assert_eq!(holder(), None, "the Lease is handed back");
+}

@@ -105,6 +105,11 @@ impl Leadership {
     fn lead_until(&self, until: Option<Instant>) {
         *self.lock() = until;
     }
+
+    /// Stops leading now (a replica shutting down), whatever its last renewal allowed.
+    pub fn resign(&self) {
+        self.lead_until(None);
+    }
 }
 
 /// What the Lease says, as far as the decision goes.
@@ -240,6 +245,45 @@ pub async fn run(client: Client, cfg: LeaderConfig, leadership: Arc<Leadership>,
         }
         changed(leader);
         tokio::time::sleep_until(started + cfg.retry_period).await;
+    }
+}
+
+/// Hands the Lease back if this replica holds it (a graceful shutdown, as client-go's
+/// `ReleaseOnCancel`): the holder is cleared, so a standby takes it over at its next read instead of
+/// waiting a whole lease duration. `Ok(true)` when it was released; `Ok(false)` when another replica
+/// holds it (or wrote it first). Call it only after [`Leadership::resign`] and once no bind is in flight.
+pub async fn release(client: Client, cfg: &LeaderConfig) -> Result<bool, LeaseError> {
+    let api: Api<Lease> = Api::namespaced(client, &cfg.namespace);
+    let timeout = cfg.retry_period;
+    let err = |call: &'static str| {
+        let (namespace, name) = (cfg.namespace.clone(), cfg.name.clone());
+        move |source| LeaseError::Api { namespace, name, call, source }
+    };
+    let timed_out = |call: &'static str| LeaseError::Timeout {
+        namespace: cfg.namespace.clone(),
+        name: cfg.name.clone(),
+        call,
+        timeout,
+    };
+    let current = tokio::time::timeout(timeout, api.get_opt(&cfg.name))
+        .await
+        .map_err(|_| timed_out("get"))?
+        .map_err(err("get"))?;
+    let Some(mut lease) = current.filter(|l| LeaseView::of(l).holder.as_deref() == Some(cfg.identity.as_str())) else {
+        return Ok(false);
+    };
+    let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
+    spec.holder_identity = None;
+    spec.lease_duration_seconds = Some(1);
+    spec.renew_time = Some(micro_now());
+    // the resourceVersion read above is the precondition: a lease taken over meanwhile is left alone
+    match tokio::time::timeout(timeout, api.replace(&cfg.name, &PostParams::default(), &lease))
+        .await
+        .map_err(|_| timed_out("release"))?
+    {
+        Ok(_) => Ok(true),
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(false),
+        Err(e) => Err(err("release")(e)),
     }
 }
 

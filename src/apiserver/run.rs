@@ -11,7 +11,9 @@
 //! current-thread tokio runtime on a thread of its own ([`spawn_thread`]): the watchers and the
 //! election never share a thread with HTTP workers, and no multi-thread runtime (another tokio
 //! feature to build) is needed. The binder is called from the HTTP workers; kube's `Client` sends
-//! its requests to a buffer task on the kube runtime, so calls from any runtime work.
+//! its requests to a buffer task on the kube runtime, so calls from any runtime work. When the HTTP
+//! server has stopped (in-flight binds done), [`KubeSide::shutdown`] ends the kube side and hands the
+//! Lease back, so the standby leads within a retry period instead of a lease duration.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -70,14 +72,40 @@ impl Readiness {
 }
 
 /// The running tasks; dropping it (or [`stop`](Self::stop)) ends them.
-#[derive(Debug)]
 pub struct Controller {
     tasks: Vec<JoinHandle<()>>,
     pub readiness: Arc<Readiness>,
     pub leadership: Arc<Leadership>,
+    /// The election, for handing the Lease back at shutdown.
+    election: Option<(Client, LeaderConfig)>,
+}
+
+impl std::fmt::Debug for Controller {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Controller")
+            .field("tasks", &self.tasks.len())
+            .field("leadership", &self.leadership)
+            .field("lease", &self.election.as_ref().map(|(_, cfg)| cfg))
+            .finish_non_exhaustive()
+    }
 }
 
 impl Controller {
+    /// A graceful end (the process is shutting down, in-flight binds are done): stops every task,
+    /// stops leading, and hands the Lease back so the standby takes over at once rather than after a
+    /// lease duration. A failed hand-back is logged; the Lease then expires as usual.
+    pub async fn shutdown(&self) {
+        self.stop();
+        self.leadership.resign();
+        if let Some((client, cfg)) = &self.election {
+            match leader::release(client.clone(), cfg).await {
+                Ok(true) => tracing::info!(identity = %cfg.identity, "leader lease released"),
+                Ok(false) => {}
+                Err(e) => tracing::warn!(error = %e, "releasing the leader lease failed; it expires by itself"),
+            }
+        }
+    }
+
     /// Ends every task (a replica going away: it stops renewing, the standby takes over) and
     /// turns readiness off, since nothing keeps the state current any more.
     pub fn stop(&self) {
@@ -117,13 +145,14 @@ pub fn start(client: Client, ext: Arc<Extender>, leadership: Arc<Leadership>, op
         synced_rx,
         move || r.set_rebuilt(),
     )));
-    if let Some(cfg) = opts.leader {
+    let election = opts.leader.map(|cfg| (client.clone(), cfg));
+    if let Some((client, cfg)) = election.clone() {
         let r = readiness.clone();
         tasks.push(tokio::spawn(leader::run(client, cfg, leadership.clone(), move |_| r.refresh())));
     } else {
         readiness.refresh();
     }
-    Controller { tasks, readiness, leadership }
+    Controller { tasks, readiness, leadership, election }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -136,16 +165,38 @@ pub enum RunError {
     Ended,
 }
 
+/// The kube side running on its thread: the extender for the HTTP server, and a graceful end.
+#[derive(Debug)]
+pub struct KubeSide {
+    pub ext: Arc<Extender>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    done: std::sync::mpsc::Receiver<()>,
+}
+
+impl KubeSide {
+    /// Ends the kube side ([`Controller::shutdown`]: stop leading, hand the Lease back), waiting at
+    /// most `limit` for it.
+    pub fn shutdown(mut self, limit: std::time::Duration) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let _ = self.done.recv_timeout(limit);
+    }
+}
+
 /// Starts the kube side on its own thread and runtime (see the module doc): connects, builds the
 /// extender with `make` (given the client and the leadership its binder must check), starts the
-/// controller, and returns the extender for the HTTP server. The thread runs until the process ends.
+/// controller, and returns the extender for the HTTP server. The thread runs until
+/// [`KubeSide::shutdown`] (or the end of the process).
 pub fn spawn_thread(
     source: Source,
     opts: ApiOptions,
     make: impl FnOnce(Client, Arc<Leadership>) -> Arc<Extender> + Send + 'static,
-) -> Result<Arc<Extender>, RunError> {
+) -> Result<KubeSide, RunError> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(RunError::Runtime)?;
     let (tx, rx) = std::sync::mpsc::channel();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
     std::thread::Builder::new()
         .name("gpuplace-kube".into())
         .spawn(move || {
@@ -159,11 +210,15 @@ pub fn spawn_thread(
                 };
                 let leadership = if opts.leader.is_some() { Leadership::elected() } else { Leadership::always() };
                 let ext = make(client.clone(), leadership.clone());
-                let _controller = start(client, ext.clone(), leadership, opts);
+                let controller = start(client, ext.clone(), leadership, opts);
                 let _ = tx.send(Ok(ext));
-                std::future::pending::<()>().await;
+                // a dropped handle ends it the same way
+                let _ = stop_rx.await;
+                controller.shutdown().await;
+                let _ = done_tx.send(());
             })
         })
         .map_err(RunError::Runtime)?;
-    rx.recv().map_err(|_| RunError::Ended)?
+    let ext = rx.recv().map_err(|_| RunError::Ended)??;
+    Ok(KubeSide { ext, stop: Some(stop_tx), done: done_rx })
 }
