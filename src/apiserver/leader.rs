@@ -227,12 +227,12 @@ pub enum LeaseError {
 /// keeps `leadership` current. `changed` is called after every round with whether this replica
 /// leads (readiness and metrics follow it).
 pub async fn run(client: Client, cfg: LeaderConfig, leadership: Arc<Leadership>, changed: impl Fn(bool)) {
-    let api: Api<Lease> = Api::namespaced(client, &cfg.namespace);
+    let api = LeaseApi::new(client, &cfg);
     let mut elector = Elector::new(&cfg.identity, cfg.lease_duration);
     let mut was_leader = false;
     loop {
         let started = Instant::now();
-        match round(&api, &cfg, &mut elector, started).await {
+        match round(&api, &mut elector, started).await {
             Ok(true) => leadership.lead_until(Some(started + cfg.renew_deadline)),
             Ok(false) => leadership.lead_until(None),
             // the last renewal still holds until its deadline, which then lapses by itself
@@ -248,87 +248,91 @@ pub async fn run(client: Client, cfg: LeaderConfig, leadership: Arc<Leadership>,
     }
 }
 
+/// The Lease's API calls, each limited to one retry period: kube's client retries 503s for a long
+/// while, and a round must end before the renew deadline.
+struct LeaseApi<'a> {
+    api: Api<Lease>,
+    cfg: &'a LeaderConfig,
+}
+
+impl<'a> LeaseApi<'a> {
+    fn new(client: Client, cfg: &'a LeaderConfig) -> Self {
+        Self { api: Api::namespaced(client, &cfg.namespace), cfg }
+    }
+
+    fn error(&self, call: &'static str, source: kube::Error) -> LeaseError {
+        LeaseError::Api { namespace: self.cfg.namespace.clone(), name: self.cfg.name.clone(), call, source }
+    }
+
+    /// Runs `f` within the limit; the API's own answer is left to the caller (a 409 is not an error).
+    async fn limited<T>(
+        &self,
+        call: &'static str,
+        f: impl std::future::Future<Output = Result<T, kube::Error>>,
+    ) -> Result<Result<T, kube::Error>, LeaseError> {
+        let timeout = self.cfg.retry_period;
+        tokio::time::timeout(timeout, f).await.map_err(|_| LeaseError::Timeout {
+            namespace: self.cfg.namespace.clone(),
+            name: self.cfg.name.clone(),
+            call,
+            timeout,
+        })
+    }
+
+    async fn get(&self) -> Result<Option<Lease>, LeaseError> {
+        self.limited("get", self.api.get_opt(&self.cfg.name)).await?.map_err(|e| self.error("get", e))
+    }
+
+    /// Creates or replaces the Lease (the resourceVersion read is the precondition); `Ok(false)`
+    /// when another replica wrote it first (409).
+    async fn write(&self, call: &'static str, lease: &Lease, create: bool) -> Result<bool, LeaseError> {
+        let pp = PostParams::default();
+        let written = if create {
+            self.limited(call, self.api.create(&pp, lease)).await?
+        } else {
+            self.limited(call, self.api.replace(&self.cfg.name, &pp, lease)).await?
+        };
+        match written {
+            Ok(_) => Ok(true),
+            Err(kube::Error::Api(s)) if s.code == 409 => Ok(false),
+            Err(e) => Err(self.error(call, e)),
+        }
+    }
+}
+
 /// Hands the Lease back if this replica holds it (a graceful shutdown, as client-go's
 /// `ReleaseOnCancel`): the holder is cleared, so a standby takes it over at its next read instead of
 /// waiting a whole lease duration. `Ok(true)` when it was released; `Ok(false)` when another replica
 /// holds it (or wrote it first). Call it only after [`Leadership::resign`] and once no bind is in flight.
 pub async fn release(client: Client, cfg: &LeaderConfig) -> Result<bool, LeaseError> {
-    let api: Api<Lease> = Api::namespaced(client, &cfg.namespace);
-    let timeout = cfg.retry_period;
-    let err = |call: &'static str| {
-        let (namespace, name) = (cfg.namespace.clone(), cfg.name.clone());
-        move |source| LeaseError::Api { namespace, name, call, source }
-    };
-    let timed_out = |call: &'static str| LeaseError::Timeout {
-        namespace: cfg.namespace.clone(),
-        name: cfg.name.clone(),
-        call,
-        timeout,
-    };
-    let current = tokio::time::timeout(timeout, api.get_opt(&cfg.name))
-        .await
-        .map_err(|_| timed_out("get"))?
-        .map_err(err("get"))?;
-    let Some(mut lease) = current.filter(|l| LeaseView::of(l).holder.as_deref() == Some(cfg.identity.as_str())) else {
-        return Ok(false);
-    };
+    let api = LeaseApi::new(client, cfg);
+    let held = api.get().await?.filter(|l| LeaseView::of(l).holder.as_deref() == Some(cfg.identity.as_str()));
+    let Some(mut lease) = held else { return Ok(false) };
     let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
     spec.holder_identity = None;
     spec.lease_duration_seconds = Some(1);
     spec.renew_time = Some(micro_now());
-    // the resourceVersion read above is the precondition: a lease taken over meanwhile is left alone
-    match tokio::time::timeout(timeout, api.replace(&cfg.name, &PostParams::default(), &lease))
-        .await
-        .map_err(|_| timed_out("release"))?
-    {
-        Ok(_) => Ok(true),
-        Err(kube::Error::Api(s)) if s.code == 409 => Ok(false),
-        Err(e) => Err(err("release")(e)),
-    }
+    // a lease taken over since the read is left alone (409)
+    api.write("release", &lease, false).await
 }
 
 /// One round: `Ok(true)` when this replica wrote the Lease as its holder.
-async fn round(api: &Api<Lease>, cfg: &LeaderConfig, elector: &mut Elector, now: Instant) -> Result<bool, LeaseError> {
-    // kube's client retries 503s for a long while; a round must end before the renew deadline
-    let timeout = cfg.retry_period;
-    let err = |call: &'static str| {
-        let (namespace, name) = (cfg.namespace.clone(), cfg.name.clone());
-        move |source| LeaseError::Api { namespace, name, call, source }
-    };
-    let timed_out = |call: &'static str| LeaseError::Timeout {
-        namespace: cfg.namespace.clone(),
-        name: cfg.name.clone(),
-        call,
-        timeout,
-    };
-    let current = tokio::time::timeout(timeout, api.get_opt(&cfg.name))
-        .await
-        .map_err(|_| timed_out("get"))?
-        .map_err(err("get"))?;
+async fn round(api: &LeaseApi<'_>, elector: &mut Elector, now: Instant) -> Result<bool, LeaseError> {
+    let cfg = api.cfg;
+    let current = api.get().await?;
     let action = elector.decide(current.as_ref().map(LeaseView::of).as_ref(), now);
     if action == Action::Wait {
         return Ok(false);
     }
     let lease = lease_for(cfg, action, current.as_ref());
-    let pp = PostParams::default();
-    let written = match action {
-        Action::Create => tokio::time::timeout(timeout, api.create(&pp, &lease)).await,
-        _ => tokio::time::timeout(timeout, api.replace(&cfg.name, &pp, &lease)).await,
-    };
-    match written.map_err(|_| timed_out("write"))? {
-        Ok(_) => {
-            if action != Action::Renew {
-                tracing::info!(identity = %cfg.identity, ?action, "acquired the leader lease");
-            }
-            Ok(true)
-        }
+    let wrote = api.write("write", &lease, action == Action::Create).await?;
+    if !wrote {
         // someone else wrote it first (resourceVersion precondition, or created it): not leading
-        Err(kube::Error::Api(s)) if s.code == 409 => {
-            tracing::info!(identity = %cfg.identity, ?action, "another replica wrote the lease first");
-            Ok(false)
-        }
-        Err(e) => Err(err("write")(e)),
+        tracing::info!(identity = %cfg.identity, ?action, "another replica wrote the lease first");
+    } else if action != Action::Renew {
+        tracing::info!(identity = %cfg.identity, ?action, "acquired the leader lease");
     }
+    Ok(wrote)
 }
 
 #[cfg(test)]
