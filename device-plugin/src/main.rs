@@ -214,7 +214,7 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
             None
         }
         Some((client, node)) => {
-            let model = cluster_node(&inventory, node)
+            let model = cluster_node(&inventory, node, cli.slots_per_gpu)
                 .map_err(|e| format!("this node's GPUs as the extender sees them: {e}"))?;
             Some(KubeAssignments::start(client.clone(), node, model, telemetry.clone()))
         }

@@ -32,6 +32,7 @@ use gpuplace_device_plugin::plugin::PluginConfig;
 use gpuplace_device_plugin::podresources::PodResourcesClient;
 use gpuplace_device_plugin::publish::{MemorySink, PublishPolicy, Publisher, UtilizationSink};
 use gpuplace_device_plugin::sampler::{Sampler, Telemetry};
+use gpuplace_device_plugin::slots::DEFAULT_SLOTS_PER_GPU;
 use gpuplace_device_plugin::testing::FakePodResources;
 use k8s_openapi::api::core::v1::{
     Binding, Container, Node, ObjectReference, Pod, PodSpec, PodStatus, ResourceRequirements,
@@ -53,7 +54,7 @@ fn inventory(topo: &str) -> Inventory {
 }
 
 fn model() -> ModelNode {
-    cluster_node(&inventory("hgx-h100-8"), NODE).unwrap()
+    cluster_node(&inventory("hgx-h100-8"), NODE, DEFAULT_SLOTS_PER_GPU).unwrap()
 }
 
 fn k8s_node(name: &str) -> Node {

@@ -222,7 +222,7 @@ async fn binary_with_an_api_server_writes_the_node_and_applies_assignments() {
     };
     let uid = fake.put(&pod).uid().unwrap();
     let model =
-        cluster_node(&FakeBackend::load(&topology("hgx-h100-8"), NODE).unwrap().inventory().unwrap(), NODE).unwrap();
+        cluster_node(&FakeBackend::load(&topology("hgx-h100-8"), NODE).unwrap().inventory().unwrap(), NODE, 2).unwrap();
     let record = PodAssignment {
         pod: "ns/p".into(),
         node: NODE.into(),

@@ -57,10 +57,11 @@ pub fn capacity(inventory: &Inventory, health: &[GpuHealth]) -> NodeCapacity {
     NodeCapacity { gpu_mem_mib: mem, gpu_core: n * 100 }
 }
 
-/// The cluster model's node named `name`, as the extender sees it from the inventory annotation:
-/// what pod assignments are checked against.
-pub fn cluster_node(inventory: &Inventory, name: &str) -> Result<Node, AnnotationError> {
-    node_inventory(inventory, &[], 1).to_node(name, BTreeMap::new())
+/// The cluster model's node named `name`, as the extender sees it from the inventory annotation
+/// this plugin publishes (all GPUs healthy, `slots_per_gpu` = K): what pod assignments are checked
+/// against.
+pub fn cluster_node(inventory: &Inventory, name: &str, slots_per_gpu: u32) -> Result<Node, AnnotationError> {
+    node_inventory(inventory, &[], slots_per_gpu).to_node(name, BTreeMap::new())
 }
 
 #[cfg(test)]
@@ -94,8 +95,8 @@ mod tests {
         assert!(!ann.gpus[3].healthy && ann.gpus[2].healthy);
         assert_eq!(capacity(&inv, &health), NodeCapacity { gpu_mem_mib: 7 * per_gpu, gpu_core: 700 });
         // the annotation reads back as the same node the extender will build
-        let node = cluster_node(&inv, "n1").unwrap();
-        assert_eq!(node.gpus.len(), 8);
+        let node = cluster_node(&inv, "n1", 10).unwrap();
+        assert_eq!((node.gpus.len(), node.slots_per_gpu), (8, Some(10)));
         assert_eq!(node.gpus[5].uuid, inv.gpus[5].uuid);
         assert!(NodeInventory::parse(&ann.to_json()).unwrap().to_node("n1", BTreeMap::new()).is_ok());
     }
