@@ -475,6 +475,11 @@ impl Node {
         self
     }
 
+    /// K as a number: `u32::MAX` when the node sets no limit.
+    pub fn slot_capacity(&self) -> u32 {
+        self.slots_per_gpu.unwrap_or(u32::MAX)
+    }
+
     /// Containers that can still join GPU `gpu` (`u32::MAX` when the node sets no limit).
     pub fn free_slots(&self, gpu: usize) -> u32 {
         match self.slots_per_gpu {

@@ -96,7 +96,7 @@ impl Free {
         let any_model = req.allowed_models.is_empty();
         let mut model_seen = any_model;
         let (mut idle, mut eligible, mut slotted) = (0, 0, 0);
-        let k = node.slots_per_gpu.unwrap_or(u32::MAX);
+        let k = node.slot_capacity();
         // bit arithmetic rather than branches: which GPUs are busy looks random to the branch
         // predictor, and mispredictions were most of the cost here
         for (g, ((f, u), used)) in node.gpu_facts().iter().zip(node.usages()).zip(node.used_milli()).enumerate() {
@@ -126,11 +126,10 @@ impl Free {
     }
 
     /// Loads the node with every allocation removed (after [`load_current`](Self::load_current) for the
-    /// same node, whose capacities it keeps).
-    fn load_empty(&mut self, n: usize, eligible: u64, slots_per_gpu: Option<u32>) {
+    /// same node, whose capacities it keeps); `k`: the node's slots per GPU ([`Node::slot_capacity`]).
+    fn load_empty(&mut self, n: usize, eligible: u64, k: u32) {
         self.mem[..n].copy_from_slice(&self.cap[..n]);
         self.core[..n].fill(100);
-        let k = slots_per_gpu.unwrap_or(u32::MAX);
         self.slots[..n].fill(k);
         for g in 0..n {
             self.milli[g] = free_milli_of(self.cap[g], 100, self.cap[g]);
@@ -263,7 +262,7 @@ pub(crate) fn place(node: &Node, plan: &Plan<'_>, memo: &mut Memo, sc: &mut Scra
     if host_shortfall(node, req) == Some(true) {
         return Outcome::Rejected { unresolvable: true };
     }
-    sc.free.load_empty(n, eligible, node.slots_per_gpu);
+    sc.free.load_empty(n, eligible, node.slot_capacity());
     let ever = assign(&mut ctx, plan, sc);
     Outcome::Rejected { unresolvable: !ever }
 }

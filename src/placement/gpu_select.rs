@@ -48,7 +48,7 @@ impl FreeState {
             core: vec![100; node.gpus.len()],
             idle: vec![true; node.gpus.len()],
             eligible: node.gpus.iter().map(|g| g.healthy && allows_model(&g.model)).collect(),
-            slots: vec![node.slots_per_gpu.unwrap_or(u32::MAX); node.gpus.len()],
+            slots: vec![node.slot_capacity(); node.gpus.len()],
         }
     }
 
