@@ -634,18 +634,16 @@ impl Node {
 
     /// Counts a record that fitted the node before its capacity shrank (fewer device-plugin slots,
     /// less memory): its pod still holds the GPUs, so it keeps counting, and the node is full until it
-    /// goes. Anything else `check` refuses (an unknown GPU, an exclusivity clash) is refused here too.
-    fn allocate_over_capacity(&mut self, a: PodAssignment) -> Result<(), AllocError> {
-        match self.check(&a) {
-            Ok(fps) => self.apply(a, fps),
-            Err(e) if e.is_over_capacity() => {
-                let fps = a.footprints();
-                self.apply(a, fps);
-                return Err(e);
-            }
+    /// goes. `Ok(Some(why))`: counted over capacity; `Err`: refused as `check` refuses anything else
+    /// (an unknown GPU, an exclusivity clash).
+    fn allocate_over_capacity(&mut self, a: PodAssignment) -> Result<Option<AllocError>, AllocError> {
+        let (fps, over) = match self.check(&a) {
+            Ok(fps) => (fps, None),
+            Err(e) if e.is_over_capacity() => (a.footprints(), Some(e)),
             Err(e) => return Err(e),
-        }
-        Ok(())
+        };
+        self.apply(a, fps);
+        Ok(over)
     }
 
     fn apply(&mut self, a: PodAssignment, fps: BTreeMap<u32, Footprint>) {
@@ -827,12 +825,13 @@ impl Cluster {
                 node.mem_used = 0;
                 for (_, a) in old {
                     let pod = a.pod.clone();
-                    if let Err(reason) = node.allocate_over_capacity(a) {
-                        let kept = reason.is_over_capacity();
-                        if !kept {
+                    match node.allocate_over_capacity(a) {
+                        Ok(None) => {}
+                        Ok(Some(reason)) => conflicts.push(RebuildConflict { pod, reason, kept: true }),
+                        Err(reason) => {
                             self.pod_node.remove(&pod);
+                            conflicts.push(RebuildConflict { pod, reason, kept: false });
                         }
-                        conflicts.push(RebuildConflict { pod, reason, kept });
                     }
                 }
                 self.stamps.0[i] = node.generation;
