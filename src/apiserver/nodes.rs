@@ -14,8 +14,9 @@ use kube::{Api, Resource, ResourceExt};
 use tokio::sync::watch;
 
 use crate::apiserver::events::{EventSink, REASON_INVENTORY};
+use crate::apiserver::next_event;
 use crate::extender::metrics::Watched;
-use crate::extender::service::{now_unix_ms, Extender, NodeOutcome};
+use crate::extender::service::{Extender, NodeOutcome};
 
 /// Applies one Node object; returns whether gpuplace now knows it as a GPU node.
 pub fn apply(ext: &Extender, node: &Node, events: Option<&EventSink>) -> bool {
@@ -52,16 +53,7 @@ pub async fn watch_nodes(
     // GPU nodes applied from this watch, to find the ones a re-list no longer shows
     let mut known: HashSet<String> = HashSet::new();
     let mut listed: HashSet<String> = HashSet::new();
-    while let Some(item) = stream.next().await {
-        let ev = match item {
-            Ok(ev) => ev,
-            Err(e) => {
-                ext.metrics().watch_error(Watched::Nodes);
-                tracing::warn!(error = %e, "node watch failed; retrying");
-                continue;
-            }
-        };
-        ext.metrics().watch_fresh(Watched::Nodes, now_unix_ms());
+    while let Some(ev) = next_event(&mut stream, &ext, Watched::Nodes).await {
         match ev {
             Event::Init => listed.clear(),
             Event::InitApply(n) => {

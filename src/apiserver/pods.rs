@@ -19,6 +19,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::apiserver::events::{EventSink, REASON_ASSIGNMENT};
+use crate::apiserver::next_event;
 use crate::extender::metrics::Watched;
 use crate::extender::service::{now_unix_ms, Extender, ObservedPod, PodOutcome, RestoredPod};
 use crate::extender::wire;
@@ -109,16 +110,7 @@ pub async fn watch_pods(
     let mut buffer: Vec<Pod> = Vec::new();
     let mut listed: HashSet<String> = HashSet::new();
     let mut since = Instant::now();
-    while let Some(item) = stream.next().await {
-        let ev = match item {
-            Ok(ev) => ev,
-            Err(e) => {
-                ext.metrics().watch_error(Watched::Pods);
-                tracing::warn!(error = %e, "pod watch failed; retrying");
-                continue;
-            }
-        };
-        ext.metrics().watch_fresh(Watched::Pods, now_unix_ms());
+    while let Some(ev) = next_event(&mut stream, &ext, Watched::Pods).await {
         match ev {
             Event::Init => {
                 // the list starts after this: a bind confirmed from now on may be missing from it
