@@ -247,15 +247,12 @@ async fn node_capacity_and_inventory_survive_kubelet_restarts_and_follow_health(
     let telemetry = Telemetry::new(8, false);
     let inv = inventory("hgx-h100-8");
     // a long resync: every write below is caused by a registration or a health change
-    let sync = NodeSync::new(
-        fake.client().unwrap(),
-        NODE,
-        inv.clone(),
-        h.plugin.clone(),
-        telemetry.clone(),
-        Duration::from_secs(3600),
-    );
-    let task = tokio::spawn(sync.run());
+    let plugin = h.plugin.clone();
+    let node_sync = || {
+        let client = fake.client().unwrap();
+        NodeSync::new(client, NODE, inv.clone(), plugin.clone(), telemetry.clone(), Duration::from_secs(3600))
+    };
+    let task = tokio::spawn(node_sync().run());
     let _ = h.register_and_connect().await;
 
     // one pass writes the status, then the annotation
@@ -292,14 +289,7 @@ async fn node_capacity_and_inventory_survive_kubelet_restarts_and_follow_health(
     task.abort();
 
     // a pass that finds everything in place writes nothing
-    let sync = NodeSync::new(
-        fake.client().unwrap(),
-        NODE,
-        inv.clone(),
-        h.plugin.clone(),
-        telemetry.clone(),
-        Duration::from_secs(3600),
-    );
+    let sync = node_sync();
     fake.clear_requests();
     assert_eq!(sync.reconcile().await.unwrap(), Reconciled::default());
     assert!(fake.requests().iter().all(|r| r.method == "GET"), "{:?}", fake.requests());

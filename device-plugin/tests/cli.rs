@@ -55,27 +55,32 @@ impl Drop for Child {
     }
 }
 
+/// The binary serving the fake `hgx-h100-8` node with K = 2: device-plugin directory `dir`, `/metrics`
+/// on `metrics`, fast polling and sampling, no pod-resources socket, output discarded. The caller
+/// adds how it reaches the API server.
+fn serve(dir: &std::path::Path, metrics: std::net::SocketAddr) -> Command {
+    let mut c = Command::new(BIN);
+    c.arg("--fake-topology")
+        .arg(topology("hgx-h100-8"))
+        .arg("--device-plugin-dir")
+        .arg(dir)
+        .args(["--slots-per-gpu", "2", "--poll-interval-ms", "50", "--sample-interval", "100ms"])
+        .args(["--metrics-listen", &metrics.to_string()])
+        .arg("--pod-resources-socket")
+        .arg(dir.join("no-pod-resources.sock"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    c
+}
+
 #[tokio::test]
 async fn binary_registers_with_the_test_kubelet_and_serves_allocations() {
     let dir = tempfile::Builder::new().prefix("gdp").tempdir().unwrap();
     let mut kubelet = FakeKubelet::start(dir.path());
     // a free port for /metrics (never the default 9400: tests run side by side)
     let metrics_addr = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
-    let child = Child(
-        Command::new(BIN)
-            .arg("--fake-topology")
-            .arg(topology("hgx-h100-8"))
-            .arg("--device-plugin-dir")
-            .arg(dir.path())
-            .args(["--slots-per-gpu", "2", "--poll-interval-ms", "50", "--sample-interval", "100ms"])
-            .args(["--metrics-listen", &metrics_addr.to_string(), "--node-name", "cli-node", "--no-apiserver"])
-            .arg("--pod-resources-socket")
-            .arg(dir.path().join("no-pod-resources.sock"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let child =
+        Child(serve(dir.path(), metrics_addr).args(["--node-name", "cli-node", "--no-apiserver"]).spawn().unwrap());
     let reg = kubelet.next_registration().await;
     assert_eq!(reg.resource_name, "gpuplace.io/gpu");
     let mut c = DevicePluginClient::new(connect_unix(&dir.path().join(&reg.endpoint)).await.unwrap());
@@ -176,20 +181,7 @@ async fn binary_with_an_api_server_writes_the_node_and_applies_assignments() {
     let mut kubelet = FakeKubelet::start(dir.path());
     let metrics_addr = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
     let _child = Child(
-        Command::new(BIN)
-            .arg("--fake-topology")
-            .arg(topology("hgx-h100-8"))
-            .arg("--device-plugin-dir")
-            .arg(dir.path())
-            .args(["--slots-per-gpu", "2", "--poll-interval-ms", "50", "--sample-interval", "100ms"])
-            .args(["--metrics-listen", &metrics_addr.to_string(), "--apiserver", &fake.url()])
-            .arg("--pod-resources-socket")
-            .arg(dir.path().join("no-pod-resources.sock"))
-            .env("NODE_NAME", NODE)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
+        serve(dir.path(), metrics_addr).args(["--apiserver", &fake.url()]).env("NODE_NAME", NODE).spawn().unwrap(),
     );
     let reg = kubelet.next_registration().await;
     let node_has = |f: &FakeApiServer| {
