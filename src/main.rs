@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use gpuplace::apiserver::keys::{KeyOptions, KeySecret, DEFAULT_KEY_SECRET_NAME};
 use gpuplace::apiserver::{ApiOptions, ConnectArgs, KubeBinder, LeaderConfig};
 use gpuplace::core::cluster::Cluster;
 use gpuplace::core::inventory::load_cluster;
@@ -51,6 +52,18 @@ struct ServeArgs {
     /// API-server mode: watch only Nodes with these labels (e.g. `nvidia.com/gpu.present=true`).
     #[arg(long, value_name = "SELECTOR")]
     node_selector: Option<String>,
+    /// API-server mode: namespace of the device plugins' utilization ConfigMaps (default:
+    /// $POD_NAMESPACE, else gpuplace-system).
+    #[arg(long, value_name = "NAMESPACE")]
+    utilization_namespace: Option<String>,
+    /// API-server mode: the Secret holding the keys that sign assignments, NAMESPACE/NAME (default:
+    /// $POD_NAMESPACE, else gpuplace-system, /gpuplace-assignment-keys); created when absent.
+    #[arg(long, value_name = "NAMESPACE/NAME", conflicts_with = "cluster")]
+    assignment_key_secret: Option<KeySecret>,
+    /// API-server mode: also count assignments with no signature at all (never a bad one), for one
+    /// upgrade from a version that did not sign; drop it once gpuplace_assignments_signed_with_old_key is 0.
+    #[arg(long, conflicts_with = "cluster")]
+    accept_unsigned_assignments: bool,
     /// API-server mode: elect a leader through a Lease (run two replicas); `false` for one replica.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     leader_elect: bool,
@@ -60,7 +73,7 @@ struct ServeArgs {
     /// Name of the leader Lease.
     #[arg(long, default_value = "gpuplace-extender")]
     leader_elect_name: String,
-    /// This replica's identity in the Lease (default: $POD_NAME, else $HOSTNAME).
+    /// This replica's identity in the Lease (default: $POD_NAME, else the host name and process id).
     #[arg(long)]
     leader_elect_identity: Option<String>,
     /// Seconds a standby waits after the Lease last changed before taking it over.
@@ -147,17 +160,24 @@ fn env_nonempty(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.is_empty())
 }
 
+/// The Lease identity outside a pod: the host name (`HOSTNAME`, which shells do not always export,
+/// else the kernel's) and the process id, as client-go adds a unique suffix: two replicas on one host
+/// must not both believe they hold the Lease.
+fn host_identity() -> String {
+    let host = env_nonempty("HOSTNAME")
+        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok().map(|h| h.trim().to_string()))
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "gpuplace".into());
+    format!("{host}_{}", std::process::id())
+}
+
 /// API-server mode: the kube side on its own thread (gpuplace::apiserver::run), HTTP on this one.
 fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
     let source = args.connect.source().map_err(|e| e.to_string())?;
     let engine = engine_of(args)?;
     let log = placement_log_of(args)?;
-    let identity = args
-        .leader_elect_identity
-        .clone()
-        .or_else(|| env_nonempty("POD_NAME"))
-        .or_else(|| env_nonempty("HOSTNAME"))
-        .unwrap_or_default();
+    let identity =
+        args.leader_elect_identity.clone().or_else(|| env_nonempty("POD_NAME")).unwrap_or_else(host_identity);
     let leader = if args.leader_elect {
         let namespace = args
             .leader_elect_namespace
@@ -174,12 +194,31 @@ fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
         None
     };
     let elect = leader.is_some();
-    let opts = ApiOptions { node_selector: args.node_selector.clone(), leader, instance: identity };
+    let utilization_namespace = args
+        .utilization_namespace
+        .clone()
+        .or_else(|| env_nonempty("POD_NAMESPACE"))
+        .unwrap_or_else(|| gpuplace::core::utilization_configmap::DEFAULT_NAMESPACE.into());
+    let key_secret = args.assignment_key_secret.clone().unwrap_or_else(|| KeySecret {
+        namespace: env_nonempty("POD_NAMESPACE").unwrap_or_else(|| KeySecret::default().namespace),
+        name: DEFAULT_KEY_SECRET_NAME.into(),
+    });
+    let accept_unsigned = args.accept_unsigned_assignments;
+    if accept_unsigned {
+        tracing::warn!("--accept-unsigned-assignments: assignments without a signature are counted (migration only; anyone who can edit pods can forge one); drop the flag once gpuplace_assignments_signed_with_old_key is 0");
+    }
+    let opts = ApiOptions {
+        node_selector: args.node_selector.clone(),
+        leader,
+        instance: identity,
+        utilization_namespace: Some(utilization_namespace),
+        keys: KeyOptions { secret: key_secret.clone(), ..KeyOptions::default() },
+    };
     let http = HttpOptions { prefix: args.prefix.clone(), max_body_bytes: args.max_body_bytes };
     let prefix = http.normalized_prefix()?;
     let kube = gpuplace::apiserver::run::spawn_thread(source, opts, move |client, leadership| {
         let binder = Arc::new(KubeBinder::new(client, leadership));
-        let options = ServiceOptions { ready: false, ..ServiceOptions::default() };
+        let options = ServiceOptions { ready: false, accept_unsigned, ..ServiceOptions::default() };
         let mut ext = Extender::new(Cluster::default(), engine, binder, options);
         if let Some(log) = log {
             ext = ext.with_placement_log(log);
@@ -188,7 +227,7 @@ fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
     })
     .map_err(|e| e.to_string())?;
     eprintln!(
-        "gpuplace: API-server mode (leader election {}); listening on http://{}{prefix}; ready once rebuilt{}",
+        "gpuplace: API-server mode (leader election {}); listening on http://{}{prefix}; ready once the keys in Secret {key_secret} are loaded and allocations rebuilt{}",
         if elect { "on" } else { "off" },
         args.listen,
         if elect { " and leading" } else { "" }

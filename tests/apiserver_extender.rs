@@ -7,23 +7,32 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gpuplace::apiserver::fake::FakeApiServer;
+use gpuplace::apiserver::keys::KeyOptions;
 use gpuplace::apiserver::run::{self, ApiOptions, Controller};
 use gpuplace::apiserver::{KubeBinder, LeaderConfig, Leadership};
-use gpuplace::core::annotations::{AssignmentAnnotation, ANNOTATION_ASSIGNMENT};
+use gpuplace::core::annotations::{
+    AssignmentAnnotation, GpuUtilization, UtilizationAnnotation, ANNOTATION_ASSIGNMENT, ANNOTATION_UTILIZATION,
+};
 use gpuplace::core::cluster::Cluster;
+use gpuplace::core::signing::KeyRing;
+use gpuplace::core::utilization_configmap::{configmap_name, data, labels};
 use gpuplace::extender::binder::{BindError, BindRequest, Binder};
 use gpuplace::extender::metrics::{BindOutcome, ConflictKind, Watched};
 use gpuplace::extender::service::{now_unix_ms, Extender, ServiceOptions};
 use gpuplace::placement::engine::Engine;
-use gpuplace::placement::profile::{Profile, ProfileConfig};
+use gpuplace::placement::profile::{Profile, ProfileConfig, Weights};
 use gpuplace::placement::scorers::fragmentation::WorkloadMix;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Secret};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::ByteString;
 use kube::ResourceExt;
 use serde_json::{json, Value};
 
 const WAIT: Duration = Duration::from_secs(3);
 const LEASES: &str = "/apis/coordination.k8s.io/v1/namespaces/*/leases/*";
+/// Where the replicas watch utilization ConfigMaps.
+const UTIL_NS: &str = "gpuplace-system";
 
 struct Replica {
     ext: Arc<Extender>,
@@ -32,14 +41,20 @@ struct Replica {
 }
 
 fn replica(fake: &FakeApiServer, leader: Option<LeaderConfig>) -> Replica {
+    replica_with(fake, leader, ProfileConfig::default())
+}
+
+fn replica_with(fake: &FakeApiServer, leader: Option<LeaderConfig>, profile: ProfileConfig) -> Replica {
     let client = fake.client().unwrap();
     let leadership = if leader.is_some() { Leadership::elected() } else { Leadership::always() };
     let binder = Arc::new(KubeBinder::new(client.clone(), leadership.clone()));
-    let engine = Engine::new(Profile::new(ProfileConfig::default()), WorkloadMix::default());
+    let engine = Engine::new(Profile::new(profile), WorkloadMix::default());
     let opts = ServiceOptions { ready: false, ..ServiceOptions::default() };
     let ext = Arc::new(Extender::new(Cluster::default(), engine, binder.clone(), opts));
     let instance = leader.as_ref().map_or("solo".to_string(), |l| l.identity.clone());
-    let ctl = run::start(client, ext.clone(), leadership, ApiOptions { node_selector: None, leader, instance });
+    let keys = KeyOptions { resign_every: Duration::from_millis(100), ..KeyOptions::default() };
+    let opts = ApiOptions { node_selector: None, leader, instance, utilization_namespace: Some(UTIL_NS.into()), keys };
+    let ctl = run::start(client, ext.clone(), leadership, opts);
     Replica { ext, binder, ctl }
 }
 
@@ -288,8 +303,10 @@ async fn a_restarted_extender_rebuilds_exactly_before_it_is_ready() {
     assert_eq!(seq, 3, "n2 had sequences 1 and 2");
 }
 
+/// Assignments that carry gpuplace's MAC (as if made by someone holding the key) are still checked
+/// against the pod, its node and what is counted: the MAC says who wrote a record, not that it fits.
 #[tokio::test]
-async fn forged_assignments_are_never_counted_and_are_reported() {
+async fn signed_but_invalid_assignments_are_never_counted_and_are_reported() {
     let fake = FakeApiServer::start().await.unwrap();
     fake.put(&gpu_node("n1", 2));
     let real = fake.put(&gpu_pod("real", whole(1)));
@@ -297,13 +314,15 @@ async fn forged_assignments_are_never_counted_and_are_reported() {
     ready(&r.ext).await;
     assert_eq!(bind(&r.ext, &real, "n1").await, "");
     let genuine = AssignmentAnnotation::parse(&annotation(&fake, "real").unwrap()).unwrap();
+    let keys = key_ring(&fake).unwrap();
 
-    // the same GPUs, rewritten for another pod's UID (node, request and all else valid)
+    // the same GPUs, rewritten for another pod's UID (node, request and all else valid) and signed
     let forge = |name: &str, limits: Value, node: Option<&str>| {
         let mut p = fake.put(&gpu_pod(name, limits));
         let mut a = genuine.clone();
         a.pod_uid = uid(&p);
-        p.metadata.annotations = Some(BTreeMap::from([(ANNOTATION_ASSIGNMENT.to_string(), a.to_json())]));
+        let text = a.signed(&keys).to_json();
+        p.metadata.annotations = Some(BTreeMap::from([(ANNOTATION_ASSIGNMENT.to_string(), text)]));
         p.spec.as_mut().unwrap().node_name = node.map(str::to_owned);
         fake.put(&p)
     };
@@ -351,7 +370,321 @@ async fn forged_assignments_are_never_counted_and_are_reported() {
         fake.events()[before..].iter().map(|e| e["regarding"]["name"].as_str().unwrap().to_string()).collect();
     assert!(late.contains(&"unbound".to_string()) && late.contains(&"mismatch".to_string()), "{late:?}");
     assert_eq!(second.ext.metrics().conflicts(ConflictKind::BadAssignment), 2);
-    assert_eq!(total_held(&second.ext), 1, "only the collider's claim, now that nobody else holds the GPU");
+    assert_eq!(
+        total_held(&second.ext),
+        1,
+        "only the collider's claim, now that nobody else holds the GPU: a key holder can forge"
+    );
+}
+
+/// The key Secret every replica shares (created by the first replica when absent).
+const KEY_SECRET: &str = "gpuplace-assignment-keys";
+
+fn key_ring(fake: &FakeApiServer) -> Option<KeyRing> {
+    let secret: Secret = fake.get("gpuplace-system", KEY_SECRET)?;
+    let data: BTreeMap<String, Vec<u8>> = secret.data?.into_iter().map(|(k, v)| (k, v.0)).collect();
+    KeyRing::from_secret_data(&data).ok()
+}
+
+/// Writes the key Secret's data as an operator would (`kubectl apply`).
+fn put_keys(fake: &FakeApiServer, data: BTreeMap<String, Vec<u8>>) {
+    let secret = Secret {
+        metadata: ObjectMeta {
+            name: Some(KEY_SECRET.into()),
+            namespace: Some("gpuplace-system".into()),
+            ..ObjectMeta::default()
+        },
+        data: Some(data.into_iter().map(|(k, v)| (k, ByteString(v))).collect()),
+        ..Secret::default()
+    };
+    fake.put(&secret);
+}
+
+/// The id of the key whose MAC the pod's assignment carries.
+fn signer(fake: &FakeApiServer, pod: &str) -> Option<String> {
+    let sig = AssignmentAnnotation::parse(&annotation(fake, pod)?).ok()?.sig?;
+    sig.split_once(':').map(|(id, _)| id.to_string())
+}
+
+/// Puts pod `name` with the assignment `a` (as JSON) and, when given, bound to `node` directly
+/// through `spec.nodeName` (no Binding, no extender).
+fn put_assigned(fake: &FakeApiServer, name: &str, limits: Value, node: Option<&str>, a: impl Fn(&str) -> String) {
+    let mut p = fake.put(&gpu_pod(name, limits));
+    let text = a(&uid(&p));
+    p.metadata.annotations = Some(BTreeMap::from([(ANNOTATION_ASSIGNMENT.to_string(), text)]));
+    p.spec.as_mut().unwrap().node_name = node.map(str::to_owned);
+    fake.put(&p);
+}
+
+fn notes_on(fake: &FakeApiServer, pod: &str) -> Vec<String> {
+    fake.events()
+        .iter()
+        .filter(|e| e["regarding"]["name"].as_str() == Some(pod))
+        .map(|e| {
+            assert_eq!(e["reason"].as_str(), Some("AssignmentNotTrusted"), "{e}");
+            e["note"].as_str().unwrap_or("").to_string()
+        })
+        .collect()
+}
+
+fn old_key_gauge(ext: &Extender) -> String {
+    let text = ext.render_metrics();
+    let line = text.lines().find(|l| l.starts_with("gpuplace_assignments_signed_with_old_key "));
+    line.map(|l| l.rsplit(' ').next().unwrap().to_string()).unwrap_or_default()
+}
+
+/// What anyone who can edit pods can write, without gpuplace's key, aimed at the GPU a genuine pod
+/// holds: never counted (while running, nor after a restart, where the pod-name order that settles
+/// collisions would have put `a-forge` first), the genuine owner stays counted, no second pod gets
+/// the exclusive GPU once the forgers are gone, and no forged `bindSeq` moves the bind sequence.
+#[tokio::test]
+async fn forged_assignments_never_take_the_place_of_genuine_ones() {
+    let fake = FakeApiServer::start().await.unwrap();
+    fake.put(&gpu_node("n1", 1));
+    let real = fake.put(&gpu_pod("real", whole(1)));
+    let r = replica(&fake, None);
+    ready(&r.ext).await;
+    assert_eq!(bind(&r.ext, &real, "n1").await, "");
+    let text = annotation(&fake, "real").unwrap();
+    let genuine = AssignmentAnnotation::parse(&text).unwrap();
+    let keys = key_ring(&fake).unwrap();
+    assert_eq!(genuine.verify(&keys).unwrap(), keys.primary(), "bind signs with the Secret's primary key");
+    assert_eq!(r.ext.key_ring().as_deref(), Some(&keys));
+
+    // the genuine record, rewritten for the forger's own UID with a bind sequence far ahead
+    let rewritten = |uid: &str| AssignmentAnnotation { pod_uid: uid.into(), bind_seq: 100, ..genuine.clone() };
+    // its MAC kept (now wrong), none at all, or made with a key of the forger's
+    put_assigned(&fake, "a-forge", whole(1), Some("n1"), |u| rewritten(u).to_json());
+    put_assigned(&fake, "a-unsigned", whole(1), Some("n1"), |u| {
+        AssignmentAnnotation { sig: None, ..rewritten(u) }.to_json()
+    });
+    let own = KeyRing::generate().unwrap();
+    put_assigned(&fake, "a-badsig", whole(1), Some("n1"), |u| rewritten(u).signed(&own).to_json());
+    // the genuine annotation replayed verbatim on a pod bound directly: the MAC holds, the UID not
+    put_assigned(&fake, "a-replay", whole(1), Some("n1"), |_| text.clone());
+    // on a pod that is not bound
+    put_assigned(&fake, "a-unbound", whole(1), None, |u| rewritten(u).to_json());
+    eventually("four Events", || fake.events().len() >= 4).await;
+    settle().await;
+    let not_signed = "not signed by gpuplace's assignment key";
+    for (pod, why) in [
+        ("a-forge", "the MAC does not match"),
+        ("a-unsigned", "it has no `sig`"),
+        ("a-badsig", "which is not in the key Secret"),
+    ] {
+        let notes = notes_on(&fake, pod);
+        assert!(notes.len() == 1 && notes[0].contains(not_signed) && notes[0].contains(why), "{pod}: {notes:?}");
+    }
+    let notes = notes_on(&fake, "a-replay");
+    assert!(notes.len() == 1 && notes[0].contains("written for pod UID"), "{notes:?}");
+    assert!(notes_on(&fake, "a-unbound").is_empty(), "unbound: not counted, reported only at a rebuild");
+    assert_eq!(holders(&r.ext, "n1"), ["ns/real"]);
+    assert_eq!(r.ext.metrics().conflicts(ConflictKind::BadAssignment), 4);
+
+    // a forger gone: the GPU is still the genuine pod's
+    let late = fake.put(&gpu_pod("late", whole(1)));
+    fake.remove::<Pod>("ns", "a-unsigned");
+    eventually("late seen", || fake.get::<Pod>("ns", "late").is_some()).await;
+    settle().await;
+    assert!(bind(&r.ext, &late, "n1").await.contains("no longer fits"));
+
+    // a restart: every forgery is refused again (the unbound one too, now), `a-forge` sorting
+    // before `real` changes nothing, and the genuine record is counted
+    r.ctl.stop();
+    drop(r);
+    let before = fake.events().len();
+    let second = replica(&fake, None);
+    ready(&second.ext).await;
+    eventually("Events again", || fake.events().len() >= before + 4).await;
+    settle().await;
+    assert_eq!(holders(&second.ext, "n1"), ["ns/real"]);
+    assert_eq!(second.ext.metrics().conflicts(ConflictKind::BadAssignment), 4);
+    assert_eq!(second.ext.bound_pods().values().map(|b| b.bind_seq).max(), Some(1), "forged bindSeq ignored");
+    let late_events: Vec<String> =
+        fake.events()[before..].iter().map(|e| e["regarding"]["name"].as_str().unwrap().to_string()).collect();
+    for pod in ["a-forge", "a-badsig", "a-replay", "a-unbound"] {
+        assert!(late_events.iter().any(|e| e == pod), "{pod}: {late_events:?}");
+    }
+
+    // the forgers gone: still no second pod on the exclusive GPU
+    for pod in ["a-forge", "a-badsig", "a-replay", "a-unbound"] {
+        fake.remove::<Pod>("ns", pod);
+    }
+    settle().await;
+    assert!(bind(&second.ext, &late, "n1").await.contains("no longer fits"));
+    assert_eq!(holders(&second.ext, "n1"), ["ns/real"]);
+    // the genuine pod gone: the next bind on n1 continues the genuine sequence, not the forged one
+    fake.remove::<Pod>("ns", "real");
+    eventually("real released", || holders(&second.ext, "n1").is_empty()).await;
+    assert_eq!(bind(&second.ext, &late, "n1").await, "");
+    let seq = AssignmentAnnotation::parse(&annotation(&fake, "late").unwrap()).unwrap().bind_seq;
+    assert_eq!(seq, 2, "after the genuine 1, whatever the forgeries said");
+}
+
+/// The first replica creates the key Secret (one random key); the second, racing it, reads the
+/// winner's: both sign and verify with one ring, so the standby counts the leader's binds. The
+/// Secret is only ever read by name (field selector), as RBAC's resourceNames require.
+#[tokio::test]
+async fn the_key_secret_is_created_when_absent_and_shared_by_two_replicas() {
+    let fake = FakeApiServer::start().await.unwrap();
+    fake.put(&gpu_node("n1", 2));
+    let p = fake.put(&gpu_pod("p", whole(1)));
+    assert!(key_ring(&fake).is_none());
+    let a = replica(&fake, Some(election("a")));
+    let b = replica(&fake, Some(election("b")));
+    eventually("both rebuilt", || a.ctl.readiness.is_rebuilt() && b.ctl.readiness.is_rebuilt()).await;
+    let keys = key_ring(&fake).expect("the Secret was created");
+    assert_eq!(keys.ids(), [keys.primary()], "one key");
+    let secret: Secret = fake.get("gpuplace-system", KEY_SECRET).unwrap();
+    assert_eq!(secret.data.unwrap()[&format!("key.{}", keys.primary())].0.len(), 32);
+    assert_eq!(a.ext.key_ring().as_deref(), Some(&keys));
+    assert_eq!(b.ext.key_ring().as_deref(), Some(&keys));
+    let creates: Vec<u16> = fake
+        .requests()
+        .iter()
+        .filter(|q| q.method == "POST" && q.path == "/api/v1/namespaces/gpuplace-system/secrets")
+        .map(|q| q.status)
+        .collect();
+    assert_eq!(creates.iter().filter(|&&s| s == 201).count(), 1, "{creates:?}");
+    assert!(creates.iter().all(|&s| s == 201 || s == 409), "{creates:?}");
+    for q in fake.requests().iter().filter(|q| q.method == "GET" && q.path.contains("/secrets")) {
+        let by_name = q.path == format!("/api/v1/namespaces/gpuplace-system/secrets/{KEY_SECRET}")
+            || q.query_param("fieldSelector").as_deref() == Some(&*format!("metadata.name={KEY_SECRET}"));
+        assert!(by_name, "{q:?}");
+    }
+
+    eventually("one ready", || a.ext.is_ready() || b.ext.is_ready()).await;
+    let (leader, standby) = if a.ext.is_ready() { (&a, &b) } else { (&b, &a) };
+    assert_eq!(bind(&leader.ext, &p, "n1").await, "");
+    eventually("the standby verifies and counts the leader's bind", || holders(&standby.ext, "n1") == ["ns/p"]).await;
+    assert_eq!(standby.ext.metrics().conflicts(ConflictKind::BadAssignment), 0);
+}
+
+/// A Secret without a usable ring is an error, not a guess: the replica does not rebuild or turn
+/// ready until it is fixed.
+#[tokio::test]
+async fn a_malformed_key_secret_keeps_the_replica_unready() {
+    let fake = FakeApiServer::start().await.unwrap();
+    fake.put(&gpu_node("n1", 1));
+    put_keys(&fake, BTreeMap::from([("primary".into(), b"k1".to_vec()), ("key.k1".into(), vec![7; 16])]));
+    let r = replica(&fake, None);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!r.ext.is_ready() && !r.ctl.readiness.is_rebuilt() && !r.ctl.readiness.keys_loaded());
+    put_keys(&fake, BTreeMap::from([("key.k1".into(), vec![7; 32])]));
+    settle().await;
+    assert!(!r.ext.is_ready(), "no primary");
+    put_keys(&fake, BTreeMap::from([("primary".into(), b"k1".to_vec()), ("key.k1".into(), vec![7; 32])]));
+    ready(&r.ext).await;
+    assert_eq!(r.ext.key_ring().unwrap().primary(), "k1");
+    assert_eq!(key_ring(&fake).unwrap().primary(), "k1", "an existing Secret is never replaced");
+    // broken again while running: unready, nothing counted is lost
+    put_keys(&fake, BTreeMap::from([("primary".into(), b"k2".to_vec()), ("key.k1".into(), vec![7; 32])]));
+    eventually("unready", || !r.ext.is_ready()).await;
+}
+
+/// Rotation without losing records: a new primary key signs new binds, the leader re-signs the old
+/// records with it (the gauge shows what is left), and once it reaches 0 the old key can go: a
+/// restarted replica still counts every record.
+#[tokio::test]
+async fn a_rotation_re_signs_old_records_which_survive_the_old_keys_removal() {
+    let fake = FakeApiServer::start().await.unwrap();
+    fake.put(&gpu_node("n1", 2));
+    let pods: Vec<Pod> = ["p", "q"].iter().map(|n| fake.put(&gpu_pod(n, share(8192)))).collect();
+    let r = replica(&fake, None);
+    ready(&r.ext).await;
+    for p in &pods {
+        assert_eq!(bind(&r.ext, p, "n1").await, "");
+    }
+    let old = key_ring(&fake).unwrap();
+    assert_eq!((signer(&fake, "p"), old_key_gauge(&r.ext)), (Some(old.primary().to_string()), "0".into()));
+
+    // while pod writes fail, the records wait, and the gauge says so
+    fake.fail_next("PATCH", "/api/v1/namespaces/ns/pods/*", 100_000, 500);
+    let new = old.rotate().unwrap();
+    put_keys(&fake, new.to_secret_data());
+    eventually("new ring installed", || r.ext.key_ring().is_some_and(|k| k.primary() == new.primary())).await;
+    assert_eq!(old_key_gauge(&r.ext), "2");
+    assert_eq!(signer(&fake, "p").as_deref(), Some(old.primary()));
+    fake.clear_faults();
+    eventually("re-signed", || {
+        ["p", "q"].iter().all(|n| signer(&fake, n).as_deref() == Some(new.primary())) && old_key_gauge(&r.ext) == "0"
+    })
+    .await;
+    settle().await;
+    assert_eq!(holders(&r.ext, "n1"), ["ns/p", "ns/q"]);
+    assert_eq!(r.ext.metrics().conflicts(ConflictKind::BadAssignment), 0, "the re-signed echo is the same record");
+    assert!(fake.events().is_empty(), "{:?}", fake.events());
+    // new binds use the new key
+    let s = fake.put(&gpu_pod("s", share(4096)));
+    eventually("s seen", || fake.get::<Pod>("ns", "s").is_some()).await;
+    settle().await;
+    assert_eq!(bind(&r.ext, &s, "n1").await, "");
+    assert_eq!(signer(&fake, "s").as_deref(), Some(new.primary()));
+
+    // the old key leaves the Secret; a restarted replica counts every record
+    let mut data = new.to_secret_data();
+    data.remove(&format!("key.{}", old.primary()));
+    put_keys(&fake, data);
+    eventually("old key gone", || r.ext.key_ring().is_some_and(|k| k.ids() == [new.primary()])).await;
+    r.ctl.stop();
+    drop(r);
+    let second = replica(&fake, None);
+    ready(&second.ext).await;
+    assert_eq!(holders(&second.ext, "n1"), ["ns/p", "ns/q", "ns/s"]);
+    assert_eq!(second.ext.metrics().conflicts(ConflictKind::BadAssignment), 0);
+    assert_eq!(old_key_gauge(&second.ext), "0");
+}
+
+/// The upgrade from a version that did not sign: without `--accept-unsigned-assignments` unsigned
+/// records are refused like forgeries; with it they are counted (never one whose `sig` is bad), and
+/// the leader signs them, so that the flag can go.
+#[tokio::test]
+async fn unsigned_assignments_count_only_with_the_migration_flag_and_are_then_signed() {
+    let fake = FakeApiServer::start().await.unwrap();
+    fake.put(&gpu_node("n1", 1));
+    fake.put(&gpu_node("n2", 1));
+    let p = fake.put(&gpu_pod("p", whole(1)));
+    let q = fake.put(&gpu_pod("q", whole(1)));
+    let first = replica(&fake, None);
+    ready(&first.ext).await;
+    assert_eq!(bind(&first.ext, &p, "n1").await, "");
+    assert_eq!(bind(&first.ext, &q, "n2").await, "");
+    first.ctl.stop();
+    drop(first);
+    // p as the old version wrote it; q with a signature nobody made
+    let rewrite = |name: &str, sig: Option<String>| {
+        let mut pod: Pod = fake.get("ns", name).unwrap();
+        let a = AssignmentAnnotation { sig, ..AssignmentAnnotation::parse(&annotation(&fake, name).unwrap()).unwrap() };
+        pod.metadata.annotations.as_mut().unwrap().insert(ANNOTATION_ASSIGNMENT.into(), a.to_json());
+        fake.put(&pod);
+    };
+    rewrite("p", None);
+    rewrite("q", Some("k0:AAAA".into()));
+
+    let strict = replica(&fake, None);
+    ready(&strict.ext).await;
+    assert_eq!(total_held(&strict.ext), 0);
+    assert_eq!(strict.ext.metrics().conflicts(ConflictKind::BadAssignment), 2);
+    strict.ctl.stop();
+    drop(strict);
+
+    let client = fake.client().unwrap();
+    let leadership = Leadership::always();
+    let binder = Arc::new(KubeBinder::new(client.clone(), leadership.clone()));
+    let engine = Engine::new(Profile::new(ProfileConfig::default()), WorkloadMix::default());
+    let opts = ServiceOptions { ready: false, accept_unsigned: true, ..ServiceOptions::default() };
+    let ext = Arc::new(Extender::new(Cluster::default(), engine, binder, opts));
+    let keys = KeyOptions { resign_every: Duration::from_millis(100), ..KeyOptions::default() };
+    let api = ApiOptions { instance: "migrating".into(), keys, ..ApiOptions::default() };
+    let _ctl = run::start(client, ext.clone(), leadership, api);
+    ready(&ext).await;
+    assert_eq!(holders(&ext, "n1"), ["ns/p"]);
+    assert!(holders(&ext, "n2").is_empty(), "a bad sig is never 'unsigned'");
+    assert_eq!(ext.metrics().conflicts(ConflictKind::BadAssignment), 1);
+    let primary = key_ring(&fake).unwrap().primary().to_string();
+    eventually("p signed", || signer(&fake, "p").as_deref() == Some(primary.as_str())).await;
+    eventually("nothing left to sign", || old_key_gauge(&ext) == "0").await;
+    assert_eq!(holders(&ext, "n1"), ["ns/p"]);
 }
 
 #[tokio::test]
@@ -469,4 +802,107 @@ async fn a_replica_shutting_down_hands_the_lease_over_at_once() {
     let spec = fake.get::<Lease>("gpuplace-system", "gpuplace-extender").unwrap().spec.unwrap();
     assert_eq!(spec.holder_identity.as_deref(), Some("b"));
     assert!(b.ext.is_ready());
+}
+
+/// Every GPU of `node` (named as [`gpu_node`] names them) at `sm` percent, sampled now.
+fn utilization(node: &str, gpus: u32, sm: u32) -> String {
+    let gpus = (0..gpus)
+        .map(|i| GpuUtilization {
+            uuid: format!("GPU-{node}-{i}"),
+            sm_percent: sm,
+            memory_used_mib: 409 * u64::from(sm),
+        })
+        .collect();
+    UtilizationAnnotation { version: 1, at_unix_ms: now_unix_ms(), gpus }.to_json()
+}
+
+/// The device plugin's utilization ConfigMap for `node`, in `ns`.
+fn util_configmap(ns: &str, node: &str, value: String) -> ConfigMap {
+    ConfigMap {
+        metadata: ObjectMeta {
+            name: Some(configmap_name(node)),
+            namespace: Some(ns.into()),
+            labels: Some(labels()),
+            ..Default::default()
+        },
+        data: Some(data(node, value)),
+        ..Default::default()
+    }
+}
+
+/// The SM percent of each GPU's sample on `node` (`None`: no sample).
+fn samples(ext: &Extender, node: &str) -> Vec<Option<u32>> {
+    let cluster = ext.cluster();
+    let Some(n) = cluster.node(node) else { return Vec::new() };
+    (0..n.gpus.len()).map(|g| n.utilization(g).map(|s| s.sm_pct)).collect()
+}
+
+/// prioritize's scores for a one-GPU pod on n1 and n2.
+fn scores(ext: &Extender, pod: &Pod) -> (i64, i64) {
+    let body = json!({"Pod": pod, "NodeNames": ["n1", "n2"]}).to_string();
+    let list = ext.prioritize(body.as_bytes()).unwrap();
+    let of = |n: &str| list.iter().find(|h| h.host == n).unwrap().score;
+    (of("n1"), of("n2"))
+}
+
+#[tokio::test]
+async fn utilization_comes_from_configmaps_is_scored_and_goes_with_them() {
+    let fake = FakeApiServer::start().await.unwrap();
+    // published before its node is known: kept, and applied once the node appears
+    fake.put(&util_configmap(UTIL_NS, "n1", utilization("n1", 2, 100)));
+    fake.put(&gpu_node("n2", 2));
+    // neither in the watched namespace nor labelled: not utilization
+    fake.put(&util_configmap("default", "n2", utilization("n2", 2, 100)));
+    let mut unlabelled = util_configmap(UTIL_NS, "n2", utilization("n2", 2, 100));
+    unlabelled.metadata.labels = None;
+    fake.put(&unlabelled);
+    // utilization weighs as much as everything else, so a busy node shows in the 0..10 scores
+    let profile = ProfileConfig { weights: Weights { utilization: 12.0, ..Weights::default() }, ..Default::default() };
+    let r = replica_with(&fake, None, profile);
+    ready(&r.ext).await;
+    let pod = fake.put(&gpu_pod("p", whole(1)));
+
+    fake.put(&gpu_node("n1", 2));
+    eventually("n1's samples from its ConfigMap", || samples(&r.ext, "n1") == [Some(100), Some(100)]).await;
+    assert_eq!(samples(&r.ext, "n2"), [None, None]);
+    let (busy, idle) = scores(&r.ext, &pod);
+    assert!(busy < idle, "a busy n1 scores lower: {busy} vs {idle}");
+
+    // an update applies; the deprecated Node annotation is ignored while the ConfigMap exists
+    fake.put(&util_configmap(UTIL_NS, "n1", utilization("n1", 2, 0)));
+    eventually("n1 idle again", || samples(&r.ext, "n1") == [Some(0), Some(0)]).await;
+    let mut annotated = gpu_node("n1", 2);
+    annotated.annotations_mut().insert(ANNOTATION_UTILIZATION.into(), utilization("n1", 2, 100));
+    fake.put(&annotated);
+    settle().await;
+    assert_eq!(samples(&r.ext, "n1"), [Some(0), Some(0)], "the stale annotation does not overwrite");
+    assert_eq!(scores(&r.ext, &pod).0, scores(&r.ext, &pod).1);
+
+    // new GPUs on the node (a new inventory) start without samples: the ConfigMap's apply again
+    fake.put(&util_configmap(UTIL_NS, "n1", utilization("n1", 2, 100)));
+    eventually("busy", || samples(&r.ext, "n1") == [Some(100), Some(100)]).await;
+    fake.put(&gpu_node("n1", 3));
+    eventually("re-applied to the new inventory", || samples(&r.ext, "n1") == [Some(100), Some(100), None]).await;
+
+    // the ConfigMap deleted (on a real cluster: garbage-collected with its Node): samples dropped
+    assert!(fake.remove::<ConfigMap>(UTIL_NS, &configmap_name("n1")));
+    eventually("samples dropped", || samples(&r.ext, "n1") == [None, None, None]).await;
+    let text = r.ext.render_metrics();
+    assert!(text.contains("gpuplace_watch_staleness_seconds{resource=\"configmaps\"}"), "{text}");
+    assert!(text.contains("gpuplace_watch_errors_total{resource=\"configmaps\"} 0"), "{text}");
+    assert_eq!(samples(&r.ext, "n2"), [None, None], "the other namespace's and the unlabelled one never applied");
+}
+
+#[tokio::test]
+async fn readiness_does_not_wait_on_the_utilization_watch_whose_errors_are_counted() {
+    let fake = FakeApiServer::start().await.unwrap();
+    fake.put(&gpu_node("n1", 2));
+    fake.put(&util_configmap(UTIL_NS, "n1", utilization("n1", 2, 100)));
+    fake.fail_next("GET", &format!("/api/v1/namespaces/{UTIL_NS}/configmaps"), 1, 500);
+    let r = replica(&fake, None);
+    ready(&r.ext).await;
+    eventually("the failed list counted", || r.ext.metrics().watch_errors(Watched::UtilizationConfigMaps) == 1).await;
+    // retried with the watcher's backoff (under a second for the first retry)
+    eventually("applied after the retry", || samples(&r.ext, "n1") == [Some(100), Some(100)]).await;
+    assert_eq!(r.ext.metrics().watch_errors(Watched::Pods), 0);
 }

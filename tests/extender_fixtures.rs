@@ -18,7 +18,7 @@ use gpuplace::extender::wire::{
     decode, ExtenderArgs, ExtenderBindingArgs, ExtenderBindingResult, ExtenderFilterResult, ExtenderPreemptionArgs,
     ExtenderPreemptionResult, HostPriority, HostPriorityList, Node, WireError, WireNode,
 };
-use gpuplace::placement::feasibility::Infeasible;
+use gpuplace::placement::feasibility::{Cause, Infeasible, Why};
 use proptest::prelude::*;
 use serde_json::{json, Value};
 
@@ -511,18 +511,19 @@ fn refused_pods_are_unresolvable_everywhere_with_the_fix() {
 fn filter_answers_mirror_the_request_mode() {
     let verdict = |n: &str| match n {
         "gpu-node-0" | "gpu-node-2" => Verdict::Fits,
-        "gpu-node-1" => Verdict::from(Infeasible::Preemptable("2 GPUs free, 4 requested".into())),
-        _ => Verdict::from(Infeasible::Unresolvable("GPU model L4 not allowed".into())),
+        // the verdict carries the cause's text; the node's own figures stay out of it
+        "gpu-node-1" => Verdict::from(Infeasible::Preemptable(Why::new(Cause::Idle { gpus: 4 }, "2 GPUs free"))),
+        _ => Verdict::from(Infeasible::Unresolvable(Why::new(Cause::Model, "node has L4s"))),
     };
     // names only: the passing names, in request order
     let a = args("cache/filter-002.request.json");
     let r = a.filter_result(verdict).unwrap();
     assert_eq!(r.node_names, Some(vec!["gpu-node-0".to_string()]));
     assert_eq!(r.nodes, None);
-    assert_eq!(r.failed_nodes, BTreeMap::from([("gpu-node-1".into(), "2 GPUs free, 4 requested".into())]));
+    assert_eq!(r.failed_nodes, BTreeMap::from([("gpu-node-1".into(), "fewer than 4 idle GPUs".into())]));
     assert_eq!(
         r.failed_and_unresolvable_nodes,
-        BTreeMap::from([("gpu-node-3".into(), "GPU model L4 not allowed".into())])
+        BTreeMap::from([("gpu-node-3".into(), "no GPU of a model allowed by gpuplace.io/gpu-model".into())])
     );
 
     // full nodes: the very objects received
@@ -536,8 +537,11 @@ fn filter_answers_mirror_the_request_mode() {
     let sent = answer_json(&r);
     assert_eq!(sent["Nodes"]["items"][0], original["Nodes"]["items"][0]);
     assert_eq!(sent["Nodes"]["items"][1], original["Nodes"]["items"][2]);
-    assert_eq!(sent["FailedNodes"], json!({"gpu-node-1": "2 GPUs free, 4 requested"}));
-    assert_eq!(sent["FailedAndUnresolvableNodes"], json!({"gpu-node-3": "GPU model L4 not allowed"}));
+    assert_eq!(sent["FailedNodes"], json!({"gpu-node-1": "fewer than 4 idle GPUs"}));
+    assert_eq!(
+        sent["FailedAndUnresolvableNodes"],
+        json!({"gpu-node-3": "no GPU of a model allowed by gpuplace.io/gpu-model"})
+    );
     assert_eq!(sent["Error"], "");
     assert_eq!(answer_json(&ExtenderFilterResult::error("cache not synced"))["Error"], "cache not synced");
 }

@@ -17,7 +17,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use gpuplace::core::annotations::{GpuUtilization, NodeInventory, UtilizationAnnotation, ANNOTATION_ASSIGNMENT};
+use gpuplace::core::annotations::{
+    AssignmentAnnotation, GpuUtilization, NodeInventory, UtilizationAnnotation, ANNOTATION_ASSIGNMENT,
+};
 use gpuplace::core::cluster::Cluster;
 use gpuplace::core::inventory::{load_cluster, Board};
 use gpuplace::extender::binder::{BindError, BindFuture, BindRequest, Binder, RecordingBinder};
@@ -281,7 +283,7 @@ fn nocache_and_cache_fixtures_in_capture_order() {
     replay_nocache_then_cache(&s);
 
     // the next filler, offered every node: all full now, so each is preemptable (FailedNodes), with
-    // a reason that says what is missing
+    // a reason that says what is missing, the same on every node so that kube-scheduler groups them
     let mut body = fixture_json("cache/filter-005");
     body["NodeNames"] = json!(ALL_NODES);
     let a = s.ok("filter", body.to_string().as_bytes());
@@ -289,7 +291,7 @@ fn nocache_and_cache_fixtures_in_capture_order() {
     assert_eq!(names(&a["FailedNodes"]), set(&ALL_NODES));
     assert_eq!(a["FailedAndUnresolvableNodes"], json!({}));
     for r in a["FailedNodes"].as_object().unwrap().values() {
-        assert_eq!(r, "gpuplace: container \"main\" needs 2 whole GPU(s); 0 of 8 usable GPUs are idle");
+        assert_eq!(r, "gpuplace: fewer than 2 idle GPUs");
     }
 
     // preemption: every victim kube-scheduler named is needed (each holds GPUs the pod needs)
@@ -779,6 +781,14 @@ fn full_nodes_mode_reads_inventory_from_node_annotations() {
     assert_eq!((f.candidates, f.feasible), (5, 1));
     assert_eq!(f.rejection_classes, BTreeMap::from([("unknown_node".into(), 3), ("unresolvable".into(), 1)]));
     assert_eq!(f.rejections.values().sum::<usize>(), 4);
+    // the reasons name no node; each node's own story is in the details
+    assert_eq!(f.rejections.len(), 3, "two nodes without a valid inventory share one reason: {:?}", f.rejections);
+    assert_eq!(
+        f.rejection_details.keys().map(String::as_str).collect::<BTreeSet<_>>(),
+        BTreeSet::from(["cpu-node-0", "gpu-node-0", "l4-node-1", "l4-node-2"])
+    );
+    assert!(f.rejection_details["l4-node-1"].contains("node l4-node-1 has no valid"), "{:?}", f.rejection_details);
+    assert!(f.rejection_details["gpu-node-0"].contains("H100"), "the node's models: {:?}", f.rejection_details);
     assert_eq!(f.top.len(), 1);
     let parts: f64 = f.top[0].parts.values().sum();
     assert!((parts - f.top[0].total).abs() < 1e-9, "scorer shares add up to the total");
@@ -820,13 +830,16 @@ fn no_more_containers_on_a_gpu_than_the_device_plugin_has_slots() {
     let a = s.ok("filter", body("s3").as_bytes());
     assert!(passing(&a).is_empty(), "a third container on a 2-slot GPU: {a}");
     let why = a["FailedNodes"]["l4-solo"].as_str().unwrap();
-    assert!(why.contains("1 already hold 2 containers, the device plugin's slots per GPU"), "{why}");
-    assert!(why.contains("most free is 20443 MiB / 80%"), "memory and compute are not what is short: {why}");
+    // the slots are what is short, not memory or compute (the node's figures are for the logs)
+    assert_eq!(why, "gpuplace: no device-plugin slot left on the GPUs with room");
     // a bind straight onto the full GPU (no filter first) is refused too, and changes nothing
     let before = s.ext.cluster();
     let bind = json!({"PodName": "s3", "PodNamespace": "default", "PodUID": "uid-s3", "Node": "l4-solo"});
     let e = s.ok("bind", bind.to_string().as_bytes());
-    assert!(e["Error"].as_str().is_some_and(|e| e.contains("no longer fits") && e.contains("slots per GPU")), "{e}");
+    assert!(
+        e["Error"].as_str().is_some_and(|e| e.contains("no longer fits") && e.contains("device-plugin slot")),
+        "{e}"
+    );
     assert_eq!(s.ext.cluster(), before);
     let r: InspectReport = serde_json::from_slice(&s.call("GET", "/inspect/l4-solo", b"").body).unwrap();
     let g = &r.nodes[0].gpus[0];
@@ -861,32 +874,50 @@ fn allocations_rebuild_exactly_from_bind_annotations() {
             annotation: b.annotations[ANNOTATION_ASSIGNMENT].clone(),
         })
         .collect();
-    let engine = || Engine::new(Profile::gpuplace(), WorkloadMix::default());
-    let fresh = Extender::new(fixture_cluster(), engine(), Arc::new(RecordingBinder::new()), ServiceOptions::default());
+    // a restarted replica shares the key ring that signed them
+    let keys = s.ext.key_ring().unwrap();
+    let restarted = || {
+        let engine = Engine::new(Profile::gpuplace(), WorkloadMix::default());
+        Extender::new(fixture_cluster(), engine, Arc::new(RecordingBinder::new()), ServiceOptions::default())
+            .with_key_ring((*keys).clone())
+    };
+    let fresh = restarted();
     assert!(fresh.restore(restored.clone()).is_empty());
     assert_eq!(fresh.cluster(), s.ext.cluster(), "rebuilt exactly");
     assert_eq!(fresh.bound_pods().len(), 8);
 
     // forged: another pod's annotation, a GPU the node does not have, the wrong node; and two pods
-    // claiming the same exclusive GPUs
+    // claiming the same exclusive GPUs. Signed with the key (as only gpuplace could), so that it is
+    // the validation and the collision rule that refuse them.
+    let signed = |text: &str| AssignmentAnnotation::parse(text).unwrap().signed(&keys).to_json();
     let mut bad = restored.clone();
     bad[0].uid = "someone-else".into();
-    bad[1].annotation = bad[1].annotation.replacen("GPU-", "GPU-forged-", 1);
+    bad[1].annotation = signed(&bad[1].annotation.replacen("GPU-", "GPU-forged-", 1));
     bad[2].node = if bad[2].node == "gpu-node-1" { "gpu-node-0" } else { "gpu-node-1" }.into();
     let mut twin = restored[3].clone();
     twin.uid = "twin".into();
     twin.request.key = "default/a-twin".into();
-    twin.annotation = twin.annotation.replace(&restored[3].uid, "twin");
+    twin.annotation = signed(&twin.annotation.replace(&restored[3].uid, "twin"));
     bad.push(twin);
-    let fresh = Extender::new(fixture_cluster(), engine(), Arc::new(RecordingBinder::new()), ServiceOptions::default());
+    // ...and what anyone who can edit pods can write: a genuine annotation rewritten for another
+    // pod, without the key. Its name sorts first, so without the MAC it would win the collision.
+    let mut copy = restored[4].clone();
+    copy.uid = "copy".into();
+    copy.request.key = "default/a-copy".into();
+    copy.annotation = copy.annotation.replace(&restored[4].uid, "copy");
+    bad.push(copy);
+    let fresh = restarted();
     let conflicts = fresh.restore(bad);
-    assert_eq!(conflicts.len(), 4, "{conflicts:?}");
+    assert_eq!(conflicts.len(), 5, "{conflicts:?}");
     assert!(conflicts.iter().any(|c| c.reason.contains("written for pod UID")));
     assert!(conflicts.iter().any(|c| c.reason.contains("GPU-forged-")));
     assert!(conflicts.iter().any(|c| c.reason.contains("names node")));
     assert!(conflicts.iter().any(|c| c.reason.contains("held exclusively by another pod")), "{conflicts:?}");
+    let forged = conflicts.iter().find(|c| c.pod == "default/a-copy").unwrap();
+    assert!(forged.reason.contains("not signed by gpuplace's assignment key"), "{forged:?}");
+    assert!(fresh.bound_pods().contains_key(&restored[4].uid), "the genuine owner is counted");
     assert_eq!(fresh.bound_pods().len(), 5);
-    assert!(fresh.render_metrics().contains("gpuplace_conflicts_total{kind=\"bad_assignment\"} 4"));
+    assert!(fresh.render_metrics().contains("gpuplace_conflicts_total{kind=\"bad_assignment\"} 5"));
 }
 
 /// The real binary in static mode, as the acceptance criterion runs it.

@@ -339,7 +339,7 @@ fn check(engine: &Engine, c: &Cluster, req: &PodRequest, mix: &WorkloadMix, seen
                 fits.push((i, p, s));
             }
             Err(why) => {
-                seen.slot_limited += usize::from(why.reason().contains("the device plugin's slots per GPU"));
+                seen.slot_limited += usize::from(why.detail().contains("the device plugin's slots per GPU"));
                 rejected.push((i, why));
             }
         }
@@ -367,6 +367,9 @@ fn check(engine: &Engine, c: &Cluster, req: &PodRequest, mix: &WorkloadMix, seen
         assert_eq!(r.unresolvable, why.is_unresolvable(), "{ctx}: {why:?}");
         assert_eq!(engine.explain(c, req, r.node).as_ref(), Some(why), "{ctx}");
         assert_eq!(engine.explain_rejection(c, req, r).as_ref(), Some(why), "{ctx}: reason from the classification");
+        // what kube-scheduler is told: the same cause, without writing the detail
+        let classified = engine.classify_rejection(c, req, r).map(|w| (w.is_unresolvable(), w.cause()));
+        assert_eq!(classified, Some((why.is_unresolvable(), why.cause())), "{ctx}: cause from the classification");
     }
     // a subset, in another order, ranks the same way
     let some: Vec<usize> = (0..c.nodes().len()).rev().step_by(2).collect();

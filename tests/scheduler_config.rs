@@ -7,8 +7,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use gpuplace::apiserver::keys::{KeySecret, DEFAULT_KEY_SECRET_NAME};
 use gpuplace::core::inventory::load_cluster;
 use gpuplace::core::resources::{RESOURCE_GPU, RESOURCE_GPU_CORE, RESOURCE_GPU_MEM};
+use gpuplace::core::utilization_configmap::DEFAULT_NAMESPACE;
 use gpuplace::extender::binder::RecordingBinder;
 use gpuplace::extender::client::Connection;
 use gpuplace::extender::http::{spawn, HttpOptions, DEFAULT_LISTEN, DEFAULT_PREFIX};
@@ -185,6 +187,12 @@ fn extender_deployment_service_and_device_plugin_agree_with_the_code() {
     let env = pod["containers"][0]["env"].as_sequence().unwrap();
     let node_name = env.iter().find(|e| e["name"].as_str() == Some("NODE_NAME")).expect("NODE_NAME");
     assert_eq!(node_name["valueFrom"]["fieldRef"]["fieldPath"].as_str(), Some("spec.nodeName"));
+    // the utilization ConfigMaps' namespace: the plugin's own, which is the one the extender watches
+    // (its POD_NAMESPACE) and the one the Roles below grant
+    let pod_ns = env.iter().find(|e| e["name"].as_str() == Some("POD_NAMESPACE")).expect("POD_NAMESPACE");
+    assert_eq!(pod_ns["valueFrom"]["fieldRef"]["fieldPath"].as_str(), Some("metadata.namespace"));
+    assert_eq!(ds["metadata"]["namespace"].as_str(), Some(NAMESPACE));
+    assert_eq!(DEFAULT_NAMESPACE, NAMESPACE);
     let tolerated: Vec<&str> =
         pod["tolerations"].as_sequence().unwrap().iter().filter_map(|t| t["key"].as_str()).collect();
     assert!(tolerated.contains(&"nvidia.com/gpu") && tolerated.contains(&RESOURCE_GPU), "{tolerated:?}");
@@ -215,6 +223,27 @@ fn extender_deployment_service_and_device_plugin_agree_with_the_code() {
         want.iter().map(|(r, v)| (r.to_string(), v.iter().map(|s| s.to_string()).collect())).collect();
     assert_eq!(rules, want);
 
+    // utilization ConfigMaps: the plugin creates and patches its own (device-plugin/src/k8s/utilization.rs),
+    // the extender lists and watches them (src/apiserver/utilization.rs); Roles in their namespace
+    for (role, account, verbs) in [
+        ("gpuplace-device-plugin-utilization", "gpuplace-device-plugin", vec!["create", "patch"]),
+        ("gpuplace-extender-utilization", SERVICE, vec!["list", "watch"]),
+    ] {
+        let r = named(&docs, "Role", role);
+        assert_eq!(r["metadata"]["namespace"].as_str(), Some(NAMESPACE), "{role}");
+        let verbs: Vec<String> = verbs.into_iter().map(String::from).collect();
+        assert_eq!(role_rules(r), [("configmaps".to_string(), verbs)], "{role}");
+        let rule = &r["rules"][0];
+        assert_eq!(rule["apiGroups"][0].as_str(), Some(""), "{role}: the core group");
+        assert!(rule["resourceNames"].is_null(), "{role}: the names are per node, not listable here");
+        let b = named(&docs, "RoleBinding", role);
+        assert_eq!(b["metadata"]["namespace"].as_str(), Some(NAMESPACE), "{role}");
+        assert_eq!((b["roleRef"]["kind"].as_str(), b["roleRef"]["name"].as_str()), (Some("Role"), Some(role)));
+        let subject = &b["subjects"][0];
+        assert_eq!(subject["name"].as_str(), Some(account), "{role}");
+        assert_eq!(subject["namespace"].as_str(), Some(NAMESPACE), "{role}");
+    }
+
     // every ServiceAccount a workload runs as exists, in its namespace
     for (k, name) in
         [("Deployment", SERVICE), ("DaemonSet", "gpuplace-device-plugin"), ("Deployment", "gpuplace-scheduler")]
@@ -223,5 +252,71 @@ fn extender_deployment_service_and_device_plugin_agree_with_the_code() {
         let sa = w["spec"]["template"]["spec"]["serviceAccountName"].as_str().unwrap();
         let acct = named(&docs, "ServiceAccount", sa);
         assert_eq!(acct["metadata"]["namespace"], w["metadata"]["namespace"], "{k} {name}");
+    }
+}
+
+/// A Role's rules as (resource, verbs) pairs, in order.
+fn role_rules(role: &Value) -> Vec<(String, Vec<String>)> {
+    role["rules"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .flat_map(|r| {
+            let verbs: Vec<String> =
+                r["verbs"].as_sequence().unwrap().iter().map(|v| v.as_str().unwrap().to_owned()).collect();
+            r["resources"]
+                .as_sequence()
+                .unwrap()
+                .iter()
+                .map(move |res| (res.as_str().unwrap().to_owned(), verbs.clone()))
+        })
+        .collect()
+}
+
+/// The extender's access to its key Secret is exactly what `src/apiserver/keys.rs` does: create it
+/// when absent (RBAC cannot name a create), and read it by name only (GET; LIST and WATCH with the
+/// field selector `metadata.name`, which is what lets `resourceNames` authorize them). Nothing
+/// else may touch Secrets: the ClusterRole has no rule on them.
+#[test]
+fn the_extender_reads_only_its_key_secret() {
+    let docs = documents();
+    let secret = KeySecret::default();
+    assert_eq!(secret.namespace, NAMESPACE);
+    let role = named(&docs, "Role", "gpuplace-extender-assignment-keys");
+    assert_eq!(role["metadata"]["namespace"].as_str(), Some(NAMESPACE));
+    let strings = |v: &Value| -> Vec<String> {
+        v.as_sequence().map(|s| s.iter().map(|x| x.as_str().unwrap().to_owned()).collect()).unwrap_or_default()
+    };
+    // (apiGroups, resources, resourceNames, verbs)
+    type Rule = (Vec<String>, Vec<String>, Vec<String>, Vec<String>);
+    let rules: Vec<Rule> = role["rules"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (strings(&r["apiGroups"]), strings(&r["resources"]), strings(&r["resourceNames"]), strings(&r["verbs"]))
+        })
+        .collect();
+    let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+    assert_eq!(
+        rules,
+        [
+            (s(&[""]), s(&["secrets"]), s(&[]), s(&["create"])),
+            (s(&[""]), s(&["secrets"]), s(&[DEFAULT_KEY_SECRET_NAME]), s(&["get", "list", "watch"])),
+        ]
+    );
+    let b = named(&docs, "RoleBinding", "gpuplace-extender-assignment-keys");
+    assert_eq!(b["metadata"]["namespace"].as_str(), Some(NAMESPACE));
+    assert_eq!(
+        (b["roleRef"]["kind"].as_str(), b["roleRef"]["name"].as_str()),
+        (Some("Role"), Some("gpuplace-extender-assignment-keys"))
+    );
+    assert_eq!(
+        (b["subjects"][0]["name"].as_str(), b["subjects"][0]["namespace"].as_str()),
+        (Some(SERVICE), Some(NAMESPACE))
+    );
+    let cluster_role = named(&docs, "ClusterRole", SERVICE);
+    for r in cluster_role["rules"].as_sequence().unwrap() {
+        assert!(!strings(&r["resources"]).contains(&"secrets".to_string()), "the ClusterRole reads no Secret: {r:?}");
     }
 }

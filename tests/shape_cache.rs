@@ -162,7 +162,10 @@ struct Twins {
 
 impl Twins {
     fn new() -> Self {
-        Self { cached: service(2), plain: service(0), now: NOW, seq: 0, bound: BTreeMap::new() }
+        let cached = service(2);
+        // one key ring: `restore` hands both services the assignments the cached one signed
+        let plain = service(0).with_key_ring(cached.key_ring().as_deref().cloned().unwrap());
+        Self { cached, plain, now: NOW, seq: 0, bound: BTreeMap::new() }
     }
 
     fn both<T: PartialEq + std::fmt::Debug>(&self, what: &str, f: impl Fn(&Extender) -> T) -> T {

@@ -97,6 +97,10 @@ struct Cli {
     /// Publish utilization at most this often, however much it moves (bounds API writes).
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
     publish_min_interval: Duration,
+    /// Namespace of this node's utilization ConfigMap (default: $POD_NAMESPACE, set from the downward
+    /// API in the DaemonSet, else gpuplace-system); the extender watches the same one.
+    #[arg(long, value_name = "NAMESPACE")]
+    utilization_namespace: Option<String>,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -133,6 +137,16 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
 /// rebuild clap, and the root crate, with other features than the root crate alone uses).
 fn node_name(cli: &Cli) -> Option<String> {
     cli.node_name.clone().or_else(|| std::env::var("NODE_NAME").ok()).filter(|n| !n.trim().is_empty())
+}
+
+/// `--utilization-namespace`, else `POD_NAMESPACE`, else gpuplace-system.
+fn utilization_namespace(cli: &Cli) -> String {
+    let nonempty = |n: &String| !n.trim().is_empty();
+    cli.utilization_namespace
+        .clone()
+        .filter(nonempty)
+        .or_else(|| std::env::var("POD_NAMESPACE").ok().filter(nonempty))
+        .unwrap_or_else(|| gpuplace::core::utilization_configmap::DEFAULT_NAMESPACE.into())
 }
 
 /// The `Hostname` label: the node name when known, as dcgm-exporter does under Kubernetes.
@@ -250,7 +264,10 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
                 cli.node_sync_interval,
             );
             node_sync = Some(rt.spawn(sync.run()));
-            Arc::new(KubeUtilizationSink::new(client.clone(), node, telemetry.clone()))
+            let namespace = utilization_namespace(cli);
+            let sink = KubeUtilizationSink::new(client.clone(), node, &namespace, telemetry.clone());
+            tracing::info!(namespace = %namespace, configmap = %sink.name(), "utilization published to a ConfigMap");
+            Arc::new(sink)
         }
         // the policy runs and is counted, the value is logged at debug
         None => Arc::new(LogSink),

@@ -342,7 +342,7 @@ pub fn render(
             &mut out,
             name,
             "counter",
-            "Failed API-server calls, by operation (pods_list, pods_watch, pod_patch, node_get, node_patch, node_status_patch).",
+            "Failed API-server calls, by operation (pods_list, pods_watch, pod_patch, node_get, node_patch, node_status_patch, configmap_patch, configmap_create).",
         );
         for op in crate::k8s::API_OPS {
             let n = t.api_errors.get(op).copied().unwrap_or(0);

@@ -1,5 +1,5 @@
-//! When to publish live utilization to the node's `gpuplace.io/utilization` annotation, and the seam
-//! that writes it.
+//! When to publish live utilization (the `gpuplace.io/utilization` value, in this node's utilization
+//! ConfigMap), and the seam that writes it.
 //!
 //! [`decide`] is the policy, pure: publish the first sweep; then publish when any GPU's SM utilization
 //! or memory use moved by more than the threshold (percent points of the whole GPU) since the last
@@ -8,9 +8,9 @@
 //! minimum interval since the last publish has not passed, which bounds the API write rate whatever
 //! the load does (docs/device-plugin.md has the arithmetic for 10,000 nodes).
 //!
-//! The annotation is the shared schema of `gpuplace::core::annotations`; [`UtilizationSink`] writes it.
-//! The Kubernetes implementation (a merge PATCH of the node's metadata) is not in this crate yet;
-//! [`MemorySink`] serves the tests and [`LogSink`] the binary until then.
+//! The value is the shared schema of `gpuplace::core::annotations`; [`UtilizationSink`] writes it:
+//! `crate::k8s::utilization::KubeUtilizationSink` with an API server, [`MemorySink`] in tests,
+//! [`LogSink`] without an API server.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -152,9 +152,8 @@ pub fn annotation(current: &[GpuReading], at_unix_ms: i64) -> UtilizationAnnotat
 #[error("publishing {ANNOTATION_UTILIZATION}: {0}")]
 pub struct SinkError(pub String);
 
-/// Where the annotation goes. The Kubernetes sink patches this node's metadata with
-/// `{"metadata":{"annotations":{"gpuplace.io/utilization": value.to_json()}}}` (a merge patch, so no
-/// read-modify-write and no conflict with kubelet's status updates).
+/// Where the value goes. The Kubernetes sink merge-patches this node's utilization ConfigMap (never
+/// the Node: every Node update wakes kube-scheduler's unschedulable pods), creating it when absent.
 #[tonic::async_trait]
 pub trait UtilizationSink: Send + Sync {
     async fn publish(&self, value: &UtilizationAnnotation) -> Result<(), SinkError>;
@@ -188,15 +187,15 @@ impl UtilizationSink for MemorySink {
     }
 }
 
-/// Logs the value (at debug) instead of writing it: the binary's sink until the Kubernetes one exists,
-/// so the policy runs and its publish counters show the write rate a node would cause.
+/// Logs the value (at debug) instead of writing it: the binary's sink without an API server, so the
+/// policy runs and its publish counters show the write rate a node would cause.
 #[derive(Debug, Default)]
 pub struct LogSink;
 
 #[tonic::async_trait]
 impl UtilizationSink for LogSink {
     async fn publish(&self, value: &UtilizationAnnotation) -> Result<(), SinkError> {
-        tracing::debug!(annotation = ANNOTATION_UTILIZATION, value = %value.to_json(), "utilization (not written: no Kubernetes sink)");
+        tracing::debug!(value = %value.to_json(), "utilization (not written: no API server)");
         Ok(())
     }
 }

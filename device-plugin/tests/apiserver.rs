@@ -15,6 +15,7 @@ use gpuplace::core::annotations::{
     ANNOTATION_ALLOCATED, ANNOTATION_ASSIGNMENT, ANNOTATION_INVENTORY, ANNOTATION_UTILIZATION,
 };
 use gpuplace::core::cluster::{ContainerAssignment, GpuSlice, Node as ModelNode, PodAssignment};
+use gpuplace::core::utilization_configmap::{configmap_name, read, LABEL_UTILIZATION};
 use gpuplace_device_plugin::api::podresources::{
     ContainerDevices, ContainerResources, ListPodResourcesResponse, PodResources,
 };
@@ -35,7 +36,7 @@ use gpuplace_device_plugin::sampler::{Sampler, Telemetry};
 use gpuplace_device_plugin::slots::DEFAULT_SLOTS_PER_GPU;
 use gpuplace_device_plugin::testing::FakePodResources;
 use k8s_openapi::api::core::v1::{
-    Binding, Container, Node, ObjectReference, Pod, PodSpec, PodStatus, ResourceRequirements,
+    Binding, ConfigMap, Container, Node, ObjectReference, Pod, PodSpec, PodStatus, ResourceRequirements,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -323,30 +324,136 @@ async fn node_capacity_and_inventory_survive_kubelet_restarts_and_follow_health(
     h.shutdown().await;
 }
 
+/// Where the plugin writes its utilization ConfigMap in these tests.
+const UTIL_NS: &str = "gpuplace-system";
+
+fn util_value(at_unix_ms: i64, sm: u32) -> UtilizationAnnotation {
+    UtilizationAnnotation {
+        version: 1,
+        at_unix_ms,
+        gpus: vec![GpuUtilization { uuid: "GPU-a".into(), sm_percent: sm, memory_used_mib: 1234 }],
+    }
+}
+
+fn util_configmap(fake: &FakeApiServer) -> Option<ConfigMap> {
+    fake.get(UTIL_NS, &configmap_name(NODE))
+}
+
 #[tokio::test]
-async fn utilization_sink_patches_the_node_annotation() {
+async fn utilization_goes_to_a_configmap_owned_by_the_node_never_to_the_node() {
     let fake = FakeApiServer::start().await.unwrap();
     let mut node = k8s_node(NODE);
     node.metadata.annotations = Some([("keep".to_string(), "me".to_string())].into());
-    fake.put(&node);
+    let node = fake.put(&node);
     let telemetry = Telemetry::new(8, false);
-    let sink = KubeUtilizationSink::new(fake.client().unwrap(), NODE, telemetry.clone());
-    let value = UtilizationAnnotation {
-        version: 1,
-        at_unix_ms: 1_700_000_000_000,
-        gpus: vec![GpuUtilization { uuid: "GPU-a".into(), sm_percent: 55, memory_used_mib: 1234 }],
-    };
-    sink.publish(&value).await.unwrap();
-    let stored: Node = fake.get("", NODE).unwrap();
-    assert_eq!(UtilizationAnnotation::parse(&stored.annotations()[ANNOTATION_UTILIZATION]).unwrap(), value);
-    assert_eq!(stored.annotations()["keep"], "me", "a merge patch leaves other annotations alone");
-    assert_eq!(fake.requests().last().unwrap().content_type.as_deref(), Some("application/merge-patch+json"));
+    let sink = KubeUtilizationSink::new(fake.client().unwrap(), NODE, UTIL_NS, telemetry.clone());
+    assert_eq!(sink.name(), "gpuplace-utilization-test-node");
 
-    fake.fail_next("PATCH", "/api/v1/nodes/*", 1, 500);
-    let e = sink.publish(&value).await.unwrap_err();
-    assert!(e.to_string().contains("gpuplace.io/utilization") && e.to_string().contains(NODE), "{e}");
-    assert_eq!(telemetry.snapshot().api_errors.get("node_patch"), Some(&1));
+    // the first publish creates it: labelled for the extender's watch, owned by the Node
+    let value = util_value(1_700_000_000_000, 55);
     sink.publish(&value).await.unwrap();
+    let cm = util_configmap(&fake).expect("the ConfigMap");
+    let labels = cm.metadata.labels.clone().unwrap();
+    assert_eq!(labels[LABEL_UTILIZATION], "true");
+    assert_eq!(labels["app.kubernetes.io/managed-by"], "gpuplace-device-plugin");
+    let owners = cm.metadata.owner_references.clone().unwrap();
+    assert_eq!(owners.len(), 1);
+    assert_eq!((owners[0].kind.as_str(), owners[0].name.as_str()), ("Node", NODE));
+    assert_eq!(Some(&owners[0].uid), node.metadata.uid.as_ref());
+    assert_eq!(owners[0].block_owner_deletion, None, "no finalizer rights needed on the Node");
+    let data = cm.data.clone().unwrap();
+    assert_eq!(data["node"], NODE);
+    assert_eq!(UtilizationAnnotation::parse(&data["utilization"]).unwrap(), value);
+    // what the extender reads back
+    assert_eq!(read(&configmap_name(NODE), cm.data.as_ref()).unwrap().0, NODE);
+
+    // later publishes are one merge patch each: nothing read, nothing created, the Node untouched
+    let before = fake.get::<Node>("", NODE).unwrap();
+    fake.clear_requests();
+    for i in 1..=3 {
+        sink.publish(&util_value(1_700_000_000_000 + i * 10_000, 50 + i as u32)).await.unwrap();
+    }
+    let requests = fake.requests();
+    assert_eq!(requests.len(), 3, "{requests:?}");
+    for r in &requests {
+        assert_eq!(
+            (r.method.as_str(), r.path.as_str()),
+            ("PATCH", "/api/v1/namespaces/gpuplace-system/configmaps/gpuplace-utilization-test-node")
+        );
+        assert_eq!(r.content_type.as_deref(), Some("application/merge-patch+json"));
+    }
+    let after = fake.get::<Node>("", NODE).unwrap();
+    assert_eq!(after.metadata.resource_version, before.metadata.resource_version, "the Node did not change");
+    assert!(!after.annotations().contains_key(ANNOTATION_UTILIZATION));
+    assert_eq!(after.annotations()["keep"], "me");
+    let latest = UtilizationAnnotation::parse(&util_configmap(&fake).unwrap().data.unwrap()["utilization"]).unwrap();
+    assert_eq!(latest.gpus[0].sm_percent, 53);
+
+    // a failed write is an error naming the ConfigMap, counted; the next one succeeds
+    fake.fail_next("PATCH", "/api/v1/namespaces/*/configmaps/*", 1, 500);
+    let e = sink.publish(&value).await.unwrap_err();
+    assert!(e.to_string().contains("gpuplace-utilization-test-node") && e.to_string().contains(NODE), "{e}");
+    assert_eq!(telemetry.snapshot().api_errors.get("configmap_patch"), Some(&1));
+    sink.publish(&value).await.unwrap();
+
+    // deleted (on a real cluster, garbage-collected with a deleted Node): created again, owned by the
+    // Node that exists now
+    assert!(fake.remove::<ConfigMap>(UTIL_NS, &configmap_name(NODE)));
+    assert!(fake.remove::<Node>("", NODE));
+    let e = sink.publish(&value).await.unwrap_err();
+    assert!(e.to_string().contains("does not exist"), "{e}");
+    assert!(util_configmap(&fake).is_none(), "never created without its owner");
+    let again = fake.put(&k8s_node(NODE));
+    assert_ne!(again.metadata.uid, node.metadata.uid);
+    sink.publish(&value).await.unwrap();
+    let owners = util_configmap(&fake).unwrap().metadata.owner_references.unwrap();
+    assert_eq!(Some(&owners[0].uid), again.metadata.uid.as_ref());
+}
+
+#[tokio::test]
+async fn the_plugin_removes_a_utilization_annotation_an_older_version_left_on_its_node() {
+    let fake = FakeApiServer::start().await.unwrap();
+    let mut node = k8s_node(NODE);
+    node.metadata.annotations = Some(
+        [
+            (ANNOTATION_UTILIZATION.to_string(), util_value(1_600_000_000_000, 90).to_json()),
+            ("keep".to_string(), "me".to_string()),
+        ]
+        .into(),
+    );
+    fake.put(&node);
+    let h = Harness::start("hgx-h100-8", PluginConfig::default(), None).await;
+    let telemetry = Telemetry::new(8, false);
+    let sync = NodeSync::new(
+        fake.client().unwrap(),
+        NODE,
+        inventory("hgx-h100-8"),
+        h.plugin.clone(),
+        telemetry,
+        Duration::from_secs(3600),
+    );
+    // the start pass: inventory written and the stale annotation removed, in one patch
+    fake.clear_requests();
+    let done = sync.reconcile().await.unwrap();
+    assert!(done.inventory_patched && done.stale_utilization_removed, "{done:?}");
+    let patches: Vec<_> =
+        fake.requests().into_iter().filter(|r| r.method == "PATCH" && r.path == "/api/v1/nodes/test-node").collect();
+    assert_eq!(patches.len(), 1, "{patches:?}");
+    let stored: Node = fake.get("", NODE).unwrap();
+    assert!(!stored.annotations().contains_key(ANNOTATION_UTILIZATION));
+    assert!(stored.annotations().contains_key(ANNOTATION_INVENTORY));
+    assert_eq!(stored.annotations()["keep"], "me");
+
+    // only when present: an older plugin's value alone costs one patch, then nothing
+    let mut again = stored.clone();
+    again.annotations_mut().insert(ANNOTATION_UTILIZATION.into(), util_value(1_600_000_000_000, 90).to_json());
+    fake.put(&again);
+    let done = sync.reconcile().await.unwrap();
+    assert_eq!(done, Reconciled { stale_utilization_removed: true, ..Reconciled::default() });
+    fake.clear_requests();
+    assert_eq!(sync.reconcile().await.unwrap(), Reconciled::default());
+    assert!(fake.requests().iter().all(|r| r.method == "GET"), "{:?}", fake.requests());
+    h.shutdown().await;
 }
 
 #[tokio::test]

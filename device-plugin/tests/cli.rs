@@ -148,8 +148,9 @@ async fn binary_registers_with_the_test_kubelet_and_serves_allocations() {
     assert!(!dir.path().join(&reg.endpoint).exists());
 }
 
-/// The binary against the fake API server (`--apiserver URL`): it writes the node's capacity,
-/// inventory and utilization, and Allocate applies a pod's assignment and marks it.
+/// The binary against the fake API server (`--apiserver URL`): it writes the node's capacity and
+/// inventory, removes an older version's utilization annotation, publishes utilization to its
+/// ConfigMap, and Allocate applies a pod's assignment and marks it.
 #[tokio::test]
 async fn binary_with_an_api_server_writes_the_node_and_applies_assignments() {
     use gpuplace::apiserver::fake::FakeApiServer;
@@ -165,7 +166,10 @@ async fn binary_with_an_api_server_writes_the_node_and_applies_assignments() {
 
     const NODE: &str = "cli-api-node";
     let fake = FakeApiServer::start().await.unwrap();
-    fake.put(&Node { metadata: ObjectMeta { name: Some(NODE.into()), ..Default::default() }, ..Default::default() });
+    // what an older plugin left: removed at start
+    let stale = [("gpuplace.io/utilization".to_string(), r#"{"version":1,"atUnixMs":1,"gpus":[]}"#.to_string())];
+    let node = ObjectMeta { name: Some(NODE.into()), annotations: Some(stale.into()), ..Default::default() };
+    fake.put(&Node { metadata: node, ..Default::default() });
     // without a node name there is nothing to select pods by: a clear error, not a standalone plugin
     let out = Command::new(BIN)
         .args(["--fake-topology"])
@@ -181,7 +185,11 @@ async fn binary_with_an_api_server_writes_the_node_and_applies_assignments() {
     let mut kubelet = FakeKubelet::start(dir.path());
     let metrics_addr = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
     let _child = Child(
-        serve(dir.path(), metrics_addr).args(["--apiserver", &fake.url()]).env("NODE_NAME", NODE).spawn().unwrap(),
+        serve(dir.path(), metrics_addr)
+            .args(["--apiserver", &fake.url(), "--utilization-namespace", "gpuplace-test"])
+            .env("NODE_NAME", NODE)
+            .spawn()
+            .unwrap(),
     );
     let reg = kubelet.next_registration().await;
     let node_has = |f: &FakeApiServer| {
@@ -191,9 +199,18 @@ async fn binary_with_an_api_server_writes_the_node_and_applies_assignments() {
         cap.get("gpuplace.io/gpu-core").is_some_and(|q| q.0 == "800")
             && cap.get("gpuplace.io/gpu-mem").is_some_and(|q| q.0 == (8 * 81559).to_string())
             && ann.get("gpuplace.io/inventory").is_some_and(|t| t.contains(r#""slotsPerGpu":2"#))
-            && ann.contains_key("gpuplace.io/utilization")
+            && !ann.contains_key("gpuplace.io/utilization")
     };
     assert!(fake.wait_until(Duration::from_secs(10), node_has).await, "{:?}", fake.get::<Node>("", NODE));
+    // utilization: in the ConfigMap of the namespace given, all 8 GPUs of the first sweep
+    let published = |f: &FakeApiServer| {
+        let cm: Option<k8s_openapi::api::core::v1::ConfigMap> =
+            f.get("gpuplace-test", "gpuplace-utilization-cli-api-node");
+        cm.and_then(|c| c.data).and_then(|d| d.get("utilization").cloned()).is_some_and(|t| {
+            gpuplace::core::annotations::UtilizationAnnotation::parse(&t).is_ok_and(|u| u.gpus.len() == 8)
+        })
+    };
+    assert!(fake.wait_until(Duration::from_secs(10), published).await, "utilization ConfigMap");
 
     // a pod bound with the extender's assignment: GPU 6, a 25 % share
     let limits = [("gpuplace.io/gpu", "1"), ("gpuplace.io/gpu-mem", "20480"), ("gpuplace.io/gpu-core", "25")];

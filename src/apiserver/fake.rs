@@ -1,6 +1,6 @@
 //! An in-process fake Kubernetes API server for tests and demos: plain HTTP/1.1 on 127.0.0.1, with
-//! the Pod, Node, Lease and Event endpoints a kube-rs client and `kube::runtime::watcher` use, and a
-//! test-side handle to seed objects, read what was written, and inject faults.
+//! the Pod, Node, Lease, Event, ConfigMap and Secret endpoints a kube-rs client and
+//! `kube::runtime::watcher` use, and a test-side handle to seed objects, read what was written, and inject faults.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -56,11 +56,22 @@ pub enum Resource {
     Events,
     /// `events.k8s.io/v1` events, namespaced (what kube's event `Recorder` writes).
     EventsV1,
+    /// `v1` configmaps, namespaced.
+    ConfigMaps,
+    /// `v1` secrets, namespaced.
+    Secrets,
 }
 
 impl Resource {
-    pub const ALL: [Resource; 5] =
-        [Resource::Pods, Resource::Nodes, Resource::Leases, Resource::Events, Resource::EventsV1];
+    pub const ALL: [Resource; 7] = [
+        Resource::Pods,
+        Resource::Nodes,
+        Resource::Leases,
+        Resource::Events,
+        Resource::EventsV1,
+        Resource::ConfigMaps,
+        Resource::Secrets,
+    ];
 
     pub fn group(self) -> &'static str {
         match self {
@@ -88,6 +99,8 @@ impl Resource {
             Resource::Nodes => "Node",
             Resource::Leases => "Lease",
             Resource::Events | Resource::EventsV1 => "Event",
+            Resource::ConfigMaps => "ConfigMap",
+            Resource::Secrets => "Secret",
         }
     }
 
@@ -98,6 +111,8 @@ impl Resource {
             Resource::Nodes => "nodes",
             Resource::Leases => "leases",
             Resource::Events | Resource::EventsV1 => "events",
+            Resource::ConfigMaps => "configmaps",
+            Resource::Secrets => "secrets",
         }
     }
 
@@ -142,6 +157,12 @@ impl Stored for Event {
 }
 impl Stored for k8s_openapi::api::events::v1::Event {
     const RESOURCE: Resource = Resource::EventsV1;
+}
+impl Stored for k8s_openapi::api::core::v1::ConfigMap {
+    const RESOURCE: Resource = Resource::ConfigMaps;
+}
+impl Stored for k8s_openapi::api::core::v1::Secret {
+    const RESOURCE: Resource = Resource::Secrets;
 }
 
 /// One request the fake answered.

@@ -221,7 +221,18 @@ pub enum LeaseError {
     },
     #[error("lease {namespace}/{name}: {call} took longer than {timeout:?}")]
     Timeout { namespace: String, name: String, call: &'static str, timeout: Duration },
+    /// Creating the Lease found no such namespace: nothing will lead until someone creates it.
+    #[error(
+        "lease {namespace}/{name}: namespace {namespace:?} does not exist; create it \
+         (kubectl create namespace {namespace}) or pass --leader-elect-namespace with one that exists; \
+         no replica leads or turns ready until then"
+    )]
+    NoNamespace { namespace: String, name: String },
 }
+
+/// How often a failing election round repeats the same error at warning level (every round, every
+/// retry period, would bury the log in copies).
+const REPEAT_ERROR_EVERY: Duration = Duration::from_secs(60);
 
 /// Runs the election forever: reads the Lease every retry period, renews or takes it over, and
 /// keeps `leadership` current. `changed` is called after every round with whether this replica
@@ -230,13 +241,27 @@ pub async fn run(client: Client, cfg: LeaderConfig, leadership: Arc<Leadership>,
     let api = LeaseApi::new(client, &cfg);
     let mut elector = Elector::new(&cfg.identity, cfg.lease_duration);
     let mut was_leader = false;
+    let mut last_error: Option<(String, Instant)> = None;
     loop {
         let started = Instant::now();
         match round(&api, &mut elector, started).await {
             Ok(true) => leadership.lead_until(Some(started + cfg.renew_deadline)),
             Ok(false) => leadership.lead_until(None),
             // the last renewal still holds until its deadline, which then lapses by itself
-            Err(e) => tracing::warn!(error = %e, "leader election round failed"),
+            Err(e) => {
+                let text = e.to_string();
+                let repeated =
+                    last_error.as_ref().is_some_and(|(t, at)| *t == text && at.elapsed() < REPEAT_ERROR_EVERY);
+                if repeated {
+                    tracing::debug!(error = %text, "leader election round failed again");
+                } else if matches!(e, LeaseError::NoNamespace { .. }) {
+                    tracing::error!(error = %text, "leader election cannot start");
+                    last_error = Some((text, Instant::now()));
+                } else {
+                    tracing::warn!(error = %text, "leader election round failed");
+                    last_error = Some((text, Instant::now()));
+                }
+            }
         }
         let leader = leadership.is_leader();
         if leader != was_leader {
@@ -295,6 +320,10 @@ impl<'a> LeaseApi<'a> {
         match written {
             Ok(_) => Ok(true),
             Err(kube::Error::Api(s)) if s.code == 409 => Ok(false),
+            // a create answered 404 names the namespace (the Lease itself is what is being made)
+            Err(kube::Error::Api(s)) if create && s.code == 404 => {
+                Err(LeaseError::NoNamespace { namespace: self.cfg.namespace.clone(), name: self.cfg.name.clone() })
+            }
             Err(e) => Err(self.error(call, e)),
         }
     }

@@ -1,18 +1,22 @@
 //! The Kubernetes API: building a client ([`connect`]), an in-process fake API server for tests and
 //! demos ([`fake`]), and the extender's API-server mode as thin adapters around
 //! [`Extender`](crate::extender::service::Extender), one concern each: [`binder`] (annotation patch
-//! and Binding), [`nodes`] and [`pods`] (watchers), [`leader`] (Lease election), [`events`]
-//! (Kubernetes Events), [`run`] (wiring and readiness). Named `apiserver`, not `kube`, so the
+//! and Binding), [`nodes`], [`pods`] and [`utilization`] (watchers), [`leader`] (Lease election), [`events`]
+//! (Kubernetes Events), [`keys`] (the assignment key Secret), [`resign`] (re-signing after a key
+//! rotation), [`run`] (wiring and readiness). Named `apiserver`, not `kube`, so the
 //! `kube` crate stays visible.
 
 pub mod binder;
 pub mod connect;
 pub mod events;
 pub mod fake;
+pub mod keys;
 pub mod leader;
 pub mod nodes;
 pub mod pods;
+pub mod resign;
 pub mod run;
+pub mod utilization;
 
 use futures::stream::BoxStream;
 use futures::StreamExt;

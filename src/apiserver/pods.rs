@@ -19,6 +19,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::apiserver::events::{EventSink, REASON_ASSIGNMENT};
+use crate::apiserver::keys::KeyStatus;
 use crate::apiserver::next_event;
 use crate::extender::metrics::Watched;
 use crate::extender::service::{now_unix_ms, Extender, ObservedPod, PodOutcome, RestoredPod};
@@ -97,12 +98,14 @@ pub fn rebuild(ext: &Extender, pods: &[Pod], events: Option<&EventSink>) -> usiz
 }
 
 /// Watches every pod until the stream ends, which it does not: errors are retried with backoff.
-/// The first complete list waits for `nodes_synced`, is rebuilt from, and then `rebuilt` is called.
+/// The first complete list waits for `nodes_synced` and for the key ring (`keys`: every assignment
+/// is verified with it), is rebuilt from, and then `rebuilt` is called.
 pub async fn watch_pods(
     api: Api<Pod>,
     ext: Arc<Extender>,
     events: Option<EventSink>,
     mut nodes_synced: watch::Receiver<bool>,
+    mut keys: watch::Receiver<KeyStatus>,
     rebuilt: impl Fn(),
 ) {
     let mut stream = watcher::watcher(api, watcher::Config::default().page_size(500)).default_backoff().boxed();
@@ -129,6 +132,11 @@ pub async fn watch_pods(
                 // the node cache must be complete first, or bound pods would name unknown nodes
                 if nodes_synced.wait_for(|&s| s).await.is_err() {
                     tracing::error!("node watcher ended before listing; pods not rebuilt");
+                    return;
+                }
+                // before the shared ring is in, genuine assignments would not verify
+                if keys.wait_for(KeyStatus::is_loaded).await.is_err() {
+                    tracing::error!("key watcher ended before loading the key ring; pods not rebuilt");
                     return;
                 }
                 rebuild(&ext, &buffer, events.as_ref());

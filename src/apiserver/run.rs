@@ -1,8 +1,12 @@
-//! API-server mode, wired: the node and pod watchers, leader election and readiness around one
-//! [`Extender`].
+//! API-server mode, wired: the node, pod and utilization ConfigMap watchers, leader election and
+//! readiness around one [`Extender`].
 //!
-//! Readiness is `rebuilt && leader`: allocations were rebuilt from the first complete lists, and
-//! this replica holds the Lease (always, without election). Only the ready replica answers
+//! Readiness is `rebuilt && leader && keys`: allocations were rebuilt from the first complete lists,
+//! this replica holds the Lease (always, without election), and the assignment key ring is loaded
+//! from its Secret and well-formed (`keys`; the rebuild itself waits for the ring, which verifies
+//! every assignment it counts). The leader also re-signs records made with an old key (`resign`).
+//! The utilization watch is not part of
+//! it: samples are optional and age out by themselves. Only the ready replica answers
 //! `/readyz` with 200, so the Service in front sends kube-scheduler to the leader; the standby keeps
 //! watching, so it is current when it takes over.
 //!
@@ -18,15 +22,16 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Secret};
 use kube::{Api, Client};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::apiserver::connect::{connect, ConnectError, Source};
 use crate::apiserver::events::EventSink;
+use crate::apiserver::keys::{self, KeyOptions, KeyStatus};
 use crate::apiserver::leader::{self, LeaderConfig, Leadership};
-use crate::apiserver::{nodes, pods};
+use crate::apiserver::{nodes, pods, resign, utilization};
 use crate::extender::service::Extender;
 
 /// What API-server mode watches and how it elects.
@@ -38,19 +43,35 @@ pub struct ApiOptions {
     pub leader: Option<LeaderConfig>,
     /// This replica's name in Events (`reportingInstance`); empty: no Events are written.
     pub instance: String,
+    /// Namespace of the device plugins' utilization ConfigMaps; `None`: not watched (samples only
+    /// from the deprecated Node annotation).
+    pub utilization_namespace: Option<String>,
+    /// The Secret holding the assignment key ring, and how often the leader re-signs.
+    pub keys: KeyOptions,
 }
 
-/// Turns the extender ready exactly when it is rebuilt and leads.
+/// Turns the extender ready exactly when it is rebuilt, leads, and has its key ring.
 #[derive(Debug)]
 pub struct Readiness {
     ext: Arc<Extender>,
     leadership: Arc<Leadership>,
     rebuilt: AtomicBool,
+    keys_loaded: AtomicBool,
 }
 
 impl Readiness {
     pub fn new(ext: Arc<Extender>, leadership: Arc<Leadership>) -> Self {
-        Self { ext, leadership, rebuilt: AtomicBool::new(false) }
+        Self { ext, leadership, rebuilt: AtomicBool::new(false), keys_loaded: AtomicBool::new(false) }
+    }
+
+    /// Whether the key Secret is loaded and well-formed (a malformed one keeps the replica unready).
+    pub fn set_keys_loaded(&self, loaded: bool) {
+        self.keys_loaded.store(loaded, Ordering::Relaxed);
+        self.refresh();
+    }
+
+    pub fn keys_loaded(&self) -> bool {
+        self.keys_loaded.load(Ordering::Relaxed)
     }
 
     pub fn set_rebuilt(&self) {
@@ -67,7 +88,7 @@ impl Readiness {
         if self.leadership.is_elected() {
             self.ext.metrics().set_leader(leader);
         }
-        self.ext.set_ready(self.is_rebuilt() && leader);
+        self.ext.set_ready(self.is_rebuilt() && leader && self.keys_loaded());
     }
 }
 
@@ -130,6 +151,20 @@ pub fn start(client: Client, ext: Arc<Extender>, leadership: Arc<Leadership>, op
     let events = (!opts.instance.is_empty()).then(|| EventSink::new(client.clone(), &opts.instance));
     let (synced_tx, synced_rx) = watch::channel(false);
     let mut tasks = Vec::new();
+    let (keys_tx, keys_rx) = watch::channel(KeyStatus::Loading);
+    let secret = opts.keys.secret.clone();
+    let secrets = Api::<Secret>::namespaced(client.clone(), &secret.namespace);
+    tasks.push(tokio::spawn(keys::watch_keys(secrets, secret, ext.clone(), keys_tx)));
+    let (r, mut status) = (readiness.clone(), keys_rx.clone());
+    tasks.push(tokio::spawn(async move {
+        loop {
+            let loaded = status.borrow_and_update().is_loaded();
+            r.set_keys_loaded(loaded);
+            if status.changed().await.is_err() {
+                return;
+            }
+        }
+    }));
     tasks.push(tokio::spawn(nodes::watch_nodes(
         Api::<Node>::all(client.clone()),
         opts.node_selector.clone(),
@@ -143,7 +178,20 @@ pub fn start(client: Client, ext: Arc<Extender>, leadership: Arc<Leadership>, op
         ext.clone(),
         events,
         synced_rx,
+        keys_rx.clone(),
         move || r.set_rebuilt(),
+    )));
+    // optional: readiness does not wait on it (see `utilization`)
+    if let Some(ns) = &opts.utilization_namespace {
+        let api = Api::<ConfigMap>::namespaced(client.clone(), ns);
+        tasks.push(tokio::spawn(utilization::watch_utilization(api, ext.clone())));
+    }
+    tasks.push(tokio::spawn(resign::run(
+        client.clone(),
+        ext.clone(),
+        leadership.clone(),
+        keys_rx,
+        opts.keys.resign_every,
     )));
     let election = opts.leader.map(|cfg| (client.clone(), cfg));
     if let Some((client, cfg)) = election.clone() {

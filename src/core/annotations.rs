@@ -12,8 +12,9 @@
 //! never a guess); fields may be added within a version, so unknown fields are skipped.
 //!
 //! Annotations are writable by anyone who can edit the object, so an assignment is never trusted as
-//! read: [`AssignmentAnnotation::validate`] checks it against the pod's own request, the node it is
-//! bound to and that node's GPUs before it becomes a [`PodAssignment`]. Collisions between pods (two
+//! read: the extender first checks its MAC (`sig`, [`crate::core::signing`]: only gpuplace's key
+//! can make one), then [`AssignmentAnnotation::validate`] checks it against the pod's own request,
+//! the node it is bound to and that node's GPUs before it becomes a [`PodAssignment`]. Collisions between pods (two
 //! pods claiming one exclusive GPU) are caught when the record is counted, by
 //! [`Cluster::allocate`](crate::core::cluster::Cluster::allocate) / `rebuild`.
 
@@ -24,6 +25,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::core::cluster::{ContainerAssignment, Gpu, GpuSlice, Node, PodAssignment, UtilSample};
 use crate::core::resources::{ContainerDemand, PodRequest};
+use crate::core::signing::SignatureProblem;
 use crate::core::topology::{GpuTopology, Link, NvlinkFabric, PcieLevel, TopologyError};
 
 /// Pod annotation: the GPUs the pod was given (JSON, [`AssignmentAnnotation`]).
@@ -61,6 +63,8 @@ pub enum AnnotationError {
     MissingContainer { container: String, what: &'static str },
     #[error("{ANNOTATION_ASSIGNMENT}: container {container:?}: {detail}")]
     ContainerMismatch { container: String, detail: String },
+    #[error("{ANNOTATION_ASSIGNMENT}: not signed by gpuplace's assignment key: {0}")]
+    NotSigned(SignatureProblem),
     #[error("{ANNOTATION_INVENTORY}: {0}")]
     BadInventory(String),
     #[error("{ANNOTATION_INVENTORY}: links: {0}")]
@@ -107,6 +111,11 @@ pub struct AssignmentAnnotation {
     pub bind_seq: u64,
     /// App containers first, then init containers, each in spec order.
     pub containers: Vec<AssignedContainer>,
+    /// `<keyId>:<base64url HMAC-SHA256>` over every field above ([`crate::core::signing`]); absent
+    /// on annotations of versions that did not sign. Readers that do not check it (the device plugin)
+    /// skip it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sig: Option<String>,
 }
 
 /// One container's GPUs.
@@ -179,6 +188,7 @@ impl AssignmentAnnotation {
             node: a.node.clone(),
             bind_seq,
             containers,
+            sig: None,
         })
     }
 

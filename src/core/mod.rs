@@ -5,4 +5,6 @@ pub mod cluster;
 pub mod inventory;
 pub mod quantity;
 pub mod resources;
+pub mod signing;
 pub mod topology;
+pub mod utilization_configmap;

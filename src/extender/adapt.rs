@@ -87,11 +87,13 @@ pub enum Verdict {
     Unresolvable(String),
 }
 
+/// The verdict carries the cause's text, the same on every node turned down for it (the detail is
+/// for logs: kube-scheduler groups nodes by reason).
 impl From<Infeasible> for Verdict {
     fn from(why: Infeasible) -> Self {
         match why {
-            Infeasible::Unresolvable(r) => Verdict::Unresolvable(r),
-            Infeasible::Preemptable(r) => Verdict::Preemptable(r),
+            Infeasible::Unresolvable(w) => Verdict::Unresolvable(w.cause.to_string()),
+            Infeasible::Preemptable(w) => Verdict::Preemptable(w.cause.to_string()),
         }
     }
 }

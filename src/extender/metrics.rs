@@ -36,7 +36,7 @@ impl Verb {
 }
 
 /// Why filter turned a node down, coarsely (the exact reasons go to the placement log).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum RejectClass {
     /// The pod's request breaks the resource contract: it fits nowhere.
     Contract,
@@ -145,15 +145,18 @@ impl ConflictKind {
 pub enum Watched {
     Nodes,
     Pods,
+    /// The device plugins' utilization ConfigMaps (optional: readiness does not wait on them).
+    UtilizationConfigMaps,
 }
 
 impl Watched {
-    pub const ALL: [Watched; 2] = [Watched::Nodes, Watched::Pods];
+    pub const ALL: [Watched; 3] = [Watched::Nodes, Watched::Pods, Watched::UtilizationConfigMaps];
 
     pub fn name(self) -> &'static str {
         match self {
             Watched::Nodes => "nodes",
             Watched::Pods => "pods",
+            Watched::UtilizationConfigMaps => "configmaps",
         }
     }
 
@@ -196,10 +199,13 @@ pub struct Metrics {
     placement_log_errors: AtomicU64,
     /// Per watched resource: Unix time (ms) of the last event or completed (re)list; 0 until the
     /// watcher first reports (static mode has none, and renders no staleness).
-    watch_fresh_ms: [AtomicI64; 2],
-    watch_errors: [AtomicU64; 2],
+    watch_fresh_ms: [AtomicI64; Watched::ALL.len()],
+    watch_errors: [AtomicU64; Watched::ALL.len()],
     /// -1: no leader election (static mode, or disabled); 0/1: this replica leads.
     leader: AtomicI64,
+    /// Counted assignments whose MAC is not the primary key's (or that are unsigned): set from the
+    /// state at scrape time.
+    signed_with_old_key: AtomicU64,
 }
 
 fn verb_index(v: Verb) -> usize {
@@ -236,6 +242,11 @@ impl Metrics {
     /// Whether this replica holds the leader Lease (API-server mode with leader election).
     pub fn set_leader(&self, leader: bool) {
         self.leader.store(i64::from(leader), Ordering::Relaxed);
+    }
+
+    /// Counted assignments not signed with the primary key (an old key can leave the Secret at 0).
+    pub fn set_signed_with_old_key(&self, n: u64) {
+        self.signed_with_old_key.store(n, Ordering::Relaxed);
     }
 
     /// Conflicts of this kind counted so far.
@@ -380,6 +391,13 @@ impl Metrics {
         let _ = writeln!(out, "gpuplace_nodes {}", s.nodes);
         header(&mut out, "gpuplace_pods_bound", "gauge", "Pods holding gpuplace GPUs.");
         let _ = writeln!(out, "gpuplace_pods_bound {bound_pods}");
+        header(
+            &mut out,
+            "gpuplace_assignments_signed_with_old_key",
+            "gauge",
+            "Counted assignments not signed with the primary key (or unsigned); the leader re-signs them. Remove an old key only at 0.",
+        );
+        let _ = writeln!(out, "gpuplace_assignments_signed_with_old_key {}", ld(&self.signed_with_old_key));
         header(
             &mut out,
             "gpuplace_gpus",

@@ -9,6 +9,7 @@
 //! - [`service`]: the decisions of each verb over the engine, the node cache and the bind records.
 //! - [`binder`]: the seam to the API server for binds ([`binder::RecordingBinder`] in static mode).
 //! - [`http`]: actix-web routes, status codes, body limits; [`client`]: a small HTTP/1.1 client.
+//! - [`reasons`]: the texts kube-scheduler shows (reasons that group across nodes, never a `%`).
 //! - [`metrics`], [`placement_log`], [`inspect`]: what operators and planners see.
 
 pub mod adapt;
@@ -18,6 +19,7 @@ pub mod http;
 pub mod inspect;
 pub mod metrics;
 pub mod placement_log;
+pub mod reasons;
 mod scan;
 pub mod service;
 pub mod shapes;

@@ -43,6 +43,11 @@ pub struct Decision {
     pub rejections: BTreeMap<String, usize>,
     /// Reason class (`contract`, `unknown_node`, `unresolvable`, `preemptable`) → nodes.
     pub rejection_classes: BTreeMap<String, usize>,
+    /// Node → its own figures behind the reason it was given (which `rejections` leaves out, so that
+    /// nodes group): filter, for the first 32 rejected candidates in the order sent; bind, for the
+    /// chosen node when the pod no longer fits there.
+    #[serde(default)]
+    pub rejection_details: BTreeMap<String, String>,
     /// The best nodes, best first (at most 5), with each scorer's share of the total.
     pub top: Vec<TopScore>,
     /// Bind: where the pod went and on which GPUs.

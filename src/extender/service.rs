@@ -11,7 +11,9 @@
 //! Seams for API-server mode (`src/apiserver/`): the watchers call [`Extender::observe_node`],
 //! [`Extender::remove_node`], [`Extender::observe_pod`], [`Extender::release_pod`],
 //! [`Extender::retain_pods`], [`Extender::restore`] and [`Extender::set_ready`] (the decisions on
-//! what to trust are in the `observe` submodule); the kube-rs binder implements [`Binder`].
+//! what to trust are in the `observe` submodule), and the utilization ConfigMap watcher calls
+//! [`Extender::observe_utilization`] and [`Extender::forget_utilization`] (the `utilization`
+//! submodule); the kube-rs binder implements [`Binder`].
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
@@ -21,30 +23,29 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 
 use crate::core::annotations::{
-    AnnotationError, AssignmentAnnotation, NodeInventory, UtilizationAnnotation, ANNOTATION_ASSIGNMENT,
-    ANNOTATION_INVENTORY, ANNOTATION_UTILIZATION,
+    AnnotationError, AssignmentAnnotation, NodeInventory, ANNOTATION_ASSIGNMENT, ANNOTATION_INVENTORY,
+    ANNOTATION_UTILIZATION,
 };
 use crate::core::cluster::{Cluster, Node, PodAssignment};
-use crate::core::resources::{PodRequest, RESOURCE_GPU};
+use crate::core::resources::PodRequest;
+use crate::core::signing::{KeyId, KeyRing};
 use crate::extender::adapt::NodeListMode;
 use crate::extender::binder::{BindRequest, Binder};
 use crate::extender::metrics::{BindOutcome, ClusterSummary, ConflictKind, Metrics, RejectClass};
 use crate::extender::placement_log::{
     Chosen, ChosenGpu, Decision, PlacementLog, Requests, TopScore, PLACEMENT_LOG_VERSION,
 };
-use crate::extender::shapes::{self, Answer, Candidates, NameOrder, Reason, Shape, ShapeCache, DEFAULT_SHAPE_CACHE};
+use crate::extender::reasons::{self, prefixed, UnknownNode, MAX_DETAILED_NODES};
+use crate::extender::shapes::{
+    self, Answer, Candidates, NameOrder, Reason, ReasonKey, Shape, ShapeCache, DEFAULT_SHAPE_CACHE,
+};
 use crate::extender::wire::{
     decode, decode_args, ExtenderArgsRef, ExtenderBindingArgs, ExtenderBindingResult, ExtenderFilterResult,
     ExtenderPreemptionArgs, ExtenderPreemptionResult, HostPriorityList, MetaPod, MetaVictims, Pod, WireError, WireNode,
     MAX_EXTENDER_PRIORITY,
 };
 use crate::placement::engine::{Engine, Evaluation, Rejection};
-use crate::placement::feasibility::Infeasible;
 use crate::placement::scorers::network::GroupView;
-
-/// Every reason we give kube-scheduler starts with this, so a person reading the pod's events knows
-/// which component turned the node down.
-const REASON_PREFIX: &str = "gpuplace: ";
 
 /// What filter and bind answer (in `Error`) while the state is not complete or this replica is not
 /// the leader; prioritize and preempt, which have no error field, get HTTP 503.
@@ -99,6 +100,10 @@ pub struct BoundPod {
     pub annotation: Option<String>,
     /// False while the Binding is in flight.
     pub confirmed: bool,
+    /// The id of the key whose MAC the annotation carries (`None`: unsigned, taken for the migration
+    /// from a version that did not sign); the leader re-signs records not signed by the primary key.
+    #[serde(default)]
+    pub signed_by: Option<KeyId>,
 }
 
 /// A bounded map UID → pod, oldest forgotten first.
@@ -140,7 +145,13 @@ struct State {
     /// Node → the inventory annotation and labels last seen on its Node object (full-Nodes mode),
     /// so an unchanged node is not parsed again.
     node_sources: HashMap<String, (String, BTreeMap<String, String>)>,
+    /// Node → the utilization text last applied to it (from either source), so an unchanged one is
+    /// not parsed again; cleared when the node's GPUs are redefined (their samples start empty).
     util_sources: HashMap<String, String>,
+    /// Node → the utilization text of its ConfigMap (the device plugin's; see `utilization`), kept
+    /// whether or not the node is known yet, so it applies when the node appears or is redefined.
+    /// While a node has one, its deprecated Node annotation is ignored.
+    util_published: HashMap<String, String>,
     /// Allocations on nodes whose Node object was deleted, by node name: counted again if the node
     /// comes back, dropped when their pods go (see `observe::remove_node`).
     parked: HashMap<String, Vec<PodAssignment>>,
@@ -167,6 +178,9 @@ pub struct ServiceOptions {
     pub shape_cache: usize,
     /// Answer as ready from the start (static mode: the cluster file is the whole truth).
     pub ready: bool,
+    /// Count assignments that carry no `sig` at all (never ones whose `sig` does not verify): for
+    /// one upgrade from a version that did not sign (`--accept-unsigned-assignments`).
+    pub accept_unsigned: bool,
 }
 
 impl Default for ServiceOptions {
@@ -176,6 +190,7 @@ impl Default for ServiceOptions {
             eval_cache: DEFAULT_EVAL_CACHE,
             shape_cache: DEFAULT_SHAPE_CACHE,
             ready: true,
+            accept_unsigned: false,
         }
     }
 }
@@ -215,6 +230,11 @@ pub struct Extender {
     metrics: Metrics,
     log: Option<PlacementLog>,
     ready: AtomicBool,
+    /// Signs the assignments bind writes and verifies those read back (the `trust` submodule). A
+    /// per-process random ring until [`Extender::set_key_ring`] installs the shared one; `None` only
+    /// if the OS random generator failed, and then bind refuses rather than write unsigned records.
+    keys: RwLock<Option<Arc<KeyRing>>>,
+    accept_unsigned: bool,
 }
 
 impl std::fmt::Debug for Extender {
@@ -243,24 +263,22 @@ impl Judged {
     }
 }
 
-/// Reasons for candidates not in the node cache, one per name.
+/// Reasons for candidates not in the node cache, one per kind (they name no node).
 struct Unknown<'a> {
     objects: Option<&'a [WireNode]>,
-    reasons: HashMap<&'a str, Arc<Reason>>,
+    reasons: [Option<Arc<Reason>>; UnknownNode::ALL.len()],
 }
 
 impl<'a> Unknown<'a> {
     fn new(args: &'a ExtenderArgsRef<'_>) -> Self {
-        Self { objects: args.nodes.as_ref().map(|l| l.items.as_slice()), reasons: HashMap::new() }
+        Self { objects: args.nodes.as_ref().map(|l| l.items.as_slice()), reasons: Default::default() }
     }
 
     /// The verdict on the unknown candidate at position `p`.
-    fn answer(&mut self, p: usize, name: &'a str) -> Answer {
-        let objects = self.objects;
-        let r = self.reasons.entry(name).or_insert_with(|| {
-            let why = Extender::unknown_reason(objects.and_then(|o| o.get(p)), name);
-            Arc::new(Reason::new(RejectClass::UnknownNode, prefixed(&why)))
-        });
+    fn answer(&mut self, p: usize) -> Answer {
+        let kind = UnknownNode::of(self.objects.and_then(|o| o.get(p)));
+        let slot = &mut self.reasons[UnknownNode::ALL.iter().position(|&k| k == kind).unwrap_or(0)];
+        let r = slot.get_or_insert_with(|| Arc::new(Reason::new(RejectClass::UnknownNode, kind.reason())));
         Answer::No(r.clone())
     }
 }
@@ -344,10 +362,6 @@ impl EvalCache {
     }
 }
 
-fn prefixed(reason: &str) -> String {
-    format!("{REASON_PREFIX}{reason}")
-}
-
 fn requests_of(req: &PodRequest) -> Requests {
     Requests {
         containers: req.containers.clone(),
@@ -366,6 +380,7 @@ impl Extender {
             last_seq: HashMap::new(),
             node_sources: HashMap::new(),
             util_sources: HashMap::new(),
+            util_published: HashMap::new(),
             parked: HashMap::new(),
             refused: HashMap::new(),
             withdrawn: HashMap::new(),
@@ -383,6 +398,8 @@ impl Extender {
             metrics: Metrics::new(),
             log: None,
             ready: AtomicBool::new(opts.ready),
+            keys: RwLock::new(trust::ephemeral_keys()),
+            accept_unsigned: opts.accept_unsigned,
         }
     }
 
@@ -509,7 +526,8 @@ impl Extender {
     }
 
     /// Rebuilds every allocation from pod assignment annotations (after a restart). Each annotation
-    /// is validated against its pod's request, node and the node's GPUs; a refused one, or one that
+    /// must carry gpuplace's MAC (see the `trust` submodule) and is validated against its pod's
+    /// request, node and the node's GPUs; a refused one, or one that
     /// collides with a record applied before it (records apply in pod-name order), is not counted and
     /// is returned. Bind sequences continue after the highest one seen per node.
     pub fn restore(&self, pods: Vec<RestoredPod>) -> Vec<RestoreConflict> {
@@ -519,16 +537,20 @@ impl Extender {
         let mut meta: HashMap<String, BoundPod> = HashMap::new();
         let mut last_seq: HashMap<String, u64> = HashMap::new();
         let mut refused: HashMap<String, (String, Option<String>)> = HashMap::new();
+        let keys = self.key_ring();
         for p in pods {
             let checked = AssignmentAnnotation::parse(&p.annotation).and_then(|a| {
+                // a record this process did not write counts only with gpuplace's MAC: a forged one
+                // never reaches the pod-name-order collision rule below, nor moves a bind sequence
+                let signed_by = self.trusted(keys.as_deref(), &a, &p.request.key)?;
                 let node = st.cluster.node(&p.node).ok_or_else(|| AnnotationError::WrongNode {
                     annotated: a.node.clone(),
                     bound: format!("{} (not a known GPU node)", p.node),
                 })?;
-                Ok((a.validate(&p.uid, &p.node, &p.request, node)?, a.bind_seq))
+                Ok((a.validate(&p.uid, &p.node, &p.request, node)?, a.bind_seq, signed_by))
             });
             match checked {
-                Ok((record, seq)) => {
+                Ok((record, seq, signed_by)) => {
                     let seq_slot = last_seq.entry(p.node.clone()).or_default();
                     *seq_slot = (*seq_slot).max(seq);
                     meta.insert(
@@ -540,6 +562,7 @@ impl Extender {
                             bind_seq: seq,
                             annotation: Some(p.annotation.clone()),
                             confirmed: true,
+                            signed_by,
                         },
                     );
                     records.push(record);
@@ -588,14 +611,17 @@ impl Extender {
             for item in items {
                 let view = item.view();
                 let name = item.name();
+                let mut redefined = false;
                 if let Some(text) = view.metadata.annotations.get(ANNOTATION_INVENTORY) {
                     let same = st.node_sources.get(name).is_some_and(|(t, l)| t == text && *l == view.metadata.labels);
                     if !same {
+                        redefined = true;
                         inventories.push((name.to_string(), text.clone(), view.metadata.labels.clone()));
                     }
                 }
                 if let Some(text) = view.metadata.annotations.get(ANNOTATION_UTILIZATION) {
-                    if st.util_sources.get(name) != Some(text) {
+                    // a redefined node starts without samples: an unchanged value applies again
+                    if redefined || Self::annotation_utilization_pending(&st, name, text) {
                         utilizations.push((name.to_string(), text.clone()));
                     }
                 }
@@ -610,6 +636,7 @@ impl Extender {
                 Ok(node) => {
                     tracing::info!(node = %name, gpus = node.gpus.len(), "node inventory taken from the Node object");
                     self.upsert_locked(&mut st, node);
+                    self.utilization_redefined_locked(&mut st, &name);
                     st.node_sources.insert(name, (text, labels));
                 }
                 Err(e) => {
@@ -621,28 +648,7 @@ impl Extender {
             }
         }
         for (name, text) in utilizations {
-            let parsed = UtilizationAnnotation::parse(&text);
-            match (parsed, st.cluster.node_mut(&name)) {
-                (Ok(u), Some(mut node)) => {
-                    u.apply_to(&mut node);
-                }
-                (Ok(_), None) => {}
-                (Err(e), _) => tracing::warn!(node = %name, error = %e, "utilization annotation refused; ignored"),
-            }
-            st.util_sources.insert(name, text);
-        }
-    }
-
-    /// Why an unknown candidate is turned down (its Node object, when sent, says more).
-    fn unknown_reason(object: Option<&WireNode>, name: &str) -> String {
-        match object {
-            None => format!("node {name} is not in gpuplace's node cache, so its GPUs are unknown"),
-            Some(n) if !n.view().status.allocatable.contains_key(RESOURCE_GPU) => format!(
-                "node {name} has no {ANNOTATION_INVENTORY} annotation and advertises no {RESOURCE_GPU}: not a gpuplace GPU node"
-            ),
-            Some(_) => format!(
-                "node {name} has no valid {ANNOTATION_INVENTORY} annotation (the device plugin publishes it) and is not in gpuplace's node cache, so its GPUs are unknown"
-            ),
+            self.observe_annotation_utilization_locked(&mut st, &name, &text);
         }
     }
 
@@ -683,17 +689,13 @@ impl Extender {
         })
     }
 
-    /// Why the engine rejected a node, as the answer says it.
-    fn rejection(&self, cluster: &Cluster, req: &PodRequest, r: &Rejection) -> (RejectClass, String) {
-        match self.engine.explain_rejection(cluster, req, r) {
-            Some(Infeasible::Unresolvable(why)) => (RejectClass::Unresolvable, prefixed(&why)),
-            Some(Infeasible::Preemptable(why)) => (RejectClass::Preemptable, prefixed(&why)),
-            None => {
-                let kind = if r.unresolvable { "never fits" } else { "might fit after preemption" };
-                let class = if r.unresolvable { RejectClass::Unresolvable } else { RejectClass::Preemptable };
-                (class, prefixed(&format!("does not fit ({kind})")))
-            }
-        }
+    /// Why the engine rejected a node, as the answer says it: the class and the cause (no text, and
+    /// no detail, which only logs read).
+    fn rejection(&self, cluster: &Cluster, req: &PodRequest, r: &Rejection) -> ReasonKey {
+        let why = self.engine.classify_rejection(cluster, req, r);
+        let unresolvable = why.as_ref().map_or(r.unresolvable, |w| w.is_unresolvable());
+        let class = if unresolvable { RejectClass::Unresolvable } else { RejectClass::Preemptable };
+        (class, why.map(|w| w.cause()))
     }
 
     /// The verdict on every candidate from the shape's cache, judging (and caching) the nodes whose
@@ -731,8 +733,9 @@ impl Extender {
                 fresh.insert(cand.node, Answer::Fits(cand.score.clamp(0, MAX_EXTENDER_PRIORITY) as u8));
             }
             for r in &ev.rejected {
-                let (class, text) = self.rejection(cluster, req, r);
-                fresh.insert(r.node, Answer::No(table.intern(class, text)));
+                let key = self.rejection(cluster, req, r);
+                let unresolvable = key.0 == RejectClass::Unresolvable;
+                fresh.insert(r.node, Answer::No(table.intern(key, || reasons::rejection(key.1, unresolvable))));
             }
             for (&i, a) in &fresh {
                 table.set(i, stamps[i], self.engine.verdict_window(&nodes[i], now), a.clone());
@@ -760,12 +763,49 @@ impl Extender {
             scores[cand.node] = cand.score.clamp(0, MAX_EXTENDER_PRIORITY) as i8;
         }
         let mut rejects = HashMap::with_capacity(if reasons { evaluation.rejected.len() } else { 0 });
+        // the engine filters without classifying rejections; only rejected nodes pay for it, and
+        // nodes rejected for the same cause share one reason
+        let mut texts: HashMap<ReasonKey, Arc<Reason>> = HashMap::new();
         for r in evaluation.rejected.iter().filter(|_| reasons) {
-            // the engine filters without writing reasons; only rejected nodes pay for the text
-            let (class, text) = self.rejection(cluster, req, r);
-            rejects.insert(r.node, Arc::new(Reason::new(class, text)));
+            let key = self.rejection(cluster, req, r);
+            let reason = texts.entry(key).or_insert_with(|| {
+                let text = reasons::rejection(key.1, key.0 == RejectClass::Unresolvable);
+                Arc::new(Reason::new(key.0, text))
+            });
+            rejects.insert(r.node, reason.clone());
         }
         Judged { scores, rejects, evaluation }
+    }
+
+    /// The first [`MAX_DETAILED_NODES`] rejected candidates, in the order sent, with the node's own
+    /// figures behind the reason each was given.
+    fn rejection_details(
+        &self,
+        cluster: &Cluster,
+        req: &PodRequest,
+        args: &ExtenderArgsRef<'_>,
+        c: &Candidates<'_>,
+        answers: &[Answer],
+    ) -> Vec<(String, String, Arc<Reason>)> {
+        let objects = args.nodes.as_ref().map(|l| l.items.as_slice());
+        let rejected = c.unique().filter_map(|p| match answers.get(p) {
+            Some(Answer::No(r)) => Some((p, r)),
+            _ => None,
+        });
+        rejected
+            .take(MAX_DETAILED_NODES)
+            .map(|(p, r)| {
+                let name = c.names[p];
+                let detail = match c.at[p] {
+                    // the same node state the answer was made from (the read lock is held)
+                    Some(i) => {
+                        self.engine.explain(cluster, req, i).map_or_else(|| r.text.clone(), |w| w.why().detail.clone())
+                    }
+                    None => UnknownNode::of(objects.and_then(|o| o.get(p))).detail(name),
+                };
+                (name.to_string(), detail, r.clone())
+            })
+            .collect()
     }
 
     /// The best nodes with each scorer's share, re-scored in full (the ranking pass keeps only totals).
@@ -860,7 +900,7 @@ impl Extender {
                 self.with_cached(&st, &shape, &req, &c, now, |p, a| {
                     answers.push(match a {
                         Some(a) => a.clone(),
-                        None => unknown.answer(p, c.names[p]),
+                        None => unknown.answer(p),
                     })
                 });
                 Vec::new()
@@ -876,7 +916,7 @@ impl Extender {
                 for (p, i) in c.at.iter().enumerate() {
                     answers.push(match i.and_then(|i| judged.answer(i)) {
                         Some(a) => a,
-                        None => unknown.answer(p, c.names[p]),
+                        None => unknown.answer(p),
                     });
                 }
                 if !args.pod.metadata.uid.is_empty() {
@@ -894,6 +934,14 @@ impl Extender {
                 top
             }
         };
+        // the reasons name no node's figures (kube-scheduler groups nodes by them): those go to the
+        // placement log and the debug log, written only for them
+        if self.log.is_some() || tracing::enabled!(tracing::Level::DEBUG) {
+            for (node, detail, reason) in self.rejection_details(&st.cluster, &req, args, &c, &answers) {
+                tracing::debug!(pod = %d.pod, node = %node, reason = %reason.text, detail = %detail, "node rejected");
+                d.rejection_details.insert(node, detail);
+            }
+        }
         drop(st);
         let mut class_counts = [0u64; 4];
         let mut feasible = 0;
@@ -1048,7 +1096,7 @@ impl Extender {
                 Err(e) => {
                     self.rollback(&args);
                     tracing::warn!(pod = %args.pod_key(), node = %args.node, error = %e, "Binding failed; allocation rolled back");
-                    (BindOutcome::BinderFailed, Some(format!("{REASON_PREFIX}binding failed, GPUs released: {e}")))
+                    (BindOutcome::BinderFailed, Some(prefixed(&format!("binding failed, GPUs released: {e}"))))
                 }
             },
         };
@@ -1125,16 +1173,32 @@ impl Extender {
             bind_seq: 0,
             annotation: None,
             confirmed: false,
+            signed_by: None,
         };
         let mut annotations = BTreeMap::new();
         if !req.is_gpu_free() {
-            let placement = self.engine.place(&st.cluster, &req, index).map_err(|why| {
-                (BindOutcome::NoFit, prefixed(&format!("pod {key} no longer fits on {}: {}", args.node, why.reason())))
-            })?;
+            let placement = match self.engine.place(&st.cluster, &req, index) {
+                Ok(p) => p,
+                Err(why) => {
+                    // the event gets the cause; the node's figures go to the logs
+                    tracing::debug!(pod = %key, node = %args.node, detail = %why.detail(), "pod no longer fits on the chosen node");
+                    d.rejection_details.insert(args.node.clone(), why.detail().to_string());
+                    return fail(
+                        BindOutcome::NoFit,
+                        format!("pod {key} no longer fits on {}: {}", args.node, why.cause()),
+                    );
+                }
+            };
             let seq = st.last_seq.get(&args.node).copied().unwrap_or(0) + 1;
             let node = &st.cluster.nodes()[index];
             let annotation = AssignmentAnnotation::from_assignment(&placement.assignment, &args.pod_uid, node, seq)
                 .map_err(|e| (BindOutcome::NoFit, prefixed(&e.to_string())))?;
+            // signed, so that a restarted replica (or the standby) can tell it from a forgery
+            let Some(keys) = self.key_ring() else {
+                return fail(BindOutcome::NotReady, "no assignment key to sign the assignment with; retry".into());
+            };
+            let annotation = annotation.signed(&keys);
+            record.signed_by = Some(keys.primary().to_string());
             st.cluster.allocate(placement.assignment.clone()).map_err(|e| {
                 (BindOutcome::NoFit, prefixed(&format!("pod {key} cannot be counted on {}: {e}", args.node)))
             })?;
@@ -1303,6 +1367,7 @@ impl Extender {
     pub fn render_metrics(&self) -> String {
         let st = self.read();
         let bound = st.cluster.nodes().iter().map(|n| n.pods().count()).sum();
+        self.metrics.set_signed_with_old_key(self.signed_with_old_key(&st));
         self.metrics.render(&st.cluster, bound, self.is_ready())
     }
 
@@ -1319,7 +1384,11 @@ impl Extender {
 }
 
 mod observe;
+mod trust;
+mod utilization;
 pub use observe::{NodeOutcome, ObservedPod, PodOutcome};
+pub use trust::Resign;
+pub use utilization::UtilizationOutcome;
 
 fn class_index(c: RejectClass) -> usize {
     RejectClass::ALL.iter().position(|&x| x == c).unwrap_or(0)

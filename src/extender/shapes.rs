@@ -30,21 +30,27 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use crate::core::cluster::Cluster;
 use crate::core::resources::PodRequest;
 use crate::extender::metrics::RejectClass;
+use crate::extender::reasons;
 use crate::extender::wire::{ExtenderArgsRef, ExtenderFilterResult, FailedNodesMap, HostPriority, HostPriorityList};
+use crate::placement::feasibility::Cause;
 
 /// Request shapes kept by default: each holds a verdict slot per node (40 bytes; 200 KB for 5,000
 /// nodes), least recently used dropped first.
 pub const DEFAULT_SHAPE_CACHE: usize = 64;
 
-/// Distinct reason texts kept per shape for sharing; beyond it the table starts over (reasons in
-/// use stay alive in their slots).
+/// Distinct reasons kept per shape for sharing; beyond it the table starts over (reasons in use stay
+/// alive in their slots). Reasons depend on the kind of shortfall only, so a shape has a handful.
 const MAX_REASONS: usize = 4096;
+
+/// What a rejected node's reason is made from: its class and the engine's cause (`None`: the engine
+/// gave none). Nodes with equal keys get one shared reason.
+pub(crate) type ReasonKey = (RejectClass, Option<Cause>);
 
 /// Why a node was turned down, as the answer carries it.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) struct Reason {
     pub class: RejectClass,
-    /// With the `gpuplace: ` prefix, as kube-scheduler shows it in the pod's events.
+    /// With the `gpuplace: ` prefix, as kube-scheduler shows it in the pod's events; never a `%`.
     pub text: String,
     /// `text` as a JSON string, quotes included: escaped once, written for every node it explains.
     json: Vec<u8>,
@@ -52,6 +58,7 @@ pub(crate) struct Reason {
 
 impl Reason {
     pub fn new(class: RejectClass, text: String) -> Self {
+        let text = reasons::scrub(text);
         let mut json = Vec::with_capacity(text.len() + 2);
         push_str(&mut json, &text);
         Self { class, text, json }
@@ -237,7 +244,7 @@ struct Slot {
 #[derive(Debug, Default)]
 pub(crate) struct Table {
     slots: Vec<Slot>,
-    reasons: HashMap<String, Arc<Reason>>,
+    reasons: HashMap<ReasonKey, Arc<Reason>>,
 }
 
 impl Table {
@@ -258,16 +265,17 @@ impl Table {
         self.slots[i] = Slot { stamp, from, until, answer: Some(answer) };
     }
 
-    /// The reason, shared with every other node of this shape turned down with the same text.
-    pub fn intern(&mut self, class: RejectClass, text: String) -> Arc<Reason> {
-        if let Some(r) = self.reasons.get(&text).filter(|r| r.class == class) {
+    /// The reason, shared with every other node of this shape turned down for the same key; `text`
+    /// writes it the first time.
+    pub fn intern(&mut self, key: ReasonKey, text: impl FnOnce() -> String) -> Arc<Reason> {
+        if let Some(r) = self.reasons.get(&key) {
             return r.clone();
         }
         if self.reasons.len() >= MAX_REASONS {
             self.reasons.clear();
         }
-        let r = Arc::new(Reason::new(class, text.clone()));
-        self.reasons.insert(text, r.clone());
+        let r = Arc::new(Reason::new(key.0, text()));
+        self.reasons.insert(key, r.clone());
         r
     }
 }
@@ -575,8 +583,11 @@ mod tests {
     #[test]
     fn slots_match_only_their_stamp_and_window() {
         let mut t = Table::default();
-        let r = t.intern(RejectClass::Preemptable, "x".into());
-        assert!(Arc::ptr_eq(&r, &t.intern(RejectClass::Preemptable, "x".into())), "shared");
+        let key = (RejectClass::Preemptable, Some(Cause::Slots));
+        let r = t.intern(key, || "x".into());
+        assert!(Arc::ptr_eq(&r, &t.intern(key, || unreachable!("written once"))), "shared");
+        let other = t.intern((RejectClass::Unresolvable, Some(Cause::Slots)), || "x".into());
+        assert!(!Arc::ptr_eq(&r, &other) && other.unresolvable(), "the class is part of the key");
         t.set(3, 7, (100, 200), Answer::No(r));
         assert!(t.get(3, 7, 100).is_some() && t.get(3, 7, 199).is_some());
         assert!(t.get(3, 7, 99).is_none() && t.get(3, 7, 200).is_none(), "outside the window");

@@ -4,7 +4,9 @@
 use crate::core::cluster::{AllocError, Cluster, Node, PodAssignment};
 use crate::core::resources::PodRequest;
 use crate::placement::compact::{self, Outcome, Plan};
-use crate::placement::feasibility::{place_on_node, reject_reason, GpuChoice, Infeasible, Placement};
+use crate::placement::feasibility::{
+    place_on_node, reject_cause, reject_reason, Cause, GpuChoice, Infeasible, Placement, Why,
+};
 use crate::placement::gpu_select::ShareChoice;
 use crate::placement::profile::Profile;
 use crate::placement::scorer::{ScoreContext, Scorer};
@@ -136,8 +138,9 @@ impl Candidate {
     }
 }
 
-/// A node that was filtered out. The reason's text is written on demand by [`Engine::explain`]:
-/// rejections can be thousands per pod, and their text is rarely read.
+/// A node that was filtered out. Its cause is worked out on demand by [`Engine::classify_rejection`]
+/// and its detail by [`Engine::explain`]: rejections can be thousands per pod, and their detail is
+/// rarely read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Rejection {
     pub node: usize,
@@ -185,7 +188,7 @@ impl Engine {
     /// Where the pod would go on one node, or why not. No side effects.
     pub fn place(&self, cluster: &Cluster, req: &PodRequest, node: usize) -> Result<Placement, Infeasible> {
         let Some(n) = cluster.nodes().get(node) else {
-            return Err(Infeasible::Unresolvable(format!("no node with index {node}")));
+            return Err(Infeasible::Unresolvable(Why::new(Cause::UnknownNode, format!("no node with index {node}"))));
         };
         let plan = Plan::new(req, self.gpu_choice(req));
         let mut sc = compact::Scratch::new();
@@ -209,6 +212,13 @@ impl Engine {
     pub fn explain_rejection(&self, cluster: &Cluster, req: &PodRequest, r: &Rejection) -> Option<Infeasible> {
         let node = cluster.nodes().get(r.node)?;
         reject_reason(node, req, &self.gpu_choice(req), r.unresolvable).or_else(|| self.explain(cluster, req, r.node))
+    }
+
+    /// [`Engine::explain_rejection`] without the detail (usually left empty): the cause and the
+    /// classification, which is what kube-scheduler is told, for every rejected node.
+    pub fn classify_rejection(&self, cluster: &Cluster, req: &PodRequest, r: &Rejection) -> Option<Infeasible> {
+        let node = cluster.nodes().get(r.node)?;
+        reject_cause(node, req, &self.gpu_choice(req), r.unresolvable).or_else(|| self.explain(cluster, req, r.node))
     }
 
     fn context<'a>(

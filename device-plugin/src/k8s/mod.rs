@@ -6,15 +6,16 @@
 //! - [`node::NodeSync`]: `gpuplace.io/gpu-mem` and `gpuplace.io/gpu-core` capacity and allocatable
 //!   in the node's status, and the `gpuplace.io/inventory` annotation, kept correct across kubelet
 //!   restarts and health changes.
-//! - [`utilization::KubeUtilizationSink`]: the [`crate::publish::UtilizationSink`] writing
-//!   `gpuplace.io/utilization` on the node.
+//! - [`utilization::KubeUtilizationSink`]: the [`crate::publish::UtilizationSink`] writing this
+//!   node's utilization ConfigMap (not the Node: kube-scheduler requeues pods on every Node update).
 //! - [`events::PluginEvents`]: Events on pods whose assignment is skipped, and on both pods of an
 //!   allocation mismatch found by the pod-resources cross-check.
 //! - [`inventory`]: what the node publishes, computed from the discovered GPUs and their health (pure).
 //!
 //! The calls, and so the RBAC (scheduler-config/device-plugin/rbac.yaml): pods list and watch (field
 //! selector `spec.nodeName`) and patch; its node get and patch; `nodes/status` patch; events.k8s.io
-//! events create and patch (kube's `Recorder` patches a repeated Event). A failed call
+//! events create and patch (kube's `Recorder` patches a repeated Event); configmaps patch and create
+//! in the utilization namespace (a Role there). A failed call
 //! never stops the plugin: it is logged, counted in `gpuplace_apiserver_errors_total{op}`, and
 //! retried (the loops) or reported to kubelet as `Unavailable` (Allocate).
 
@@ -28,7 +29,16 @@ use std::future::Future;
 use std::time::Duration;
 
 /// Labels of `gpuplace_apiserver_errors_total`, all exported from the start.
-pub const API_OPS: [&str; 6] = ["pods_list", "pods_watch", "pod_patch", "node_get", "node_patch", "node_status_patch"];
+pub const API_OPS: [&str; 8] = [
+    "pods_list",
+    "pods_watch",
+    "pod_patch",
+    "node_get",
+    "node_patch",
+    "node_status_patch",
+    "configmap_patch",
+    "configmap_create",
+];
 
 /// How long one API call may take. kubelet waits on Allocate, so a hung API server must turn into a
 /// clear error quickly rather than a stuck admission; kube's own retries of 503/429 fit inside.

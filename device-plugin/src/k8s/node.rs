@@ -1,5 +1,7 @@
 //! Keeps this node's Node object right: `gpuplace.io/gpu-mem` and `gpuplace.io/gpu-core` capacity and
-//! allocatable in its status, and the `gpuplace.io/inventory` annotation.
+//! allocatable in its status, and the `gpuplace.io/inventory` annotation; a `gpuplace.io/utilization`
+//! annotation an older plugin left there is removed (utilization now lives in a ConfigMap,
+//! [`super::utilization`]: a stale value must not linger, and the Node must stop changing with it).
 //!
 //! One pass ([`NodeSync::reconcile`]) reads the node and merge-patches only what differs, so a pass
 //! that finds everything in place writes nothing. Passes run at start, at every registration with
@@ -11,7 +13,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpuplace::core::annotations::{NodeInventory, ANNOTATION_INVENTORY};
+use gpuplace::core::annotations::{NodeInventory, ANNOTATION_INVENTORY, ANNOTATION_UTILIZATION};
 use gpuplace::core::resources::{RESOURCE_GPU_CORE, RESOURCE_GPU_MEM};
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Patch, PatchParams};
@@ -45,6 +47,8 @@ pub enum NodeSyncError {
 pub struct Reconciled {
     pub status_patched: bool,
     pub inventory_patched: bool,
+    /// An older plugin's utilization annotation was removed.
+    pub stale_utilization_removed: bool,
 }
 
 /// See the module docs.
@@ -116,8 +120,18 @@ impl NodeSync {
 
         // compared as values, so key order or an older writer's formatting does not cause writes
         let current = node.annotations().get(ANNOTATION_INVENTORY).map(|t| NodeInventory::parse(t));
-        if !matches!(&current, Some(Ok(c)) if *c == inv) {
-            let patch = json!({"metadata": {"annotations": {ANNOTATION_INVENTORY: inv.to_json()}}});
+        let write_inventory = !matches!(&current, Some(Ok(c)) if *c == inv);
+        let stale_utilization = node.annotations().contains_key(ANNOTATION_UTILIZATION);
+        if write_inventory || stale_utilization {
+            // one merge patch for both; null deletes the key
+            let mut annotations = serde_json::Map::new();
+            if write_inventory {
+                annotations.insert(ANNOTATION_INVENTORY.into(), json!(inv.to_json()));
+            }
+            if stale_utilization {
+                annotations.insert(ANNOTATION_UTILIZATION.into(), serde_json::Value::Null);
+            }
+            let patch = json!({"metadata": {"annotations": annotations}});
             call(
                 "node_patch",
                 CALL_TIMEOUT,
@@ -125,9 +139,15 @@ impl NodeSync {
             )
             .await
             .map_err(|e| self.failed(e))?;
-            let healthy = inv.gpus.iter().filter(|g| g.healthy).count();
-            tracing::info!(node = %self.name, gpus = inv.gpus.len(), healthy, "inventory annotation written");
-            done.inventory_patched = true;
+            if write_inventory {
+                let healthy = inv.gpus.iter().filter(|g| g.healthy).count();
+                tracing::info!(node = %self.name, gpus = inv.gpus.len(), healthy, "inventory annotation written");
+                done.inventory_patched = true;
+            }
+            if stale_utilization {
+                tracing::info!(node = %self.name, "utilization annotation of an older plugin removed (now a ConfigMap)");
+                done.stale_utilization_removed = true;
+            }
         }
         Ok(done)
     }

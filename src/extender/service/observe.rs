@@ -7,11 +7,13 @@
 //!   refused inventory leaves the node as it was. A deleted node (or one whose inventory annotation
 //!   went away) leaves the model, and its pods' allocations are *parked*, not dropped: Kubernetes
 //!   deletes pods of a deleted node (pod GC), which releases them, but a node deleted and registered
-//!   again keeps its running pods, whose GPUs must count again.
-//! - Pods: a bound pod whose assignment annotation validates against its own request, its node and
-//!   that node's GPUs, and fits next to what is already counted, is counted once. First counted
-//!   wins: a later pod claiming GPUs that are taken is refused, never the pod already counted. The
-//!   watch echo of a bind this process made matches its record (same UID) and changes nothing.
+//!   again keeps its running pods, whose GPUs must count again. Its deprecated utilization
+//!   annotation goes through the `utilization` submodule, as the utilization ConfigMaps do.
+//! - Pods: a bound pod whose assignment annotation carries gpuplace's MAC (the `trust` submodule),
+//!   validates against its own request, its node and that node's GPUs, and fits next to what is
+//!   already counted, is counted once. First counted wins: a later pod claiming GPUs that are taken
+//!   is refused, never the pod already counted. The watch echo of a bind this process made matches
+//!   its record (same UID) and changes nothing; so does the same record signed again (a rotation).
 //!   Finished (`Succeeded`/`Failed`) and deleted pods are released.
 //! - An assignment on a pod that is not bound is never counted. While watching it is not reported
 //!   either: every bind shows it for a moment (the annotation is written before the Binding, by this
@@ -25,8 +27,8 @@ use std::time::Instant;
 
 use super::{BoundPod, Extender, SeenPod, State};
 use crate::core::annotations::{
-    AnnotationError, AssignmentAnnotation, NodeInventory, UtilizationAnnotation, ANNOTATION_ASSIGNMENT,
-    ANNOTATION_INVENTORY, ANNOTATION_UTILIZATION,
+    AnnotationError, AssignmentAnnotation, NodeInventory, ANNOTATION_ASSIGNMENT, ANNOTATION_INVENTORY,
+    ANNOTATION_UTILIZATION,
 };
 use crate::core::resources::PodRequest;
 use crate::extender::metrics::ConflictKind;
@@ -117,7 +119,7 @@ impl Extender {
                 Some(text) => st.node_sources.get(name).is_some_and(|(t, l)| t == text && l == labels),
                 None => !known,
             };
-            let same_util = utilization.is_none_or(|u| !known || st.util_sources.get(name) == Some(u));
+            let same_util = utilization.is_none_or(|u| !known || !Self::annotation_utilization_pending(&st, name, u));
             if same_inventory && same_util {
                 return if known || inventory.is_some() { NodeOutcome::Unchanged } else { NodeOutcome::NotGpu };
             }
@@ -138,8 +140,9 @@ impl Extender {
                     let gpus = node.gpus.len();
                     tracing::info!(node = %name, gpus, "node inventory taken from the Node object");
                     self.upsert_locked(st, node);
-                    // a new Node value starts without samples: the current ones apply again below
-                    st.util_sources.remove(name);
+                    // a new Node value starts without samples: the current ones apply again (the
+                    // ConfigMap's here, the annotation's below)
+                    self.utilization_redefined_locked(st, name);
                     outcome = NodeOutcome::Upserted { gpus };
                 }
                 Err(e) => {
@@ -150,21 +153,7 @@ impl Extender {
             }
         }
         if let Some(text) = utilization {
-            if st.util_sources.get(name) != Some(text) {
-                match (UtilizationAnnotation::parse(text), st.cluster.node_mut(name)) {
-                    (Ok(u), Some(mut node)) => {
-                        for problem in u.apply_to(&mut node) {
-                            tracing::debug!(node = %name, %problem, "utilization sample skipped");
-                        }
-                        st.util_sources.insert(name.to_string(), text.clone());
-                    }
-                    (Ok(_), None) => {}
-                    (Err(e), _) => {
-                        tracing::warn!(node = %name, error = %e, "utilization annotation refused; ignored");
-                        st.util_sources.insert(name.to_string(), text.clone());
-                    }
-                }
-            }
+            self.observe_annotation_utilization_locked(st, name, text);
         }
         outcome
     }
@@ -221,6 +210,10 @@ impl Extender {
         let mut st = self.write();
         let st = &mut *st;
         if st.bound.contains_key(&pod.uid) {
+            // the leader signed the same record again with the primary key (a rotation)
+            if self.adopt_resigned(st, &pod.uid, text) {
+                return PodOutcome::Known;
+            }
             // someone rewrote the annotation after gpuplace bound the pod: the GPUs it counted stay
             let why =
                 "the assignment was changed after gpuplace bound the pod; the GPUs counted at bind stay as they were"
@@ -238,14 +231,18 @@ impl Extender {
             Ok(r) => r,
             Err(e) => return self.refuse(st, pod, text, e.clone()),
         };
+        let keys = self.key_ring();
         let checked = AssignmentAnnotation::parse(text).and_then(|a| {
+            // not written by this process: only gpuplace's MAC makes it a record (a forgery that
+            // validates would otherwise count, and move the node's bind sequence)
+            let signed_by = self.trusted(keys.as_deref(), &a, &pod.key)?;
             let n = st.cluster.node(node).ok_or_else(|| AnnotationError::WrongNode {
                 annotated: a.node.clone(),
                 bound: format!("{node} (not a known GPU node)"),
             })?;
-            Ok((a.validate(&pod.uid, node, request, n)?, a.bind_seq))
+            Ok((a.validate(&pod.uid, node, request, n)?, a.bind_seq, signed_by))
         });
-        let (record, seq) = match checked {
+        let (record, seq, signed_by) = match checked {
             Ok(x) => x,
             Err(e) => return self.refuse(st, pod, text, e.to_string()),
         };
@@ -270,6 +267,7 @@ impl Extender {
                 bind_seq: seq,
                 annotation: Some(text.to_string()),
                 confirmed: true,
+                signed_by,
             },
         );
         st.refused.remove(&pod.uid);

@@ -1,0 +1,227 @@
+//! The assignment key ring's Secret (`gpuplace-system/gpuplace-assignment-keys` by default): read at
+//! start-up and watched, so that a rotation applies without a restart; created when absent.
+//!
+//! - Layout (`crate::core::signing::KeyRing::from_secret_data`): `key.<id>` per key (at least 32
+//!   random bytes), `primary` naming the key that signs. Every listed key verifies.
+//! - Absent: this replica creates it with one random key. Create is atomic, so when two replicas
+//!   race, one wins and the other (409 AlreadyExists) reads the winner's. A Secret deleted while
+//!   running is created afresh the same way: deleting it revokes every key, and the leader re-signs
+//!   the records it counts with the new one (`resign`).
+//! - Malformed (no primary, a short key, an unknown entry): an error in the log and [`KeyStatus::Invalid`],
+//!   which keeps the replica unready; the last good ring stays installed for the records already
+//!   counted, and nothing is guessed.
+//!
+//! Access is by name only: the watch lists and watches with the field selector `metadata.name=NAME`,
+//! which RBAC's `resourceNames` can authorize (scheduler-config/extender/rbac.yaml).
+
+use std::collections::BTreeMap;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::ByteString;
+use kube::api::PostParams;
+use kube::runtime::watcher::{self, Event};
+use kube::runtime::WatchStreamExt;
+use kube::Api;
+use tokio::sync::watch;
+
+use crate::core::signing::{KeyRing, KeyRingError};
+use crate::extender::service::Extender;
+
+/// Default namespace of the key Secret (`$POD_NAMESPACE` takes precedence in `gpuplace serve`).
+pub const DEFAULT_KEY_SECRET_NAMESPACE: &str = "gpuplace-system";
+/// Default name of the key Secret.
+pub const DEFAULT_KEY_SECRET_NAME: &str = "gpuplace-assignment-keys";
+/// How often the leader looks for records to re-sign, besides right after a key change.
+pub const DEFAULT_RESIGN_EVERY: Duration = Duration::from_secs(10);
+
+/// Longest wait between two tries to create the Secret.
+const MAX_CREATE_BACKOFF: Duration = Duration::from_secs(30);
+
+/// Where the key ring lives: `NAMESPACE/NAME`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeySecret {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl Default for KeySecret {
+    fn default() -> Self {
+        Self { namespace: DEFAULT_KEY_SECRET_NAMESPACE.into(), name: DEFAULT_KEY_SECRET_NAME.into() }
+    }
+}
+
+impl std::fmt::Display for KeySecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+impl FromStr for KeySecret {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.split_once('/') {
+            Some((ns, name)) if !ns.is_empty() && !name.is_empty() && !name.contains('/') => {
+                Ok(Self { namespace: ns.into(), name: name.into() })
+            }
+            _ => Err(format!("{s:?} is not NAMESPACE/NAME")),
+        }
+    }
+}
+
+/// The key side of API-server mode.
+#[derive(Debug, Clone)]
+pub struct KeyOptions {
+    pub secret: KeySecret,
+    /// How often the leader looks for records signed with a key that is no longer primary.
+    pub resign_every: Duration,
+}
+
+impl Default for KeyOptions {
+    fn default() -> Self {
+        Self { secret: KeySecret::default(), resign_every: DEFAULT_RESIGN_EVERY }
+    }
+}
+
+/// Where loading the ring stands; readiness needs [`KeyStatus::Loaded`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyStatus {
+    /// Not read (or created) yet.
+    Loading,
+    /// Installed in the extender: the primary key's id and every id.
+    Loaded { primary: String, ids: Vec<String> },
+    /// The Secret is malformed: why.
+    Invalid(String),
+}
+
+impl KeyStatus {
+    pub fn is_loaded(&self) -> bool {
+        matches!(self, KeyStatus::Loaded { .. })
+    }
+}
+
+/// Why creating the Secret failed.
+#[derive(Debug, thiserror::Error)]
+pub enum KeySecretError {
+    #[error("generating a key for Secret {secret}: {source}")]
+    Generate { secret: KeySecret, source: KeyRingError },
+    #[error("creating Secret {secret}: {source}")]
+    Create { secret: KeySecret, source: kube::Error },
+    #[error("reading Secret {secret} (created by another replica): {source}")]
+    Read { secret: KeySecret, source: kube::Error },
+}
+
+fn data_of(secret: &Secret) -> BTreeMap<String, Vec<u8>> {
+    secret.data.iter().flatten().map(|(k, v)| (k.clone(), v.0.clone())).collect()
+}
+
+/// Installs the ring `secret` holds, or reports why it cannot (the replica then stays unready).
+pub fn apply(ext: &Extender, at: &KeySecret, secret: &Secret, status: &watch::Sender<KeyStatus>) {
+    match KeyRing::from_secret_data(&data_of(secret)) {
+        Ok(keys) => {
+            let loaded = KeyStatus::Loaded {
+                primary: keys.primary().to_string(),
+                ids: keys.ids().into_iter().map(String::from).collect(),
+            };
+            if *status.borrow() != loaded {
+                tracing::info!(secret = %at, primary = keys.primary(), keys = ?keys.ids(), "assignment key ring loaded");
+            }
+            ext.set_key_ring(keys);
+            status.send_replace(loaded);
+        }
+        Err(e) => {
+            tracing::error!(secret = %at, error = %e, "assignment key Secret is malformed; this replica stays unready until it is fixed");
+            status.send_replace(KeyStatus::Invalid(e.to_string()));
+        }
+    }
+}
+
+/// Creates the Secret with one fresh random key; when another replica created it first (409),
+/// reads that one instead. Returns the Secret that now exists.
+pub async fn create(api: &Api<Secret>, at: &KeySecret) -> Result<Secret, KeySecretError> {
+    let keys = KeyRing::generate().map_err(|source| KeySecretError::Generate { secret: at.clone(), source })?;
+    let secret = Secret {
+        metadata: ObjectMeta {
+            name: Some(at.name.clone()),
+            namespace: Some(at.namespace.clone()),
+            labels: Some(BTreeMap::from([("app.kubernetes.io/part-of".to_string(), "gpuplace".to_string())])),
+            ..ObjectMeta::default()
+        },
+        type_: Some("Opaque".into()),
+        data: Some(keys.to_secret_data().into_iter().map(|(k, v)| (k, ByteString(v))).collect()),
+        ..Secret::default()
+    };
+    match api.create(&PostParams::default(), &secret).await {
+        Ok(created) => {
+            tracing::info!(secret = %at, primary = keys.primary(), "assignment key Secret created");
+            Ok(created)
+        }
+        Err(kube::Error::Api(s)) if s.code == 409 => {
+            api.get(&at.name).await.map_err(|source| KeySecretError::Read { secret: at.clone(), source })
+        }
+        Err(source) => Err(KeySecretError::Create { secret: at.clone(), source }),
+    }
+}
+
+/// [`create`], retried with backoff until it succeeds (without keys the replica cannot be ready).
+async fn create_until_done(api: &Api<Secret>, at: &KeySecret) -> Secret {
+    let mut wait = Duration::from_millis(200);
+    loop {
+        match create(api, at).await {
+            Ok(s) => return s,
+            Err(e) => {
+                tracing::error!(error = %e, retry_in = ?wait, "assignment key Secret not available; this replica stays unready");
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(MAX_CREATE_BACKOFF);
+            }
+        }
+    }
+}
+
+/// Watches the key Secret until the stream ends, which it does not (errors are retried with
+/// backoff), keeping the extender's ring and `status` current.
+pub async fn watch_keys(api: Api<Secret>, at: KeySecret, ext: Arc<Extender>, status: watch::Sender<KeyStatus>) {
+    let config = watcher::Config::default().fields(&format!("metadata.name={}", at.name));
+    let mut stream = watcher::watcher(api.clone(), config).default_backoff().boxed();
+    let mut listed = false;
+    while let Some(ev) = stream.next().await {
+        match ev {
+            Err(e) => tracing::warn!(secret = %at, error = %e, "watching the assignment key Secret failed; retrying"),
+            Ok(Event::Init) => listed = false,
+            Ok(Event::InitApply(s)) => {
+                listed = true;
+                apply(&ext, &at, &s, &status);
+            }
+            Ok(Event::InitDone) if !listed => {
+                let s = create_until_done(&api, &at).await;
+                apply(&ext, &at, &s, &status);
+            }
+            Ok(Event::InitDone) => {}
+            Ok(Event::Apply(s)) => apply(&ext, &at, &s, &status),
+            Ok(Event::Delete(_)) => {
+                tracing::warn!(secret = %at, "assignment key Secret deleted; creating a new key (the old ones no longer verify)");
+                let s = create_until_done(&api, &at).await;
+                apply(&ext, &at, &s, &status);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_secret_flag_reads_namespace_slash_name() {
+        assert_eq!("ns/keys".parse::<KeySecret>(), Ok(KeySecret { namespace: "ns".into(), name: "keys".into() }));
+        for bad in ["keys", "/keys", "ns/", "a/b/c", ""] {
+            assert!(bad.parse::<KeySecret>().is_err(), "{bad:?}");
+        }
+        assert_eq!(KeySecret::default().to_string(), "gpuplace-system/gpuplace-assignment-keys");
+    }
+}

@@ -1,0 +1,477 @@
+//! The MAC on `gpuplace.io/assignment`: who wrote an assignment, not only whether it is coherent.
+//!
+//! Anyone who can edit a pod can write its annotations, and an assignment that validates against the
+//! pod's request and node (`AssignmentAnnotation::validate`) can still be a forgery that claims GPUs
+//! another pod holds. So the extender signs what it writes at bind with HMAC-SHA256 under a key
+//! only its replicas hold ([`KeyRing`], read from a Secret), and trusts no assignment it did not
+//! write in this process unless the MAC verifies.
+//!
+//! The MAC covers [`AssignmentAnnotation::canonical_message`]: every field but `sig`, each a
+//! netstring (`<byte length>:<bytes>,`), so no two annotations share a message. The pod UID is in
+//! it, so a genuine annotation copied onto another pod does not verify there. Signatures are
+//! `<keyId>:<base64url(MAC), no padding>`; any key of the ring verifies, the primary one signs, so
+//! keys rotate without losing records (docs/contracts.md).
+//!
+//! Plain data and computation, no I/O: reading the Secret is `src/apiserver/keys.rs`.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use base64::Engine as _;
+use ring::hmac;
+use ring::rand::{SecureRandom, SystemRandom};
+
+use crate::core::annotations::{AnnotationError, AssignmentAnnotation, ANNOTATION_ASSIGNMENT};
+
+/// The name of a key in the ring (`key.<id>` in the Secret, `<id>:` in a signature).
+pub type KeyId = String;
+
+/// Shortest key accepted: HMAC-SHA256's block-size security needs 256 random bits.
+pub const MIN_KEY_BYTES: usize = 32;
+/// Length of the keys gpuplace generates.
+pub const GENERATED_KEY_BYTES: usize = 32;
+/// Secret entry naming the key that signs new assignments.
+pub const SECRET_PRIMARY: &str = "primary";
+/// Secret entries holding keys: `key.<id>`.
+pub const SECRET_KEY_PREFIX: &str = "key.";
+
+/// Why a key ring (the Secret's data) was refused. A replica never guesses around one of these.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KeyRingError {
+    #[error("no `{SECRET_PRIMARY}` entry naming the key that signs new assignments")]
+    NoPrimary,
+    #[error("`{SECRET_PRIMARY}` is not UTF-8 text")]
+    PrimaryNotText,
+    #[error("`{SECRET_PRIMARY}` names key {0:?}, but there is no `{SECRET_KEY_PREFIX}{0}` entry")]
+    PrimaryMissing(String),
+    #[error("key {id:?} has {len} bytes; at least {MIN_KEY_BYTES} random bytes are required")]
+    ShortKey { id: String, len: usize },
+    #[error("key id {0:?} is not valid: 1 to 63 characters of a-z, A-Z, 0-9, '-', '_' or '.'")]
+    BadId(String),
+    #[error("unexpected entry {0:?}: the entries are `{SECRET_PRIMARY}` and `{SECRET_KEY_PREFIX}<id>`")]
+    UnexpectedEntry(String),
+    #[error("the system random generator failed")]
+    Random,
+}
+
+/// Why a signature does not make an assignment trusted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SignatureProblem {
+    #[error("it has no `sig`")]
+    Missing,
+    #[error("`sig` is malformed: {0}")]
+    Malformed(String),
+    #[error("`sig` names key {0:?}, which is not in the key Secret (forged, or signed with a key since removed)")]
+    UnknownKey(String),
+    #[error("the MAC does not match (key {0:?}): the assignment was altered, copied or forged")]
+    WrongMac(String),
+    #[error("no assignment key is loaded to check it with")]
+    NoKeys,
+}
+
+#[derive(Clone)]
+struct Key {
+    mac: hmac::Key,
+    bytes: Vec<u8>,
+}
+
+/// The keys that verify assignments, one of which (the primary) signs new ones.
+#[derive(Clone)]
+pub struct KeyRing {
+    primary: KeyId,
+    keys: BTreeMap<KeyId, Key>,
+}
+
+impl std::fmt::Debug for KeyRing {
+    // ids only: key bytes never reach a log
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KeyRing").field("primary", &self.primary).field("ids", &self.ids()).finish()
+    }
+}
+
+impl PartialEq for KeyRing {
+    fn eq(&self, other: &Self) -> bool {
+        self.primary == other.primary
+            && self.keys.len() == other.keys.len()
+            && self.keys.iter().zip(&other.keys).all(|((a, x), (b, y))| a == b && x.bytes == y.bytes)
+    }
+}
+
+fn check_id(id: &str) -> Result<(), KeyRingError> {
+    let ok = !id.is_empty()
+        && id.len() <= 63
+        && id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(KeyRingError::BadId(id.to_string()))
+    }
+}
+
+fn random_bytes(rng: &SystemRandom, n: usize) -> Result<Vec<u8>, KeyRingError> {
+    let mut out = vec![0u8; n];
+    rng.fill(&mut out).map_err(|_| KeyRingError::Random)?;
+    Ok(out)
+}
+
+/// A fresh key id: `k` and 8 random hex digits (ids need only be unique within one Secret).
+fn random_id(rng: &SystemRandom) -> Result<KeyId, KeyRingError> {
+    let mut id = String::from("k");
+    for b in random_bytes(rng, 4)? {
+        let _ = write!(id, "{b:02x}");
+    }
+    Ok(id)
+}
+
+impl KeyRing {
+    /// A ring of `keys` (id, bytes) signing with `primary`. Every id must be valid, every key at
+    /// least [`MIN_KEY_BYTES`] long, and `primary` one of them.
+    pub fn new(primary: &str, keys: impl IntoIterator<Item = (KeyId, Vec<u8>)>) -> Result<Self, KeyRingError> {
+        let mut ring = BTreeMap::new();
+        for (id, bytes) in keys {
+            check_id(&id)?;
+            if bytes.len() < MIN_KEY_BYTES {
+                return Err(KeyRingError::ShortKey { id, len: bytes.len() });
+            }
+            ring.insert(id, Key { mac: hmac::Key::new(hmac::HMAC_SHA256, &bytes), bytes });
+        }
+        if !ring.contains_key(primary) {
+            return Err(KeyRingError::PrimaryMissing(primary.to_string()));
+        }
+        Ok(Self { primary: primary.to_string(), keys: ring })
+    }
+
+    /// One fresh random key (from the OS generator), primary.
+    pub fn generate() -> Result<Self, KeyRingError> {
+        let rng = SystemRandom::new();
+        let id = random_id(&rng)?;
+        Self::new(&id, [(id.clone(), random_bytes(&rng, GENERATED_KEY_BYTES)?)])
+    }
+
+    /// This ring plus one fresh random key, which becomes the primary (the others keep verifying).
+    pub fn rotate(&self) -> Result<Self, KeyRingError> {
+        let rng = SystemRandom::new();
+        let mut id = random_id(&rng)?;
+        while self.keys.contains_key(&id) {
+            id = random_id(&rng)?;
+        }
+        let mut keys: Vec<(KeyId, Vec<u8>)> = self.keys.iter().map(|(k, v)| (k.clone(), v.bytes.clone())).collect();
+        keys.push((id.clone(), random_bytes(&rng, GENERATED_KEY_BYTES)?));
+        Self::new(&id, keys)
+    }
+
+    /// The ring a Secret's `data` holds: `primary` (the signing key's id; surrounding whitespace,
+    /// such as the newline `echo` adds, is ignored) and one `key.<id>` per key. Any other entry is
+    /// refused, so that a misspelt key is an error rather than a key silently left out.
+    pub fn from_secret_data(data: &BTreeMap<String, Vec<u8>>) -> Result<Self, KeyRingError> {
+        let mut primary = None;
+        let mut keys = Vec::new();
+        for (entry, value) in data {
+            if entry == SECRET_PRIMARY {
+                let text = std::str::from_utf8(value).map_err(|_| KeyRingError::PrimaryNotText)?;
+                primary = Some(text.trim().to_string());
+            } else if let Some(id) = entry.strip_prefix(SECRET_KEY_PREFIX) {
+                keys.push((id.to_string(), value.clone()));
+            } else {
+                return Err(KeyRingError::UnexpectedEntry(entry.clone()));
+            }
+        }
+        let primary = primary.ok_or(KeyRingError::NoPrimary)?;
+        Self::new(&primary, keys)
+    }
+
+    /// The Secret `data` that [`from_secret_data`](Self::from_secret_data) reads back as this ring.
+    pub fn to_secret_data(&self) -> BTreeMap<String, Vec<u8>> {
+        let mut data: BTreeMap<String, Vec<u8>> =
+            self.keys.iter().map(|(id, k)| (format!("{SECRET_KEY_PREFIX}{id}"), k.bytes.clone())).collect();
+        data.insert(SECRET_PRIMARY.to_string(), self.primary.as_bytes().to_vec());
+        data
+    }
+
+    /// The id of the key that signs.
+    pub fn primary(&self) -> &str {
+        &self.primary
+    }
+
+    /// Every key id, sorted.
+    pub fn ids(&self) -> Vec<&str> {
+        self.keys.keys().map(String::as_str).collect()
+    }
+
+    /// `<primary id>:<base64url MAC>` of `message`.
+    pub fn sign(&self, message: &[u8]) -> String {
+        // the primary is in the ring by construction
+        let tag = self.keys.get(&self.primary).map(|k| hmac::sign(&k.mac, message));
+        let mac = tag.map(|t| URL_SAFE_NO_PAD.encode(t.as_ref())).unwrap_or_default();
+        format!("{}:{mac}", self.primary)
+    }
+
+    /// Checks `sig` over `message` (constant-time, by ring); the id of the key that made it.
+    pub fn verify(&self, sig: &str, message: &[u8]) -> Result<KeyId, SignatureProblem> {
+        let (id, mac) =
+            sig.split_once(':').ok_or_else(|| SignatureProblem::Malformed("not `<keyId>:<base64url MAC>`".into()))?;
+        let tag = URL_SAFE_NO_PAD
+            .decode(mac)
+            .map_err(|e| SignatureProblem::Malformed(format!("the MAC is not unpadded base64url: {e}")))?;
+        let key = self.keys.get(id).ok_or_else(|| SignatureProblem::UnknownKey(id.to_string()))?;
+        hmac::verify(&key.mac, message, &tag).map_err(|_| SignatureProblem::WrongMac(id.to_string()))?;
+        Ok(id.to_string())
+    }
+}
+
+/// Appends `field` as a netstring: its byte length, `:`, the bytes, `,`.
+fn netstring(out: &mut Vec<u8>, field: &[u8]) {
+    out.extend_from_slice(field.len().to_string().as_bytes());
+    out.push(b':');
+    out.extend_from_slice(field);
+    out.push(b',');
+}
+
+fn number(out: &mut Vec<u8>, n: impl ToString) {
+    netstring(out, n.to_string().as_bytes());
+}
+
+fn flag(out: &mut Vec<u8>, b: bool) {
+    netstring(out, if b { b"1" } else { b"0" });
+}
+
+impl AssignmentAnnotation {
+    /// What the MAC covers: the annotation key, then `version`, `podUID`, `node`, `bindSeq`, the
+    /// number of containers and, per container in order, `name`, `init`, the number of GPUs and,
+    /// per GPU in order, `uuid`, `index`, `memoryMiB`, `corePercent`, `exclusive`. Each is a netstring
+    /// (numbers in decimal, booleans `1`/`0`); `sig` itself is not covered.
+    pub fn canonical_message(&self) -> Vec<u8> {
+        let mut m = Vec::with_capacity(256);
+        netstring(&mut m, ANNOTATION_ASSIGNMENT.as_bytes());
+        number(&mut m, self.version);
+        netstring(&mut m, self.pod_uid.as_bytes());
+        netstring(&mut m, self.node.as_bytes());
+        number(&mut m, self.bind_seq);
+        number(&mut m, self.containers.len());
+        for c in &self.containers {
+            netstring(&mut m, c.name.as_bytes());
+            flag(&mut m, c.init);
+            number(&mut m, c.gpus.len());
+            for g in &c.gpus {
+                netstring(&mut m, g.uuid.as_bytes());
+                number(&mut m, g.index);
+                number(&mut m, g.memory_mib);
+                number(&mut m, g.core_percent);
+                flag(&mut m, g.exclusive);
+            }
+        }
+        m
+    }
+
+    /// This annotation signed with the ring's primary key (any earlier `sig` replaced).
+    pub fn signed(&self, keys: &KeyRing) -> Self {
+        Self { sig: Some(keys.sign(&self.canonical_message())), ..self.clone() }
+    }
+
+    /// Whether one of the ring's keys made `sig` over this annotation; the key's id when it did.
+    /// Absent, malformed, unknown key and wrong MAC are all [`AnnotationError::NotSigned`].
+    pub fn verify(&self, keys: &KeyRing) -> Result<KeyId, AnnotationError> {
+        let sig = self.sig.as_deref().ok_or(AnnotationError::NotSigned(SignatureProblem::Missing))?;
+        keys.verify(sig, &self.canonical_message()).map_err(AnnotationError::NotSigned)
+    }
+
+    /// The trust an extender gives an assignment it did not write in this process: the id of the key
+    /// that signed it, or `None` for an unsigned one taken because `accept_unsigned` is set (the
+    /// migration from a version that did not sign). A `sig` that is present but does not verify is
+    /// refused whatever `accept_unsigned` says.
+    pub fn trust(&self, keys: &KeyRing, accept_unsigned: bool) -> Result<Option<KeyId>, AnnotationError> {
+        match &self.sig {
+            None if accept_unsigned => Ok(None),
+            _ => self.verify(keys).map(Some),
+        }
+    }
+
+    /// Equal apart from `sig`: the same record, signed again (a key rotation) or not.
+    pub fn same_record(&self, other: &Self) -> bool {
+        Self { sig: None, ..self.clone() } == Self { sig: None, ..other.clone() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::annotations::{AssignedContainer, AssignedGpu, ASSIGNMENT_VERSION};
+
+    fn ring(primary: &str, ids: &[&str]) -> KeyRing {
+        KeyRing::new(primary, ids.iter().map(|id| (id.to_string(), id.repeat(40).into_bytes()))).unwrap()
+    }
+
+    fn annotation() -> AssignmentAnnotation {
+        let gpu = |uuid: &str, index, memory_mib, core_percent, exclusive| AssignedGpu {
+            uuid: uuid.into(),
+            index,
+            memory_mib,
+            core_percent,
+            exclusive,
+        };
+        AssignmentAnnotation {
+            version: ASSIGNMENT_VERSION,
+            pod_uid: "uid-1".into(),
+            node: "n1".into(),
+            bind_seq: 7,
+            containers: vec![
+                AssignedContainer {
+                    name: "main".into(),
+                    init: false,
+                    gpus: vec![gpu("GPU-a", 0, 81559, 100, true), gpu("GPU-b", 1, 81559, 100, true)],
+                },
+                AssignedContainer { name: "warm".into(), init: true, gpus: vec![gpu("GPU-a", 0, 1024, 0, false)] },
+            ],
+            sig: None,
+        }
+    }
+
+    fn not_signed(a: &AssignmentAnnotation, keys: &KeyRing) -> SignatureProblem {
+        match a.verify(keys) {
+            Err(AnnotationError::NotSigned(p)) => p,
+            other => panic!("expected NotSigned, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_signed_annotation_verifies_and_survives_its_json() {
+        let keys = ring("k1", &["k1"]);
+        let a = annotation().signed(&keys);
+        let sig = a.sig.clone().unwrap();
+        assert!(sig.starts_with("k1:") && sig.len() == "k1:".len() + 43, "{sig}");
+        assert_eq!(a.verify(&keys).unwrap(), "k1");
+        let text = a.to_json();
+        assert!(text.ends_with(&format!(r#","sig":"{sig}"}}"#)), "{text}");
+        assert_eq!(AssignmentAnnotation::parse(&text).unwrap().verify(&keys).unwrap(), "k1");
+        // unsigned annotations serialize as before (no `sig` key), for readers of the old layout
+        assert!(!annotation().to_json().contains("sig"));
+        // signing again gives the same signature (deterministic) and replaces an old one
+        assert_eq!(a.signed(&keys), a);
+    }
+
+    #[test]
+    fn tampering_with_any_covered_field_breaks_the_mac() {
+        let keys = ring("k1", &["k1"]);
+        let good = annotation().signed(&keys);
+        type Tamper = Box<dyn Fn(&mut AssignmentAnnotation)>;
+        let tampered: Vec<(&str, Tamper)> = vec![
+            ("version", Box::new(|a| a.version = 2)),
+            ("podUID", Box::new(|a| a.pod_uid = "uid-forger".into())),
+            ("node", Box::new(|a| a.node = "n2".into())),
+            ("bindSeq", Box::new(|a| a.bind_seq = 1_000_000)),
+            ("container name", Box::new(|a| a.containers[0].name = "other".into())),
+            ("init", Box::new(|a| a.containers[1].init = false)),
+            ("container order", Box::new(|a| a.containers.swap(0, 1))),
+            ("container dropped", Box::new(|a| a.containers.truncate(1))),
+            ("gpu uuid", Box::new(|a| a.containers[0].gpus[1].uuid = "GPU-c".into())),
+            ("gpu index", Box::new(|a| a.containers[0].gpus[1].index = 2)),
+            ("gpu memory", Box::new(|a| a.containers[1].gpus[0].memory_mib = 81559)),
+            ("gpu core", Box::new(|a| a.containers[1].gpus[0].core_percent = 100)),
+            ("gpu exclusive", Box::new(|a| a.containers[1].gpus[0].exclusive = true)),
+            ("gpu order", Box::new(|a| a.containers[0].gpus.swap(0, 1))),
+            ("gpu dropped", Box::new(|a| a.containers[0].gpus.truncate(1))),
+            // a name that swallows the next field's framing still frames differently
+            ("framing", Box::new(|a| a.node = "n1,1:7,".into())),
+        ];
+        for (what, change) in tampered {
+            let mut a = good.clone();
+            change(&mut a);
+            assert_eq!(not_signed(&a, &keys), SignatureProblem::WrongMac("k1".into()), "{what}");
+        }
+    }
+
+    #[test]
+    fn absent_malformed_and_foreign_signatures_are_refused() {
+        let keys = ring("k1", &["k1"]);
+        assert_eq!(not_signed(&annotation(), &keys), SignatureProblem::Missing);
+        let msg = AnnotationError::NotSigned(SignatureProblem::Missing).to_string();
+        assert!(msg.contains("not signed by gpuplace's assignment key"), "{msg}");
+        for bad in ["", "k1", "k1:not base64!", "k1:AAAA="] {
+            let a = AssignmentAnnotation { sig: Some(bad.into()), ..annotation() };
+            assert!(matches!(not_signed(&a, &keys), SignatureProblem::Malformed(_)), "{bad:?}");
+        }
+        // a MAC of the right shape that nobody computed
+        let zeros = format!("k1:{}", URL_SAFE_NO_PAD.encode([0u8; 32]));
+        let a = AssignmentAnnotation { sig: Some(zeros), ..annotation() };
+        assert_eq!(not_signed(&a, &keys), SignatureProblem::WrongMac("k1".into()));
+        // signed by someone else's key, under an id the ring does not have, or under ours
+        let other = ring("k9", &["k9"]);
+        assert_eq!(not_signed(&annotation().signed(&other), &keys), SignatureProblem::UnknownKey("k9".into()));
+        let impostor = KeyRing::new("k1", [("k1".to_string(), vec![7u8; 32])]).unwrap();
+        assert_eq!(not_signed(&annotation().signed(&impostor), &keys), SignatureProblem::WrongMac("k1".into()));
+    }
+
+    #[test]
+    fn unsigned_is_taken_only_with_the_migration_flag_and_a_bad_sig_never() {
+        let keys = ring("k1", &["k1"]);
+        let unsigned = annotation();
+        assert_eq!(unsigned.trust(&keys, true), Ok(None));
+        assert_eq!(unsigned.trust(&keys, false), Err(AnnotationError::NotSigned(SignatureProblem::Missing)));
+        let signed = unsigned.signed(&keys);
+        for flag in [false, true] {
+            assert_eq!(signed.trust(&keys, flag), Ok(Some("k1".into())));
+            let mut forged = signed.clone();
+            forged.bind_seq += 1;
+            assert_eq!(
+                forged.trust(&keys, flag),
+                Err(AnnotationError::NotSigned(SignatureProblem::WrongMac("k1".into())))
+            );
+            let garbled = AssignmentAnnotation { sig: Some("x".into()), ..unsigned.clone() };
+            assert!(garbled.trust(&keys, flag).is_err(), "a malformed sig is not 'unsigned'");
+        }
+    }
+
+    #[test]
+    fn rotated_keys_keep_verifying_old_records_while_they_stay() {
+        let old = KeyRing::generate().unwrap();
+        let rotated = old.rotate().unwrap();
+        assert_ne!(rotated.primary(), old.primary());
+        assert_eq!(rotated.ids().len(), 2);
+        let record = annotation().signed(&old);
+        // still verifies, under the old id, after the rotation
+        assert_eq!(record.verify(&rotated).unwrap(), old.primary());
+        // new records are signed with the new primary, which the old ring does not know
+        let fresh = annotation().signed(&rotated);
+        assert_eq!(fresh.verify(&rotated).unwrap(), rotated.primary());
+        assert!(matches!(not_signed(&fresh, &old), SignatureProblem::UnknownKey(_)));
+        // re-signed, the record is the same one, and survives the old key's removal
+        let resigned = record.signed(&rotated);
+        assert!(resigned.same_record(&record) && resigned != record);
+        let mut data = rotated.to_secret_data();
+        data.remove(&format!("{SECRET_KEY_PREFIX}{}", old.primary()));
+        let pruned = KeyRing::from_secret_data(&data).unwrap();
+        assert_eq!(resigned.verify(&pruned).unwrap(), rotated.primary());
+        assert!(matches!(not_signed(&record, &pruned), SignatureProblem::UnknownKey(_)));
+    }
+
+    #[test]
+    fn the_secret_layout_round_trips_and_bad_ones_are_refused() {
+        let keys = ring("k2", &["k1", "k2"]);
+        let data = keys.to_secret_data();
+        assert_eq!(data.keys().collect::<Vec<_>>(), ["key.k1", "key.k2", "primary"]);
+        assert_eq!(KeyRing::from_secret_data(&data).unwrap(), keys);
+        assert_eq!(format!("{keys:?}"), r#"KeyRing { primary: "k2", ids: ["k1", "k2"] }"#, "no key bytes");
+
+        let with = |entry: &str, value: &[u8]| {
+            let mut d = data.clone();
+            d.insert(entry.into(), value.to_vec());
+            KeyRing::from_secret_data(&d)
+        };
+        assert_eq!(with("primary", b"k1\n").unwrap().primary(), "k1", "echo's newline is not part of the id");
+        assert_eq!(with("primary", b"k3"), Err(KeyRingError::PrimaryMissing("k3".into())));
+        assert_eq!(with("primary", &[0xff]), Err(KeyRingError::PrimaryNotText));
+        assert_eq!(with("key.k3", &[1; 31]), Err(KeyRingError::ShortKey { id: "k3".into(), len: 31 }));
+        assert_eq!(with("key.", &[1; 32]), Err(KeyRingError::BadId(String::new())));
+        assert_eq!(with("keys.k3", &[1; 32]), Err(KeyRingError::UnexpectedEntry("keys.k3".into())));
+        let mut d = data.clone();
+        d.remove("primary");
+        assert_eq!(KeyRing::from_secret_data(&d), Err(KeyRingError::NoPrimary));
+        assert_eq!(KeyRing::from_secret_data(&BTreeMap::new()), Err(KeyRingError::NoPrimary));
+
+        let g = KeyRing::generate().unwrap();
+        assert!(g.primary().starts_with('k') && g.primary().len() == 9, "{}", g.primary());
+        assert_eq!(g.to_secret_data()[&format!("key.{}", g.primary())].len(), GENERATED_KEY_BYTES);
+        assert_ne!(KeyRing::generate().unwrap(), g, "every generated key is new");
+    }
+}

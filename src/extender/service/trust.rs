@@ -1,0 +1,153 @@
+//! Which assignments the extender trusts, and the keys behind that: the MAC check that every
+//! assignment it did not write in this process passes before it is validated and counted, the key
+//! ring bind signs with, and the re-signing of records made with a key that is no longer primary.
+//! The MAC itself (message, format, key ring) is `crate::core::signing`; the Secret the ring comes
+//! from is `src/apiserver/keys.rs`.
+
+use std::sync::Arc;
+
+use super::{Extender, State};
+use crate::core::annotations::{AnnotationError, AssignmentAnnotation};
+use crate::core::signing::{KeyId, KeyRing, SignatureProblem};
+
+/// A per-process random ring: static mode signs with it (nothing is read back from annotations
+/// there), API-server mode until the Secret's ring is installed. `None` only if the OS random
+/// generator fails.
+pub(super) fn ephemeral_keys() -> Option<Arc<KeyRing>> {
+    match KeyRing::generate() {
+        Ok(keys) => Some(Arc::new(keys)),
+        Err(e) => {
+            tracing::error!(error = %e, "no per-process assignment key; binds are refused until a key ring is installed");
+            None
+        }
+    }
+}
+
+/// A counted record to write again, signed with the primary key (the leader's part of a rotation).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resign {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+    /// The annotation as counted now.
+    pub old: String,
+    /// The same record, signed with the primary key.
+    pub new: String,
+}
+
+fn signer_of(text: &str) -> Option<KeyId> {
+    let sig = AssignmentAnnotation::parse(text).ok()?.sig?;
+    sig.split_once(':').map(|(id, _)| id.to_string())
+}
+
+impl Extender {
+    /// [`set_key_ring`](Self::set_key_ring), as a builder.
+    pub fn with_key_ring(self, keys: KeyRing) -> Self {
+        self.set_key_ring(keys);
+        self
+    }
+
+    /// Installs the ring that signs from now on and verifies what is read from now on (the shared
+    /// one from the Secret, or a rotation of it). Records already counted stay counted: each was
+    /// verified, or written by this process, when it was counted.
+    pub fn set_key_ring(&self, keys: KeyRing) {
+        *self.keys.write().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(keys));
+    }
+
+    /// The ring in use.
+    pub fn key_ring(&self) -> Option<Arc<KeyRing>> {
+        self.keys.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Whether an assignment read from `pod` may go on to validation: it carries a MAC of one of
+    /// the ring's keys (whose id is returned), or it is unsigned and unsigned ones are accepted for
+    /// the migration (`None`, logged loudly every time).
+    pub(super) fn trusted(
+        &self,
+        keys: Option<&KeyRing>,
+        a: &AssignmentAnnotation,
+        pod: &str,
+    ) -> Result<Option<KeyId>, AnnotationError> {
+        let keys = keys.ok_or(AnnotationError::NotSigned(SignatureProblem::NoKeys))?;
+        let signer = a.trust(keys, self.accept_unsigned)?;
+        if signer.is_none() {
+            tracing::warn!(
+                pod,
+                "UNSIGNED assignment trusted because --accept-unsigned-assignments is set; the leader re-signs it, then drop the flag"
+            );
+        }
+        Ok(signer)
+    }
+
+    /// Counted records whose MAC is not the primary key's, or that are unsigned.
+    pub(super) fn signed_with_old_key(&self, st: &State) -> u64 {
+        let primary = self.key_ring().map(|k| k.primary().to_string());
+        st.bound.values().filter(|b| b.annotation.is_some() && b.signed_by != primary).count() as u64
+    }
+
+    /// Up to `limit` counted records (bind confirmed) not signed with the primary key, each signed
+    /// again with it, in pod order. The record itself is unchanged: only `sig` differs.
+    pub fn assignments_to_resign(&self, limit: usize) -> Vec<Resign> {
+        let Some(keys) = self.key_ring() else { return Vec::new() };
+        let st = self.read();
+        let mut stale: Vec<_> = st
+            .bound
+            .values()
+            .filter(|b| b.confirmed && b.annotation.is_some() && b.signed_by.as_deref() != Some(keys.primary()))
+            .collect();
+        stale.sort_by(|a, b| a.key.cmp(&b.key));
+        stale
+            .into_iter()
+            .filter_map(|b| {
+                let old = b.annotation.clone()?;
+                let a = AssignmentAnnotation::parse(&old).ok()?;
+                let (namespace, name) = b.key.split_once('/')?;
+                Some(Resign {
+                    namespace: namespace.to_string(),
+                    name: name.to_string(),
+                    uid: b.uid.clone(),
+                    new: a.signed(&keys).to_json(),
+                    old,
+                })
+            })
+            .take(limit)
+            .collect()
+    }
+
+    /// `r.new` is on the pod now: the record carries it (so the watch echo matches). False when the
+    /// record changed or went meanwhile.
+    pub fn resigned(&self, r: &Resign) -> bool {
+        let mut st = self.write();
+        match st.bound.get_mut(&r.uid) {
+            Some(b) if b.annotation.as_deref() == Some(r.old.as_str()) => {
+                b.signed_by = signer_of(&r.new);
+                b.annotation = Some(r.new.clone());
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// A counted pod's annotation changed to `text`: when that is the same record with a MAC of the
+    /// ring (the leader re-signed it), the record takes it and true is returned; anything else is a
+    /// change after bind, for the caller to refuse.
+    pub(super) fn adopt_resigned(&self, st: &mut State, uid: &str, text: &str) -> bool {
+        let Some(keys) = self.key_ring() else { return false };
+        let Some(b) = st.bound.get_mut(uid) else { return false };
+        let (Some(old), Ok(new)) = (
+            b.annotation.as_deref().and_then(|t| AssignmentAnnotation::parse(t).ok()),
+            AssignmentAnnotation::parse(text),
+        ) else {
+            return false;
+        };
+        // verified, not `trust`ed: a bound record never goes back to unsigned
+        match new.same_record(&old).then(|| new.verify(&keys)) {
+            Some(Ok(id)) => {
+                b.annotation = Some(text.to_string());
+                b.signed_by = Some(id);
+                true
+            }
+            _ => false,
+        }
+    }
+}

@@ -1,0 +1,397 @@
+//! What runs on the control plane: GPU nodes (Node objects as kubelet would keep them, each with a
+//! `gpuplace-device-plugin --fake-topology` for its API side), extender replicas, and the pods.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{Container, Node, Pod, PodSpec, ResourceRequirements};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{Patch, PatchParams, PostParams};
+use kube::{Api, Client};
+use serde_json::{json, Value};
+
+use crate::cluster::{free_port, repo, workspace_bin, ControlPlane, Proc, User};
+
+/// Device-plugin slots per GPU (the plugin's default, K).
+pub const SLOTS_PER_GPU: u32 = 10;
+
+/// The boards the nodes cycle through (shared/topologies).
+pub const BOARDS: [&str; 5] = ["hgx-h100-8", "dgx1-volta", "pcie-l40s-8", "4x-rtx8000", "dgx1-pascal"];
+
+pub struct GpuNode {
+    pub name: String,
+    pub board: &'static str,
+    pub gpus: u32,
+    pub plugin: Option<Proc>,
+}
+
+pub fn topology_file(board: &str) -> PathBuf {
+    repo().join("../shared/topologies").join(format!("{board}.json"))
+}
+
+fn gpus_on(board: &str) -> u32 {
+    let text = std::fs::read_to_string(topology_file(board)).expect("a shared topology");
+    let v: Value = serde_json::from_str(&text).expect("topology JSON");
+    v["gpus"].as_array().map_or(0, |g| g.len() as u32)
+}
+
+/// Creates `n` Node objects (4 per ToR, 8 per spine), Ready, untainted, with kubelet's
+/// `gpuplace.io/gpu` capacity (K slots per GPU), and starts one device plugin per node.
+pub async fn start_nodes(cp: &ControlPlane, n: usize) -> Vec<GpuNode> {
+    let admin = cp.client(User::Admin).await;
+    let nodes: Api<Node> = Api::all(admin.clone());
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        let board = BOARDS[i % BOARDS.len()];
+        let gpus = gpus_on(board);
+        let name = format!("gpu-{i:02}");
+        let node: Node = serde_json::from_value(json!({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name, "labels": {
+                "kubernetes.io/hostname": name,
+                "gpuplace.io/gpu-node": "true",
+                "network.gpuplace.io/spine": format!("spine-{}", i / 8),
+                "network.gpuplace.io/tor": format!("tor-{}", i / 4),
+            }},
+        }))
+        .expect("a Node");
+        nodes.create(&PostParams::default(), &node).await.expect("create a Node");
+        // TaintNodesByCondition admission adds not-ready at creation; no node controller runs here
+        nodes
+            .patch(&name, &PatchParams::default(), &Patch::Merge(json!({"spec": {"taints": null}})))
+            .await
+            .expect("untaint");
+        set_kubelet_status(&admin, &name, gpus).await;
+        out.push(GpuNode { name, board, gpus, plugin: None });
+    }
+    for node in &mut out {
+        node.plugin = Some(start_plugin(cp, &node.name, node.board));
+    }
+    out
+}
+
+/// What kubelet would write: capacity (with the device plugin's K slots per GPU as
+/// `gpuplace.io/gpu`) and a Ready condition.
+pub async fn set_kubelet_status(client: &Client, node: &str, gpus: u32) {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let now = k8s_openapi::jiff::Timestamp::now().to_string();
+    let cap =
+        json!({"cpu": "96", "memory": "1024Gi", "pods": "250", "gpuplace.io/gpu": (gpus * SLOTS_PER_GPU).to_string()});
+    let status = json!({"status": {
+        "capacity": cap, "allocatable": cap,
+        "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "e2e",
+                        "lastHeartbeatTime": now, "lastTransitionTime": now}],
+    }});
+    nodes.patch_status(node, &PatchParams::default(), &Patch::Merge(status)).await.expect("node status");
+}
+
+pub fn start_plugin(cp: &ControlPlane, node: &str, board: &str) -> Proc {
+    let dir = cp.dir.join("device-plugins").join(node);
+    std::fs::create_dir_all(&dir).expect("plugin folder");
+    Proc::spawn(
+        &format!("device-plugin {node}"),
+        Command::new(workspace_bin("gpuplace-device-plugin"))
+            .arg("--fake-topology")
+            .arg(topology_file(board))
+            .args(["--node-name", node])
+            .arg("--kubeconfig")
+            .arg(cp.kubeconfig(User::DevicePlugin))
+            .arg("--device-plugin-dir")
+            .arg(&dir)
+            .arg("--pod-resources-socket")
+            .arg(dir.join("pod-resources.sock"))
+            .args(["--metrics-listen", &format!("127.0.0.1:{}", free_port())])
+            .args(["--sample-interval", "1s", "--publish-min-interval", "1s", "--publish-max-interval", "5s"])
+            .env("RUST_LOG", "info"),
+        cp.dir.join(format!("device-plugin-{node}.log")),
+    )
+}
+
+/// Waits until every node carries the device plugin's inventory annotation.
+pub async fn wait_inventories(cp: &ControlPlane, nodes: &mut [GpuNode]) {
+    let api: Api<Node> = Api::all(cp.client(User::Admin).await);
+    let until = Instant::now() + Duration::from_secs(60);
+    loop {
+        let list = api.list(&Default::default()).await.expect("list nodes");
+        let with = list
+            .items
+            .iter()
+            .filter(|n| n.metadata.annotations.as_ref().is_some_and(|a| a.contains_key("gpuplace.io/inventory")))
+            .count();
+        if with >= nodes.len() {
+            return;
+        }
+        for n in nodes.iter_mut() {
+            if let Some(p) = n.plugin.as_mut() {
+                assert!(p.running(), "{} exited:\n{}", p.name, p.tail(30));
+            }
+        }
+        assert!(Instant::now() < until, "only {with} of {} nodes got an inventory in 60 s", nodes.len());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+/// One `gpuplace serve` replica in API-server mode.
+pub struct Extender {
+    pub identity: String,
+    pub port: u16,
+    pub proc: Proc,
+    pub placement_log: PathBuf,
+}
+
+impl Extender {
+    /// Starts a replica as the extender's ServiceAccount on `port` (0: a free one).
+    pub fn start(cp: &ControlPlane, identity: &str, port: u16, extra: &[&str]) -> Extender {
+        let port = if port == 0 { free_port() } else { port };
+        let placement_log = cp.dir.join(format!("placement-{identity}.jsonl"));
+        let proc = Proc::spawn(
+            &format!("gpuplace serve {identity}"),
+            Command::new(workspace_bin("gpuplace"))
+                .arg("serve")
+                .arg("--kubeconfig")
+                .arg(cp.kubeconfig(User::Extender))
+                .args(["--listen", &format!("127.0.0.1:{port}")])
+                .args(["--leader-elect-identity", identity])
+                .arg("--placement-log")
+                .arg(&placement_log)
+                .args(extra)
+                .env("RUST_LOG", "info"),
+            cp.dir.join(format!("extender-{identity}.log")),
+        );
+        Extender { identity: identity.to_string(), port, proc, placement_log }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}/gpuplace", self.port)
+    }
+
+    pub fn get(&self, path: &str) -> Option<(u16, String)> {
+        http_get(self.port, path)
+    }
+
+    pub fn ready(&self) -> bool {
+        self.get("/readyz").is_some_and(|(s, _)| s == 200)
+    }
+
+    /// Waits until `/readyz` answers 200 (rebuilt and leading).
+    pub async fn wait_ready(&mut self, limit: Duration) {
+        let until = Instant::now() + limit;
+        while !self.ready() {
+            assert!(self.proc.running(), "{} exited:\n{}", self.proc.name, self.proc.tail(40));
+            assert!(Instant::now() < until, "{} not ready in {limit:?}:\n{}", self.proc.name, self.proc.tail(40));
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    pub fn metrics(&self) -> String {
+        self.get("/metrics").map(|(_, b)| b).unwrap_or_default()
+    }
+}
+
+/// A plain HTTP/1.1 GET on loopback: (status, body).
+pub fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    write!(s, "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").ok()?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).ok()?;
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let status = text.split_whitespace().nth(1)?.parse().ok()?;
+    let (head, body) = text.split_once("\r\n\r\n")?;
+    let chunked = head.to_ascii_lowercase().contains("transfer-encoding: chunked");
+    Some((status, if chunked { dechunk(body) } else { body.to_string() }))
+}
+
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let Ok(n) = usize::from_str_radix(size.trim(), 16) else { break };
+        if n == 0 || rest.len() < n {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        body = rest[n..].trim_start_matches("\r\n");
+    }
+    out
+}
+
+/// What a pod asks for, per its single container.
+#[derive(Clone, Debug, Default)]
+pub struct Shape {
+    pub gpu: Option<&'static str>,
+    pub mem: Option<&'static str>,
+    pub core: Option<&'static str>,
+    /// Extra resources in limits (an unknown `gpuplace.io/` name, say).
+    pub other: Option<(&'static str, &'static str)>,
+    pub annotations: Vec<(&'static str, String)>,
+    pub labels: Vec<(&'static str, String)>,
+    /// What the pod stands for in the figures: `mem-share`, `whole-2`, `invalid`, …
+    pub kind: &'static str,
+}
+
+impl Shape {
+    pub fn pod(&self, name: &str) -> Pod {
+        let mut limits = BTreeMap::new();
+        for (k, v) in
+            [("gpuplace.io/gpu", self.gpu), ("gpuplace.io/gpu-mem", self.mem), ("gpuplace.io/gpu-core", self.core)]
+        {
+            if let Some(v) = v {
+                limits.insert(k.to_string(), Quantity(v.to_string()));
+            }
+        }
+        if let Some((k, v)) = self.other {
+            limits.insert(k.to_string(), Quantity(v.to_string()));
+        }
+        let mut labels: BTreeMap<String, String> =
+            self.labels.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
+        labels.insert("e2e/kind".into(), self.kind.into());
+        Pod {
+            metadata: ObjectMeta {
+                name: Some(name.to_string()),
+                labels: Some(labels),
+                annotations: Some(self.annotations.iter().map(|(k, v)| (k.to_string(), v.clone())).collect()),
+                ..ObjectMeta::default()
+            },
+            spec: Some(PodSpec {
+                containers: vec![Container {
+                    name: "main".into(),
+                    image: Some("registry.k8s.io/pause:3.10".into()),
+                    resources: Some(ResourceRequirements {
+                        limits: Some(limits),
+                        requests: Some(BTreeMap::from([("cpu".into(), Quantity("100m".into()))])),
+                        ..ResourceRequirements::default()
+                    }),
+                    ..Container::default()
+                }],
+                termination_grace_period_seconds: Some(0),
+                ..PodSpec::default()
+            }),
+            ..Pod::default()
+        }
+    }
+}
+
+/// The storm's mix: `n` pods cycling through every shape the issue names (shares by memory, by
+/// compute, both; whole GPUs 1/2/4/8; a 3-GPU share; NUMA required; a ToR-local group; invalid).
+pub fn storm_shapes(n: usize) -> Vec<Shape> {
+    let s = |gpu, mem, core, kind| Shape { gpu, mem, core, kind, ..Shape::default() };
+    let mut cycle = vec![
+        s(Some("1"), Some("4096"), None, "mem-share"),
+        s(Some("1"), Some("8192"), None, "mem-share"),
+        s(Some("1"), Some("20480"), None, "mem-share"),
+        s(Some("1"), None, Some("25"), "core-share"),
+        s(Some("1"), None, Some("50"), "core-share"),
+        s(Some("1"), Some("8192"), Some("30"), "mem-core-share"),
+        s(Some("1"), Some("12288"), Some("20"), "mem-core-share"),
+        s(Some("1"), None, None, "whole-1"),
+        s(Some("2"), None, None, "whole-2"),
+        s(Some("1"), Some("2048"), None, "mem-share"),
+        s(Some("3"), Some("18432"), Some("240"), "share-3gpu"),
+        s(Some("4"), None, None, "whole-4"),
+        s(Some("1"), None, Some("10"), "core-share"),
+        Shape {
+            annotations: vec![("gpuplace.io/numa", "required".into())],
+            ..s(Some("2"), None, None, "numa-required")
+        },
+        s(Some("8"), None, None, "whole-8"),
+    ];
+    // invalid requests: more than 100 compute per GPU, memory without gpu, a typo'd resource,
+    // an absurd memory request
+    let invalid = [
+        s(Some("1"), None, Some("150"), "invalid"),
+        s(None, Some("4096"), None, "invalid"),
+        Shape { other: Some(("gpuplace.io/gpus", "1")), ..s(None, None, None, "invalid") },
+        s(Some("1"), Some("4000000000"), None, "invalid"),
+    ];
+    cycle.extend(invalid);
+    let mut out: Vec<Shape> = (0..n).map(|i| cycle[i % cycle.len()].clone()).collect();
+    // one 4-pod job that wants one ToR, first in the storm so that it finds room
+    for shape in out.iter_mut().take(4) {
+        *shape = Shape {
+            labels: vec![("gpuplace.io/group", "job-tor".into())],
+            annotations: vec![("gpuplace.io/group-size", "4".into())],
+            ..s(Some("2"), None, None, "group")
+        };
+    }
+    out
+}
+
+/// Creates the pods in `ns` as fast as the API server takes them (a storm); returns their names.
+pub async fn create_pods(client: &Client, ns: &str, prefix: &str, shapes: &[Shape]) -> Vec<String> {
+    let api: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let mut names = Vec::with_capacity(shapes.len());
+    for chunk in shapes.chunks(25).enumerate() {
+        let (c, shapes) = chunk;
+        let futs = shapes.iter().enumerate().map(|(i, shape)| {
+            let name = format!("{prefix}-{:03}", c * 25 + i);
+            let pod = shape.pod(&name);
+            let api = api.clone();
+            async move {
+                api.create(&PostParams::default(), &pod).await.unwrap_or_else(|e| panic!("create pod {name}: {e}"));
+                name
+            }
+        });
+        names.extend(futures::future::join_all(futs).await);
+    }
+    names
+}
+
+/// What a Service with readiness does for kube-scheduler: a loopback port that hands each new
+/// connection to a backend whose `/readyz` answers 200 (threads copying bytes both ways; stops
+/// accepting when dropped).
+pub struct ReadyProxy {
+    pub port: u16,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl ReadyProxy {
+    pub fn start(backends: Vec<u16>) -> ReadyProxy {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("proxy listener");
+        listener.set_nonblocking(true).expect("nonblocking");
+        let port = listener.local_addr().expect("addr").port();
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
+        std::thread::spawn(move || {
+            while !stopped.load(Ordering::Relaxed) {
+                let Ok((client, _)) = listener.accept() else {
+                    std::thread::sleep(Duration::from_millis(5));
+                    continue;
+                };
+                let _ = client.set_nonblocking(false);
+                let Some(backend) =
+                    backends.iter().copied().find(|&b| http_get(b, "/readyz").is_some_and(|(s, _)| s == 200))
+                else {
+                    continue; // no ready endpoint: the connection is refused, as by a Service
+                };
+                let Ok(upstream) = TcpStream::connect(("127.0.0.1", backend)) else { continue };
+                for (mut from, mut to) in
+                    [(client.try_clone(), upstream.try_clone()), (upstream.try_clone(), client.try_clone())]
+                        .into_iter()
+                        .filter_map(|(a, b)| Some((a.ok()?, b.ok()?)))
+                {
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut from, &mut to);
+                        let _ = to.shutdown(std::net::Shutdown::Both);
+                    });
+                }
+            }
+        });
+        ReadyProxy { port, stop }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}/gpuplace", self.port)
+    }
+}
+
+impl Drop for ReadyProxy {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}

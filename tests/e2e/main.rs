@@ -1,0 +1,477 @@
+//! End to end on a real control plane: etcd, kube-apiserver and kube-scheduler (v1.36) on loopback,
+//! with the project's own binaries (`gpuplace serve` in API-server mode, one
+//! `gpuplace-device-plugin --fake-topology` per node for its API side) and the project's own
+//! scheduler config and RBAC manifests. No kubelet runs: pods are bound, never started, and the
+//! test writes the `gpuplace.io/gpu` capacity kubelet would.
+//!
+//! Each scenario starts its own control plane (scenarios run one at a time: 2 cores) and prints its
+//! figures as `e2e figure: …` lines. Where the Kubernetes binaries come from: `cluster.rs`.
+
+mod audit;
+mod cluster;
+mod fleet;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+use tokio::sync::Mutex;
+
+use gpuplace::extender::inspect::InspectReport;
+use k8s_openapi::api::core::v1::{Namespace, Pod, ServiceAccount};
+use kube::api::{DeleteParams, PostParams};
+use kube::{Api, Client};
+use serde_json::{json, Value};
+
+use audit::{node_name, percentile, settle, snapshot, Audit};
+use cluster::{apply, figure, repo, yaml_objects, ControlPlane, User};
+use fleet::{create_pods, start_nodes, storm_shapes, wait_inventories, Extender};
+
+/// One scenario at a time: each runs a whole control plane on CI's 2 cores. (tokio's lock: it is
+/// held across awaits, and a failed scenario does not poison it for the next.)
+static SERIAL: Mutex<()> = Mutex::const_new(());
+
+const NODES: usize = 16;
+const NS: &str = "e2e";
+
+/// The project's manifests that a running install needs before the binaries start.
+const INSTALL: [&str; 3] = [
+    "scheduler-config/extender/namespace.yaml",
+    "scheduler-config/extender/rbac.yaml",
+    "scheduler-config/device-plugin/rbac.yaml",
+];
+
+async fn install(client: &Client) {
+    for file in INSTALL {
+        for obj in yaml_objects(&repo().join(file)) {
+            apply(client, &obj, false).await.unwrap_or_else(|e| panic!("{file}: {e}"));
+        }
+    }
+    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": NS}})).expect("namespace");
+    Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await.expect("create the test namespace");
+    // no controller manager runs to make it, and the ServiceAccount admission plugin wants it
+    let sa: ServiceAccount = serde_json::from_value(json!({"metadata": {"name": "default"}})).expect("sa");
+    Api::<ServiceAccount>::namespaced(client.clone(), NS)
+        .create(&PostParams::default(), &sa)
+        .await
+        .expect("default sa");
+}
+
+/// A control plane with the project installed, 16 GPU nodes with their device plugins, and one
+/// extender replica (ready) behind the project's kube-scheduler config.
+struct Stage {
+    cp: ControlPlane,
+    admin: Client,
+    nodes: Vec<fleet::GpuNode>,
+}
+
+async fn stage(name: &str) -> Stage {
+    let cp = ControlPlane::start(name).await;
+    let admin = cp.client(User::Admin).await;
+    install(&admin).await;
+    let mut nodes = start_nodes(&cp, NODES).await;
+    wait_inventories(&cp, &mut nodes).await;
+    Stage { cp, admin, nodes }
+}
+
+fn scheduler_config() -> std::path::PathBuf {
+    repo().join("scheduler-config/kube-scheduler-config.yaml")
+}
+
+/// A counter (summed over its label sets matching `filter`) from Prometheus text.
+fn counter(metrics: &str, name: &str, filter: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']) && l.contains(filter))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Latencies (ms) of one verb from a placement log, sorted.
+fn latencies_ms(log: &std::path::Path, verb: &str) -> Vec<f64> {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let mut out: Vec<f64> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|d| d["verb"] == verb)
+        .filter_map(|d| d["latency_us"].as_f64())
+        .map(|us| us / 1000.0)
+        .collect();
+    out.sort_by(f64::total_cmp);
+    out
+}
+
+fn latency_figure(scenario: &str, log: &std::path::Path) {
+    for verb in ["filter", "prioritize", "bind"] {
+        let l = latencies_ms(log, verb);
+        if l.is_empty() {
+            continue;
+        }
+        figure(&format!(
+            "{scenario}: {verb} latency n={} p50={:.2} ms p90={:.2} ms p99={:.2} ms max={:.2} ms",
+            l.len(),
+            percentile(&l, 0.5),
+            percentile(&l, 0.9),
+            percentile(&l, 0.99),
+            l[l.len() - 1]
+        ));
+    }
+}
+
+fn inspect(ext: &Extender) -> InspectReport {
+    let (status, body) = ext.get("/inspect").expect("GET /inspect");
+    assert_eq!(status, 200, "/inspect: {body}");
+    serde_json::from_str(&body).expect("an inspect report")
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn storm_of_300_mixed_pods_on_16_nodes() {
+    let _serial = SERIAL.lock().await;
+    let mut st = stage("storm").await;
+    let mut ext = Extender::start(&st.cp, "replica-a", 0, &[]);
+    ext.wait_ready(Duration::from_secs(60)).await;
+    st.cp.start_scheduler(&scheduler_config(), Some(&ext.url()));
+
+    let shapes = storm_shapes(300);
+    let started = Instant::now();
+    create_pods(&st.admin, NS, "storm", &shapes).await;
+    let created_s = started.elapsed().as_secs_f64();
+    let settled_s = settle(&st.admin, NS, Duration::from_secs(6), Duration::from_secs(300)).await;
+
+    let snap = snapshot(&st.admin, NS).await;
+    let audit = Audit::of(&snap);
+    figure(&format!(
+        "storm: {} pods created in {created_s:.1} s, settled after {settled_s:.1} s: {} bound, {} pending",
+        audit.pods, audit.bound, audit.pending
+    ));
+    let gpu_pods = snap.pods.iter().filter(|p| node_name(p).is_some() && audit::asks_gpuplace(p)).count();
+    figure(&format!(
+        "storm: over-commits {} (memory, compute, exclusivity, slots over {} GPUs in use), bad assignments {}, \
+         {gpu_pods} bound GPU pods",
+        audit.over_commits.len(),
+        audit.gpus.len(),
+        audit.bad_assignments.len()
+    ));
+    figure(&format!(
+        "storm: pending without a FailedScheduling event {} of {}; {} distinct messages, longest {} chars",
+        audit.pending_without_event.len(),
+        audit.pending,
+        audit.pending_messages.len(),
+        audit.longest_message
+    ));
+    for (m, n) in &audit.pending_messages {
+        figure(&format!("storm: {n} pending: {m}"));
+    }
+    audit.assert_sound(true);
+    assert!(
+        audit.pending_without_event.is_empty(),
+        "pending without a FailedScheduling event: {:?}",
+        audit.pending_without_event
+    );
+    for m in audit.pending_messages.keys() {
+        assert!(m.contains("nodes are available"), "a FailedScheduling message that does not say why: {m}");
+    }
+    let by_kind = |kind: &'static str| {
+        snap.pods.iter().filter(move |p| p.metadata.labels.as_ref().is_some_and(|l| l["e2e/kind"] == kind))
+    };
+    assert!(by_kind("invalid").all(|p| node_name(p).is_none()), "an invalid request was bound");
+    for kind in
+        ["mem-share", "core-share", "mem-core-share", "whole-1", "whole-2", "share-3gpu", "numa-required", "group"]
+    {
+        assert!(by_kind(kind).any(|p| node_name(p).is_some()), "no {kind} pod was bound");
+    }
+    // the ToR-local job: its bound pods share one ToR
+    let tors: std::collections::BTreeSet<String> = by_kind("group")
+        .filter_map(|p| node_name(p))
+        .map(|n| n[4..].parse::<usize>().map(|i| i / 4).unwrap_or(99).to_string())
+        .collect();
+    figure(&format!("storm: the 4-pod group landed on ToR(s) {tors:?}"));
+    assert_eq!(tors.len(), 1, "the group spread over ToRs {tors:?}");
+
+    let diffs = audit.compare_inspect(&inspect(&ext));
+    figure(&format!("storm: /inspect differs from the annotations on {} GPUs", diffs.len()));
+    assert!(diffs.is_empty(), "/inspect differs from the annotations: {diffs:#?}");
+
+    // filter calls per minute per pending pod, with the device plugins publishing utilization
+    let window = Duration::from_secs(30);
+    let before = counter(&ext.metrics(), "gpuplace_requests_total", "verb=\"filter\"");
+    tokio::time::sleep(window).await;
+    let after = counter(&ext.metrics(), "gpuplace_requests_total", "verb=\"filter\"");
+    let per_min = (after - before) / window.as_secs_f64() * 60.0;
+    figure(&format!(
+        "storm: {per_min:.1} filter calls per minute for {} pending pods ({:.2} per pending pod) over {window:?}, \
+         device plugins publishing",
+        audit.pending,
+        per_min / audit.pending.max(1) as f64
+    ));
+    latency_figure("storm", &ext.placement_log);
+    drop(st.nodes.drain(..));
+}
+
+/// Polls until `n` pods of `ns` are bound; returns how many are.
+async fn wait_bound(client: &Client, ns: &str, n: usize, limit: Duration) -> usize {
+    let api: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let until = Instant::now() + limit;
+    loop {
+        let pods = api.list(&Default::default()).await.expect("list pods").items;
+        let bound = pods.iter().filter(|p| node_name(p).is_some()).count();
+        if bound >= n || Instant::now() > until {
+            return bound;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn extender_killed_mid_storm_loses_nothing() {
+    let _serial = SERIAL.lock().await;
+    let mut st = stage("kill").await;
+    let mut ext = Extender::start(&st.cp, "replica-a", 0, &[]);
+    ext.wait_ready(Duration::from_secs(60)).await;
+    st.cp.start_scheduler(&scheduler_config(), Some(&ext.url()));
+    create_pods(&st.admin, NS, "kill", &storm_shapes(300)).await;
+    let at_kill = wait_bound(&st.admin, NS, 60, Duration::from_secs(120)).await;
+    ext.proc.kill();
+    let killed = Instant::now();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // the container restarts: same identity (it renews its own Lease), same port behind the Service
+    let mut ext = Extender::start(&st.cp, "replica-a", ext.port, &[]);
+    ext.wait_ready(Duration::from_secs(60)).await;
+    let down_s = killed.elapsed().as_secs_f64();
+    let settled_s = settle(&st.admin, NS, Duration::from_secs(6), Duration::from_secs(300)).await;
+    let snap = snapshot(&st.admin, NS).await;
+    let audit = Audit::of(&snap);
+    let diffs = audit.compare_inspect(&inspect(&ext));
+    figure(&format!(
+        "kill: SIGKILL after {at_kill} binds, ready again {down_s:.1} s after the kill, settled {settled_s:.1} s later: \
+         {} bound, {} pending",
+        audit.bound, audit.pending
+    ));
+    figure(&format!(
+        "kill: over-commits {}, bad or lost assignments {}, pending pods with a stale assignment {}, \
+         /inspect differences {}",
+        audit.over_commits.len(),
+        audit.bad_assignments.len(),
+        audit.stale_pending.len(),
+        diffs.len()
+    ));
+    audit.assert_sound(true);
+    assert!(diffs.is_empty(), "/inspect differs from the annotations after the restart: {diffs:#?}");
+    assert!(audit.bound > at_kill, "nothing bound after the restart");
+    latency_figure("kill", &ext.placement_log);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn two_replicas_fail_over_within_the_lease() {
+    let _serial = SERIAL.lock().await;
+    let mut st = stage("failover").await;
+    let lease = Duration::from_secs(15);
+    let retry = Duration::from_secs(2);
+    let mut replicas = [Extender::start(&st.cp, "replica-a", 0, &[]), Extender::start(&st.cp, "replica-b", 0, &[])];
+    let until = Instant::now() + Duration::from_secs(60);
+    while !replicas.iter().any(Extender::ready) {
+        assert!(Instant::now() < until, "no replica became ready:\n{}", replicas[0].proc.tail(30));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let ready: Vec<bool> = replicas.iter().map(Extender::ready).collect();
+    assert_eq!(ready.iter().filter(|r| **r).count(), 1, "exactly one replica leads: {ready:?}");
+    let proxy = fleet::ReadyProxy::start(replicas.iter().map(|r| r.port).collect());
+    st.cp.start_scheduler(&scheduler_config(), Some(&proxy.url()));
+    let pre = storm_shapes(40);
+    create_pods(&st.admin, NS, "pre", &pre).await;
+    settle(&st.admin, NS, Duration::from_secs(3), Duration::from_secs(120)).await;
+    let bound_pre = wait_bound(&st.admin, NS, 0, Duration::ZERO).await;
+
+    // SIGKILL the leader: the standby takes the Lease once it expires and binds
+    let leader = usize::from(!ready[0]);
+    let standby = 1 - leader;
+    replicas[leader].proc.kill();
+    let killed = Instant::now();
+    let whole = fleet::Shape { gpu: Some("1"), kind: "whole-1", ..fleet::Shape::default() };
+    create_pods(&st.admin, NS, "post", &vec![whole.clone(); 10]).await;
+    while !replicas[standby].ready() {
+        assert!(
+            killed.elapsed() < Duration::from_secs(60),
+            "the standby never led:\n{}",
+            replicas[standby].proc.tail(30)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let led_s = killed.elapsed().as_secs_f64();
+    wait_bound(&st.admin, NS, bound_pre + 1, Duration::from_secs(60)).await;
+    let bound_s = killed.elapsed().as_secs_f64();
+    figure(&format!(
+        "failover: leader SIGKILLed; the standby led after {led_s:.1} s and bound its first pod after {bound_s:.1} s \
+         (lease {lease:?}, retry {retry:?})"
+    ));
+    assert!(led_s <= (lease + retry + Duration::from_secs(1)).as_secs_f64(), "the standby took {led_s:.1} s to lead");
+
+    // the killed replica comes back as the standby; SIGTERM on the leader hands the Lease over at once
+    let old = replicas[leader].identity.clone();
+    replicas[leader] = Extender::start(&st.cp, &old, replicas[leader].port, &[]);
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert!(!replicas[leader].ready(), "two replicas lead");
+    let termed = Instant::now();
+    let status = replicas[standby].proc.terminate(Duration::from_secs(20));
+    assert!(status.is_some_and(|s| s.success()), "the leader did not exit cleanly on SIGTERM: {status:?}");
+    while !replicas[leader].ready() {
+        assert!(termed.elapsed() < lease, "no hand-over within the lease:\n{}", replicas[leader].proc.tail(30));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let handover_s = termed.elapsed().as_secs_f64();
+    create_pods(&st.admin, NS, "after", &vec![whole; 5]).await;
+    settle(&st.admin, NS, Duration::from_secs(3), Duration::from_secs(120)).await;
+    figure(&format!("failover: SIGTERM on the leader; the standby led {handover_s:.1} s later"));
+    assert!(handover_s <= (retry * 2).as_secs_f64() + 1.0, "SIGTERM hand-over took {handover_s:.1} s");
+    let snap = snapshot(&st.admin, NS).await;
+    let audit = Audit::of(&snap);
+    audit.assert_sound(true);
+    let after_bound = snap
+        .pods
+        .iter()
+        .filter(|p| p.metadata.name.as_deref().is_some_and(|n| n.starts_with("after")) && node_name(p).is_some())
+        .count();
+    figure(&format!(
+        "failover: {after_bound} of 5 pods created after the hand-over bound; over-commits {}",
+        audit.over_commits.len()
+    ));
+    assert!(after_bound > 0, "nothing bound after the SIGTERM hand-over");
+}
+
+/// Every object in scheduler-config/ (recursively).
+fn manifest_files() -> Vec<std::path::PathBuf> {
+    fn walk(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+        let mut entries: Vec<_> =
+            std::fs::read_dir(dir).expect("read scheduler-config").flatten().map(|e| e.path()).collect();
+        entries.sort();
+        for p in entries {
+            if p.is_dir() {
+                walk(&p, out);
+            } else if p.extension().is_some_and(|e| e == "yaml" || e == "yml") {
+                out.push(p);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(&repo().join("scheduler-config"), &mut out);
+    out
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn manifests_and_scheduler_configs_are_accepted_by_the_real_control_plane() {
+    let _serial = SERIAL.lock().await;
+    let cp = ControlPlane::start("manifests").await;
+    let admin = cp.client(User::Admin).await;
+    // namespaced objects are dry-run into it, so it must exist
+    for obj in yaml_objects(&repo().join("scheduler-config/extender/namespace.yaml")) {
+        apply(&admin, &obj, false).await.expect("the namespace");
+    }
+    let mut applied = Vec::new();
+    let mut refused = Vec::new();
+    let mut configs: Vec<(String, String)> = Vec::new();
+    for file in manifest_files() {
+        let rel = file.strip_prefix(repo()).unwrap_or(&file).display().to_string();
+        for obj in yaml_objects(&file) {
+            match obj["kind"].as_str() {
+                Some("KubeSchedulerConfiguration") => {
+                    configs.push((rel.clone(), serde_norway::to_string(&obj).expect("yaml")));
+                    continue;
+                }
+                // kubeadm's own configuration, not an API object
+                Some("ClusterConfiguration") => continue,
+                _ => {}
+            }
+            if let Some(data) = obj["data"].as_object() {
+                for (key, v) in data {
+                    if v.as_str().is_some_and(|t| t.contains("kind: KubeSchedulerConfiguration")) {
+                        configs.push((format!("{rel}#{key}"), v.as_str().unwrap_or_default().to_string()));
+                    }
+                }
+            }
+            match apply(&admin, &obj, true).await {
+                Ok(id) => applied.push(id),
+                Err(e) => refused.push(format!("{rel}: {e}")),
+            }
+        }
+    }
+    figure(&format!(
+        "manifests: {} objects accepted by server-side dry-run apply, {} refused",
+        applied.len(),
+        refused.len()
+    ));
+    assert!(refused.is_empty(), "refused by the API server: {refused:#?}");
+    assert!(applied.len() >= 10, "too few objects found: {applied:?}");
+    let mut loaded = 0;
+    for (name, text) in &configs {
+        cp.scheduler_loads(name, text).unwrap_or_else(|e| panic!("{name} does not load in kube-scheduler:\n{e}"));
+        loaded += 1;
+    }
+    figure(&format!(
+        "manifests: {loaded} scheduler configurations load in kube-scheduler: {:?}",
+        configs.iter().map(|c| &c.0).collect::<Vec<_>>()
+    ));
+    assert!(loaded >= 2, "expected the reference config and the second profile's: {configs:?}");
+    // the check can fail: a config kube-scheduler refuses (an extender weight of 0) does not load
+    let broken = configs[0].1.replace("weight: 10", "weight: 0");
+    assert_ne!(broken, configs[0].1, "the reference config no longer has weight: 10");
+    assert!(cp.scheduler_loads("broken", &broken).is_err(), "kube-scheduler loaded an invalid extender weight");
+}
+
+/// Waits until kube-scheduler leads (it only schedules then).
+async fn wait_scheduler_leading(cp: &mut ControlPlane) {
+    let until = Instant::now() + Duration::from_secs(60);
+    loop {
+        let s = cp.scheduler.as_mut().expect("a scheduler");
+        if std::fs::read_to_string(&s.log).unwrap_or_default().matches("Successfully acquired lease").count() > 0 {
+            return;
+        }
+        assert!(s.running(), "kube-scheduler exited:\n{}", s.tail(30));
+        assert!(Instant::now() < until, "kube-scheduler never led:\n{}", s.tail(30));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn whole_gpu_pods_per_second_with_and_without_the_extender() {
+    let _serial = SERIAL.lock().await;
+    let mut st = stage("throughput").await;
+    let mut ext = Extender::start(&st.cp, "replica-a", 0, &[]);
+    ext.wait_ready(Duration::from_secs(60)).await;
+    let gpus: u32 = st.nodes.iter().map(|n| n.gpus).sum();
+    // whole GPUs through gpuplace.io/gpu only, no more than there are GPUs: both can place them all
+    let n = 100.min(gpus as usize);
+    let whole = fleet::Shape { gpu: Some("1"), kind: "whole-1", ..fleet::Shape::default() };
+    let pods: Api<Pod> = Api::namespaced(st.admin.clone(), NS);
+    let mut rates = BTreeMap::new();
+    for (label, url) in [("kube-scheduler alone", None), ("kube-scheduler with gpuplace", Some(ext.url()))] {
+        // the scheduler log is rewritten per start: a fresh file per run
+        let _ = std::fs::remove_file(st.cp.dir.join("kube-scheduler.log"));
+        st.cp.start_scheduler(&scheduler_config(), url.as_deref());
+        wait_scheduler_leading(&mut st.cp).await;
+        let started = Instant::now();
+        create_pods(&st.admin, NS, "tp", &vec![whole.clone(); n]).await;
+        let bound = wait_bound(&st.admin, NS, n, Duration::from_secs(180)).await;
+        let secs = started.elapsed().as_secs_f64();
+        assert_eq!(bound, n, "{label}: only {bound} of {n} bound");
+        let rate = n as f64 / secs;
+        figure(&format!("throughput: {label}: {n} whole-GPU pods bound in {secs:.2} s, {rate:.1} pods/s"));
+        rates.insert(label, rate);
+        pods.delete_collection(&DeleteParams::default().grace_period(0), &Default::default())
+            .await
+            .expect("delete pods");
+        let until = Instant::now() + Duration::from_secs(60);
+        while !pods.list(&Default::default()).await.expect("list").items.is_empty() {
+            assert!(Instant::now() < until, "pods not deleted");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        // the extender has released them (its watch saw the deletions)
+        let until = Instant::now() + Duration::from_secs(30);
+        while inspect(&ext).nodes.iter().flat_map(|n| &n.gpus).any(|g| !g.holders.is_empty()) {
+            assert!(Instant::now() < until, "the extender still counts deleted pods");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    let ratio = rates["kube-scheduler with gpuplace"] / rates["kube-scheduler alone"];
+    figure(&format!("throughput: with the extender / alone = {ratio:.2}"));
+    assert!(ratio > 0.1, "the extender slows binding down tenfold: {ratio:.2}");
+    latency_figure("throughput", &ext.placement_log);
+}
