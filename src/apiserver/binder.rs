@@ -26,9 +26,16 @@ use crate::apiserver::leader::Leadership;
 use crate::core::annotations::{AssignmentAnnotation, ANNOTATION_ASSIGNMENT};
 use crate::extender::binder::{BindError, BindFuture, BindRequest, Binder};
 
+/// How many binds talk to the API server at once (the rest wait in turn). Each one in flight holds
+/// an HTTP/1.1 connection, and each connection beyond the pooled ones costs a TLS handshake. Measured
+/// on the real control plane (tests/e2e, docs/performance.md): a cap of 8 halved the throughput of a
+/// 100-pod burst, so the cap only guards against an unbounded number of connections.
+pub const DEFAULT_BIND_CONCURRENCY: usize = 64;
+
 pub struct KubeBinder {
     client: Client,
     leadership: Arc<Leadership>,
+    slots: tokio::sync::Semaphore,
 }
 
 impl std::fmt::Debug for KubeBinder {
@@ -47,7 +54,12 @@ fn api_error(call: &'static str, r: &BindRequest, e: &kube::Error) -> BindError 
 
 impl KubeBinder {
     pub fn new(client: Client, leadership: Arc<Leadership>) -> Self {
-        Self { client, leadership }
+        Self::with_concurrency(client, leadership, DEFAULT_BIND_CONCURRENCY)
+    }
+
+    /// At most `concurrency` (at least 1) binds call the API server at once; the rest wait in turn.
+    pub fn with_concurrency(client: Client, leadership: Arc<Leadership>, concurrency: usize) -> Self {
+        Self { client, leadership, slots: tokio::sync::Semaphore::new(concurrency.max(1)) }
     }
 
     async fn run(&self, r: &BindRequest) -> Result<(), BindError> {
@@ -57,8 +69,13 @@ impl KubeBinder {
                 message: "this replica is not the leader".into(),
             });
         }
+        let queued = std::time::Instant::now();
+        // never closed: a failed acquire cannot happen, but is no reason to panic on a request path
+        let _slot = self.slots.acquire().await.ok();
+        let waited = queued.elapsed();
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), &r.namespace);
         let pp = PatchParams::default();
+        let started = std::time::Instant::now();
         if !r.annotations.is_empty() {
             let patch = json!({"metadata": {"uid": r.uid, "annotations": r.annotations}});
             pods.patch(&r.name, &pp, &Patch::Merge(&patch)).await.map_err(|e| api_error("annotating", r, &e))?;
@@ -72,9 +89,21 @@ impl KubeBinder {
             },
             target: ObjectReference { kind: Some("Node".into()), name: Some(r.node.clone()), ..Default::default() },
         };
+        let annotated = started.elapsed();
         let failed =
             match pods.create_subresource::<_, Value>("binding", &r.name, &PostParams::default(), &binding).await {
-                Ok(_) => return Ok(()),
+                Ok(_) => {
+                    // where a slow bind's time went (API server, or this process's client)
+                    tracing::debug!(
+                        pod = %r.name,
+                        namespace = %r.namespace,
+                        queued_ms = waited.as_secs_f64() * 1e3,
+                        annotate_ms = annotated.as_secs_f64() * 1e3,
+                        binding_ms = (started.elapsed() - annotated).as_secs_f64() * 1e3,
+                        "bound through the API"
+                    );
+                    return Ok(());
+                }
                 Err(e) => e,
             };
         match pods.get_opt(&r.name).await {

@@ -16,6 +16,7 @@ pub mod nodes;
 pub mod pods;
 pub mod resign;
 pub mod run;
+pub mod stale;
 pub mod utilization;
 
 use futures::stream::BoxStream;

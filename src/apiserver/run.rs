@@ -21,6 +21,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Secret};
 use kube::{Api, Client};
@@ -31,8 +32,13 @@ use crate::apiserver::connect::{connect, ConnectError, Source};
 use crate::apiserver::events::EventSink;
 use crate::apiserver::keys::{self, KeyOptions, KeyStatus};
 use crate::apiserver::leader::{self, LeaderConfig, Leadership};
+use crate::apiserver::stale;
 use crate::apiserver::{nodes, pods, resign, utilization};
 use crate::extender::service::Extender;
+
+/// How long an assignment may sit on an unbound pod before the leader removes it ([`stale`]), at
+/// least: a bind writes the annotation and creates the Binding within milliseconds.
+pub const DEFAULT_STALE_GRACE: Duration = Duration::from_secs(15);
 
 /// What API-server mode watches and how it elects.
 #[derive(Debug, Clone, Default)]
@@ -193,6 +199,9 @@ pub fn start(client: Client, ext: Arc<Extender>, leadership: Arc<Leadership>, op
         keys_rx,
         opts.keys.resign_every,
     )));
+    // a bind of a former leader is over once its Lease has expired
+    let grace = opts.leader.as_ref().map_or(DEFAULT_STALE_GRACE, |cfg| cfg.lease_duration.max(DEFAULT_STALE_GRACE));
+    tasks.push(tokio::spawn(stale::run(client.clone(), ext.clone(), leadership.clone(), grace)));
     let election = opts.leader.map(|cfg| (client.clone(), cfg));
     if let Some((client, cfg)) = election.clone() {
         let r = readiness.clone();
@@ -232,15 +241,43 @@ impl KubeSide {
     }
 }
 
+/// A client whose requests (and TLS connections) are driven on a thread and runtime of their own,
+/// which then run for the life of the process. Binds use it: on the watchers' thread, a burst of
+/// pod events (hundreds while kube-scheduler works through a backlog) delayed every bind's
+/// requests behind their decoding.
+fn spawn_client_thread(source: Source, name: &str) -> Result<Client, RunError> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(RunError::Runtime)?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            rt.block_on(async move {
+                match connect(&source).await {
+                    Ok(client) => {
+                        let _ = tx.send(Ok(client));
+                        // the client's buffer task and its connections live on this runtime
+                        std::future::pending::<()>().await
+                    }
+                    Err(e) => {
+                        let _ = tx.send(Err(RunError::Connect(e)));
+                    }
+                }
+            })
+        })
+        .map_err(RunError::Runtime)?;
+    rx.recv().map_err(|_| RunError::Ended)?
+}
+
 /// Starts the kube side on its own thread and runtime (see the module doc): connects, builds the
-/// extender with `make` (given the client and the leadership its binder must check), starts the
-/// controller, and returns the extender for the HTTP server. The thread runs until
-/// [`KubeSide::shutdown`] (or the end of the process).
+/// extender with `make` (given a client for binds, on a thread of its own, and the leadership its
+/// binder must check), starts the controller, and returns the extender for the HTTP server. The
+/// thread runs until [`KubeSide::shutdown`] (or the end of the process).
 pub fn spawn_thread(
     source: Source,
     opts: ApiOptions,
     make: impl FnOnce(Client, Arc<Leadership>) -> Arc<Extender> + Send + 'static,
 ) -> Result<KubeSide, RunError> {
+    let bind_client = spawn_client_thread(source.clone(), "gpuplace-bind")?;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(RunError::Runtime)?;
     let (tx, rx) = std::sync::mpsc::channel();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -257,7 +294,7 @@ pub fn spawn_thread(
                     }
                 };
                 let leadership = if opts.leader.is_some() { Leadership::elected() } else { Leadership::always() };
-                let ext = make(client.clone(), leadership.clone());
+                let ext = make(bind_client, leadership.clone());
                 let controller = start(client, ext.clone(), leadership, opts);
                 let _ = tx.send(Ok(ext));
                 // a dropped handle ends it the same way

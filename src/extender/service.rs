@@ -11,7 +11,7 @@
 //! Seams for API-server mode (`src/apiserver/`): the watchers call [`Extender::observe_node`],
 //! [`Extender::remove_node`], [`Extender::observe_pod`], [`Extender::release_pod`],
 //! [`Extender::retain_pods`], [`Extender::restore`] and [`Extender::set_ready`] (the decisions on
-//! what to trust are in the `observe` submodule), and the utilization ConfigMap watcher calls
+//! what to trust are in the `observe` submodule, the assignment MAC and its keys in `trust`), and the utilization ConfigMap watcher calls
 //! [`Extender::observe_utilization`] and [`Extender::forget_utilization`] (the `utilization`
 //! submodule); the kube-rs binder implements [`Binder`].
 

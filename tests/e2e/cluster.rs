@@ -84,9 +84,16 @@ fn make_executable(path: &Path) {
     fs::set_permissions(path, p).expect("chmod");
 }
 
-/// A binary of this workspace: `gpuplace` is built for this test target; the device plugin, another
-/// package, sits beside it after `cargo test --workspace` (or `cargo build -p gpuplace-device-plugin`).
+/// A binary of this workspace (the extender from `GPUPLACE_E2E_GPUPLACE` when set): `gpuplace` is built for this
+/// test target; the device plugin, another package, sits beside it after `cargo test --workspace` (or `cargo build -p gpuplace-device-plugin`).
 pub fn workspace_bin(name: &str) -> PathBuf {
+    // GPUPLACE_E2E_GPUPLACE: another build of the extender (target/release/gpuplace, for the figures
+    // a user would see; the test profile leaves the Kubernetes client and TLS stack unoptimised)
+    if let Some(path) = std::env::var_os("GPUPLACE_E2E_GPUPLACE").filter(|p| !p.is_empty() && name == "gpuplace") {
+        let path = PathBuf::from(path);
+        assert!(path.is_file(), "e2e: GPUPLACE_E2E_GPUPLACE={} is not a file", path.display());
+        return path;
+    }
     let gpuplace = PathBuf::from(env!("CARGO_BIN_EXE_gpuplace"));
     if name == "gpuplace" {
         return gpuplace;

@@ -105,7 +105,8 @@ pub fn start_plugin(cp: &ControlPlane, node: &str, board: &str) -> Proc {
             .arg(&dir)
             .arg("--pod-resources-socket")
             .arg(dir.join("pod-resources.sock"))
-            .args(["--metrics-listen", &format!("127.0.0.1:{}", free_port())])
+            // port 0: sixteen plugins picking free ports at once could pick the same one
+            .args(["--metrics-listen", "127.0.0.1:0"])
             .args(["--sample-interval", "1s", "--publish-min-interval", "1s", "--publish-max-interval", "5s"])
             .env("RUST_LOG", "info"),
         cp.dir.join(format!("device-plugin-{node}.log")),
@@ -160,7 +161,8 @@ impl Extender {
                 .arg("--placement-log")
                 .arg(&placement_log)
                 .args(extra)
-                .env("RUST_LOG", "info"),
+                // GPUPLACE_E2E_LOG: a log filter for the extender when digging into a run
+                .env("RUST_LOG", std::env::var("GPUPLACE_E2E_LOG").unwrap_or_else(|_| "info".into())),
             cp.dir.join(format!("extender-{identity}.log")),
         );
         Extender { identity: identity.to_string(), port, proc, placement_log }

@@ -211,8 +211,8 @@ impl Extender {
         let st = &mut *st;
         if st.bound.contains_key(&pod.uid) {
             // the leader signed the same record again with the primary key (a rotation)
-            if self.adopt_resigned(st, &pod.uid, text) {
-                return PodOutcome::Known;
+            if let Some(outcome) = self.resigned_copy(st, &pod.uid, text) {
+                return outcome;
             }
             // someone rewrote the annotation after gpuplace bound the pod: the GPUs it counted stay
             let why =

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use super::{Extender, State};
+use super::{Extender, PodOutcome, State};
 use crate::core::annotations::{AnnotationError, AssignmentAnnotation};
 use crate::core::signing::{KeyId, KeyRing, SignatureProblem};
 
@@ -128,26 +128,28 @@ impl Extender {
         }
     }
 
-    /// A counted pod's annotation changed to `text`: when that is the same record with a MAC of the
-    /// ring (the leader re-signed it), the record takes it and true is returned; anything else is a
-    /// change after bind, for the caller to refuse.
-    pub(super) fn adopt_resigned(&self, st: &mut State, uid: &str, text: &str) -> bool {
-        let Some(keys) = self.key_ring() else { return false };
-        let Some(b) = st.bound.get_mut(uid) else { return false };
-        let (Some(old), Ok(new)) = (
-            b.annotation.as_deref().and_then(|t| AssignmentAnnotation::parse(t).ok()),
-            AssignmentAnnotation::parse(text),
-        ) else {
-            return false;
-        };
-        // verified, not `trust`ed: a bound record never goes back to unsigned
-        match new.same_record(&old).then(|| new.verify(&keys)) {
-            Some(Ok(id)) => {
+    /// A counted pod's annotation changed to `text`. When that is the same record with a MAC of
+    /// the ring (the leader signed it again after a rotation) the record takes it; when the MAC
+    /// names a key this replica has not loaded yet (the Secret's change is on its way) the record
+    /// stays as it is, unreported, and the next update of the pod tries again. Either way `Known`:
+    /// what is counted does not change. `None`: a change after bind, for the caller to refuse.
+    pub(super) fn resigned_copy(&self, st: &mut State, uid: &str, text: &str) -> Option<PodOutcome> {
+        let keys = self.key_ring()?;
+        let b = st.bound.get_mut(uid)?;
+        let old = AssignmentAnnotation::parse(b.annotation.as_deref()?).ok()?;
+        let new = AssignmentAnnotation::parse(text).ok().filter(|new| new.same_record(&old))?;
+        // verified, not `trust`ed: a counted record never goes back to unsigned
+        match new.verify(&keys) {
+            Ok(id) => {
                 b.annotation = Some(text.to_string());
                 b.signed_by = Some(id);
-                true
+                Some(PodOutcome::Known)
             }
-            _ => false,
+            Err(AnnotationError::NotSigned(SignatureProblem::UnknownKey(id))) => {
+                tracing::debug!(uid, key = %id, "assignment signed again with a key not loaded yet; kept as counted");
+                Some(PodOutcome::Known)
+            }
+            Err(_) => None,
         }
     }
 }
