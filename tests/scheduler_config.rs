@@ -199,20 +199,7 @@ fn extender_deployment_service_and_device_plugin_agree_with_the_code() {
 
     // the device plugin's RBAC is exactly its calls (device-plugin/src/k8s/)
     let role = named(&docs, "ClusterRole", "gpuplace-device-plugin");
-    let rules: Vec<(String, Vec<String>)> = role["rules"]
-        .as_sequence()
-        .unwrap()
-        .iter()
-        .flat_map(|r| {
-            let verbs: Vec<String> =
-                r["verbs"].as_sequence().unwrap().iter().map(|v| v.as_str().unwrap().to_owned()).collect();
-            r["resources"]
-                .as_sequence()
-                .unwrap()
-                .iter()
-                .map(move |res| (res.as_str().unwrap().to_owned(), verbs.clone()))
-        })
-        .collect();
+    let rules = role_rules(role);
     let want = [
         ("nodes", vec!["get", "patch"]),
         ("nodes/status", vec!["patch"]),
