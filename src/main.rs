@@ -160,6 +160,12 @@ fn env_nonempty(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.is_empty())
 }
 
+/// Where the Lease, the key Secret and the utilization ConfigMaps are when no flag says: the pod's
+/// own namespace, else gpuplace-system.
+fn own_namespace() -> String {
+    env_nonempty("POD_NAMESPACE").unwrap_or_else(|| gpuplace::core::DEFAULT_NAMESPACE.into())
+}
+
 /// The Lease identity outside a pod: the host name (`HOSTNAME`, which shells do not always export,
 /// else the kernel's) and the process id, as client-go adds a unique suffix: two replicas on one host
 /// must not both believe they hold the Lease.
@@ -179,11 +185,7 @@ fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
     let identity =
         args.leader_elect_identity.clone().or_else(|| env_nonempty("POD_NAME")).unwrap_or_else(host_identity);
     let leader = if args.leader_elect {
-        let namespace = args
-            .leader_elect_namespace
-            .clone()
-            .or_else(|| env_nonempty("POD_NAMESPACE"))
-            .unwrap_or_else(|| "gpuplace-system".into());
+        let namespace = args.leader_elect_namespace.clone().unwrap_or_else(own_namespace);
         let mut cfg = LeaderConfig::new(&namespace, &args.leader_elect_name, &identity);
         cfg.lease_duration = Duration::from_secs(args.leader_elect_lease_duration);
         cfg.renew_deadline = Duration::from_secs(args.leader_elect_renew_deadline);
@@ -194,15 +196,11 @@ fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
         None
     };
     let elect = leader.is_some();
-    let utilization_namespace = args
-        .utilization_namespace
+    let utilization_namespace = args.utilization_namespace.clone().unwrap_or_else(own_namespace);
+    let key_secret = args
+        .assignment_key_secret
         .clone()
-        .or_else(|| env_nonempty("POD_NAMESPACE"))
-        .unwrap_or_else(|| gpuplace::core::utilization_configmap::DEFAULT_NAMESPACE.into());
-    let key_secret = args.assignment_key_secret.clone().unwrap_or_else(|| KeySecret {
-        namespace: env_nonempty("POD_NAMESPACE").unwrap_or_else(|| KeySecret::default().namespace),
-        name: DEFAULT_KEY_SECRET_NAME.into(),
-    });
+        .unwrap_or_else(|| KeySecret { namespace: own_namespace(), name: DEFAULT_KEY_SECRET_NAME.into() });
     let accept_unsigned = args.accept_unsigned_assignments;
     if accept_unsigned {
         tracing::warn!("--accept-unsigned-assignments: assignments without a signature are counted (migration only; anyone who can edit pods can forge one); drop the flag once gpuplace_assignments_signed_with_old_key is 0");

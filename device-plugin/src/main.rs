@@ -146,7 +146,7 @@ fn utilization_namespace(cli: &Cli) -> String {
         .clone()
         .filter(nonempty)
         .or_else(|| std::env::var("POD_NAMESPACE").ok().filter(nonempty))
-        .unwrap_or_else(|| gpuplace::core::utilization_configmap::DEFAULT_NAMESPACE.into())
+        .unwrap_or_else(|| gpuplace::core::DEFAULT_NAMESPACE.into())
 }
 
 /// The `Hostname` label: the node name when known, as dcgm-exporter does under Kubernetes.

@@ -30,10 +30,9 @@ use kube::Api;
 use tokio::sync::watch;
 
 use crate::core::signing::{KeyRing, KeyRingError};
+use crate::core::DEFAULT_NAMESPACE;
 use crate::extender::service::Extender;
 
-/// Default namespace of the key Secret (`$POD_NAMESPACE` takes precedence in `gpuplace serve`).
-pub const DEFAULT_KEY_SECRET_NAMESPACE: &str = "gpuplace-system";
 /// Default name of the key Secret.
 pub const DEFAULT_KEY_SECRET_NAME: &str = "gpuplace-assignment-keys";
 /// How often the leader looks for records to re-sign, besides right after a key change.
@@ -51,7 +50,7 @@ pub struct KeySecret {
 
 impl Default for KeySecret {
     fn default() -> Self {
-        Self { namespace: DEFAULT_KEY_SECRET_NAMESPACE.into(), name: DEFAULT_KEY_SECRET_NAME.into() }
+        Self { namespace: DEFAULT_NAMESPACE.into(), name: DEFAULT_KEY_SECRET_NAME.into() }
     }
 }
 

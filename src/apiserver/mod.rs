@@ -1,10 +1,10 @@
 //! The Kubernetes API: building a client ([`connect`]), an in-process fake API server for tests and
 //! demos ([`fake`]), and the extender's API-server mode as thin adapters around
 //! [`Extender`](crate::extender::service::Extender), one concern each: [`binder`] (annotation patch
-//! and Binding), [`nodes`], [`pods`] and [`utilization`] (watchers), [`leader`] (Lease election), [`events`]
-//! (Kubernetes Events), [`keys`] (the assignment key Secret), [`resign`] (re-signing after a key
-//! rotation), [`run`] (wiring and readiness). Named `apiserver`, not `kube`, so the
-//! `kube` crate stays visible.
+//! and Binding), [`nodes`], [`pods`] and [`utilization`] (watchers), [`leader`] (Lease election),
+//! [`events`] (Kubernetes Events), [`keys`] (the assignment key Secret), [`resign`] (re-signing after
+//! a key rotation), [`stale`] (assignments left on unbound pods), [`run`] (wiring and readiness).
+//! Named `apiserver`, not `kube`, so the `kube` crate stays visible.
 
 pub mod binder;
 pub mod connect;

@@ -4,9 +4,9 @@
 //! Readiness is `rebuilt && leader && keys`: allocations were rebuilt from the first complete lists,
 //! this replica holds the Lease (always, without election), and the assignment key ring is loaded
 //! from its Secret and well-formed (`keys`; the rebuild itself waits for the ring, which verifies
-//! every assignment it counts). The leader also re-signs records made with an old key (`resign`).
-//! The utilization watch is not part of
-//! it: samples are optional and age out by themselves. Only the ready replica answers
+//! every assignment it counts). The leader also re-signs records made with an old key (`resign`)
+//! and removes assignments left on unbound pods (`stale`). The utilization watch is not part of
+//! readiness: samples are optional and age out by themselves. Only the ready replica answers
 //! `/readyz` with 200, so the Service in front sends kube-scheduler to the leader; the standby keeps
 //! watching, so it is current when it takes over.
 //!

@@ -1,5 +1,9 @@
 //! The cluster model and the resource contract: plain data, no I/O.
 
+/// The namespace gpuplace's own objects live in when no flag and no `POD_NAMESPACE` names another:
+/// the extender's Lease and assignment key Secret, the device plugins' utilization ConfigMaps.
+pub const DEFAULT_NAMESPACE: &str = "gpuplace-system";
+
 pub mod annotations;
 pub mod cluster;
 pub mod inventory;

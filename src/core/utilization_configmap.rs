@@ -20,8 +20,6 @@ pub const MANAGED_BY: &str = "gpuplace-device-plugin";
 pub const KEY_NODE: &str = "node";
 /// Data key: the [`UtilizationAnnotation`](super::annotations::UtilizationAnnotation) JSON.
 pub const KEY_UTILIZATION: &str = "utilization";
-/// The namespace when neither `--utilization-namespace` nor `POD_NAMESPACE` names one.
-pub const DEFAULT_NAMESPACE: &str = "gpuplace-system";
 
 const PREFIX: &str = "gpuplace-utilization-";
 /// A ConfigMap's name is a DNS subdomain: at most 253 characters.

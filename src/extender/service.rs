@@ -11,9 +11,10 @@
 //! Seams for API-server mode (`src/apiserver/`): the watchers call [`Extender::observe_node`],
 //! [`Extender::remove_node`], [`Extender::observe_pod`], [`Extender::release_pod`],
 //! [`Extender::retain_pods`], [`Extender::restore`] and [`Extender::set_ready`] (the decisions on
-//! what to trust are in the `observe` submodule, the assignment MAC and its keys in `trust`), and the utilization ConfigMap watcher calls
-//! [`Extender::observe_utilization`] and [`Extender::forget_utilization`] (the `utilization`
-//! submodule); the kube-rs binder implements [`Binder`].
+//! what to trust are in the `observe` submodule, the assignment MAC and its keys in `trust`), and
+//! the utilization ConfigMap watcher calls [`Extender::observe_utilization`] and
+//! [`Extender::forget_utilization`] (the `utilization` submodule); the kube-rs binder implements
+//! [`Binder`].
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
@@ -23,8 +24,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 
 use crate::core::annotations::{
-    AnnotationError, AssignmentAnnotation, NodeInventory, ANNOTATION_ASSIGNMENT, ANNOTATION_INVENTORY,
-    ANNOTATION_UTILIZATION,
+    AssignmentAnnotation, NodeInventory, ANNOTATION_ASSIGNMENT, ANNOTATION_INVENTORY, ANNOTATION_UTILIZATION,
 };
 use crate::core::cluster::{Cluster, Node, PodAssignment};
 use crate::core::resources::PodRequest;
@@ -277,7 +277,8 @@ impl<'a> Unknown<'a> {
     /// The verdict on the unknown candidate at position `p`.
     fn answer(&mut self, p: usize) -> Answer {
         let kind = UnknownNode::of(self.objects.and_then(|o| o.get(p)));
-        let slot = &mut self.reasons[UnknownNode::ALL.iter().position(|&k| k == kind).unwrap_or(0)];
+        // a fieldless enum in `ALL` order: its discriminant is its index
+        let slot = &mut self.reasons[kind as usize];
         let r = slot.get_or_insert_with(|| Arc::new(Reason::new(RejectClass::UnknownNode, kind.reason())));
         Answer::No(r.clone())
     }
@@ -539,16 +540,10 @@ impl Extender {
         let mut refused: HashMap<String, (String, Option<String>)> = HashMap::new();
         let keys = self.key_ring();
         for p in pods {
-            let checked = AssignmentAnnotation::parse(&p.annotation).and_then(|a| {
-                // a record this process did not write counts only with gpuplace's MAC: a forged one
-                // never reaches the pod-name-order collision rule below, nor moves a bind sequence
-                let signed_by = self.trusted(keys.as_deref(), &a, &p.request.key)?;
-                let node = st.cluster.node(&p.node).ok_or_else(|| AnnotationError::WrongNode {
-                    annotated: a.node.clone(),
-                    bound: format!("{} (not a known GPU node)", p.node),
-                })?;
-                Ok((a.validate(&p.uid, &p.node, &p.request, node)?, a.bind_seq, signed_by))
-            });
+            // a record this process did not write counts only with gpuplace's MAC: a forged one
+            // never reaches the pod-name-order collision rule below, nor moves a bind sequence
+            let checked =
+                self.checked_assignment(&st.cluster, keys.as_deref(), &p.annotation, &p.uid, &p.node, &p.request);
             match checked {
                 Ok((record, seq, signed_by)) => {
                     let seq_slot = last_seq.entry(p.node.clone()).or_default();

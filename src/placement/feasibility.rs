@@ -197,15 +197,7 @@ fn shortfall(node: &Node, state: &FreeState, demand: &GpuDemand) -> Cause {
         n if n < k => return Cause::TooFewGpus { gpus: demand.gpus() },
         _ => {}
     }
-    // room as `FreeState::fits` has it, leaving out the device-plugin slots
-    let room = usable()
-        .filter(|&g| match demand {
-            GpuDemand::Whole { .. } => state.idle[g],
-            GpuDemand::Shared { .. } => {
-                state.mem[g] >= demand.mem_on(node.gpus[g].memory_mib) && state.core[g] >= demand.core_on()
-            }
-        })
-        .count();
+    let room = usable().filter(|&g| state.has_room(node, g, demand)).count();
     match demand {
         _ if room >= k => Cause::Slots,
         GpuDemand::Whole { gpus } => Cause::Idle { gpus: *gpus },

@@ -54,7 +54,13 @@ impl FreeState {
 
     /// Whether GPU `g` can take one slice of `demand`.
     pub fn fits(&self, node: &Node, g: usize, demand: &GpuDemand) -> bool {
-        if !self.eligible[g] || self.slots[g] == 0 {
+        self.slots[g] > 0 && self.has_room(node, g, demand)
+    }
+
+    /// [`fits`](Self::fits) but for the device-plugin slots: usable, and idle (a whole GPU) or with
+    /// the slice's memory and compute free. Tells "no room" from "no slot" in rejections.
+    pub fn has_room(&self, node: &Node, g: usize, demand: &GpuDemand) -> bool {
+        if !self.eligible[g] {
             return false;
         }
         if demand.is_whole() {

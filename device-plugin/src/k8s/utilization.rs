@@ -14,7 +14,7 @@
 use std::sync::Arc;
 
 use gpuplace::core::annotations::UtilizationAnnotation;
-use gpuplace::core::utilization_configmap::{configmap_name, data, labels, KEY_NODE, KEY_UTILIZATION};
+use gpuplace::core::utilization_configmap::{configmap_name, data, labels};
 use k8s_openapi::api::core::v1::{ConfigMap, Node};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::api::{Patch, PatchParams, PostParams};
@@ -59,10 +59,7 @@ impl KubeUtilizationSink {
     }
 
     async fn patch(&self, value: &UtilizationAnnotation) -> Result<(), CallError> {
-        let patch = json!({
-            "metadata": {"labels": labels()},
-            "data": {KEY_NODE: self.node, KEY_UTILIZATION: value.to_json()},
-        });
+        let patch = json!({"metadata": {"labels": labels()}, "data": data(&self.node, value.to_json())});
         let params = PatchParams::default();
         call("configmap_patch", CALL_TIMEOUT, self.configmaps.patch(&self.name, &params, &Patch::Merge(&patch)))
             .await

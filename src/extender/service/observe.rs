@@ -26,10 +26,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::time::Instant;
 
 use super::{BoundPod, Extender, SeenPod, State};
-use crate::core::annotations::{
-    AnnotationError, AssignmentAnnotation, NodeInventory, ANNOTATION_ASSIGNMENT, ANNOTATION_INVENTORY,
-    ANNOTATION_UTILIZATION,
-};
+use crate::core::annotations::{NodeInventory, ANNOTATION_ASSIGNMENT, ANNOTATION_INVENTORY, ANNOTATION_UTILIZATION};
 use crate::core::resources::PodRequest;
 use crate::extender::metrics::ConflictKind;
 use crate::extender::wire::Pod;
@@ -232,16 +229,9 @@ impl Extender {
             Err(e) => return self.refuse(st, pod, text, e.clone()),
         };
         let keys = self.key_ring();
-        let checked = AssignmentAnnotation::parse(text).and_then(|a| {
-            // not written by this process: only gpuplace's MAC makes it a record (a forgery that
-            // validates would otherwise count, and move the node's bind sequence)
-            let signed_by = self.trusted(keys.as_deref(), &a, &pod.key)?;
-            let n = st.cluster.node(node).ok_or_else(|| AnnotationError::WrongNode {
-                annotated: a.node.clone(),
-                bound: format!("{node} (not a known GPU node)"),
-            })?;
-            Ok((a.validate(&pod.uid, node, request, n)?, a.bind_seq, signed_by))
-        });
+        // not written by this process: only gpuplace's MAC makes it a record (a forgery that
+        // validates would otherwise count, and move the node's bind sequence)
+        let checked = self.checked_assignment(&st.cluster, keys.as_deref(), text, &pod.uid, node, request);
         let (record, seq, signed_by) = match checked {
             Ok(x) => x,
             Err(e) => return self.refuse(st, pod, text, e.to_string()),

@@ -8,6 +8,8 @@ use std::sync::Arc;
 
 use super::{Extender, PodOutcome, State};
 use crate::core::annotations::{AnnotationError, AssignmentAnnotation};
+use crate::core::cluster::{Cluster, PodAssignment};
+use crate::core::resources::PodRequest;
 use crate::core::signing::{KeyId, KeyRing, SignatureProblem};
 
 /// A per-process random ring: static mode signs with it (nothing is read back from annotations
@@ -33,11 +35,8 @@ pub struct Resign {
     pub old: String,
     /// The same record, signed with the primary key.
     pub new: String,
-}
-
-fn signer_of(text: &str) -> Option<KeyId> {
-    let sig = AssignmentAnnotation::parse(text).ok()?.sig?;
-    sig.split_once(':').map(|(id, _)| id.to_string())
+    /// That primary key's id.
+    pub signed_by: KeyId,
 }
 
 impl Extender {
@@ -79,6 +78,27 @@ impl Extender {
         Ok(signer)
     }
 
+    /// An assignment read from a pod (not written by this process) as the record to count: it must
+    /// be [`trusted`](Self::trusted) and validate against the pod's UID, the node it is bound to and
+    /// that node's GPUs. Returns the record, its bind sequence and the id of the key that signed it.
+    pub(super) fn checked_assignment(
+        &self,
+        cluster: &Cluster,
+        keys: Option<&KeyRing>,
+        text: &str,
+        uid: &str,
+        bound_node: &str,
+        request: &PodRequest,
+    ) -> Result<(PodAssignment, u64, Option<KeyId>), AnnotationError> {
+        let a = AssignmentAnnotation::parse(text)?;
+        let signed_by = self.trusted(keys, &a, &request.key)?;
+        let node = cluster.node(bound_node).ok_or_else(|| AnnotationError::WrongNode {
+            annotated: a.node.clone(),
+            bound: format!("{bound_node} (not a known GPU node)"),
+        })?;
+        Ok((a.validate(uid, bound_node, request, node)?, a.bind_seq, signed_by))
+    }
+
     /// Counted records whose MAC is not the primary key's, or that are unsigned.
     pub(super) fn signed_with_old_key(&self, st: &State) -> u64 {
         let primary = self.key_ring().map(|k| k.primary().to_string());
@@ -107,6 +127,7 @@ impl Extender {
                     name: name.to_string(),
                     uid: b.uid.clone(),
                     new: a.signed(&keys).to_json(),
+                    signed_by: keys.primary().to_string(),
                     old,
                 })
             })
@@ -120,7 +141,7 @@ impl Extender {
         let mut st = self.write();
         match st.bound.get_mut(&r.uid) {
             Some(b) if b.annotation.as_deref() == Some(r.old.as_str()) => {
-                b.signed_by = signer_of(&r.new);
+                b.signed_by = Some(r.signed_by.clone());
                 b.annotation = Some(r.new.clone());
                 true
             }
