@@ -3,14 +3,14 @@
 //! `---`), and starts one static-mode server to check that the probe paths are real routes.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use gpuplace::apiserver::keys::{KeySecret, DEFAULT_KEY_SECRET_NAME};
 use gpuplace::core::inventory::load_cluster;
 use gpuplace::core::resources::{RESOURCE_GPU, RESOURCE_GPU_CORE, RESOURCE_GPU_MEM};
-use gpuplace::core::utilization_configmap::DEFAULT_NAMESPACE;
+use gpuplace::core::DEFAULT_NAMESPACE;
 use gpuplace::extender::binder::RecordingBinder;
 use gpuplace::extender::client::Connection;
 use gpuplace::extender::http::{spawn, HttpOptions, DEFAULT_LISTEN, DEFAULT_PREFIX};
@@ -19,6 +19,10 @@ use gpuplace::placement::engine::Engine;
 use gpuplace::placement::profile::Profile;
 use gpuplace::placement::scorers::fragmentation::WorkloadMix;
 use serde_norway::Value;
+use yaml_files::yaml_files;
+
+#[path = "support/yaml_files.rs"]
+mod yaml_files;
 
 const NAMESPACE: &str = "gpuplace-system";
 const SERVICE: &str = "gpuplace-extender";
@@ -27,22 +31,9 @@ fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-fn yaml_files(dir: &Path, out: &mut Vec<PathBuf>) {
-    let mut entries: Vec<_> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
-    entries.sort();
-    for p in entries {
-        if p.is_dir() {
-            yaml_files(&p, out);
-        } else if p.extension().is_some_and(|e| e == "yaml" || e == "yml") {
-            out.push(p);
-        }
-    }
-}
-
 /// Every non-empty document of every YAML file under scheduler-config/, with where it came from.
 fn documents() -> Vec<(String, Value)> {
-    let mut files = Vec::new();
-    yaml_files(&root().join("scheduler-config"), &mut files);
+    let files = yaml_files(&root().join("scheduler-config"));
     assert!(!files.is_empty(), "no YAML under scheduler-config/");
     let mut docs = Vec::new();
     for f in files {

@@ -353,8 +353,7 @@ impl ControlPlane {
     /// `None` for a config without extenders, or to drop them: kube-scheduler alone).
     pub fn start_scheduler(&mut self, config: &Path, extender_url: Option<&str>) {
         let text = fs::read_to_string(config).unwrap_or_else(|e| panic!("{}: {e}", config.display()));
-        let mut doc: Value = serde_norway::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", config.display()));
-        doc["clientConnection"]["kubeconfig"] = Value::String(self.kubeconfig(User::Scheduler).display().to_string());
+        let mut doc = self.scheduler_config(&text).unwrap_or_else(|e| panic!("{}: {e}", config.display()));
         match (extender_url, doc.get_mut("extenders").and_then(Value::as_array_mut)) {
             (Some(url), Some(extenders)) => {
                 for e in extenders {
@@ -382,11 +381,19 @@ impl ControlPlane {
         ));
     }
 
-    /// Runs kube-scheduler on the configuration `config_text` (named `name` in files) just long enough to see whether it loads: `Ok` when it
-    /// reaches its leader election, `Err` with its log when it exits first.
-    pub fn scheduler_loads(&self, name: &str, config_text: &str) -> Result<(), String> {
-        let mut doc: Value = serde_norway::from_str(config_text).map_err(|e| e.to_string())?;
+    /// A KubeSchedulerConfiguration's text with its kubeconfig pointed at this control plane (the
+    /// one substitution besides the extender URL).
+    fn scheduler_config(&self, text: &str) -> Result<Value, String> {
+        let mut doc: Value = serde_norway::from_str(text).map_err(|e| e.to_string())?;
         doc["clientConnection"]["kubeconfig"] = Value::String(self.kubeconfig(User::Scheduler).display().to_string());
+        Ok(doc)
+    }
+
+    /// Runs kube-scheduler on the configuration `config_text` (named `name` in files) just long
+    /// enough to see whether it loads: `Ok` once it starts (its profiles, plugins and extenders are
+    /// built by then), `Err` with its log when it exits first.
+    pub fn scheduler_loads(&self, name: &str, config_text: &str) -> Result<(), String> {
+        let doc = self.scheduler_config(config_text)?;
         let stem = name.replace(['/', '.'], "-");
         let path = self.dir.join(format!("load-{stem}.yaml"));
         fs::write(&path, serde_norway::to_string(&doc).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;

@@ -323,24 +323,20 @@ pub fn storm_shapes(n: usize) -> Vec<Shape> {
     out
 }
 
-/// Creates the pods in `ns` as fast as the API server takes them (a storm); returns their names.
-pub async fn create_pods(client: &Client, ns: &str, prefix: &str, shapes: &[Shape]) -> Vec<String> {
+/// Creates the pods `<prefix>-NNN` in `ns` as fast as the API server takes them (a storm).
+pub async fn create_pods(client: &Client, ns: &str, prefix: &str, shapes: &[Shape]) {
     let api: Api<Pod> = Api::namespaced(client.clone(), ns);
-    let mut names = Vec::with_capacity(shapes.len());
-    for chunk in shapes.chunks(25).enumerate() {
-        let (c, shapes) = chunk;
+    for (c, shapes) in shapes.chunks(25).enumerate() {
         let futs = shapes.iter().enumerate().map(|(i, shape)| {
             let name = format!("{prefix}-{:03}", c * 25 + i);
             let pod = shape.pod(&name);
             let api = api.clone();
             async move {
                 api.create(&PostParams::default(), &pod).await.unwrap_or_else(|e| panic!("create pod {name}: {e}"));
-                name
             }
         });
-        names.extend(futures::future::join_all(futs).await);
+        futures::future::join_all(futs).await;
     }
-    names
 }
 
 /// What a Service with readiness does for kube-scheduler: a loopback port that hands each new

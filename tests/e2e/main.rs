@@ -10,6 +10,8 @@
 mod audit;
 mod cluster;
 mod fleet;
+#[path = "../support/yaml_files.rs"]
+mod yaml_files;
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -24,6 +26,7 @@ use serde_json::{json, Value};
 use audit::{node_name, percentile, settle, snapshot, Audit};
 use cluster::{apply, figure, repo, yaml_objects, ControlPlane, User};
 use fleet::{create_pods, start_nodes, storm_shapes, wait_inventories, Extender};
+use yaml_files::yaml_files;
 
 /// One scenario at a time: each runs a whole control plane on CI's 2 cores. (tokio's lock: it is
 /// held across awaits, and a failed scenario does not poison it for the next.)
@@ -55,8 +58,7 @@ async fn install(client: &Client) {
         .expect("default sa");
 }
 
-/// A control plane with the project installed, 16 GPU nodes with their device plugins, and one
-/// extender replica (ready) behind the project's kube-scheduler config.
+/// A control plane with the project installed and 16 GPU nodes with their device plugins.
 struct Stage {
     cp: ControlPlane,
     admin: Client,
@@ -70,6 +72,14 @@ async fn stage(name: &str) -> Stage {
     let mut nodes = start_nodes(&cp, NODES).await;
     wait_inventories(&cp, &mut nodes).await;
     Stage { cp, admin, nodes }
+}
+
+/// [`stage`] with one extender replica, ready.
+async fn stage_with_extender(name: &str) -> (Stage, Extender) {
+    let st = stage(name).await;
+    let mut ext = Extender::start(&st.cp, "replica-a", 0, &[]);
+    ext.wait_ready(Duration::from_secs(60)).await;
+    (st, ext)
 }
 
 fn scheduler_config() -> std::path::PathBuf {
@@ -125,9 +135,7 @@ fn inspect(ext: &Extender) -> InspectReport {
 #[tokio::test(flavor = "current_thread")]
 async fn storm_of_300_mixed_pods_on_16_nodes() {
     let _serial = SERIAL.lock().await;
-    let mut st = stage("storm").await;
-    let mut ext = Extender::start(&st.cp, "replica-a", 0, &[]);
-    ext.wait_ready(Duration::from_secs(60)).await;
+    let (mut st, ext) = stage_with_extender("storm").await;
     st.cp.start_scheduler(&scheduler_config(), Some(&ext.url()));
 
     let shapes = storm_shapes(300);
@@ -225,7 +233,6 @@ async fn storm_of_300_mixed_pods_on_16_nodes() {
         quiet / pending
     );
     latency_figure("storm", &ext.placement_log);
-    drop(st.nodes.drain(..));
 }
 
 /// Polls until `n` pods of `ns` are bound; returns how many are.
@@ -245,9 +252,7 @@ async fn wait_bound(client: &Client, ns: &str, n: usize, limit: Duration) -> usi
 #[tokio::test(flavor = "current_thread")]
 async fn extender_killed_mid_storm_loses_nothing() {
     let _serial = SERIAL.lock().await;
-    let mut st = stage("kill").await;
-    let mut ext = Extender::start(&st.cp, "replica-a", 0, &[]);
-    ext.wait_ready(Duration::from_secs(60)).await;
+    let (mut st, mut ext) = stage_with_extender("kill").await;
     st.cp.start_scheduler(&scheduler_config(), Some(&ext.url()));
     create_pods(&st.admin, NS, "kill", &storm_shapes(300)).await;
     let at_kill = wait_bound(&st.admin, NS, 60, Duration::from_secs(120)).await;
@@ -263,17 +268,15 @@ async fn extender_killed_mid_storm_loses_nothing() {
     // Lease duration (src/apiserver/stale.rs)
     let mut stale_seen = 0;
     let until = Instant::now() + gpuplace::apiserver::run::DEFAULT_STALE_GRACE + Duration::from_secs(20);
-    let (snap, audit) = loop {
-        let snap = snapshot(&st.admin, NS).await;
-        let audit = Audit::of(&snap);
+    let audit = loop {
+        let audit = Audit::of(&snapshot(&st.admin, NS).await);
         stale_seen = stale_seen.max(audit.stale_pending.len());
         if audit.stale_pending.is_empty() || Instant::now() > until {
-            break (snap, audit);
+            break audit;
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
     };
     figure(&format!("kill: {stale_seen} pending pods carried an assignment from a cut bind; removed by the leader"));
-    let _ = &snap;
     let diffs = audit.compare_inspect(&inspect(&ext));
     figure(&format!(
         "kill: SIGKILL after {at_kill} binds, ready again {down_s:.1} s after the kill, settled {settled_s:.1} s later: \
@@ -372,25 +375,6 @@ async fn two_replicas_fail_over_within_the_lease() {
     assert!(after_bound > 0, "nothing bound after the SIGTERM hand-over");
 }
 
-/// Every object in scheduler-config/ (recursively).
-fn manifest_files() -> Vec<std::path::PathBuf> {
-    fn walk(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
-        let mut entries: Vec<_> =
-            std::fs::read_dir(dir).expect("read scheduler-config").flatten().map(|e| e.path()).collect();
-        entries.sort();
-        for p in entries {
-            if p.is_dir() {
-                walk(&p, out);
-            } else if p.extension().is_some_and(|e| e == "yaml" || e == "yml") {
-                out.push(p);
-            }
-        }
-    }
-    let mut out = Vec::new();
-    walk(&repo().join("scheduler-config"), &mut out);
-    out
-}
-
 #[tokio::test(flavor = "current_thread")]
 async fn manifests_and_scheduler_configs_are_accepted_by_the_real_control_plane() {
     let _serial = SERIAL.lock().await;
@@ -403,7 +387,7 @@ async fn manifests_and_scheduler_configs_are_accepted_by_the_real_control_plane(
     let mut applied = Vec::new();
     let mut refused = Vec::new();
     let mut configs: Vec<(String, String)> = Vec::new();
-    for file in manifest_files() {
+    for file in yaml_files(&repo().join("scheduler-config")) {
         let rel = file.strip_prefix(repo()).unwrap_or(&file).display().to_string();
         for obj in yaml_objects(&file) {
             match obj["kind"].as_str() {
@@ -468,9 +452,7 @@ async fn wait_scheduler_leading(cp: &mut ControlPlane) {
 #[tokio::test(flavor = "current_thread")]
 async fn whole_gpu_pods_per_second_with_and_without_the_extender() {
     let _serial = SERIAL.lock().await;
-    let mut st = stage("throughput").await;
-    let mut ext = Extender::start(&st.cp, "replica-a", 0, &[]);
-    ext.wait_ready(Duration::from_secs(60)).await;
+    let (mut st, ext) = stage_with_extender("throughput").await;
     let gpus: u32 = st.nodes.iter().map(|n| n.gpus).sum();
     // whole GPUs through gpuplace.io/gpu only, no more than there are GPUs: both can place them all
     let n = 100.min(gpus as usize);
