@@ -163,10 +163,8 @@ async fn bind_writes_the_annotation_and_the_binding_once_and_retries_are_idempot
         .collect();
     assert_eq!(
         calls,
-        [
-            ("PATCH".into(), "/api/v1/namespaces/ns/pods/p".into()),
-            ("POST".into(), "/api/v1/namespaces/ns/pods/p/binding".into())
-        ]
+        [("POST".into(), "/api/v1/namespaces/ns/pods/p/binding".into())],
+        "one call: the Binding carries the assignment"
     );
     // the watch echoes the bound, annotated pod: still counted once
     settle().await;
@@ -196,14 +194,14 @@ async fn bind_writes_the_annotation_and_the_binding_once_and_retries_are_idempot
     let q = fake.put(&gpu_pod("q", whole(1)));
     let stale = BindRequest { name: "q".into(), uid: "not-q".into(), ..again };
     // the registry treats a UID in the body as a precondition: 409 Conflict, nothing written
-    assert!(matches!(r.binder.bind(&stale).await, Err(BindError::Api { call: "annotating", status: Some(409), .. })));
+    assert!(matches!(r.binder.bind(&stale).await, Err(BindError::Api { call: "Binding", status: Some(409), .. })));
     assert_eq!(annotation(&fake, "q"), None);
     assert_eq!(node_of(&fake, "q"), None);
     drop(q);
 }
 
 #[tokio::test]
-async fn a_failed_binding_rolls_back_the_annotation_and_the_allocation() {
+async fn a_failed_binding_writes_nothing_and_rolls_back_the_allocation() {
     let fake = FakeApiServer::start().await.unwrap();
     fake.put(&gpu_node("n1", 1));
     let p = fake.put(&gpu_pod("p", whole(1)));
@@ -213,11 +211,11 @@ async fn a_failed_binding_rolls_back_the_annotation_and_the_allocation() {
     fake.fail_next("POST", "/api/v1/namespaces/*/pods/*/binding", 1, 500);
     let err = bind(&r.ext, &p, "n1").await;
     assert!(err.contains("binding failed") && err.contains("500"), "{err}");
-    assert_eq!(annotation(&fake, "p"), None, "annotation removed");
+    assert_eq!(annotation(&fake, "p"), None, "nothing written");
     assert_eq!(node_of(&fake, "p"), None);
     assert!(holders(&r.ext, "n1").is_empty(), "allocation rolled back");
     assert_eq!(r.ext.metrics().binds(BindOutcome::BinderFailed), 1);
-    // the watch shows the annotation that was rolled back: not a forgery, no Event
+    // nothing reached the pod: no forgery seen, no Event
     settle().await;
     assert_eq!(r.ext.metrics().conflicts(ConflictKind::BadAssignment), 0);
     assert!(fake.events().is_empty(), "{:?}", fake.events());
@@ -338,8 +336,8 @@ async fn signed_but_invalid_assignments_are_never_counted_and_are_reported() {
         .collect();
     regarding.sort();
     let want = |n: &str| (n.to_string(), "AssignmentNotTrusted".to_string());
-    // the unbound one is not counted, and not reported while watching: every bind looks like it
-    // for a moment (annotation first, then the Binding)
+    // the unbound one is not counted, and not reported while watching (the stale task removes it;
+    // binds of earlier releases showed one for a moment)
     assert_eq!(regarding, [want("collide"), want("mismatch")]);
     let notes: Vec<String> = fake.events().iter().map(|e| e["note"].as_str().unwrap_or("").to_string()).collect();
     assert!(notes.iter().any(|n| n.contains("2 requested")), "{notes:?}");

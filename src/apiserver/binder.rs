@@ -1,16 +1,16 @@
-//! [`KubeBinder`]: a bind decision made real through the API server.
+//! [`KubeBinder`]: a bind decision made real through the API server, in one call.
 //!
-//! 1. Merge-patch the annotations (the assignment) onto the pod. The patch names the pod's UID, which
-//!    the registry checks as a precondition (409 Conflict when it differs), so a pod deleted and
-//!    created again under the same name is never annotated with another pod's GPUs.
-//! 2. POST `pods/{name}/binding` (with the UID too, which the registry checks as a precondition).
-//! 3. If the Binding fails, read the pod back: bound to this node with this assignment (a retry of
-//!    a bind that went through, or an answer lost on the way) is success; otherwise the annotation
-//!    is removed again (best effort, logged) and the error returned, so the extender rolls its
-//!    allocation back (removed only while it is ours and the pod unbound, or bound elsewhere where
-//!    it does not apply). When the pod cannot be read, the annotation is left: removing it from a pod
-//!    whose Binding did go through would leave it running without its assignment; on an unbound
-//!    pod it is harmless (not trusted, overwritten by the next bind).
+//! The assignment travels as an annotation on the `Binding` itself: POST `pods/{name}/binding` with
+//! `metadata.annotations` and `metadata.uid`. The registry sets `spec.nodeName` and merges the
+//! Binding's annotations into the pod in the same storage update (`setPodHostAndAnnotations`), and
+//! checks the UID as a precondition (409 Conflict when a pod was re-created under the name). So a
+//! pod is bound with its assignment or not at all: there is no window in which an unbound pod carries
+//! an assignment, and no second call to undo. One call instead of a patch and a Binding also halves
+//! the bind's time on a busy API server (measured in tests/e2e, docs/performance.md).
+//!
+//! When the Binding fails, the pod is read back: bound to this node with this assignment (a retry of
+//! a bind that went through, or an answer lost on the way) is success; anything else is the error,
+//! and the extender rolls its allocation back.
 //!
 //! Only the leader binds: every bind first checks [`Leadership`].
 
@@ -18,12 +18,11 @@ use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{Binding, ObjectReference, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::api::{Patch, PatchParams, PostParams};
+use kube::api::PostParams;
 use kube::{Api, Client, ResourceExt};
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use crate::apiserver::leader::Leadership;
-use crate::core::annotations::{AssignmentAnnotation, ANNOTATION_ASSIGNMENT};
 use crate::extender::binder::{BindError, BindFuture, BindRequest, Binder};
 
 /// How many binds talk to the API server at once (the rest wait in turn). Each one in flight holds
@@ -31,6 +30,12 @@ use crate::extender::binder::{BindError, BindFuture, BindRequest, Binder};
 /// on the real control plane (tests/e2e, docs/performance.md): a cap of 8 halved the throughput of a
 /// 100-pod burst, so the cap only guards against an unbounded number of connections.
 pub const DEFAULT_BIND_CONCURRENCY: usize = 64;
+
+/// How long one API call of a bind may take. kube-scheduler gives up on the extender's bind after its
+/// `httpTimeout` (5 s in the shipped config) anyway; past this, the call is abandoned and the pod read
+/// back (a Binding that went through late is then seen by the watch and counted from its signed
+/// assignment).
+pub const BIND_CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 pub struct KubeBinder {
     client: Client,
@@ -74,39 +79,34 @@ impl KubeBinder {
         let _slot = self.slots.acquire().await.ok();
         let waited = queued.elapsed();
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), &r.namespace);
-        let pp = PatchParams::default();
-        let started = std::time::Instant::now();
-        if !r.annotations.is_empty() {
-            let patch = json!({"metadata": {"uid": r.uid, "annotations": r.annotations}});
-            pods.patch(&r.name, &pp, &Patch::Merge(&patch)).await.map_err(|e| api_error("annotating", r, &e))?;
-        }
         let binding = Binding {
             metadata: ObjectMeta {
                 name: Some(r.name.clone()),
                 namespace: Some(r.namespace.clone()),
                 uid: Some(r.uid.clone()),
+                annotations: (!r.annotations.is_empty()).then(|| r.annotations.clone()),
                 ..ObjectMeta::default()
             },
             target: ObjectReference { kind: Some("Node".into()), name: Some(r.node.clone()), ..Default::default() },
         };
-        let annotated = started.elapsed();
-        let failed =
-            match pods.create_subresource::<_, Value>("binding", &r.name, &PostParams::default(), &binding).await {
-                Ok(_) => {
-                    // where a slow bind's time went (API server, or this process's client)
-                    tracing::debug!(
-                        pod = %r.name,
-                        namespace = %r.namespace,
-                        queued_ms = waited.as_secs_f64() * 1e3,
-                        annotate_ms = annotated.as_secs_f64() * 1e3,
-                        binding_ms = (started.elapsed() - annotated).as_secs_f64() * 1e3,
-                        "bound through the API"
-                    );
-                    return Ok(());
-                }
-                Err(e) => e,
-            };
-        match pods.get_opt(&r.name).await {
+        let started = std::time::Instant::now();
+        let pp = PostParams::default();
+        let failed = match within_timeout(pods.create_subresource::<_, Value>("binding", &r.name, &pp, &binding)).await
+        {
+            Ok(_) => {
+                // where a slow bind's time went: waiting for a slot, or the API server
+                tracing::debug!(
+                    pod = %r.name,
+                    namespace = %r.namespace,
+                    queued_ms = waited.as_secs_f64() * 1e3,
+                    binding_ms = started.elapsed().as_secs_f64() * 1e3,
+                    "bound through the API"
+                );
+                return Ok(());
+            }
+            Err(e) => e,
+        };
+        match within_timeout(pods.get_opt(&r.name)).await {
             Ok(Some(pod)) if pod.metadata.uid.as_deref() == Some(r.uid.as_str()) => {
                 let node = pod.spec.as_ref().and_then(|s| s.node_name.as_deref());
                 let ours = r.annotations.iter().all(|(k, v)| pod.annotations().get(k) == Some(v));
@@ -114,41 +114,22 @@ impl KubeBinder {
                     tracing::debug!(pod = %pod.name_any(), node = %r.node, "already bound as asked; the bind stands");
                     return Ok(());
                 }
-                // bound elsewhere with an assignment for that node (an earlier bind of ours): it stands
-                let valid_where_bound = r
-                    .annotations
-                    .get(ANNOTATION_ASSIGNMENT)
-                    .and_then(|t| AssignmentAnnotation::parse(t).ok())
-                    .is_some_and(|a| Some(a.node.as_str()) == node);
-                if ours && (node.is_none() || !valid_where_bound) {
-                    self.unannotate(&pods, r).await;
-                }
             }
-            // gone, or another pod under that name now: nothing of ours is on it
+            // gone, or another pod under that name now
             Ok(_) => {}
             Err(e) => {
-                tracing::warn!(pod = %r.name, namespace = %r.namespace, error = %e, "cannot read the pod after a failed Binding; its annotation is left in place");
+                tracing::warn!(pod = %r.name, namespace = %r.namespace, error = %e, "cannot read the pod after a failed Binding");
             }
         }
         Err(api_error("Binding", r, &failed))
     }
+}
 
-    /// Removes the annotations written for a bind that did not happen (best effort).
-    async fn unannotate(&self, pods: &Api<Pod>, r: &BindRequest) {
-        if r.annotations.is_empty() {
-            return;
-        }
-        let removed: serde_json::Map<String, Value> = r.annotations.keys().map(|k| (k.clone(), Value::Null)).collect();
-        let patch = json!({"metadata": {"uid": r.uid, "annotations": removed}});
-        match pods.patch(&r.name, &PatchParams::default(), &Patch::Merge(&patch)).await {
-            Ok(_) => {
-                tracing::debug!(pod = %r.name, namespace = %r.namespace, "assignment annotation removed after a failed Binding")
-            }
-            Err(e) => {
-                tracing::warn!(pod = %r.name, namespace = %r.namespace, error = %e, "assignment annotation not removed after a failed Binding")
-            }
-        }
-    }
+/// One API call, abandoned after [`BIND_CALL_TIMEOUT`].
+async fn within_timeout<T>(call: impl std::future::Future<Output = kube::Result<T>>) -> kube::Result<T> {
+    tokio::time::timeout(BIND_CALL_TIMEOUT, call)
+        .await
+        .unwrap_or_else(|_| Err(kube::Error::Service(format!("no answer in {BIND_CALL_TIMEOUT:?}").into())))
 }
 
 impl Binder for KubeBinder {

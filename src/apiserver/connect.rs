@@ -2,6 +2,13 @@
 //!
 //! `gpuplace serve` (API-server mode) and `gpuplace-device-plugin` both take `--kubeconfig` and
 //! `--apiserver` ([`ConnectArgs`]) and call [`connect`].
+//!
+//! kube's own client speaks HTTP/1.1 only: every request in flight holds a connection of its own, and
+//! every connection beyond the pooled ones costs a TLS handshake. That is right for watches (one long
+//! stream each) but not for a burst of binds, where dozens of handshakes compete with the binds
+//! themselves for the API server's CPU. [`Transport::Multiplexed`] builds the same client (kube's
+//! auth, base URI and header layers) over a connector that offers HTTP/2 by ALPN, so that concurrent
+//! requests share one connection, as client-go's do.
 
 use std::path::PathBuf;
 
@@ -68,8 +75,23 @@ pub enum ConnectError {
     },
 }
 
+/// How a client's requests reach the API server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    /// kube's default: HTTP/1.1, one connection per request in flight. Watches use it.
+    Http1,
+    /// HTTP/2 where the API server offers it (TLS with ALPN), one connection for all requests; plain
+    /// `http://` stays HTTP/1.1. The binder uses it.
+    Multiplexed,
+}
+
 /// Builds a client for `source`. Must run inside a tokio runtime (the client spawns its buffer task).
 pub async fn connect(source: &Source) -> Result<Client, ConnectError> {
+    connect_with(source, Transport::Http1).await
+}
+
+/// [`connect`] over the given transport.
+pub async fn connect_with(source: &Source, transport: Transport) -> Result<Client, ConnectError> {
     let config = match source {
         Source::Url(url) => return client_for_url(url),
         Source::Kubeconfig(path) => {
@@ -81,7 +103,14 @@ pub async fn connect(source: &Source) -> Result<Client, ConnectError> {
         }
         Source::Inferred => Config::infer().await.map_err(ConnectError::Infer)?,
     };
-    build(config)
+    match transport {
+        Transport::Http1 => build(config),
+        Transport::Multiplexed => {
+            let server = config.cluster_url.to_string();
+            tracing::debug!(%server, "building Kubernetes client (HTTP/2 where offered)");
+            build_multiplexed(config).map_err(|source| ConnectError::Client { server, source })
+        }
+    }
 }
 
 /// A client for a plain `http://host:port` API server with no credentials. Only http: anything
@@ -106,6 +135,48 @@ fn build(config: Config) -> Result<Client, ConnectError> {
     let server = config.cluster_url.to_string();
     tracing::debug!(%server, "building Kubernetes client");
     Client::try_from(config).map_err(|source| ConnectError::Client { server, source })
+}
+
+/// kube's client stack (base URI, auth, extra headers) over hyper's pooling client with a rustls
+/// connector that offers `h2` and `http/1.1`. Not carried over from kube's builder: its proxy support
+/// and per-connection read/write timeouts (the binder bounds each call itself).
+fn build_multiplexed(config: Config) -> Result<Client, kube::Error> {
+    use kube::client::ConfigExt;
+
+    let mut http = hyper_util::client::legacy::connect::HttpConnector::new();
+    http.enforce_http(false);
+    // many small HTTP/2 frames on one connection: without this, Nagle's algorithm holds them back
+    // until the peer's delayed ACK (binds then finished in batches 40-90 ms apart)
+    http.set_nodelay(true);
+    http.set_connect_timeout(config.connect_timeout);
+    let tls = config.rustls_client_config()?;
+    let builder = hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(tls).https_or_http();
+    let builder = match config.tls_server_name.as_deref() {
+        Some(name) => {
+            let name = rustls_pki_types::ServerName::try_from(name.to_owned())
+                .map_err(|e| kube::Error::RustlsTls(kube::client::RustlsTlsError::InvalidServerName(e)))?;
+            builder.with_server_name_resolver(hyper_rustls::FixedServerNameResolver::new(name))
+        }
+        None => builder,
+    };
+    let connector = builder.enable_http1().enable_http2().wrap_connector(http);
+    let hyper_client: hyper_util::client::legacy::Client<_, kube::client::Body> =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .timer(hyper_util::rt::TokioTimer::new())
+            // keep the one connection open between bursts (its handshake is what a burst's first
+            // requests would wait for), and find out by PING when it has died, as client-go does
+            .pool_idle_timeout(None)
+            .http2_keep_alive_interval(std::time::Duration::from_secs(30))
+            .http2_keep_alive_timeout(std::time::Duration::from_secs(15))
+            .http2_keep_alive_while_idle(true)
+            .build(connector);
+    let service = tower::ServiceBuilder::new()
+        .layer(config.base_uri_layer())
+        .option_layer(config.auth_layer()?)
+        .layer(config.extra_headers_layer()?)
+        .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
+        .service(hyper_client);
+    Ok(Client::new(service, config.default_namespace))
 }
 
 #[cfg(test)]

@@ -28,7 +28,7 @@ use kube::{Api, Client};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::apiserver::connect::{connect, ConnectError, Source};
+use crate::apiserver::connect::{connect, connect_with, ConnectError, Source, Transport};
 use crate::apiserver::events::EventSink;
 use crate::apiserver::keys::{self, KeyOptions, KeyStatus};
 use crate::apiserver::leader::{self, LeaderConfig, Leadership};
@@ -244,7 +244,7 @@ impl KubeSide {
 /// A client whose requests (and TLS connections) are driven on a thread and runtime of their own,
 /// which then run for the life of the process. Binds use it: on the watchers' thread, a burst of
 /// pod events (hundreds while kube-scheduler works through a backlog) delayed every bind's
-/// requests behind their decoding.
+/// requests behind their decoding. Its requests share one HTTP/2 connection ([`Transport`]).
 fn spawn_client_thread(source: Source, name: &str) -> Result<Client, RunError> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(RunError::Runtime)?;
     let (tx, rx) = std::sync::mpsc::channel();
@@ -252,9 +252,14 @@ fn spawn_client_thread(source: Source, name: &str) -> Result<Client, RunError> {
         .name(name.into())
         .spawn(move || {
             rt.block_on(async move {
-                match connect(&source).await {
+                match connect_with(&source, Transport::Multiplexed).await {
                     Ok(client) => {
-                        let _ = tx.send(Ok(client));
+                        let _ = tx.send(Ok(client.clone()));
+                        // open the connection now, not in the first bind of a burst (measured in
+                        // tests/e2e: a burst's first binds waited 55-90 ms for its handshake)
+                        if let Err(e) = client.apiserver_version().await {
+                            tracing::debug!(error = %e, "the bind client cannot reach the API server yet");
+                        }
                         // the client's buffer task and its connections live on this runtime
                         std::future::pending::<()>().await
                     }

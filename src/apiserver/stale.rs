@@ -1,9 +1,10 @@
 //! Stale assignments on pods that are not bound: the leader removes them.
 //!
-//! A bind writes the assignment annotation, then creates the Binding. When the extender dies in
-//! between (or the Binding fails and the clean-up cannot reach the API server), the pod stays
-//! pending with an assignment that no GPU backs. It is never counted (an unbound pod's assignment
-//! is not trusted), but it is reported as not trusted again at every rebuild, and such pods pile up.
+//! gpuplace's binds write the assignment with the Binding, atomically, so they never leave one on
+//! a pending pod. Such assignments still appear: forged, copied from another pod, or left by a bind
+//! of an earlier build (which patched the pod first and was cut before its Binding). They are never
+//! counted (an unbound pod's assignment is not trusted), but they are reported as not trusted again
+//! at every rebuild, and such pods pile up.
 //! This task watches unbound pods (metadata only, field selector `spec.nodeName=`, as
 //! kube-scheduler selects them) and, while this replica leads, removes an assignment that has sat
 //! on an unbound pod for longer than `grace`.

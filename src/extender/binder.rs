@@ -2,8 +2,8 @@
 //!
 //! The extender decides (re-check, final GPUs, allocation counted at once) and then asks a
 //! [`Binder`] to make it real: write the assignment annotation on the pod and create the pod's
-//! `Binding`. The kube-rs binder (API-server mode, to come) patches the pod, then POSTs
-//! `pods/{name}/binding`, and on a failed Binding removes the annotation again. In static mode
+//! `Binding`. The kube-rs binder (`apiserver::KubeBinder`) does both in one call, a Binding that
+//! carries the annotation, which the registry applies atomically. In static mode
 //! (`gpuplace serve --cluster`) there is no API server: [`RecordingBinder`] keeps what would have
 //! been written, for tests and `/inspect`.
 //!
@@ -23,7 +23,7 @@ pub struct BindRequest {
     pub name: String,
     pub uid: String,
     pub node: String,
-    /// Annotations to set on the pod before the Binding (the assignment; empty for a pod that asks
+    /// Annotations to set on the pod with the Binding (the assignment; empty for a pod that asks
     /// for no gpuplace resources).
     pub annotations: BTreeMap<String, String>,
 }

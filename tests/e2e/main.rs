@@ -492,3 +492,169 @@ async fn whole_gpu_pods_per_second_with_and_without_the_extender() {
     assert!(ratio > 0.1, "the extender slows binding down tenfold: {ratio:.2}");
     latency_figure("throughput", &ext.placement_log);
 }
+
+/// Holders (pod names) of `node`'s GPUs in `/inspect`.
+fn inspect_holders(ext: &Extender, node: &str) -> std::collections::BTreeSet<String> {
+    inspect(ext)
+        .nodes
+        .iter()
+        .filter(|n| n.name == node)
+        .flat_map(|n| n.gpus.iter().flat_map(|g| g.holders.iter().map(|h| h.pod.clone())))
+        .collect()
+}
+
+/// A pod of `shape` on `node`: pinned by nodeSelector (for kube-scheduler), or bound directly with
+/// `spec.nodeName`, or left to no scheduler at all (`schedulerName` nobody serves: stays pending).
+enum Placed<'a> {
+    Pinned(&'a str),
+    Direct(&'a str),
+    Unscheduled,
+}
+
+fn placed_pod(shape: &fleet::Shape, name: &str, how: Placed, assignment: Option<&str>) -> Pod {
+    let mut pod = shape.pod(name);
+    let spec = pod.spec.get_or_insert_with(Default::default);
+    match how {
+        Placed::Pinned(node) => {
+            spec.node_selector = Some(BTreeMap::from([("kubernetes.io/hostname".into(), node.into())]))
+        }
+        Placed::Direct(node) => spec.node_name = Some(node.into()),
+        Placed::Unscheduled => spec.scheduler_name = Some("e2e-nobody".into()),
+    }
+    if let Some(text) = assignment {
+        pod.metadata
+            .annotations
+            .get_or_insert_with(Default::default)
+            .insert(gpuplace::core::annotations::ANNOTATION_ASSIGNMENT.into(), text.into());
+    }
+    pod
+}
+
+/// Whether `pod` stays unbound for `d` (polled).
+async fn stays_pending(pods: &Api<Pod>, pod: &str, d: Duration) -> bool {
+    let until = Instant::now() + d;
+    while Instant::now() < until {
+        if pods.get(pod).await.ok().as_ref().and_then(node_name).is_some() {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    true
+}
+
+/// Scenario d: what anyone who can edit pods can write, aimed at the 8 GPUs a genuine pod holds on
+/// gpu-00: its annotation replayed on a pod bound directly with `spec.nodeName`, rewritten for the
+/// forger's own UID with a bindSeq far ahead (its MAC kept, now wrong) and bound by a Binding of the
+/// forger's, and copied onto a pod that stays unbound. The forgers' names sort before `genuine`
+/// (collisions at a rebuild were once settled in name order). While the extender runs and after a
+/// SIGKILL and restart: only the genuine pod holds the GPUs, a pod pinned to the node stays pending,
+/// and once the forgers and then the genuine pod are gone it binds, continuing the genuine bind
+/// sequence.
+#[tokio::test(flavor = "current_thread")]
+async fn forged_assignments_are_never_counted() {
+    use gpuplace::core::annotations::{AssignmentAnnotation, ANNOTATION_ASSIGNMENT};
+    use k8s_openapi::api::core::v1::{Binding, Event, ObjectReference};
+    use kube::api::{ListParams, Patch, PatchParams};
+
+    let _serial = SERIAL.lock().await;
+    let (mut st, ext) = stage_with_extender("forgery").await;
+    st.cp.start_scheduler(&scheduler_config(), Some(&ext.url()));
+    let node = st.nodes[0].name.clone();
+    assert_eq!(st.nodes[0].gpus, 8, "gpu-00 is an 8-GPU board");
+    let whole_node = fleet::Shape { gpu: Some("8"), kind: "whole-node", ..Default::default() };
+    let one = fleet::Shape { gpu: Some("1"), kind: "whole-1", ..Default::default() };
+    let pods: Api<Pod> = Api::namespaced(st.admin.clone(), NS);
+    let pp = PostParams::default();
+
+    pods.create(&pp, &placed_pod(&whole_node, "genuine", Placed::Pinned(&node), None)).await.expect("genuine");
+    assert_eq!(wait_bound(&st.admin, NS, 1, Duration::from_secs(60)).await, 1, "genuine not bound");
+    let genuine_pod = pods.get("genuine").await.expect("genuine");
+    assert_eq!(node_name(&genuine_pod), Some(node.as_str()));
+    let text = genuine_pod.metadata.annotations.as_ref().and_then(|a| a.get(ANNOTATION_ASSIGNMENT)).cloned();
+    let text = text.expect("the genuine pod's assignment");
+    let genuine = AssignmentAnnotation::parse(&text).expect("a valid assignment");
+
+    // 1. replayed verbatim on a pod bound directly: the MAC holds, the UID not
+    pods.create(&pp, &placed_pod(&whole_node, "a-replay", Placed::Direct(&node), Some(&text))).await.expect("a-replay");
+    // 2. rewritten for the forger's own UID, bindSeq 100, bound by the forger's own Binding
+    let forger =
+        pods.create(&pp, &placed_pod(&whole_node, "a-forge", Placed::Unscheduled, None)).await.expect("a-forge");
+    let own_uid = forger.metadata.uid.clone().expect("a UID");
+    let rewritten = AssignmentAnnotation { pod_uid: own_uid.clone(), bind_seq: 100, ..genuine.clone() }.to_json();
+    let patch = json!({"metadata": {"annotations": {ANNOTATION_ASSIGNMENT: rewritten}}});
+    pods.patch("a-forge", &PatchParams::default(), &Patch::Merge(&patch)).await.expect("annotate a-forge");
+    let binding = Binding {
+        metadata: kube::api::ObjectMeta { name: Some("a-forge".into()), uid: Some(own_uid), ..Default::default() },
+        target: ObjectReference { kind: Some("Node".into()), name: Some(node.clone()), ..Default::default() },
+    };
+    pods.create_subresource::<_, Value>("binding", "a-forge", &pp, &binding).await.expect("the forger's Binding");
+    // 3. copied onto a pod nobody binds
+    pods.create(&pp, &placed_pod(&whole_node, "a-unbound", Placed::Unscheduled, Some(&text))).await.expect("a-unbound");
+
+    let events: Api<Event> = Api::namespaced(st.admin.clone(), NS);
+    let not_trusted = || async {
+        let list = events.list(&ListParams::default()).await.expect("events").items;
+        list.into_iter()
+            .filter(|e| e.reason.as_deref() == Some(gpuplace::apiserver::events::REASON_ASSIGNMENT))
+            .filter_map(|e| e.involved_object.name)
+            .collect::<std::collections::BTreeSet<String>>()
+    };
+    let until = Instant::now() + Duration::from_secs(30);
+    while not_trusted().await.len() < 2 && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let reported = not_trusted().await;
+    let genuine_only = std::collections::BTreeSet::from([format!("{NS}/genuine")]);
+    let running_holders = inspect_holders(&ext, &node);
+    let bad = counter(&ext.metrics(), "gpuplace_conflicts_total", "kind=\"bad_assignment\"");
+    pods.create(&pp, &placed_pod(&one, "late", Placed::Pinned(&node), None)).await.expect("late");
+    let late_pending_running = stays_pending(&pods, "late", Duration::from_secs(5)).await;
+    figure(&format!(
+        "forgery: while running: holders of {node} {running_holders:?}, AssignmentNotTrusted on {reported:?}, \
+         bad_assignment conflicts {bad}, a pod pinned to the node pending: {late_pending_running}"
+    ));
+    assert_eq!(running_holders, genuine_only, "a forged assignment was counted");
+    assert!(reported.contains("a-replay") && reported.contains("a-forge"), "not reported: {reported:?}");
+    assert!(bad >= 2.0);
+    assert!(late_pending_running, "a second pod was placed on the genuine pod's GPUs");
+
+    // across a restart (the rebuild settles collisions): still only the genuine pod
+    let mut ext = ext;
+    ext.proc.kill();
+    let mut ext = Extender::start(&st.cp, "replica-a", ext.port, &[]);
+    ext.wait_ready(Duration::from_secs(60)).await;
+    let restarted_holders = inspect_holders(&ext, &node);
+    for pod in ["a-replay", "a-forge", "a-unbound"] {
+        pods.delete(pod, &DeleteParams::default()).await.expect("delete a forger");
+    }
+    let late_pending_restarted = stays_pending(&pods, "late", Duration::from_secs(8)).await;
+    figure(&format!(
+        "forgery: after a SIGKILL and restart: holders of {node} {restarted_holders:?}; forgers deleted, \
+         the pinned pod pending: {late_pending_restarted}"
+    ));
+    assert_eq!(restarted_holders, genuine_only, "a forged assignment was counted at the rebuild");
+    assert!(late_pending_restarted, "the forgers' deletion freed the genuine pod's GPUs");
+
+    // the genuine pod gone: the pinned pod binds, continuing the genuine sequence
+    pods.delete("genuine", &DeleteParams::default()).await.expect("delete genuine");
+    let until = Instant::now() + Duration::from_secs(60);
+    let late = loop {
+        let p = pods.get("late").await.expect("late");
+        if node_name(&p).is_some() || Instant::now() > until {
+            break p;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    assert_eq!(node_name(&late), Some(node.as_str()), "the pinned pod was not bound once the GPUs were free");
+    let late_text = late.metadata.annotations.as_ref().and_then(|a| a.get(ANNOTATION_ASSIGNMENT)).cloned();
+    let seq = AssignmentAnnotation::parse(&late_text.expect("late's assignment")).expect("valid").bind_seq;
+    figure(&format!(
+        "forgery: the genuine pod deleted: the pinned pod bound with bindSeq {seq} (genuine {}, forged 100)",
+        genuine.bind_seq
+    ));
+    assert_eq!(seq, genuine.bind_seq + 1, "the bind sequence did not continue the genuine one");
+    let audit = Audit::of(&snapshot(&st.admin, NS).await);
+    audit.assert_sound(true);
+    let diffs = audit.compare_inspect(&inspect(&ext));
+    assert!(diffs.is_empty(), "/inspect differs from the annotations: {diffs:#?}");
+}
