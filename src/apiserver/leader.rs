@@ -414,6 +414,24 @@ mod tests {
         assert!(cfg.check().is_err());
     }
 
+    /// The API server answers a Lease create in a missing namespace with 404: the error names the
+    /// namespace and what to do, and the round does not lead.
+    #[tokio::test]
+    async fn a_missing_lease_namespace_says_what_to_create() {
+        let fake = crate::apiserver::fake::FakeApiServer::start().await.unwrap();
+        fake.fail_next("POST", "/apis/coordination.k8s.io/v1/namespaces/*/leases", 1, 404);
+        let cfg = LeaderConfig::new("gpuplace-missing", "gpuplace-extender", "replica-a");
+        let api = LeaseApi::new(fake.client().unwrap(), &cfg);
+        let mut elector = Elector::new(&cfg.identity, cfg.lease_duration);
+        let err = round(&api, &mut elector, Instant::now()).await.unwrap_err();
+        assert!(matches!(err, LeaseError::NoNamespace { .. }), "{err}");
+        let text = err.to_string();
+        assert!(text.contains("kubectl create namespace gpuplace-missing"), "{text}");
+        assert!(text.contains("--leader-elect-namespace"), "{text}");
+        // the next round, with the namespace there, creates the Lease and leads
+        assert!(round(&api, &mut elector, Instant::now()).await.unwrap());
+    }
+
     #[tokio::test]
     async fn leadership_lapses_by_itself() {
         let l = Leadership::elected();
