@@ -1,0 +1,409 @@
+//! The typical request mix, learned online from the requests a scheduler sees.
+//!
+//! Fragmentation is measured against the requests a cluster typically serves ([`WorkloadMix`]).
+//! Nobody knows that mix in advance, so it is learned: every GPU pod that arrives is one
+//! observation, older observations fade with a half-life counted in requests, and a small bundled
+//! prior covers the cold start. The extender and the simulator's `gpuplace` policy use this same
+//! learner, fed only with the pods that have arrived so far.
+//!
+//! Pure: no I/O, no clock. Decay is counted in observations, so a replay and a live cluster that
+//! see the same requests in the same order learn the same mix.
+
+use std::collections::{HashMap, VecDeque};
+
+use serde::{Deserialize, Serialize};
+
+use crate::core::resources::PodRequest;
+use crate::placement::scorers::fragmentation::{MixEntry, WorkloadMix};
+
+/// How the learner weighs what it sees.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LearnerConfig {
+    /// Observations after which an observation counts half as much as a new one.
+    pub half_life: f64,
+    /// Weight of the prior, in observations (it does not fade: it only matters while few requests
+    /// have been seen).
+    pub prior_weight: f64,
+    /// Share of the (weighted) requests the mix keeps, most popular first (FGD: 0.95).
+    pub coverage: f64,
+}
+
+impl Default for LearnerConfig {
+    fn default() -> Self {
+        Self { half_life: 2000.0, prior_weight: 20.0, coverage: 0.95 }
+    }
+}
+
+/// See [`MixLearner::refresh_due`].
+pub const REFRESH_EVERY: u64 = 64;
+
+/// Host memory values kept per request type for its median.
+const MEMORY_SAMPLES: usize = 31;
+
+/// A request type: GPUs, per-GPU share, host CPU and allowed models (host memory is summarized).
+type Key = (u32, u32, u64, Vec<String>);
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+struct TypeStats {
+    /// Decayed count, in the learner's current scale.
+    weight: f64,
+    /// The latest host memory values (MiB) of this type.
+    memory: VecDeque<u64>,
+}
+
+/// What the learner knows, as it can be saved and restored (`gpuplace serve --mix-state`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MixLearnerState {
+    pub config: LearnerConfig,
+    /// Requests seen (lifetime).
+    pub observed: u64,
+    /// (type, decayed weight normalized to the newest observation = 1, host memory samples).
+    pub types: Vec<(MixEntry, f64, Vec<u64>)>,
+}
+
+/// Learns the typical request mix from observed requests. See the module documentation.
+#[derive(Debug, Clone)]
+pub struct MixLearner {
+    config: LearnerConfig,
+    prior: WorkloadMix,
+    types: HashMap<Key, TypeStats>,
+    /// Weight of the next observation. Grows by 2^(1/half_life) per observation (the same as
+    /// decaying every older one), and everything is rescaled before it gets large.
+    scale: f64,
+    observed: u64,
+}
+
+impl Default for MixLearner {
+    fn default() -> Self {
+        Self::new(LearnerConfig::default(), bundled_prior())
+    }
+}
+
+/// The cold-start prior: whole GPUs (1, 2, 4, 8) and common shares (half, quarter, a tenth), with
+/// no host CPU or memory (unknown: never a limit). Deliberately generic, not fitted to any trace:
+/// at the default weight, 200 observations outweigh it ten to one.
+pub fn bundled_prior() -> WorkloadMix {
+    let e = |gpus: u32, milli: u32, weight: f64| MixEntry {
+        gpus,
+        milli,
+        cpu_milli: 0,
+        memory_mib: 0,
+        models: Vec::new(),
+        weight,
+    };
+    WorkloadMix {
+        entries: vec![
+            e(1, 1000, 0.30),
+            e(1, 500, 0.20),
+            e(1, 250, 0.15),
+            e(1, 100, 0.10),
+            e(2, 1000, 0.10),
+            e(4, 1000, 0.08),
+            e(8, 1000, 0.07),
+        ],
+    }
+}
+
+impl MixLearner {
+    pub fn new(config: LearnerConfig, prior: WorkloadMix) -> Self {
+        Self { config, prior, types: HashMap::new(), scale: 1.0, observed: 0 }
+    }
+
+    pub fn config(&self) -> LearnerConfig {
+        self.config
+    }
+
+    /// Requests observed so far.
+    pub fn observed(&self) -> u64 {
+        self.observed
+    }
+
+    /// Whether a user of the mix should take a fresh [`MixLearner::mix`] now: after observations
+    /// 1, 2, 4, .. 32, then every [`REFRESH_EVERY`]. A new mix invalidates every cached score, so
+    /// it is not taken after every request; the extender and the simulator follow the same rule, so
+    /// that they score with the same mix after the same requests.
+    pub fn refresh_due(&self) -> bool {
+        let n = self.observed;
+        n > 0 && if n < REFRESH_EVERY { n.is_power_of_two() } else { n % REFRESH_EVERY == 0 }
+    }
+
+    /// Counts one arriving request (`weight` on an entry is ignored).
+    pub fn observe(&mut self, e: &MixEntry) {
+        let key: Key = (e.gpus, e.milli, e.cpu_milli, e.models.clone());
+        let scale = self.scale;
+        let t = self.types.entry(key).or_default();
+        t.weight += scale;
+        if t.memory.len() == MEMORY_SAMPLES {
+            t.memory.pop_front();
+        }
+        t.memory.push_back(e.memory_mib);
+        self.observed += 1;
+        let half_life = self.config.half_life.max(1.0);
+        self.scale *= 2f64.powf(1.0 / half_life);
+        if self.scale > 1e100 {
+            self.rescale();
+        }
+    }
+
+    /// Counts a pod's request, if it asks for GPUs. `gpu_memory_mib` turns a share given in memory
+    /// into a share of a GPU (the cluster's typical GPU memory).
+    pub fn observe_request(&mut self, req: &PodRequest, gpu_memory_mib: u64) {
+        if let Some(e) = MixEntry::from_request(req, gpu_memory_mib) {
+            self.observe(&e);
+        }
+    }
+
+    /// Brings the weights back to a scale where the newest observation counts 1.
+    fn rescale(&mut self) {
+        let s = self.scale;
+        for t in self.types.values_mut() {
+            t.weight /= s;
+        }
+        // types that faded to nothing are forgotten
+        self.types.retain(|_, t| t.weight > 1e-9);
+        self.scale = 1.0;
+    }
+
+    /// The mix now: the observed types with their faded weights, plus the prior, the most popular
+    /// kept until `coverage` of the weight is covered, normalized.
+    pub fn mix(&self) -> WorkloadMix {
+        // observed weights in units of "one new observation"; their sum is the effective count
+        let newest = self.scale / 2f64.powf(1.0 / self.config.half_life.max(1.0));
+        let mut weighted: Vec<(MixEntry, f64)> = self
+            .types
+            .iter()
+            .map(|((gpus, milli, cpu_milli, models), t)| {
+                let mut m: Vec<u64> = t.memory.iter().copied().collect();
+                m.sort_unstable();
+                let memory_mib = m.get(m.len().saturating_sub(1) / 2).copied().unwrap_or(0);
+                let e = MixEntry {
+                    gpus: *gpus,
+                    milli: *milli,
+                    cpu_milli: *cpu_milli,
+                    memory_mib,
+                    models: models.clone(),
+                    weight: 0.0,
+                };
+                (e, t.weight / newest)
+            })
+            .collect();
+        let prior_total: f64 = self.prior.entries.iter().map(|e| e.weight).sum();
+        if prior_total > 0.0 && self.config.prior_weight > 0.0 {
+            for p in &self.prior.entries {
+                let w = self.config.prior_weight * p.weight / prior_total;
+                let same = |e: &MixEntry| {
+                    e.gpus == p.gpus && e.milli == p.milli && e.cpu_milli == p.cpu_milli && e.models == p.models
+                };
+                match weighted.iter_mut().find(|(e, _)| same(e)) {
+                    Some((_, x)) => *x += w,
+                    None => weighted.push((MixEntry { weight: 0.0, ..p.clone() }, w)),
+                }
+            }
+        }
+        // most weight first; ties: larger requests first, so the order never depends on hashing
+        weighted.sort_by(|(a, wa), (b, wb)| {
+            wb.total_cmp(wa)
+                .then(b.cpu_milli.cmp(&a.cpu_milli))
+                .then(b.milli.cmp(&a.milli))
+                .then(b.gpus.cmp(&a.gpus))
+                .then(b.models.cmp(&a.models))
+        });
+        let total: f64 = weighted.iter().map(|(_, w)| w).sum();
+        let mut covered = 0.0;
+        let mut kept = Vec::new();
+        for (e, w) in weighted {
+            if total > 0.0 && covered >= self.config.coverage * total {
+                break;
+            }
+            covered += w;
+            kept.push((e, w));
+        }
+        let entries = kept
+            .into_iter()
+            .map(|(e, w)| MixEntry { weight: if covered > 0.0 { w / covered } else { 0.0 }, ..e })
+            .collect();
+        WorkloadMix { entries }
+    }
+
+    /// What to save; [`MixLearner::restore`] takes it back.
+    pub fn state(&self) -> MixLearnerState {
+        let mut types: Vec<(MixEntry, f64, Vec<u64>)> = self
+            .types
+            .iter()
+            .map(|((gpus, milli, cpu_milli, models), t)| {
+                let e = MixEntry {
+                    gpus: *gpus,
+                    milli: *milli,
+                    cpu_milli: *cpu_milli,
+                    memory_mib: 0,
+                    models: models.clone(),
+                    weight: 0.0,
+                };
+                (e, t.weight / self.scale, t.memory.iter().copied().collect())
+            })
+            .collect();
+        types.sort_by(|a, b| b.1.total_cmp(&a.1));
+        MixLearnerState { config: self.config, observed: self.observed, types }
+    }
+
+    /// A learner that continues from `state` (its own config kept), with `prior`.
+    pub fn restore(state: &MixLearnerState, prior: WorkloadMix) -> Self {
+        let mut l = Self::new(state.config, prior);
+        l.observed = state.observed;
+        for (e, w, mem) in &state.types {
+            if !(w.is_finite() && *w > 0.0) {
+                continue;
+            }
+            let memory: VecDeque<u64> = mem.iter().rev().take(MEMORY_SAMPLES).rev().copied().collect();
+            l.types.insert((e.gpus, e.milli, e.cpu_milli, e.models.clone()), TypeStats { weight: *w, memory });
+        }
+        l
+    }
+}
+
+/// The GPU memory that turns a share asked in memory into a share of a GPU: the median over the
+/// cluster's GPUs (0 for a cluster without GPUs).
+pub fn typical_gpu_memory_mib(cluster: &crate::core::cluster::Cluster) -> u64 {
+    let mut m: Vec<u64> = cluster.nodes().iter().flat_map(|n| n.gpus.iter().map(|g| g.memory_mib)).collect();
+    m.sort_unstable();
+    m.get(m.len().saturating_sub(1) / 2).copied().unwrap_or(0)
+}
+
+impl MixEntry {
+    /// The mix entry of a pod's request: its GPUs (app containers), the largest per-GPU share among
+    /// them (a share given in memory taken on a GPU of `gpu_memory_mib`), host CPU and memory, and
+    /// allowed models. `None` for a pod that asks for no GPU.
+    pub fn from_request(req: &PodRequest, gpu_memory_mib: u64) -> Option<MixEntry> {
+        let gpus = req.total_gpus();
+        if gpus == 0 {
+            return None;
+        }
+        let milli = req.containers.iter().map(|c| c.demand.milli_on(gpu_memory_mib)).max().unwrap_or(1000);
+        Some(MixEntry {
+            gpus,
+            milli,
+            cpu_milli: req.cpu_milli,
+            memory_mib: req.memory_mib,
+            models: req.allowed_models.clone(),
+            weight: 0.0,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(gpus: u32, milli: u32, cpu_milli: u64) -> MixEntry {
+        MixEntry { gpus, milli, cpu_milli, memory_mib: 1024, models: Vec::new(), weight: 0.0 }
+    }
+
+    fn weight_of(mix: &WorkloadMix, gpus: u32, milli: u32) -> f64 {
+        mix.entries.iter().filter(|e| e.gpus == gpus && e.milli == milli).map(|e| e.weight).sum()
+    }
+
+    #[test]
+    fn a_cold_learner_is_its_prior() {
+        let l = MixLearner::default();
+        let mix = l.mix();
+        assert!(!mix.is_empty());
+        assert!((mix.entries.iter().map(|e| e.weight).sum::<f64>() - 1.0).abs() < 1e-9);
+        assert!(weight_of(&mix, 1, 1000) > 0.25);
+    }
+
+    #[test]
+    fn what_it_sees_outweighs_the_prior_and_old_requests_fade() {
+        let cfg = LearnerConfig { half_life: 100.0, prior_weight: 10.0, coverage: 1.0 };
+        let mut l = MixLearner::new(cfg, bundled_prior());
+        for _ in 0..1000 {
+            l.observe(&entry(1, 300, 4000));
+        }
+        let mix = l.mix();
+        assert!(weight_of(&mix, 1, 300) > 0.9, "{mix:?}");
+        assert_eq!(mix.entries[0].cpu_milli, 4000);
+        assert_eq!(mix.entries[0].memory_mib, 1024);
+        // the workload changes: after 5 half-lives the old type is a few percent
+        for _ in 0..500 {
+            l.observe(&entry(2, 1000, 8000));
+        }
+        let mix = l.mix();
+        assert!(weight_of(&mix, 2, 1000) > 0.9, "{mix:?}");
+        assert!(weight_of(&mix, 1, 300) < 0.05, "{mix:?}");
+        assert_eq!(l.observed(), 1500);
+    }
+
+    #[test]
+    fn equal_observations_give_equal_weights_and_coverage_drops_the_tail() {
+        let cfg = LearnerConfig { half_life: 1e9, prior_weight: 0.0, coverage: 0.9 };
+        let mut l = MixLearner::new(cfg, bundled_prior());
+        for i in 0..100 {
+            l.observe(&entry(1, if i % 2 == 0 { 500 } else { 1000 }, 0));
+        }
+        for _ in 0..5 {
+            l.observe(&entry(4, 1000, 0));
+        }
+        let mix = l.mix();
+        assert_eq!(mix.entries.len(), 2, "the 5 percent tail is dropped: {mix:?}");
+        assert!((weight_of(&mix, 1, 500) - 0.5).abs() < 1e-6);
+    }
+
+    #[test]
+    fn rescaling_keeps_the_mix() {
+        let cfg = LearnerConfig { half_life: 1.0, prior_weight: 0.0, coverage: 1.0 };
+        let mut l = MixLearner::new(cfg, WorkloadMix::default());
+        // half-life 1: the scale doubles per observation and is rescaled every ~330
+        for i in 0..2000 {
+            l.observe(&entry(1, if i % 4 == 0 { 250 } else { 500 }, 0));
+        }
+        let mix = l.mix();
+        let total: f64 = mix.entries.iter().map(|e| e.weight).sum();
+        assert!((total - 1.0).abs() < 1e-9 && mix.entries.iter().all(|e| e.weight.is_finite()), "{mix:?}");
+        assert!(weight_of(&mix, 1, 500) > 0.5);
+    }
+
+    #[test]
+    fn refreshes_often_at_first_then_every_64() {
+        let mut l = MixLearner::default();
+        let mut due = Vec::new();
+        for _ in 0..200 {
+            l.observe(&entry(1, 1000, 0));
+            if l.refresh_due() {
+                due.push(l.observed());
+            }
+        }
+        assert_eq!(due, [1, 2, 4, 8, 16, 32, 64, 128, 192]);
+    }
+
+    #[test]
+    fn state_round_trips() {
+        let mut l = MixLearner::default();
+        for i in 0..300 {
+            l.observe(&entry(1 + i % 3, 1000, 1000 * u64::from(i % 5)));
+        }
+        let text = serde_json::to_string(&l.state()).unwrap();
+        let back = MixLearner::restore(&serde_json::from_str(&text).unwrap(), bundled_prior());
+        assert_eq!(back.observed(), 300);
+        let (a, b) = (l.mix(), back.mix());
+        assert_eq!(a.entries.len(), b.entries.len());
+        for (x, y) in a.entries.iter().zip(&b.entries) {
+            assert_eq!((x.gpus, x.milli, x.cpu_milli, x.memory_mib), (y.gpus, y.milli, y.cpu_milli, y.memory_mib));
+            assert!((x.weight - y.weight).abs() < 1e-9);
+        }
+    }
+
+    #[test]
+    fn requests_become_entries() {
+        use crate::core::resources::{GpuDemand, MemoryDemand};
+        let mut r =
+            PodRequest::single("p", GpuDemand::Shared { gpus: 1, memory: MemoryDemand::Mib(8192), core_pct: 20 });
+        r.cpu_milli = 4000;
+        // 8 GiB of a 32 GiB GPU is a quarter, more than 20 percent of compute
+        let e = MixEntry::from_request(&r, 32768).unwrap();
+        assert_eq!((e.gpus, e.milli, e.cpu_milli), (1, 250, 4000));
+        let whole = PodRequest::single("w", GpuDemand::Whole { gpus: 4 });
+        assert_eq!(MixEntry::from_request(&whole, 32768).map(|e| (e.gpus, e.milli)), Some((4, 1000)));
+        let mut cpu_only = whole.clone();
+        cpu_only.containers.clear();
+        assert!(MixEntry::from_request(&cpu_only, 32768).is_none());
+    }
+}
