@@ -320,6 +320,11 @@ struct SimulateArgs {
     /// What-if: give every node unlimited host CPU and memory, so that only GPUs limit placement.
     #[arg(long)]
     unlimited_host: bool,
+    /// Where the gpuplace policy's typical request mix comes from: `learned` online from the pods
+    /// that have arrived so far (as `serve` learns it), or `trace`, a what-if in which the whole
+    /// workload's mix is known in advance (reported as `gpuplace(what-if: trace mix)`).
+    #[arg(long, default_value = "learned")]
+    gpuplace_mix: gpuplace::sim::policies::MixSource,
 }
 
 #[derive(Debug, Clone)]
@@ -400,6 +405,7 @@ fn main() -> ExitCode {
                 profile,
                 offline_reference: args.offline_reference,
                 unlimited_host: args.unlimited_host,
+                mix_source: args.gpuplace_mix,
             };
             if !(cfg.tune > 0.0 && cfg.tune <= 10.0) {
                 eprintln!("error: --tune must be in (0, 10], got {}", cfg.tune);

@@ -37,6 +37,34 @@ impl Default for LearnerConfig {
 /// See [`MixLearner::refresh_due`].
 pub const REFRESH_EVERY: u64 = 64;
 
+/// See [`MixLearner::refreshed`]: a change of the mix smaller than this (total variation) is not
+/// taken.
+pub const MIX_CHANGE: f64 = 0.02;
+
+/// How far apart two mixes are: the total variation distance of their weights (0 same, 1 disjoint),
+/// where an entry whose typical host memory moved by more than a quarter counts as a different one.
+pub fn mix_distance(a: &WorkloadMix, b: &WorkloadMix) -> f64 {
+    let same = |x: &MixEntry, y: &MixEntry| {
+        let (lo, hi) = (x.memory_mib.min(y.memory_mib), x.memory_mib.max(y.memory_mib));
+        x.gpus == y.gpus
+            && x.milli == y.milli
+            && x.cpu_milli == y.cpu_milli
+            && x.models == y.models
+            && hi - lo <= hi / 4
+    };
+    let mut diff = 0.0;
+    for x in &a.entries {
+        let w = b.entries.iter().find(|y| same(x, y)).map_or(0.0, |y| y.weight);
+        diff += (x.weight - w).abs();
+    }
+    for y in &b.entries {
+        if !a.entries.iter().any(|x| same(x, y)) {
+            diff += y.weight;
+        }
+    }
+    diff / 2.0
+}
+
 /// Host memory values kept per request type for its median.
 const MEMORY_SAMPLES: usize = 31;
 
@@ -118,13 +146,24 @@ impl MixLearner {
         self.observed
     }
 
-    /// Whether a user of the mix should take a fresh [`MixLearner::mix`] now: after observations
-    /// 1, 2, 4, .. 32, then every [`REFRESH_EVERY`]. A new mix invalidates every cached score, so
-    /// it is not taken after every request; the extender and the simulator follow the same rule, so
-    /// that they score with the same mix after the same requests.
+    /// Whether the mix is looked at again now: after observations 1, 2, 4, .. 32, then every
+    /// [`REFRESH_EVERY`].
     pub fn refresh_due(&self) -> bool {
         let n = self.observed;
         n > 0 && if n < REFRESH_EVERY { n.is_power_of_two() } else { n % REFRESH_EVERY == 0 }
+    }
+
+    /// The mix to score with from now on, when it differs from `current` by more than
+    /// [`MIX_CHANGE`] ([`mix_distance`]) at a [`MixLearner::refresh_due`] point; `None` to keep
+    /// `current`. A new mix invalidates every cached score, so it is not taken after every request,
+    /// nor for changes too small to move a placement; the extender and the simulator follow this same
+    /// rule, so they score with the same mix after the same requests.
+    pub fn refreshed(&self, current: &WorkloadMix) -> Option<WorkloadMix> {
+        if !self.refresh_due() {
+            return None;
+        }
+        let next = self.mix();
+        (mix_distance(&next, current) > MIX_CHANGE).then_some(next)
     }
 
     /// Counts one arriving request (`weight` on an entry is ignored).
@@ -372,6 +411,26 @@ mod tests {
             }
         }
         assert_eq!(due, [1, 2, 4, 8, 16, 32, 64, 128, 192]);
+    }
+
+    #[test]
+    fn a_new_mix_is_taken_only_when_it_moved() {
+        let mut l = MixLearner::default();
+        let mut current = l.mix();
+        let mut taken = 0;
+        for i in 0..5000u64 {
+            l.observe(&entry(1, if i % 2 == 0 { 500 } else { 1000 }, 0));
+            if let Some(m) = l.refreshed(&current) {
+                assert!(mix_distance(&m, &current) > MIX_CHANGE);
+                current = m;
+                taken += 1;
+            }
+        }
+        // the prior gives way at first; a steady workload then stops moving the mix
+        assert!((1..=12).contains(&taken), "{taken}");
+        assert!((weight_of(&current, 1, 500) - 0.5).abs() < 0.05, "{current:?}");
+        assert_eq!(mix_distance(&current, &current), 0.0);
+        assert!((mix_distance(&current, &WorkloadMix::default()) - 0.5).abs() < 1e-9);
     }
 
     #[test]

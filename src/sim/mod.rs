@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
-use crate::sim::policies::PolicyKind;
+use crate::sim::policies::{MixSource, PolicyKind};
 use crate::sim::report::PolicyReport;
 use crate::sim::trace::TraceError;
 
@@ -29,6 +29,8 @@ pub struct SimConfig {
     pub tune: f64,
     /// Profile of the `gpuplace` policy.
     pub profile: crate::placement::profile::ProfileConfig,
+    /// Where the `gpuplace` policy's typical request mix comes from (learned, or the what-if).
+    pub mix_source: MixSource,
     /// Also report the clairvoyant offline reference ([`reference`]) at 100 % arrival.
     pub offline_reference: bool,
     /// What-if: every node's host CPU and memory unlimited, so only GPUs limit placement.
@@ -56,11 +58,15 @@ pub fn simulate(trace_dir: &Path, cfg: &SimConfig) -> Result<Vec<PolicyReport>, 
         let results: Vec<run::SeedResult> = cfg
             .seeds
             .par_iter()
-            .map(|&seed| run::run_seed(&nodes, &pods, &mix, kind, &cfg.profile, seed, cfg.tune))
+            .map(|&seed| run::run_seed(&nodes, &pods, &mix, kind, &cfg.profile, cfg.mix_source, seed, cfg.tune))
             .collect();
-        let mut r = PolicyReport::new(kind.name(), &cfg.workload, &results, start.elapsed().as_secs_f64());
-        r.paper_unallocated_gpu_pct_at_100 =
-            paper.as_ref().and_then(|p| p.unallocated_at(&cfg.workload, kind, 100, &cfg.seeds));
+        let name = if kind == PolicyKind::Gpuplace { cfg.mix_source.policy_name() } else { kind.name() };
+        let mut r = PolicyReport::new(name, &cfg.workload, &results, start.elapsed().as_secs_f64());
+        // rounded like every other figure (the mean of ten two-decimal figures is float noise)
+        r.paper_unallocated_gpu_pct_at_100 = paper
+            .as_ref()
+            .and_then(|p| p.unallocated_at(&cfg.workload, kind, 100, &cfg.seeds))
+            .map(|x| (x * 100.0).round() / 100.0);
         reports.push(r);
     }
     if cfg.offline_reference {

@@ -8,6 +8,7 @@ use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
 use crate::placement::engine::Engine;
+use crate::placement::mix_learner::{typical_gpu_memory_mib, MixLearner};
 use crate::placement::profile::{Profile, ProfileConfig};
 use crate::sim::state::{SimNode, SimState};
 use crate::sim::trace::TracePod;
@@ -77,6 +78,38 @@ impl std::str::FromStr for PolicyKind {
     }
 }
 
+/// Where the `gpuplace` policy's typical request mix comes from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum MixSource {
+    /// Learned online from the pods that have arrived so far, as the extender learns it
+    /// ([`MixLearner`]): what a scheduler can know.
+    #[default]
+    Learned,
+    /// What-if: the whole workload's mix, known before the first pod arrives (FGD's assumption).
+    Trace,
+}
+
+impl MixSource {
+    /// The policy's name in reports: the what-if is labelled as one.
+    pub fn policy_name(self) -> &'static str {
+        match self {
+            MixSource::Learned => "gpuplace",
+            MixSource::Trace => "gpuplace(what-if: trace mix)",
+        }
+    }
+}
+
+impl std::str::FromStr for MixSource {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "learned" => Ok(MixSource::Learned),
+            "trace" => Ok(MixSource::Trace),
+            other => Err(format!("unknown mix source {other:?}; choose learned or trace")),
+        }
+    }
+}
+
 /// Where a pod goes: node index and GPU indices.
 pub type Choice = (usize, Vec<usize>);
 
@@ -123,14 +156,25 @@ pub struct Policy {
     /// most evaluations repeat.
     cache: HashMap<(usize, u32), (u64, Option<Scored>)>,
     shapes: HashMap<(u64, u64, u32, u32, String), u32>,
+    /// The `gpuplace` policy's learner ([`MixSource::Learned`]) and the GPU memory it reads shares by.
+    learner: Option<(MixLearner, u64)>,
 }
 
 impl Policy {
-    /// `profile` configures the `gpuplace` policy (the others ignore it).
-    pub fn new(kind: PolicyKind, state: &SimState, profile: &ProfileConfig) -> Self {
-        let engine =
-            (kind == PolicyKind::Gpuplace).then(|| Engine::new(Profile::new(profile.clone()), state.mix.clone()));
-        Self { kind, engine, cache: HashMap::new(), shapes: HashMap::new() }
+    /// `profile` and `mix` configure the `gpuplace` policy (the others ignore them). FGD always
+    /// knows the whole workload's mix in advance, as the paper defines it.
+    pub fn new(kind: PolicyKind, state: &SimState, profile: &ProfileConfig, mix: MixSource) -> Self {
+        let gpuplace = kind == PolicyKind::Gpuplace;
+        let learner = (gpuplace && mix == MixSource::Learned)
+            .then(|| (MixLearner::default(), typical_gpu_memory_mib(&state.cluster)));
+        let engine = gpuplace.then(|| {
+            let start = match &learner {
+                Some((l, _)) => l.mix(),
+                None => state.mix.clone(),
+            };
+            Engine::new(Profile::new(profile.clone()), start)
+        });
+        Self { kind, engine, cache: HashMap::new(), shapes: HashMap::new(), learner }
     }
 
     pub fn kind(&self) -> PolicyKind {
@@ -198,8 +242,17 @@ impl Policy {
     }
 
     fn choose_gpuplace(&mut self, state: &SimState, pod: &TracePod, shape: u32, models: &[String]) -> Option<Choice> {
-        let engine = self.engine.as_ref()?;
         let req = pod.request(&pod.name);
+        // the pod has arrived: the learner counts it before it is placed, as the extender counts a
+        // pod at its first filter
+        if let (Some((learner, gpu_memory)), Some(engine)) = (self.learner.as_mut(), self.engine.as_mut()) {
+            learner.observe_request(&req, *gpu_memory);
+            if let Some(mix) = learner.refreshed(&engine.mix) {
+                engine.mix = mix;
+                self.cache.clear();
+            }
+        }
+        let engine = self.engine.as_ref()?;
         let mut best: Option<(f64, usize, Vec<usize>)> = None;
         for (i, s) in state.nodes.iter().enumerate() {
             if !s.fits(pod, models) {

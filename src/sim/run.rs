@@ -8,7 +8,7 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::placement::profile::ProfileConfig;
 use crate::placement::scorers::fragmentation::WorkloadMix;
-use crate::sim::policies::{Policy, PolicyKind};
+use crate::sim::policies::{MixSource, Policy, PolicyKind};
 use crate::sim::protocol::{arrival_order, gpu_milli_total};
 use crate::sim::state::SimState;
 use crate::sim::trace::{TraceNode, TracePod};
@@ -49,6 +49,7 @@ pub fn run_seed(
     mix: &WorkloadMix,
     kind: PolicyKind,
     profile: &ProfileConfig,
+    mix_source: MixSource,
     seed: u64,
     tune: f64,
 ) -> SeedResult {
@@ -56,7 +57,7 @@ pub fn run_seed(
     let mut state = SimState::new(nodes, mix.clone());
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let order = arrival_order(pods, state.capacity_milli, tune, &mut rng);
-    let mut policy = Policy::new(kind, &state, profile);
+    let mut policy = Policy::new(kind, &state, profile, mix_source);
     let mut events = Vec::with_capacity(order.len());
     let mut arrived = 0u64;
     let mut failed = 0usize;
