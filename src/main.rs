@@ -13,9 +13,11 @@ use gpuplace::core::inventory::load_cluster;
 use gpuplace::extender::binder::RecordingBinder;
 use gpuplace::extender::http::{HttpOptions, DEFAULT_LISTEN, DEFAULT_MAX_BODY_BYTES, DEFAULT_PREFIX};
 use gpuplace::extender::inspect::InspectReport;
+use gpuplace::extender::mix::{load_learner, MixSaver, SAVE_EVERY};
 use gpuplace::extender::placement_log::PlacementLog;
 use gpuplace::extender::service::{Extender, ServiceOptions};
 use gpuplace::placement::engine::Engine;
+use gpuplace::placement::mix_learner::MixLearner;
 use gpuplace::placement::profile::{Profile, ProfileConfig};
 use gpuplace::placement::scorers::fragmentation::WorkloadMix;
 use gpuplace::sim::policies::PolicyKind;
@@ -103,10 +105,20 @@ struct ServeArgs {
     /// Profile (YAML, as for simulate); default: the built-in profile.
     #[arg(long)]
     profile: Option<PathBuf>,
-    /// Typical request mix for fragmentation-aware placement (YAML or JSON: `entries: [{gpus,
-    /// milli, cpu_milli, memory_mib, models, weight}]`); without it, shares are packed by policy.
-    #[arg(long)]
+    /// Override: score fragmentation against this fixed request mix (YAML or JSON: `entries:
+    /// [{gpus, milli, cpu_milli, memory_mib, models, weight}]`) and learn nothing, for what-ifs.
+    /// Without it the mix is learned from the GPU pods seen, starting from a bundled generic prior.
+    #[arg(long, value_name = "FILE")]
     mix: Option<PathBuf>,
+    /// Half-life of the learned mix, in GPU pods: a pod counts half as much as a new one after this
+    /// many newer pods (default 5000).
+    #[arg(long, value_name = "N", conflicts_with = "mix", value_parser = parse_half_life)]
+    mix_half_life: Option<f64>,
+    /// Keep the learned mix across restarts in this file (the JSON of GET /mix): read at start if it
+    /// exists (a bad file is a warning and a fresh start), written every 60 s when it changed and at
+    /// shutdown.
+    #[arg(long, value_name = "FILE", conflicts_with = "mix")]
+    mix_state: Option<PathBuf>,
     /// HTTP worker threads (0: one per core).
     #[arg(long, default_value_t = 0)]
     workers: usize,
@@ -134,16 +146,37 @@ fn load_yaml<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, String> {
     serde_norway::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
 }
 
-fn engine_of(args: &ServeArgs) -> Result<Engine, String> {
+fn parse_half_life(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(h) if h.is_finite() && h >= 1.0 => Ok(h),
+        _ => Err(format!("expected a number of pods, 1 or more, got {s:?}")),
+    }
+}
+
+/// The engine, and the learner of its mix unless `--mix` fixes it.
+fn engine_of(args: &ServeArgs) -> Result<(Engine, Option<MixLearner>), String> {
     let profile = match &args.profile {
         Some(p) => load_yaml::<ProfileConfig>(p)?,
         None => ProfileConfig::default(),
     };
-    let mix = match &args.mix {
-        Some(p) => load_yaml::<WorkloadMix>(p)?,
-        None => WorkloadMix::default(),
+    let (mix, learner) = match &args.mix {
+        Some(p) => (load_yaml::<WorkloadMix>(p)?, None),
+        None => {
+            let learner = load_learner(args.mix_state.as_deref(), args.mix_half_life);
+            (learner.mix(), Some(learner))
+        }
     };
-    Ok(Engine::new(Profile::new(profile), mix))
+    Ok((Engine::new(Profile::new(profile), mix), learner))
+}
+
+/// Saves the learned mix to `--mix-state`, if asked (and the mix is learned).
+fn mix_saver(args: &ServeArgs, ext: &Arc<Extender>) -> Result<Option<MixSaver>, String> {
+    match (&args.mix_state, ext.mix_state()) {
+        (Some(path), Some(_)) => MixSaver::spawn(ext.clone(), path.clone(), SAVE_EVERY)
+            .map(Some)
+            .map_err(|e| format!("mix state saver: {e}")),
+        _ => Ok(None),
+    }
 }
 
 fn placement_log_of(args: &ServeArgs) -> Result<Option<PlacementLog>, String> {
@@ -180,7 +213,7 @@ fn host_identity() -> String {
 /// API-server mode: the kube side on its own thread (gpuplace::apiserver::run), HTTP on this one.
 fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
     let source = args.connect.source().map_err(|e| e.to_string())?;
-    let engine = engine_of(args)?;
+    let (engine, learner) = engine_of(args)?;
     let log = placement_log_of(args)?;
     let identity =
         args.leader_elect_identity.clone().or_else(|| env_nonempty("POD_NAME")).unwrap_or_else(host_identity);
@@ -221,9 +254,13 @@ fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
         if let Some(log) = log {
             ext = ext.with_placement_log(log);
         }
+        if let Some(learner) = learner {
+            ext = ext.with_mix_learner(learner);
+        }
         Arc::new(ext)
     })
     .map_err(|e| e.to_string())?;
+    let saver = mix_saver(args, &kube.ext)?;
     eprintln!(
         "gpuplace: API-server mode (leader election {}); listening on http://{}{prefix}; ready once the keys in Secret {key_secret} are loaded and allocations rebuilt{}",
         if elect { "on" } else { "off" },
@@ -233,6 +270,9 @@ fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
     let served = gpuplace::extender::http::serve_forever(kube.ext.clone(), http, &args.listen, args.workers);
     // SIGTERM: the HTTP server has drained its requests (binds included); hand the Lease back
     kube.shutdown(std::time::Duration::from_secs(3));
+    if let Some(saver) = saver {
+        saver.finish();
+    }
     served.map_err(|e| format!("serving on {}: {e}", args.listen))
 }
 
@@ -241,14 +281,17 @@ fn serve(args: &ServeArgs) -> Result<(), String> {
         return serve_apiserver(args);
     };
     let cluster = load_cluster(cluster_file).map_err(|e| e.to_string())?;
-    let engine = engine_of(args)?;
+    let (engine, learner) = engine_of(args)?;
     let nodes = cluster.nodes().len();
     let mut ext = Extender::new(cluster, engine, Arc::new(RecordingBinder::new()), ServiceOptions::default());
-    if let Some(target) = &args.placement_log {
-        let log = PlacementLog::open(target, args.placement_log_max_mib.saturating_mul(1 << 20))
-            .map_err(|e| format!("placement log {target}: {e}"))?;
+    if let Some(log) = placement_log_of(args)? {
         ext = ext.with_placement_log(log);
     }
+    if let Some(learner) = learner {
+        ext = ext.with_mix_learner(learner);
+    }
+    let ext = Arc::new(ext);
+    let saver = mix_saver(args, &ext)?;
     let opts = HttpOptions { prefix: args.prefix.clone(), max_body_bytes: args.max_body_bytes };
     tracing::info!(cluster = %cluster_file.display(), nodes, "static mode");
     eprintln!(
@@ -257,8 +300,11 @@ fn serve(args: &ServeArgs) -> Result<(), String> {
         args.listen,
         opts.normalized_prefix()?
     );
-    gpuplace::extender::http::serve_forever(Arc::new(ext), opts, &args.listen, args.workers)
-        .map_err(|e| format!("serving on {}: {e}", args.listen))
+    let served = gpuplace::extender::http::serve_forever(ext, opts, &args.listen, args.workers);
+    if let Some(saver) = saver {
+        saver.finish();
+    }
+    served.map_err(|e| format!("serving on {}: {e}", args.listen))
 }
 
 fn inspect(args: &InspectArgs) -> Result<String, String> {

@@ -20,6 +20,7 @@ use gpuplace::extender::binder::{BindError, BindRequest, Binder};
 use gpuplace::extender::metrics::{BindOutcome, ConflictKind, Watched};
 use gpuplace::extender::service::{now_unix_ms, Extender, ServiceOptions};
 use gpuplace::placement::engine::Engine;
+use gpuplace::placement::mix_learner::{bundled_prior, MixLearner};
 use gpuplace::placement::profile::{Profile, ProfileConfig, Weights};
 use gpuplace::placement::scorers::fragmentation::WorkloadMix;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -45,12 +46,30 @@ fn replica(fake: &FakeApiServer, leader: Option<LeaderConfig>) -> Replica {
 }
 
 fn replica_with(fake: &FakeApiServer, leader: Option<LeaderConfig>, profile: ProfileConfig) -> Replica {
+    start_replica(fake, leader, profile, None)
+}
+
+/// A replica that learns its mix with `learner`.
+fn learning_replica(fake: &FakeApiServer, learner: MixLearner) -> Replica {
+    start_replica(fake, None, ProfileConfig::default(), Some(learner))
+}
+
+fn start_replica(
+    fake: &FakeApiServer,
+    leader: Option<LeaderConfig>,
+    profile: ProfileConfig,
+    learner: Option<MixLearner>,
+) -> Replica {
     let client = fake.client().unwrap();
     let leadership = if leader.is_some() { Leadership::elected() } else { Leadership::always() };
     let binder = Arc::new(KubeBinder::new(client.clone(), leadership.clone()));
     let engine = Engine::new(Profile::new(profile), WorkloadMix::default());
     let opts = ServiceOptions { ready: false, ..ServiceOptions::default() };
-    let ext = Arc::new(Extender::new(Cluster::default(), engine, binder.clone(), opts));
+    let mut ext = Extender::new(Cluster::default(), engine, binder.clone(), opts);
+    if let Some(l) = learner {
+        ext = ext.with_mix_learner(l);
+    }
+    let ext = Arc::new(ext);
     let instance = leader.as_ref().map_or("solo".to_string(), |l| l.identity.clone());
     let keys = KeyOptions { resign_every: Duration::from_millis(100), ..KeyOptions::default() };
     let opts = ApiOptions { node_selector: None, leader, instance, utilization_namespace: Some(UTIL_NS.into()), keys };
@@ -903,4 +922,61 @@ async fn readiness_does_not_wait_on_the_utilization_watch_whose_errors_are_count
     // retried with the watcher's backoff (under a second for the first retry)
     eventually("applied after the retry", || samples(&r.ext, "n1") == [Some(100), Some(100)]).await;
     assert_eq!(r.ext.metrics().watch_errors(Watched::Pods), 0);
+}
+
+/// A filter request for `pod` with `nodes` as candidates; returns the extender's `Error`.
+fn filter(ext: &Extender, pod: &Pod, nodes: &[&str]) -> String {
+    let body = json!({ "Pod": pod, "Nodes": null, "NodeNames": nodes });
+    ext.filter(body.to_string().as_bytes()).unwrap().error
+}
+
+fn observed(ext: &Extender) -> u64 {
+    ext.mix_report().observed
+}
+
+/// The learned mix counts each GPU pod once, whichever way this replica first meets it: its first
+/// filter (not the later ones, nor its bind or the watch echo), its own bind of a pod it never
+/// filtered, the pod watch (a pod another replica bound), or the start-up rebuild. A replica restored
+/// from saved state does not count the running pods of its rebuild again.
+#[tokio::test]
+async fn the_learned_mix_counts_each_pod_once_from_filter_bind_watch_or_rebuild() {
+    let fake = FakeApiServer::start().await.unwrap();
+    fake.put(&gpu_node("n1", 4));
+    let p = fake.put(&gpu_pod("p", share(10240)));
+    let q = fake.put(&gpu_pod("q", whole(1)));
+    fake.put(&gpu_pod("cpu-only", json!({})));
+    let a = learning_replica(&fake, MixLearner::default());
+    ready(&a.ext).await;
+    assert_eq!(observed(&a.ext), 0, "pending pods are not counted by the watch");
+
+    for _ in 0..3 {
+        assert_eq!(filter(&a.ext, &p, &["n1"]), "");
+    }
+    assert_eq!(observed(&a.ext), 1, "one pod, filtered three times");
+    assert_eq!(bind(&a.ext, &p, "n1").await, "");
+    // q was remembered by the pod watcher, never filtered here: its bind counts it
+    assert_eq!(bind(&a.ext, &q, "n1").await, "");
+    settle().await;
+    assert_eq!(observed(&a.ext), 2, "binds and their watch echoes count nothing more");
+
+    // a fresh replica counts the bound pods from its rebuild
+    let b = learning_replica(&fake, MixLearner::default());
+    ready(&b.ext).await;
+    assert_eq!(observed(&b.ext), 2);
+    // a pod the other replica binds reaches it through the watch, once
+    let r = fake.put(&gpu_pod("r", whole(2)));
+    eventually("r remembered by a", || fake.get::<Pod>("ns", "r").is_some()).await;
+    settle().await;
+    assert_eq!(bind(&a.ext, &r, "n1").await, "");
+    eventually("b counts r", || observed(&b.ext) == 3).await;
+    settle().await;
+    assert_eq!((observed(&a.ext), observed(&b.ext)), (3, 3));
+    assert_eq!(a.ext.mix_report().entries, b.ext.mix_report().entries, "the same pods, the same mix");
+
+    // a replica restored from a's state: the running pods were counted before
+    let saved = a.ext.mix_state().unwrap();
+    let c = learning_replica(&fake, MixLearner::restore(&saved, bundled_prior()));
+    ready(&c.ext).await;
+    settle().await;
+    assert_eq!(observed(&c.ext), 3);
 }

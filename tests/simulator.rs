@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use gpuplace::placement::profile::ProfileConfig;
-use gpuplace::sim::policies::PolicyKind;
+use gpuplace::sim::policies::{MixSource, PolicyKind};
 use gpuplace::sim::{simulate, SimConfig};
 
 fn root() -> PathBuf {
@@ -20,6 +20,7 @@ fn cfg(policies: Vec<PolicyKind>, seeds: Vec<u64>) -> SimConfig {
         profile: ProfileConfig::default(),
         offline_reference: false,
         unlimited_host: false,
+        mix_source: MixSource::Learned,
     }
 }
 
@@ -82,4 +83,22 @@ fn unlimited_host_lifts_cpu_and_memory_limits_only() {
     let unlimited = simulate(&dir, &c).unwrap().remove(0);
     assert_eq!(limited.pods_per_seed, unlimited.pods_per_seed, "same arrivals");
     assert!(unlimited.unallocated_gpu_pct["130"] <= limited.unallocated_gpu_pct["130"] + 1e-9);
+}
+
+/// The gpuplace policy learns its mix by default; the mix known in advance is a what-if, and is
+/// labelled as one in every report.
+#[test]
+fn the_advance_knowledge_mix_is_a_labelled_what_if() {
+    let dir = root().join("examples/traces/demo");
+    let learned = simulate(&dir, &cfg(vec![PolicyKind::Gpuplace], vec![1])).unwrap();
+    assert_eq!(learned[0].policy, "gpuplace");
+    let what_if =
+        simulate(&dir, &SimConfig { mix_source: MixSource::Trace, ..cfg(vec![PolicyKind::Gpuplace], vec![1]) })
+            .unwrap();
+    assert_eq!(what_if[0].policy, "gpuplace(what-if: trace mix)");
+    // FGD knows the whole mix in advance by definition, and is named as always
+    let fgd =
+        simulate(&dir, &SimConfig { mix_source: MixSource::Trace, ..cfg(vec![PolicyKind::Fgd], vec![1]) }).unwrap();
+    assert_eq!(fgd[0].policy, "fgd");
+    assert_eq!(learned[0].pods_per_seed, what_if[0].pods_per_seed);
 }

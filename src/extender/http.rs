@@ -6,7 +6,8 @@
 //!   404 for an unknown verb; 405 for a known verb with another method. While not ready, filter and
 //!   bind answer with `Error` set, prioritize and preempt with 503.
 //! - `GET /healthz` (the process answers), `/readyz` (503 until the state is complete),
-//!   `/metrics` (Prometheus text), `/inspect` and `/inspect/{node}` (JSON; 404 for an unknown node).
+//!   `/metrics` (Prometheus text), `/inspect` and `/inspect/{node}` (JSON; 404 for an unknown node),
+//!   `/mix` (the learned mix's state as JSON, what `--mix-state` holds; 404 when the mix is fixed).
 //!   These sit at the root, not under the prefix, where probes and scrapers look by default.
 
 use std::net::SocketAddr;
@@ -64,6 +65,7 @@ pub fn configure(cfg: &mut web::ServiceConfig, ext: web::Data<Extender>, prefix:
         .route("/metrics", web::get().to(metrics))
         .route("/inspect", web::get().to(inspect_all))
         .route("/inspect/{node}", web::get().to(inspect_node))
+        .route("/mix", web::get().to(mix))
         .service(
             web::scope(prefix)
                 .route("/filter", web::post().to(filter))
@@ -288,6 +290,16 @@ async fn inspect_all(ext: web::Data<Extender>) -> HttpResponse {
     match ext.inspect(None) {
         Some(r) => json(&r),
         None => text(StatusCode::INTERNAL_SERVER_ERROR, "no report"),
+    }
+}
+
+async fn mix(ext: web::Data<Extender>) -> HttpResponse {
+    match ext.mix_state() {
+        Some(s) => json(&s),
+        None => text(
+            StatusCode::NOT_FOUND,
+            "the mix is fixed (serve --mix FILE): nothing is learned; /inspect shows the mix in use",
+        ),
     }
 }
 

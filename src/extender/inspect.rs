@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::core::cluster::{Cluster, Node};
 use crate::extender::metrics::ClusterSummary;
+use crate::extender::mix::MixReport;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct InspectReport {
@@ -15,6 +16,10 @@ pub struct InspectReport {
     pub generated_unix_ms: i64,
     pub summary: ClusterSummary,
     pub nodes: Vec<NodeReport>,
+    /// The request mix fragmentation is scored against (a running extender's; none for a cluster
+    /// file).
+    #[serde(default)]
+    pub mix: Option<MixReport>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -70,7 +75,7 @@ impl InspectReport {
             Some(name) => vec![node_report(cluster.node(name)?)],
             None => cluster.nodes().iter().map(node_report).collect(),
         };
-        Some(Self { ready, generated_unix_ms: now_unix_ms, summary: ClusterSummary::of(cluster), nodes })
+        Some(Self { ready, generated_unix_ms: now_unix_ms, summary: ClusterSummary::of(cluster), nodes, mix: None })
     }
 
     /// A table per node, one line per GPU.
@@ -93,6 +98,9 @@ impl InspectReport {
             s.fragmentation(),
             if self.ready { "" } else { " (NOT READY)" }
         );
+        if let Some(mix) = &self.mix {
+            let _ = writeln!(out, "{}", mix.summary());
+        }
         for n in &self.nodes {
             let net: Vec<String> = n
                 .labels

@@ -206,6 +206,9 @@ pub struct Metrics {
     /// Counted assignments whose MAC is not the primary key's (or that are unsigned): set from the
     /// state at scrape time.
     signed_with_old_key: AtomicU64,
+    /// GPU pods counted into the learned mix, and entries of the mix in use: set at scrape time.
+    mix_observed: AtomicU64,
+    mix_entries: AtomicU64,
 }
 
 fn verb_index(v: Verb) -> usize {
@@ -247,6 +250,12 @@ impl Metrics {
     /// Counted assignments not signed with the primary key (an old key can leave the Secret at 0).
     pub fn set_signed_with_old_key(&self, n: u64) {
         self.signed_with_old_key.store(n, Ordering::Relaxed);
+    }
+
+    /// The learned mix: pods counted (0 for a fixed mix) and entries of the mix in use.
+    pub fn set_mix(&self, observed: u64, entries: u64) {
+        self.mix_observed.store(observed, Ordering::Relaxed);
+        self.mix_entries.store(entries, Ordering::Relaxed);
     }
 
     /// Conflicts of this kind counted so far.
@@ -382,6 +391,13 @@ impl Metrics {
             "Placement log lines that could not be written.",
         );
         let _ = writeln!(out, "gpuplace_placement_log_errors_total {}", ld(&self.placement_log_errors));
+        header(
+            &mut out,
+            "gpuplace_mix_observed_total",
+            "counter",
+            "GPU pods counted into the learned request mix (those before a restart with --mix-state included; 0 with a fixed --mix).",
+        );
+        let _ = writeln!(out, "gpuplace_mix_observed_total {}", ld(&self.mix_observed));
         self.render_apiserver(&mut out);
 
         let s = ClusterSummary::of(cluster);
@@ -398,6 +414,13 @@ impl Metrics {
             "Counted assignments not signed with the primary key (or unsigned); the leader re-signs them. Remove an old key only at 0.",
         );
         let _ = writeln!(out, "gpuplace_assignments_signed_with_old_key {}", ld(&self.signed_with_old_key));
+        header(
+            &mut out,
+            "gpuplace_mix_entries",
+            "gauge",
+            "Request types in the mix fragmentation is scored against (0: fragmentation not scored).",
+        );
+        let _ = writeln!(out, "gpuplace_mix_entries {}", ld(&self.mix_entries));
         header(
             &mut out,
             "gpuplace_gpus",

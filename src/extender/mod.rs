@@ -11,6 +11,7 @@
 //! - [`http`]: actix-web routes, status codes, body limits; [`client`]: a small HTTP/1.1 client.
 //! - [`reasons`]: the texts kube-scheduler shows (reasons that group across nodes, never a `%`).
 //! - [`metrics`], [`placement_log`], [`inspect`]: what operators and planners see.
+//! - [`mix`]: the typical request mix, learned from the pods seen (or fixed), and its state file.
 
 pub mod adapt;
 pub mod binder;
@@ -18,6 +19,7 @@ pub mod client;
 pub mod http;
 pub mod inspect;
 pub mod metrics;
+pub mod mix;
 pub mod placement_log;
 pub mod reasons;
 mod scan;

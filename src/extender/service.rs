@@ -8,6 +8,10 @@
 //! allocation; bind takes the write lock to re-check and count the allocation at once, releases it
 //! while the [`Binder`] runs, and takes it again to confirm or roll back.
 //!
+//! The engine lives in the state too: a learned request mix (`extender::mix`, the `learning`
+//! submodule) is replaced under the write lock, so each request scores with one mix throughout and
+//! every cached answer made with the old one is dropped at once.
+//!
 //! Seams for API-server mode (`src/apiserver/`): the watchers call [`Extender::observe_node`],
 //! [`Extender::remove_node`], [`Extender::observe_pod`], [`Extender::release_pod`],
 //! [`Extender::retain_pods`], [`Extender::restore`] and [`Extender::set_ready`] (the decisions on
@@ -17,7 +21,7 @@
 //! [`Binder`].
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -32,6 +36,7 @@ use crate::core::signing::{KeyId, KeyRing};
 use crate::extender::adapt::NodeListMode;
 use crate::extender::binder::{BindRequest, Binder};
 use crate::extender::metrics::{BindOutcome, ClusterSummary, ConflictKind, Metrics, RejectClass};
+use crate::extender::mix::Learning;
 use crate::extender::placement_log::{
     Chosen, ChosenGpu, Decision, PlacementLog, Requests, TopScore, PLACEMENT_LOG_VERSION,
 };
@@ -45,6 +50,7 @@ use crate::extender::wire::{
     MAX_EXTENDER_PRIORITY,
 };
 use crate::placement::engine::{Engine, Evaluation, Rejection};
+use crate::placement::mix_learner::MixLearner;
 use crate::placement::scorers::network::GroupView;
 
 /// What filter and bind answer (in `Error`) while the state is not complete or this replica is not
@@ -70,6 +76,9 @@ const EVAL_CACHE_MAX_AGE: Duration = Duration::from_secs(1);
 
 /// `Extender::clock` when no fixed time is set.
 const SYSTEM_CLOCK: i64 = i64::MIN;
+
+/// [`State::gpu_memory_mib`] before it is computed.
+const UNKNOWN_GPU_MEMORY: u64 = u64::MAX;
 
 /// In [`CachedEval::scores`]: a node the evaluation did not cover, and one it rejected.
 const NOT_JUDGED: i8 = -1;
@@ -133,8 +142,20 @@ impl PodCache {
 
 struct State {
     cluster: Cluster,
-    /// Bumped whenever the write lock is taken, i.e. whenever the cluster may change: a cached
-    /// evaluation is valid only for the generation it was made at.
+    /// The profile and the mix every verdict is made with. Here, under the state's lock, because a
+    /// learned mix is replaced while serving: a new one goes in under the write lock, which also
+    /// starts a new generation and empties the shape cache (see [`Extender::take_mix`]), so every
+    /// request sees one mix throughout and no cached answer outlives the mix it was made with.
+    engine: Engine,
+    /// Observations the learner had counted when `engine.mix` was taken (0 for a fixed mix): a mix
+    /// taken earlier never replaces a later one.
+    mix_taken_at: u64,
+    /// The cluster's typical GPU memory, by which the learner reads shares given in memory
+    /// ([`typical_gpu_memory_mib`](crate::placement::mix_learner::typical_gpu_memory_mib)), or [`UNKNOWN_GPU_MEMORY`]: computed under the read lock at the
+    /// first need, forgotten whenever a node is added, replaced or removed.
+    gpu_memory_mib: AtomicU64,
+    /// Bumped whenever the write lock is taken, i.e. whenever the cluster (or the mix) may change: a
+    /// cached evaluation is valid only for the generation it was made at.
     generation: u64,
     /// UID → record, for pods gpuplace bound or restored.
     bound: HashMap<String, BoundPod>,
@@ -215,8 +236,10 @@ pub struct RestoredPod {
 
 /// The extender.
 pub struct Extender {
-    engine: Engine,
     state: RwLock<State>,
+    /// The mix learner and the pods it counted (`None`: the mix is fixed). Its own lock, never held
+    /// while the state's is taken.
+    learning: Option<Mutex<Learning>>,
     /// Pods seen in filter requests, for bind. Its own lock: filter of a new pod would otherwise take
     /// the state's write lock, which also invalidates every cached evaluation.
     seen: Mutex<PodCache>,
@@ -375,6 +398,9 @@ impl Extender {
     pub fn new(cluster: Cluster, engine: Engine, binder: Arc<dyn Binder>, opts: ServiceOptions) -> Self {
         let state = State {
             cluster,
+            engine,
+            mix_taken_at: 0,
+            gpu_memory_mib: AtomicU64::new(UNKNOWN_GPU_MEMORY),
             generation: 0,
             bound: HashMap::new(),
             uid_of: HashMap::new(),
@@ -388,8 +414,8 @@ impl Extender {
             bound_at: HashMap::new(),
         };
         Self {
-            engine,
             state: RwLock::new(state),
+            learning: None,
             seen: Mutex::new(PodCache { cap: opts.pod_cache, ..PodCache::default() }),
             evals: Mutex::new(EvalCache { cap: opts.eval_cache, ..EvalCache::default() }),
             shapes: ShapeCache::new(opts.shape_cache),
@@ -406,6 +432,17 @@ impl Extender {
 
     pub fn with_placement_log(mut self, log: PlacementLog) -> Self {
         self.log = Some(log);
+        self
+    }
+
+    /// Scores with the mix `learner` learns from the pods this extender sees, from its current mix
+    /// on, instead of the engine's fixed one (see `extender::mix`).
+    pub fn with_mix_learner(mut self, learner: MixLearner) -> Self {
+        let learning = Learning::new(learner);
+        let st = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
+        st.engine.mix = learning.current().clone();
+        st.mix_taken_at = learning.learner().observed();
+        self.learning = Some(Mutex::new(learning));
         self
     }
 
@@ -504,6 +541,8 @@ impl Extender {
 
     fn upsert_locked(&self, st: &mut State, node: Node) {
         let name = node.name.clone();
+        // its GPUs may be new: the typical GPU memory is computed again at the next need
+        st.gpu_memory_mib.store(UNKNOWN_GPU_MEMORY, Ordering::Relaxed);
         for c in st.cluster.upsert_node(node) {
             if c.kept {
                 // the pod still holds the GPUs: counted over capacity, never dropped
@@ -538,6 +577,8 @@ impl Extender {
         let mut meta: HashMap<String, BoundPod> = HashMap::new();
         let mut last_seq: HashMap<String, u64> = HashMap::new();
         let mut refused: HashMap<String, (String, Option<String>)> = HashMap::new();
+        // (UID, request) of the records trusted, for the learned mix
+        let mut arrived = Vec::new();
         let keys = self.key_ring();
         for p in pods {
             // a record this process did not write counts only with gpuplace's MAC: a forged one
@@ -561,6 +602,7 @@ impl Extender {
                         },
                     );
                     records.push(record);
+                    arrived.push((p.uid, p.request));
                 }
                 Err(e) => {
                     self.metrics.conflict(ConflictKind::BadAssignment);
@@ -589,6 +631,9 @@ impl Extender {
             st.bound.insert(b.uid.clone(), b);
         }
         st.last_seq = last_seq;
+        arrived.retain(|(uid, _)| st.bound.contains_key(uid));
+        drop(st);
+        self.observe_rebuilt(&arrived);
         conflicts
     }
 
@@ -676,18 +721,18 @@ impl Extender {
     }
 
     /// When the scores of the judged nodes (`scores` by index) hold: the intersection of their windows.
-    fn window_of(&self, cluster: &Cluster, scores: &[i8], now: i64) -> (i64, i64) {
-        let judged = cluster.nodes().iter().zip(scores).filter(|(_, &s)| s != NOT_JUDGED);
+    fn window_of(st: &State, scores: &[i8], now: i64) -> (i64, i64) {
+        let judged = st.cluster.nodes().iter().zip(scores).filter(|(_, &s)| s != NOT_JUDGED);
         judged.fold((i64::MIN, i64::MAX), |(from, until), (n, _)| {
-            let (f, u) = self.engine.verdict_window(n, now);
+            let (f, u) = st.engine.verdict_window(n, now);
             (from.max(f), until.min(u))
         })
     }
 
     /// Why the engine rejected a node, as the answer says it: the class and the cause (no text, and
     /// no detail, which only logs read).
-    fn rejection(&self, cluster: &Cluster, req: &PodRequest, r: &Rejection) -> ReasonKey {
-        let why = self.engine.classify_rejection(cluster, req, r);
+    fn rejection(st: &State, req: &PodRequest, r: &Rejection) -> ReasonKey {
+        let why = st.engine.classify_rejection(&st.cluster, req, r);
         let unresolvable = why.as_ref().map_or(r.unresolvable, |w| w.is_unresolvable());
         let class = if unresolvable { RejectClass::Unresolvable } else { RejectClass::Preemptable };
         (class, why.map(|w| w.cause()))
@@ -723,17 +768,17 @@ impl Extender {
         let mut fresh = HashMap::with_capacity(stale.len());
         if !stale.is_empty() {
             let nodes = cluster.nodes();
-            let ev = self.engine.evaluate_in_order(cluster, req, &stale, now, false);
+            let ev = st.engine.evaluate_in_order(cluster, req, &stale, now, false);
             for cand in &ev.ranked {
                 fresh.insert(cand.node, Answer::Fits(cand.score.clamp(0, MAX_EXTENDER_PRIORITY) as u8));
             }
             for r in &ev.rejected {
-                let key = self.rejection(cluster, req, r);
+                let key = Self::rejection(st, req, r);
                 let unresolvable = key.0 == RejectClass::Unresolvable;
                 fresh.insert(r.node, Answer::No(table.intern(key, || reasons::rejection(key.1, unresolvable))));
             }
             for (&i, a) in &fresh {
-                table.set(i, stamps[i], self.engine.verdict_window(&nodes[i], now), a.clone());
+                table.set(i, stamps[i], st.engine.verdict_window(&nodes[i], now), a.clone());
             }
         }
         for (p, &i) in c.at.iter().enumerate() {
@@ -753,7 +798,7 @@ impl Extender {
             // marks the node as listed; the evaluation below overwrites the ones that fit
             scores[i] = REJECTED;
         }
-        let evaluation = self.engine.evaluate_in_order(cluster, req, &indices, now, self.log.is_some());
+        let evaluation = st.engine.evaluate_in_order(cluster, req, &indices, now, self.log.is_some());
         for cand in &evaluation.ranked {
             scores[cand.node] = cand.score.clamp(0, MAX_EXTENDER_PRIORITY) as i8;
         }
@@ -762,7 +807,7 @@ impl Extender {
         // nodes rejected for the same cause share one reason
         let mut texts: HashMap<ReasonKey, Arc<Reason>> = HashMap::new();
         for r in evaluation.rejected.iter().filter(|_| reasons) {
-            let key = self.rejection(cluster, req, r);
+            let key = Self::rejection(st, req, r);
             let reason = texts.entry(key).or_insert_with(|| {
                 let text = reasons::rejection(key.1, key.0 == RejectClass::Unresolvable);
                 Arc::new(Reason::new(key.0, text))
@@ -775,8 +820,7 @@ impl Extender {
     /// The first [`MAX_DETAILED_NODES`] rejected candidates, in the order sent, with the node's own
     /// figures behind the reason each was given.
     fn rejection_details(
-        &self,
-        cluster: &Cluster,
+        st: &State,
         req: &PodRequest,
         args: &ExtenderArgsRef<'_>,
         c: &Candidates<'_>,
@@ -793,9 +837,10 @@ impl Extender {
                 let name = c.names[p];
                 let detail = match c.at[p] {
                     // the same node state the answer was made from (the read lock is held)
-                    Some(i) => {
-                        self.engine.explain(cluster, req, i).map_or_else(|| r.text.clone(), |w| w.why().detail.clone())
-                    }
+                    Some(i) => st
+                        .engine
+                        .explain(&st.cluster, req, i)
+                        .map_or_else(|| r.text.clone(), |w| w.why().detail.clone()),
                     None => UnknownNode::of(objects.and_then(|o| o.get(p))).detail(name),
                 };
                 (name.to_string(), detail, r.clone())
@@ -804,7 +849,8 @@ impl Extender {
     }
 
     /// The best nodes with each scorer's share, re-scored in full (the ranking pass keeps only totals).
-    fn top_scores(&self, cluster: &Cluster, req: &PodRequest, ev: &Evaluation, now: i64) -> Vec<TopScore> {
+    fn top_scores(st: &State, req: &PodRequest, ev: &Evaluation, now: i64) -> Vec<TopScore> {
+        let cluster = &st.cluster;
         let group = req.group.as_ref().map(|g| GroupView::new(cluster, g));
         ev.ranked
             .iter()
@@ -812,7 +858,7 @@ impl Extender {
             .map(|c| {
                 let parts = c
                     .placement(cluster, req)
-                    .map(|p| self.engine.score(cluster, req, c.node, &p, now, group.as_ref()).parts)
+                    .map(|p| st.engine.score(cluster, req, c.node, &p, now, group.as_ref()).parts)
                     .unwrap_or_default();
                 TopScore {
                     node: cluster.nodes()[c.node].name.clone(),
@@ -885,6 +931,9 @@ impl Extender {
         if let Some(list) = &args.nodes {
             self.learn_nodes(&list.items);
         }
+        // the pod has arrived: counted into the learned mix before it is judged, as the simulator's
+        // gpuplace policy counts a pod before it places it
+        self.observe_arrival(&args.pod.metadata.uid, &req);
         let st = self.read();
         let c = self.names.resolve(&st.cluster, names, args.names_verbatim());
         let now = self.now_ms();
@@ -903,11 +952,8 @@ impl Extender {
             None => {
                 let judged = self.judge(&st, &req, &c, now, true);
                 // the placement log's top scores re-score nodes in full: only when there is a log
-                let top = if self.log.is_some() {
-                    self.top_scores(&st.cluster, &req, &judged.evaluation, now)
-                } else {
-                    Vec::new()
-                };
+                let top =
+                    if self.log.is_some() { Self::top_scores(&st, &req, &judged.evaluation, now) } else { Vec::new() };
                 for (p, i) in c.at.iter().enumerate() {
                     answers.push(match i.and_then(|i| judged.answer(i)) {
                         Some(a) => a,
@@ -921,7 +967,7 @@ impl Extender {
                         request: req.clone(),
                         generation: st.generation,
                         made: Instant::now(),
-                        window: self.window_of(&st.cluster, &judged.scores, now),
+                        window: Self::window_of(&st, &judged.scores, now),
                         scores: judged.scores,
                         top: top.clone(),
                     });
@@ -932,7 +978,7 @@ impl Extender {
         // the reasons name no node's figures (kube-scheduler groups nodes by them): those go to the
         // placement log and the debug log, written only for them
         if self.log.is_some() || tracing::enabled!(tracing::Level::DEBUG) {
-            for (node, detail, reason) in self.rejection_details(&st.cluster, &req, args, &c, &answers) {
+            for (node, detail, reason) in Self::rejection_details(&st, &req, args, &c, &answers) {
                 tracing::debug!(pod = %d.pod, node = %node, reason = %reason.text, detail = %detail, "node rejected");
                 d.rejection_details.insert(node, detail);
             }
@@ -1038,7 +1084,7 @@ impl Extender {
                         let judged = self.judge(&st, &req, &c, now, false);
                         let scores = c.at.iter().map(|i| i.map_or(REJECTED, |i| judged.scores[i])).collect();
                         let top = if self.log.is_some() {
-                            self.top_scores(&st.cluster, &req, &judged.evaluation, now)
+                            Self::top_scores(&st, &req, &judged.evaluation, now)
                         } else {
                             Vec::new()
                         };
@@ -1081,10 +1127,17 @@ impl Extender {
             Ok(None) => (BindOutcome::Repeated, None),
             Ok(Some(request)) => match self.binder.bind(&request).await {
                 Ok(()) => {
-                    let mut st = self.write();
-                    if let Some(b) = st.bound.get_mut(&args.pod_uid) {
-                        b.confirmed = true;
-                        st.bound_at.insert(args.pod_uid.clone(), Instant::now());
+                    {
+                        let mut st = self.write();
+                        if let Some(b) = st.bound.get_mut(&args.pod_uid) {
+                            b.confirmed = true;
+                            st.bound_at.insert(args.pod_uid.clone(), Instant::now());
+                        }
+                    }
+                    // counted here if this replica never filtered it (the filter went to another
+                    // leader, or the pod watcher remembered it)
+                    if let Some(SeenPod { request: Ok(req), .. }) = self.seen_pod(&args.pod_uid) {
+                        self.observe_arrival(&args.pod_uid, &req);
                     }
                     (BindOutcome::Bound, None)
                 }
@@ -1172,7 +1225,7 @@ impl Extender {
         };
         let mut annotations = BTreeMap::new();
         if !req.is_gpu_free() {
-            let placement = match self.engine.place(&st.cluster, &req, index) {
+            let placement = match st.engine.place(&st.cluster, &req, index) {
                 Ok(p) => p,
                 Err(why) => {
                     // the event gets the cause; the node's figures go to the logs
@@ -1327,7 +1380,7 @@ impl Extender {
         for (_, a, _) in &gpu_victims {
             let _ = scratch.release(&a.pod);
         }
-        self.engine.place(&scratch, req, 0).ok()?;
+        st.engine.place(&scratch, req, 0).ok()?;
         // Reprieve as kube-scheduler does: highest priority first (then in the order sent), keeping a
         // victim whenever the pod still fits with it back. Fit only gets harder as pods come back, so
         // no victim left in the set could be spared given the others: the set is minimal.
@@ -1337,7 +1390,7 @@ impl Extender {
         for i in order {
             let a = &gpu_victims[i].1;
             if scratch.allocate(a.clone()).is_ok() {
-                if self.engine.place(&scratch, req, 0).is_ok() {
+                if st.engine.place(&scratch, req, 0).is_ok() {
                     continue;
                 }
                 let _ = scratch.release(&a.pod);
@@ -1360,16 +1413,22 @@ impl Extender {
 
     /// Prometheus text.
     pub fn render_metrics(&self) -> String {
+        let observed = self.mix_observed();
         let st = self.read();
         let bound = st.cluster.nodes().iter().map(|n| n.pods().count()).sum();
         self.metrics.set_signed_with_old_key(self.signed_with_old_key(&st));
+        self.metrics.set_mix(observed, st.engine.mix.entries.len() as u64);
         self.metrics.render(&st.cluster, bound, self.is_ready())
     }
 
     /// Every node (or one), per GPU.
     pub fn inspect(&self, node: Option<&str>) -> Option<crate::extender::inspect::InspectReport> {
+        let mix = self.mix_report();
         let st = self.read();
-        crate::extender::inspect::InspectReport::build(&st.cluster, node, self.is_ready(), now_unix_ms())
+        let mut report =
+            crate::extender::inspect::InspectReport::build(&st.cluster, node, self.is_ready(), now_unix_ms())?;
+        report.mix = Some(mix);
+        Some(report)
     }
 
     /// Totals over the cluster.
@@ -1378,6 +1437,7 @@ impl Extender {
     }
 }
 
+mod learning;
 mod observe;
 mod trust;
 mod utilization;

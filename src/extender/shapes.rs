@@ -12,7 +12,8 @@
 //!
 //! A verdict is a pure function of the pod's request, the node, the clock (utilization samples
 //! count only while fresh) and, for pods of a `gpuplace.io/group`, where the group's other pods are.
-//! The engine and its profile are fixed for the process. So an entry is keyed by the whole
+//! The profile is fixed for the process; the learned mix changes now and then, and the whole cache
+//! is emptied when it does ([`ShapeCache::clear`]). So an entry is keyed by the whole
 //! [`PodRequest`] except the pod's name (policies, NUMA, GPU models and containers are all in it),
 //! and is used only when
 //! - the node's stamp ([`Node::generation`](crate::core::cluster::Node::generation)) is the one it
@@ -353,6 +354,12 @@ impl ShapeCache {
             shapes.pop_front();
         }
         Some(s)
+    }
+
+    /// Forgets every shape and its verdicts (the mix they were scored with was replaced). The
+    /// caller holds the state's write lock: verdicts are made and read under its read lock.
+    pub fn clear(&self) {
+        self.shapes.lock().unwrap_or_else(|e| e.into_inner()).clear();
     }
 
     pub fn count(&self, hits: usize, misses: usize) {

@@ -155,7 +155,7 @@ impl MixLearner {
     /// often while the learner knows little, then rarely.
     pub fn refresh_due(&self) -> bool {
         let n = self.observed;
-        n > 0 && if n < REFRESH_EVERY { n.is_power_of_two() } else { n % REFRESH_EVERY == 0 }
+        n > 0 && if n < REFRESH_EVERY { n.is_power_of_two() } else { n.is_multiple_of(REFRESH_EVERY) }
     }
 
     /// The mix to score with from now on, when it differs from `current` by more than
@@ -416,7 +416,7 @@ mod tests {
             }
         }
         assert_eq!(due, [1, 2, 4, 8, 16, 32, 64, 128]);
-        assert!(l.refresh_due() == (l.observed() % REFRESH_EVERY == 0));
+        assert!(l.refresh_due() == l.observed().is_multiple_of(REFRESH_EVERY));
     }
 
     #[test]

@@ -58,7 +58,10 @@ pub fn simulate(trace_dir: &Path, cfg: &SimConfig) -> Result<Vec<PolicyReport>, 
         let results: Vec<run::SeedResult> = cfg
             .seeds
             .par_iter()
-            .map(|&seed| run::run_seed(&nodes, &pods, &mix, kind, &cfg.profile, cfg.mix_source, seed, cfg.tune))
+            .map(|&seed| {
+                let setup = run::GpuplaceSetup { profile: &cfg.profile, mix: cfg.mix_source };
+                run::run_seed(&nodes, &pods, &mix, kind, setup, seed, cfg.tune)
+            })
             .collect();
         let name = if kind == PolicyKind::Gpuplace { cfg.mix_source.policy_name() } else { kind.name() };
         let mut r = PolicyReport::new(name, &cfg.workload, &results, start.elapsed().as_secs_f64());

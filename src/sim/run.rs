@@ -42,14 +42,21 @@ fn round2(x: f64) -> f64 {
     (x * 100.0).round_ties_even() / 100.0
 }
 
-/// Replays `pods` on `nodes` under `kind` with the seed's arrival order.
+/// How the `gpuplace` policy is set up in a replay (the other policies ignore it).
+#[derive(Debug, Clone, Copy)]
+pub struct GpuplaceSetup<'a> {
+    pub profile: &'a ProfileConfig,
+    pub mix: MixSource,
+}
+
+/// Replays `pods` on `nodes` under `kind` with the seed's arrival order. `mix` is the whole
+/// workload's typical mix: FGD's (as the paper defines it), and the reported fragment rate's.
 pub fn run_seed(
     nodes: &[TraceNode],
     pods: &[TracePod],
     mix: &WorkloadMix,
     kind: PolicyKind,
-    profile: &ProfileConfig,
-    mix_source: MixSource,
+    gpuplace: GpuplaceSetup<'_>,
     seed: u64,
     tune: f64,
 ) -> SeedResult {
@@ -57,7 +64,7 @@ pub fn run_seed(
     let mut state = SimState::new(nodes, mix.clone());
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let order = arrival_order(pods, state.capacity_milli, tune, &mut rng);
-    let mut policy = Policy::new(kind, &state, profile, mix_source);
+    let mut policy = Policy::new(kind, &state, gpuplace.profile, gpuplace.mix);
     let mut events = Vec::with_capacity(order.len());
     let mut arrived = 0u64;
     let mut failed = 0usize;

@@ -167,6 +167,7 @@ impl Extender {
         st.node_sources.remove(name);
         st.util_sources.remove(name);
         let node = st.cluster.remove_node(name)?;
+        st.gpu_memory_mib.store(super::UNKNOWN_GPU_MEMORY, std::sync::atomic::Ordering::Relaxed);
         let pods: Vec<_> = node.pods().cloned().collect();
         let n = pods.len();
         if n > 0 {
@@ -179,6 +180,15 @@ impl Extender {
     /// The pod watcher's entry point for an added or changed pod (a deleted one goes to
     /// [`release_pod`](Self::release_pod)).
     pub fn observe_pod(&self, pod: &ObservedPod) -> PodOutcome {
+        let outcome = self.count_pod(pod);
+        if let (PodOutcome::Counted, Ok(req)) = (&outcome, &pod.request) {
+            // a bound pod this replica never filtered (the leader did) is one arrival too
+            self.observe_arrival(&pod.uid, req);
+        }
+        outcome
+    }
+
+    fn count_pod(&self, pod: &ObservedPod) -> PodOutcome {
         if pod.uid.is_empty() {
             return PodOutcome::Ignored;
         }
