@@ -245,13 +245,7 @@ impl MixLearner {
             }
         }
         // most weight first; ties: larger requests first, so the order never depends on hashing
-        weighted.sort_by(|(a, wa), (b, wb)| {
-            wb.total_cmp(wa)
-                .then(b.cpu_milli.cmp(&a.cpu_milli))
-                .then(b.milli.cmp(&a.milli))
-                .then(b.gpus.cmp(&a.gpus))
-                .then(b.models.cmp(&a.models))
-        });
+        weighted.sort_by(|(a, wa), (b, wb)| wb.total_cmp(wa).then(a.larger_first(b)));
         let total: f64 = weighted.iter().map(|(_, w)| w).sum();
         let mut covered = 0.0;
         let mut kept = Vec::new();

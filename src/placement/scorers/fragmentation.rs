@@ -77,13 +77,7 @@ impl WorkloadMix {
             e.memory_mib = m[(m.len() - 1) / 2];
         }
         // most popular first; equal counts: larger requests first, so the order is deterministic
-        counts.sort_by(|(a, ca), (b, cb)| {
-            cb.cmp(ca)
-                .then(b.cpu_milli.cmp(&a.cpu_milli))
-                .then(b.milli.cmp(&a.milli))
-                .then(b.gpus.cmp(&a.gpus))
-                .then(b.models.cmp(&a.models))
-        });
+        counts.sort_by(|(a, ca), (b, cb)| cb.cmp(ca).then(a.larger_first(b)));
         let mut kept = Vec::new();
         let mut covered = 0u64;
         for (e, c) in counts {
@@ -178,6 +172,17 @@ impl WorkloadMix {
 }
 
 impl MixEntry {
+    /// Orders larger requests first (host CPU, then share, GPUs, models): the tie-break that keeps a
+    /// mix's order deterministic among equally popular types.
+    pub fn larger_first(&self, other: &MixEntry) -> std::cmp::Ordering {
+        other
+            .cpu_milli
+            .cmp(&self.cpu_milli)
+            .then(other.milli.cmp(&self.milli))
+            .then(other.gpus.cmp(&self.gpus))
+            .then(other.models.cmp(&self.models))
+    }
+
     /// Whether this request type may run on GPUs of `model`.
     pub fn allows(&self, model: &str) -> bool {
         self.models.is_empty() || self.models.iter().any(|m| m.eq_ignore_ascii_case(model))
