@@ -340,7 +340,10 @@ struct SimulateArgs {
     /// Folder with openb_node_list_gpu_node.csv and openb_pod_list_<workload>.csv.
     #[arg(long)]
     trace: Option<PathBuf>,
-    /// Pod list to replay: openb_pod_list_<WORKLOAD>.csv (default, cpu050, cpu100, ...).
+    /// Pod list to replay: openb_pod_list_<WORKLOAD>.csv (default, cpu050, cpu100, ...), or a generated
+    /// variant of one: BASE+multigpu=P (multi-GPU pods are P percent of the GPU request),
+    /// BASE+gpuspec=P (P percent of GPU pods constrain the model), BASE+sharing=P (P percent of GPU
+    /// pods share a GPU); steps may be chained, e.g. default+multigpu=30+gpuspec=20.
     #[arg(long, default_value = "default")]
     workload: String,
     /// Comma-separated policies: random, dotprod, clustering, packing, bestfit, fgd, gpuplace.

@@ -1,6 +1,7 @@
 //! The trace simulator behind `gpuplace simulate`: replays a GPU-sharing workload on a cluster under
 //! several policies with the FGD paper's protocol, and reports unallocated GPU capacity.
 
+pub mod generate;
 pub mod paper;
 pub mod policies;
 pub mod protocol;
@@ -49,7 +50,8 @@ pub fn simulate(trace_dir: &Path, cfg: &SimConfig) -> Result<Vec<PolicyReport>, 
             n.memory_mib = UNLIMITED;
         }
     }
-    let pods = trace::load_pods(trace_dir, &cfg.workload)?;
+    let (base, steps) = generate::parse_workload(&cfg.workload)?;
+    let pods = generate::generate(&trace::load_pods(trace_dir, &base)?, &nodes, &steps)?;
     let mix = protocol::typical_mix(&pods);
     let paper = paper::PaperResults::load(trace_dir).ok();
     let mut reports = Vec::new();

@@ -1,0 +1,262 @@
+//! Workload generators for the openb variant families that `../shared` does not carry: more
+//! multi-GPU pods, more pods that constrain the GPU model, more (or fewer) sharing pods.
+//!
+//! A generated workload is named `BASE+KIND=PERCENT` (several may follow each other, applied left to
+//! right), for example `default+multigpu=30`, and is one fixed pod list, like a published CSV: the
+//! generators draw from a fixed seed, and the replay's seeds then shuffle it as usual.
+//!
+//! - `multigpu=P`: pods of 2 or more GPUs make up P percent of the GPU request (in GPUs), with the
+//!   total GPU request unchanged. Pods are drawn with replacement from the base's multi-GPU pods and
+//!   from its other GPU pods. (The published `multigpu20..50` raise the same share.)
+//! - `gpuspec=P`: P percent of GPU pods name the GPU models they may use (`gpu_spec`). The pods that
+//!   already do count toward it; others are picked at random and given one model present in the node
+//!   list on a node with enough GPUs for them, drawn in proportion to the model's GPUs. (The published
+//!   `gpuspec10..33` constrain the same share of pods.)
+//! - `sharing=P`: sharing pods (a part of one GPU) are P percent of GPU pods, with the number of GPU
+//!   pods unchanged, drawn with replacement from the base's sharing and non-sharing GPU pods. (The
+//!   published `gpushare40..100` set the same share.)
+//!
+//! CPU-only pods are kept as they are.
+
+use std::collections::BTreeMap;
+
+use rand::seq::IndexedRandom;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::sim::trace::{TraceError, TraceNode, TracePod};
+
+/// The generators' own seed: a generated workload is the same list on every run.
+const GENERATOR_SEED: u64 = 2023;
+
+/// One generator step of a workload name.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Variation {
+    MultiGpu(f64),
+    GpuSpec(f64),
+    Sharing(f64),
+}
+
+/// Splits `default+multigpu=30+gpuspec=20` into the base workload and its steps.
+pub fn parse_workload(name: &str) -> Result<(String, Vec<Variation>), TraceError> {
+    let mut parts = name.split('+');
+    let base = parts.next().unwrap_or_default().trim().to_string();
+    if base.is_empty() {
+        return Err(TraceError::Invalid(format!("workload {name:?}: no base workload before '+'")));
+    }
+    let mut steps = Vec::new();
+    for part in parts {
+        let bad = |why: &str| TraceError::Invalid(format!("workload {name:?}: {part:?}: {why}"));
+        let (kind, pct) = part.split_once('=').ok_or_else(|| bad("expected KIND=PERCENT"))?;
+        let pct: f64 = pct.trim().parse().map_err(|_| bad("the percent is not a number"))?;
+        if !(0.0..=100.0).contains(&pct) {
+            return Err(bad("the percent must be within 0..=100"));
+        }
+        steps.push(match kind.trim() {
+            "multigpu" => Variation::MultiGpu(pct),
+            "gpuspec" => Variation::GpuSpec(pct),
+            "sharing" => Variation::Sharing(pct),
+            other => return Err(bad(&format!("unknown kind {other:?}; choose multigpu, gpuspec or sharing"))),
+        });
+    }
+    Ok((base, steps))
+}
+
+/// Applies the steps to `pods` (see the module documentation).
+pub fn generate(pods: &[TracePod], nodes: &[TraceNode], steps: &[Variation]) -> Result<Vec<TracePod>, TraceError> {
+    let mut rng = ChaCha8Rng::seed_from_u64(GENERATOR_SEED);
+    let mut out = pods.to_vec();
+    for (i, step) in steps.iter().enumerate() {
+        let tag = format!("g{i}");
+        out = match *step {
+            Variation::MultiGpu(p) => multigpu(&out, p / 100.0, &tag, &mut rng)?,
+            Variation::GpuSpec(p) => gpuspec(&out, nodes, p / 100.0, &mut rng)?,
+            Variation::Sharing(p) => sharing(&out, p / 100.0, &tag, &mut rng)?,
+        };
+    }
+    Ok(out)
+}
+
+fn gpus_of(p: &TracePod) -> f64 {
+    f64::from(p.milli()) * f64::from(p.num_gpu) / 1000.0
+}
+
+fn is_gpu(p: &TracePod) -> bool {
+    p.milli() > 0
+}
+
+/// Draws copies from `from` (with replacement), named uniquely, until `enough` says stop.
+fn draw(
+    from: &[&TracePod],
+    tag: &str,
+    rng: &mut ChaCha8Rng,
+    mut enough: impl FnMut(&TracePod) -> bool,
+) -> Vec<TracePod> {
+    let mut out = Vec::new();
+    while let Some(p) = from.choose(rng) {
+        if enough(p) {
+            break;
+        }
+        let mut copy = (*p).clone();
+        copy.name = format!("{}-{tag}-{}", p.name, out.len());
+        out.push(copy);
+    }
+    out
+}
+
+fn multigpu(pods: &[TracePod], share: f64, tag: &str, rng: &mut ChaCha8Rng) -> Result<Vec<TracePod>, TraceError> {
+    let (multi, single): (Vec<&TracePod>, Vec<&TracePod>) =
+        pods.iter().filter(|p| is_gpu(p)).partition(|p| p.num_gpu >= 2);
+    if (share > 0.0 && multi.is_empty()) || (share < 1.0 && single.is_empty()) {
+        return Err(TraceError::Invalid("multigpu: the base has no multi-GPU pods or no other GPU pods".into()));
+    }
+    let total: f64 = pods.iter().map(gpus_of).sum();
+    let mut out: Vec<TracePod> = pods.iter().filter(|p| !is_gpu(p)).cloned().collect();
+    let (mut m, mut s) = (0.0, 0.0);
+    out.extend(draw(&multi, &format!("{tag}m"), rng, |p| {
+        let stop = m + gpus_of(p) > share * total;
+        m += if stop { 0.0 } else { gpus_of(p) };
+        stop
+    }));
+    out.extend(draw(&single, &format!("{tag}s"), rng, |p| {
+        let stop = s + gpus_of(p) > (1.0 - share) * total;
+        s += if stop { 0.0 } else { gpus_of(p) };
+        stop
+    }));
+    Ok(out)
+}
+
+fn gpuspec(
+    pods: &[TracePod],
+    nodes: &[TraceNode],
+    share: f64,
+    rng: &mut ChaCha8Rng,
+) -> Result<Vec<TracePod>, TraceError> {
+    let mut out = pods.to_vec();
+    let gpu_pods: Vec<usize> = (0..out.len()).filter(|&i| is_gpu(&out[i])).collect();
+    let want = (share * gpu_pods.len() as f64).round() as usize;
+    let mut have = gpu_pods.iter().filter(|&&i| !out[i].gpu_spec.is_empty()).count();
+    let mut free: Vec<usize> = gpu_pods.into_iter().filter(|&i| out[i].gpu_spec.is_empty()).collect();
+    while have < want && !free.is_empty() {
+        let pod = free.swap_remove(rng.random_range(0..free.len()));
+        // models on nodes big enough for this pod, weighted by their GPUs there
+        let mut weight: BTreeMap<&str, u32> = BTreeMap::new();
+        for n in nodes.iter().filter(|n| n.gpu >= out[pod].num_gpu && !n.model.is_empty()) {
+            *weight.entry(n.model.as_str()).or_default() += n.gpu;
+        }
+        let total: u32 = weight.values().sum();
+        if total == 0 {
+            return Err(TraceError::Invalid(format!("gpuspec: no node has {} GPUs", out[pod].num_gpu)));
+        }
+        let mut pick = rng.random_range(0..total);
+        let model = weight.iter().find(|(_, w)| {
+            let hit = pick < **w;
+            pick = pick.saturating_sub(**w);
+            hit
+        });
+        out[pod].gpu_spec = model.map(|(m, _)| m.to_string()).unwrap_or_default();
+        have += 1;
+    }
+    Ok(out)
+}
+
+fn sharing(pods: &[TracePod], share: f64, tag: &str, rng: &mut ChaCha8Rng) -> Result<Vec<TracePod>, TraceError> {
+    let (shared, whole): (Vec<&TracePod>, Vec<&TracePod>) =
+        pods.iter().filter(|p| is_gpu(p)).partition(|p| p.milli() < 1000);
+    if (share > 0.0 && shared.is_empty()) || (share < 1.0 && whole.is_empty()) {
+        return Err(TraceError::Invalid("sharing: the base has no sharing pods or no whole-GPU pods".into()));
+    }
+    let n = shared.len() + whole.len();
+    let want_shared = (share * n as f64).round() as usize;
+    let mut out: Vec<TracePod> = pods.iter().filter(|p| !is_gpu(p)).cloned().collect();
+    let mut k = 0;
+    out.extend(draw(&shared, &format!("{tag}s"), rng, |_| {
+        k += 1;
+        k > want_shared
+    }));
+    let mut k = 0;
+    out.extend(draw(&whole, &format!("{tag}w"), rng, |_| {
+        k += 1;
+        k > n - want_shared
+    }));
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sim::trace::tests::pod;
+
+    fn base() -> Vec<TracePod> {
+        let mut pods: Vec<TracePod> = (0..400).map(|i| pod(&format!("s{i}"), 1, 250 + (i % 3) * 100)).collect();
+        pods.extend((0..400).map(|i| pod(&format!("w{i}"), 1, 1000)));
+        pods.extend((0..20).map(|i| pod(&format!("m{i}"), 2 + (i % 3) * 2, 1000)));
+        pods.extend((0..50).map(|i| pod(&format!("c{i}"), 0, 0)));
+        pods
+    }
+
+    fn nodes() -> Vec<TraceNode> {
+        let n = |name: &str, gpu: u32, model: &str| TraceNode {
+            name: name.into(),
+            cpu_milli: 64000,
+            memory_mib: 262144,
+            gpu,
+            model: model.into(),
+        };
+        vec![n("a", 8, "G2"), n("b", 2, "T4"), n("c", 2, "T4")]
+    }
+
+    #[test]
+    fn names_parse_and_bad_ones_say_why() {
+        assert_eq!(
+            parse_workload("default+multigpu=30+gpuspec=20").unwrap(),
+            ("default".into(), vec![Variation::MultiGpu(30.0), Variation::GpuSpec(20.0)])
+        );
+        assert_eq!(parse_workload("cpu050").unwrap(), ("cpu050".into(), vec![]));
+        for bad in ["+multigpu=30", "default+multigpu", "default+multigpu=x", "default+multigpu=130", "default+more=3"]
+        {
+            let e = parse_workload(bad).unwrap_err().to_string();
+            assert!(e.contains(bad), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn multigpu_reaches_its_share_and_keeps_the_total() {
+        let pods = base();
+        let total: f64 = pods.iter().map(gpus_of).sum();
+        let out = generate(&pods, &nodes(), &[Variation::MultiGpu(40.0)]).unwrap();
+        let multi: f64 = out.iter().filter(|p| p.num_gpu >= 2).map(gpus_of).sum();
+        let new_total: f64 = out.iter().map(gpus_of).sum();
+        assert!((multi / new_total - 0.4).abs() < 0.03, "{}", multi / new_total);
+        assert!((new_total - total).abs() / total < 0.03, "{new_total} vs {total}");
+        assert_eq!(out.iter().filter(|p| !is_gpu(p)).count(), 50, "CPU-only pods kept");
+        let names: std::collections::BTreeSet<&str> = out.iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(names.len(), out.len(), "names unique");
+        assert_eq!(out, generate(&pods, &nodes(), &[Variation::MultiGpu(40.0)]).unwrap(), "deterministic");
+    }
+
+    #[test]
+    fn gpuspec_constrains_its_share_to_models_that_can_host_the_pod() {
+        let out = generate(&base(), &nodes(), &[Variation::GpuSpec(25.0)]).unwrap();
+        let gpu: Vec<&TracePod> = out.iter().filter(|p| is_gpu(p)).collect();
+        let constrained: Vec<&&TracePod> = gpu.iter().filter(|p| !p.gpu_spec.is_empty()).collect();
+        assert_eq!(constrained.len(), (0.25 * gpu.len() as f64).round() as usize);
+        for p in &constrained {
+            assert!(p.gpu_spec == "G2" || (p.gpu_spec == "T4" && p.num_gpu <= 2), "{p:?}");
+        }
+        assert!(constrained.iter().any(|p| p.gpu_spec == "T4") && constrained.iter().any(|p| p.gpu_spec == "G2"));
+    }
+
+    #[test]
+    fn sharing_sets_the_share_of_gpu_pods() {
+        let pods = base();
+        let gpu_pods = pods.iter().filter(|p| is_gpu(p)).count();
+        for pct in [20.0, 80.0] {
+            let out = generate(&pods, &nodes(), &[Variation::Sharing(pct)]).unwrap();
+            let gpu: Vec<&TracePod> = out.iter().filter(|p| is_gpu(p)).collect();
+            assert_eq!(gpu.len(), gpu_pods);
+            let shared = gpu.iter().filter(|p| p.milli() < 1000).count();
+            assert_eq!(shared, (pct / 100.0 * gpu_pods as f64).round() as usize);
+        }
+    }
+}
