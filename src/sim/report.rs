@@ -87,13 +87,16 @@ pub fn table(reports: &[PolicyReport]) -> String {
     let mut out = String::new();
     let cols = [75usize, 90, 100, 110, 130];
     out.push_str("Unallocated GPU % by arrived workload (% of cluster GPU capacity), mean over seeds\n");
-    out.push_str(&format!("{:<11} {:<9}", "policy", "workload"));
+    // wide enough for the what-if's label and generated workload names
+    let pw = reports.iter().map(|r| r.policy.len()).chain([11]).max().unwrap_or(11);
+    let ww = reports.iter().map(|r| r.workload.len()).chain([9]).max().unwrap_or(9);
+    out.push_str(&format!("{:<pw$} {:<ww$}", "policy", "workload"));
     for c in cols {
         out.push_str(&format!(" {:>6}", format!("@{c}")));
     }
     out.push_str(&format!(" {:>7} {:>9} {:>8} {:>7} {:>9}\n", "paper", "frag@80", "failed", "wall_s", "pods/s"));
     for r in reports {
-        out.push_str(&format!("{:<11} {:<9}", r.policy, r.workload));
+        out.push_str(&format!("{:<pw$} {:<ww$}", r.policy, r.workload));
         for c in cols {
             match r.unallocated_gpu_pct.get(&c.to_string()) {
                 Some(v) => out.push_str(&format!(" {v:>6.2}")),
