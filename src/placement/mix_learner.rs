@@ -74,6 +74,21 @@ const MEMORY_SAMPLES: usize = 255;
 /// A request type: GPUs, per-GPU share, host CPU and allowed models (host memory is summarized).
 type Key = (u32, u32, u64, Vec<String>);
 
+fn key_of(e: &MixEntry) -> Key {
+    (e.gpus, e.milli, e.cpu_milli, e.models.clone())
+}
+
+/// The entry of a request type, weight 0.
+fn entry_of((gpus, milli, cpu_milli, models): &Key, memory_mib: u64) -> MixEntry {
+    MixEntry { gpus: *gpus, milli: *milli, cpu_milli: *cpu_milli, memory_mib, models: models.clone(), weight: 0.0 }
+}
+
+/// The lower median of `values` (0 for none).
+fn lower_median(mut values: Vec<u64>) -> u64 {
+    values.sort_unstable();
+    values.get(values.len().saturating_sub(1) / 2).copied().unwrap_or(0)
+}
+
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 struct TypeStats {
     /// Decayed count, in the learner's current scale.
@@ -173,7 +188,7 @@ impl MixLearner {
 
     /// Counts one arriving request (`weight` on an entry is ignored).
     pub fn observe(&mut self, e: &MixEntry) {
-        let key: Key = (e.gpus, e.milli, e.cpu_milli, e.models.clone());
+        let key = key_of(e);
         let scale = self.scale;
         let t = self.types.entry(key).or_default();
         t.weight += scale;
@@ -216,29 +231,14 @@ impl MixLearner {
         let mut weighted: Vec<(MixEntry, f64)> = self
             .types
             .iter()
-            .map(|((gpus, milli, cpu_milli, models), t)| {
-                let mut m: Vec<u64> = t.memory.iter().copied().collect();
-                m.sort_unstable();
-                let memory_mib = m.get(m.len().saturating_sub(1) / 2).copied().unwrap_or(0);
-                let e = MixEntry {
-                    gpus: *gpus,
-                    milli: *milli,
-                    cpu_milli: *cpu_milli,
-                    memory_mib,
-                    models: models.clone(),
-                    weight: 0.0,
-                };
-                (e, t.weight / newest)
-            })
+            .map(|(key, t)| (entry_of(key, lower_median(t.memory.iter().copied().collect())), t.weight / newest))
             .collect();
         let prior_total: f64 = self.prior.entries.iter().map(|e| e.weight).sum();
         if prior_total > 0.0 && self.config.prior_weight > 0.0 {
             for p in &self.prior.entries {
                 let w = self.config.prior_weight * p.weight / prior_total;
-                let same = |e: &MixEntry| {
-                    e.gpus == p.gpus && e.milli == p.milli && e.cpu_milli == p.cpu_milli && e.models == p.models
-                };
-                match weighted.iter_mut().find(|(e, _)| same(e)) {
+                let key = key_of(p);
+                match weighted.iter_mut().find(|(e, _)| key_of(e) == key) {
                     Some((_, x)) => *x += w,
                     None => weighted.push((MixEntry { weight: 0.0, ..p.clone() }, w)),
                 }
@@ -268,17 +268,7 @@ impl MixLearner {
         let mut types: Vec<(MixEntry, f64, Vec<u64>)> = self
             .types
             .iter()
-            .map(|((gpus, milli, cpu_milli, models), t)| {
-                let e = MixEntry {
-                    gpus: *gpus,
-                    milli: *milli,
-                    cpu_milli: *cpu_milli,
-                    memory_mib: 0,
-                    models: models.clone(),
-                    weight: 0.0,
-                };
-                (e, t.weight / self.scale, t.memory.iter().copied().collect())
-            })
+            .map(|(key, t)| (entry_of(key, 0), t.weight / self.scale, t.memory.iter().copied().collect()))
             .collect();
         types.sort_by(|a, b| b.1.total_cmp(&a.1));
         MixLearnerState { config: self.config, observed: self.observed, types }
@@ -293,7 +283,7 @@ impl MixLearner {
                 continue;
             }
             let memory: VecDeque<u64> = mem.iter().rev().take(MEMORY_SAMPLES).rev().copied().collect();
-            l.types.insert((e.gpus, e.milli, e.cpu_milli, e.models.clone()), TypeStats { weight: *w, memory });
+            l.types.insert(key_of(e), TypeStats { weight: *w, memory });
         }
         l
     }
@@ -302,9 +292,7 @@ impl MixLearner {
 /// The GPU memory that turns a share asked in memory into a share of a GPU: the median over the
 /// cluster's GPUs (0 for a cluster without GPUs).
 pub fn typical_gpu_memory_mib(cluster: &crate::core::cluster::Cluster) -> u64 {
-    let mut m: Vec<u64> = cluster.nodes().iter().flat_map(|n| n.gpus.iter().map(|g| g.memory_mib)).collect();
-    m.sort_unstable();
-    m.get(m.len().saturating_sub(1) / 2).copied().unwrap_or(0)
+    lower_median(cluster.nodes().iter().flat_map(|n| n.gpus.iter().map(|g| g.memory_mib)).collect())
 }
 
 impl MixEntry {
