@@ -11,7 +11,8 @@ use gpuplace::apiserver::keys::KeyOptions;
 use gpuplace::apiserver::run::{self, ApiOptions, Controller};
 use gpuplace::apiserver::{KubeBinder, LeaderConfig, Leadership};
 use gpuplace::core::annotations::{
-    AssignmentAnnotation, GpuUtilization, UtilizationAnnotation, ANNOTATION_ASSIGNMENT, ANNOTATION_UTILIZATION,
+    AssignmentAnnotation, GpuUtilization, UtilizationAnnotation, ANNOTATION_ASSIGNMENT, ANNOTATION_REQUEUED,
+    ANNOTATION_UTILIZATION,
 };
 use gpuplace::core::cluster::Cluster;
 use gpuplace::core::signing::KeyRing;
@@ -979,4 +980,49 @@ async fn the_learned_mix_counts_each_pod_once_from_filter_bind_watch_or_rebuild(
     ready(&c.ext).await;
     settle().await;
     assert_eq!(observed(&c.ext), 3);
+}
+
+fn requeued(fake: &FakeApiServer, name: &str) -> Option<String> {
+    fake.get::<Pod>("ns", name).and_then(|p| p.annotations().get(ANNOTATION_REQUEUED).cloned())
+}
+
+/// A pod turned away for want of GPUs that are then freed goes back to kube-scheduler's queue: one
+/// annotation update on the pending pod (kube-scheduler retries an extender-rejected pod on it),
+/// naming the node; a pod that was not turned away, or was turned away for another reason, is left
+/// alone.
+#[tokio::test]
+async fn a_pod_turned_away_from_gpus_then_freed_is_sent_back_to_the_queue() {
+    let fake = FakeApiServer::start().await.unwrap();
+    fake.put(&gpu_node("n1", 1));
+    fake.put(&gpu_node("n2", 1));
+    let holder = fake.put(&gpu_pod("holder", whole(1)));
+    let other = fake.put(&gpu_pod("other", whole(1)));
+    let waiting = fake.put(&gpu_pod("waiting", whole(1)));
+    let too_big = fake.put(&gpu_pod("too-big", whole(2)));
+    let r = replica(&fake, None);
+    ready(&r.ext).await;
+    assert_eq!(bind(&r.ext, &holder, "n1").await, "");
+    assert_eq!(bind(&r.ext, &other, "n2").await, "");
+    // both nodes full: turned away on both (capacity); too-big fits on neither, whatever is freed
+    let failed = |pod: &Pod| {
+        let body = json!({ "Pod": pod, "Nodes": null, "NodeNames": ["n1", "n2"] });
+        let out = r.ext.filter(body.to_string().as_bytes()).unwrap();
+        (out.failed_nodes.len(), out.failed_and_unresolvable_nodes.len())
+    };
+    assert_eq!(failed(&waiting), (2, 0));
+    assert_eq!(failed(&too_big), (0, 2));
+
+    fake.remove::<Pod>("ns", "holder");
+    eventually("waiting requeued", || requeued(&fake, "waiting").is_some()).await;
+    let text = requeued(&fake, "waiting").unwrap();
+    assert!(text.starts_with("n1 "), "names the node freed: {text}");
+    assert_eq!(requeued(&fake, "too-big"), None, "unresolvable everywhere: not requeued");
+    let waiting_now: Pod = fake.get("ns", "waiting").unwrap();
+    assert_eq!(waiting_now.spec.and_then(|s| s.node_name), None, "only annotated");
+    assert!(r.ext.render_metrics().contains("gpuplace_requeued_pods_total{result=\"annotated\"} 1"));
+
+    // once per rejection: freeing n2 as well sends nothing more until the pod is turned away again
+    fake.remove::<Pod>("ns", "other");
+    settle().await;
+    assert_eq!(requeued(&fake, "waiting").as_deref(), Some(text.as_str()));
 }

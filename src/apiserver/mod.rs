@@ -3,7 +3,8 @@
 //! [`Extender`](crate::extender::service::Extender), one concern each: [`binder`] (annotation patch
 //! and Binding), [`nodes`], [`pods`] and [`utilization`] (watchers), [`leader`] (Lease election),
 //! [`events`] (Kubernetes Events), [`keys`] (the assignment key Secret), [`resign`] (re-signing after
-//! a key rotation), [`stale`] (assignments left on unbound pods), [`run`] (wiring and readiness).
+//! a key rotation), [`stale`] (assignments left on unbound pods), [`requeue`] (pending pods sent back
+//! to kube-scheduler's queue when GPUs are freed), [`run`] (wiring and readiness).
 //! Named `apiserver`, not `kube`, so the `kube` crate stays visible.
 
 pub mod binder;
@@ -14,6 +15,7 @@ pub mod keys;
 pub mod leader;
 pub mod nodes;
 pub mod pods;
+pub mod requeue;
 pub mod resign;
 pub mod run;
 pub mod stale;

@@ -5,7 +5,8 @@
 //! this replica holds the Lease (always, without election), and the assignment key ring is loaded
 //! from its Secret and well-formed (`keys`; the rebuild itself waits for the ring, which verifies
 //! every assignment it counts). The leader also re-signs records made with an old key (`resign`)
-//! and removes assignments left on unbound pods (`stale`). The utilization watch is not part of
+//! and removes assignments left on unbound pods (`stale`); pods just turned away from GPUs that are
+//! then freed are sent back to kube-scheduler's queue (`requeue`). The utilization watch is not part of
 //! readiness: samples are optional and age out by themselves. Only the ready replica answers
 //! `/readyz` with 200, so the Service in front sends kube-scheduler to the leader; the standby keeps
 //! watching, so it is current when it takes over.
@@ -33,7 +34,7 @@ use crate::apiserver::events::EventSink;
 use crate::apiserver::keys::{self, KeyOptions, KeyStatus};
 use crate::apiserver::leader::{self, LeaderConfig, Leadership};
 use crate::apiserver::stale;
-use crate::apiserver::{nodes, pods, resign, utilization};
+use crate::apiserver::{nodes, pods, requeue, resign, utilization};
 use crate::extender::service::Extender;
 
 /// How long an assignment may sit on an unbound pod before the leader removes it ([`stale`]), at
@@ -199,6 +200,9 @@ pub fn start(client: Client, ext: Arc<Extender>, leadership: Arc<Leadership>, op
         keys_rx,
         opts.keys.resign_every,
     )));
+    let (requeuer, requeue_rx) = requeue::channel();
+    ext.set_requeuer(Arc::new(requeuer));
+    tasks.push(tokio::spawn(requeue::run(client.clone(), ext.clone(), requeue_rx)));
     // a bind of a former leader is over once its Lease has expired
     let grace = opts.leader.as_ref().map_or(DEFAULT_STALE_GRACE, |cfg| cfg.lease_duration.max(DEFAULT_STALE_GRACE));
     tasks.push(tokio::spawn(stale::run(client.clone(), ext.clone(), leadership.clone(), grace)));

@@ -7,8 +7,10 @@
 //! - [`ANNOTATION_UTILIZATION`] on a node: the last live sample per GPU, published by the device plugin.
 //! - [`ANNOTATION_ALLOCATED`] on a pod: which of its containers the device plugin has given their GPUs
 //!   (kubelet's `Allocate`), so a restarted plugin never matches one of them again.
+//! - [`ANNOTATION_REQUEUED`] on a pending pod: the extender's nudge to kube-scheduler to retry it
+//!   (`extender::requeue`). Plain text (`NODE UNIX_MS`), never read back: the change is the signal.
 //!
-//! Each value is JSON with a `version`. A reader refuses a version it does not know (a typed error,
+//! Each other value is JSON with a `version`. A reader refuses a version it does not know (a typed error,
 //! never a guess); fields may be added within a version, so unknown fields are skipped.
 //!
 //! Annotations are writable by anyone who can edit the object, so an assignment is never trusted as
@@ -36,6 +38,8 @@ pub const ANNOTATION_INVENTORY: &str = "gpuplace.io/inventory";
 pub const ANNOTATION_UTILIZATION: &str = "gpuplace.io/utilization";
 /// Pod annotation: the containers the device plugin has allocated (JSON, [`AllocatedAnnotation`]).
 pub const ANNOTATION_ALLOCATED: &str = "gpuplace.io/allocated";
+/// Pod annotation: GPUs the pod was just turned away from were freed (`NODE UNIX_MS`, never read).
+pub const ANNOTATION_REQUEUED: &str = "gpuplace.io/requeued";
 
 pub const ASSIGNMENT_VERSION: u32 = 1;
 pub const INVENTORY_VERSION: u32 = 1;

@@ -209,6 +209,9 @@ pub struct Metrics {
     /// GPU pods counted into the learned mix, and entries of the mix in use: set at scrape time.
     mix_observed: AtomicU64,
     mix_entries: AtomicU64,
+    /// Pods sent back to kube-scheduler's queue after GPUs were freed (`extender::requeue`):
+    /// [annotated, failed].
+    requeued: [AtomicU64; 2],
 }
 
 fn verb_index(v: Verb) -> usize {
@@ -225,6 +228,11 @@ impl Metrics {
     /// A watcher delivered an event or completed a (re)list at `now_ms` (Unix ms).
     pub fn watch_fresh(&self, w: Watched, now_ms: i64) {
         self.watch_fresh_ms[w.index()].store(now_ms.max(1), Ordering::Relaxed);
+    }
+
+    /// A pod sent back to kube-scheduler's queue (`ok`: its annotation update went through).
+    pub fn requeued(&self, ok: bool) {
+        self.requeued[usize::from(!ok)].fetch_add(1, Ordering::Relaxed);
     }
 
     /// A watcher's stream reported an error (it retries with backoff).
@@ -488,6 +496,17 @@ impl Metrics {
                 let _ =
                     writeln!(out, "gpuplace_watch_errors_total{{resource=\"{}\"}} {}", w.name(), self.watch_errors(w));
             }
+        }
+        let requeued = [&self.requeued[0], &self.requeued[1]].map(|c| c.load(Ordering::Relaxed));
+        if !started.is_empty() || requeued.iter().any(|&n| n > 0) {
+            header(
+                out,
+                "gpuplace_requeued_pods_total",
+                "counter",
+                "Pending pods sent back to kube-scheduler's queue because GPUs they had just been turned away from were freed.",
+            );
+            let _ = writeln!(out, "gpuplace_requeued_pods_total{{result=\"annotated\"}} {}", requeued[0]);
+            let _ = writeln!(out, "gpuplace_requeued_pods_total{{result=\"failed\"}} {}", requeued[1]);
         }
         let leader = self.leader.load(Ordering::Relaxed);
         if leader >= 0 {

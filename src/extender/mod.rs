@@ -12,6 +12,8 @@
 //! - [`reasons`]: the texts kube-scheduler shows (reasons that group across nodes, never a `%`).
 //! - [`metrics`], [`placement_log`], [`inspect`]: what operators and planners see.
 //! - [`mix`]: the typical request mix, learned from the pods seen (or fixed), and its state file.
+//! - [`requeue`]: pods just turned away for want of GPUs, sent back to kube-scheduler's queue when
+//!   those GPUs are freed (its watch can be ahead of ours).
 
 pub mod adapt;
 pub mod binder;
@@ -22,6 +24,7 @@ pub mod metrics;
 pub mod mix;
 pub mod placement_log;
 pub mod reasons;
+pub mod requeue;
 mod scan;
 pub mod service;
 pub mod shapes;

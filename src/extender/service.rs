@@ -22,7 +22,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
@@ -41,6 +41,7 @@ use crate::extender::placement_log::{
     Chosen, ChosenGpu, Decision, PlacementLog, Requests, TopScore, PLACEMENT_LOG_VERSION,
 };
 use crate::extender::reasons::{self, prefixed, UnknownNode, MAX_DETAILED_NODES};
+use crate::extender::requeue::{RecentRejections, Requeuer};
 use crate::extender::shapes::{
     self, Answer, Candidates, NameOrder, Reason, ReasonKey, Shape, ShapeCache, DEFAULT_SHAPE_CACHE,
 };
@@ -258,6 +259,11 @@ pub struct Extender {
     /// if the OS random generator failed, and then bind refuses rather than write unsigned records.
     keys: RwLock<Option<Arc<KeyRing>>>,
     accept_unsigned: bool,
+    /// Pods turned away for want of free GPUs, for a few seconds (`extender::requeue`), and who
+    /// sends them back to kube-scheduler's queue when GPUs they were turned away from are freed
+    /// (unset: nobody, as in static mode, where no watch lags).
+    rejections: Mutex<RecentRejections>,
+    requeuer: OnceLock<Arc<dyn Requeuer>>,
 }
 
 impl std::fmt::Debug for Extender {
@@ -427,6 +433,62 @@ impl Extender {
             ready: AtomicBool::new(opts.ready),
             keys: RwLock::new(trust::ephemeral_keys()),
             accept_unsigned: opts.accept_unsigned,
+            rejections: Mutex::new(RecentRejections::default()),
+            requeuer: OnceLock::new(),
+        }
+    }
+
+    /// Who sends pods back to kube-scheduler's queue when GPUs they were just turned away from are
+    /// freed (`extender::requeue`); the first one set stays.
+    pub fn set_requeuer(&self, requeuer: Arc<dyn Requeuer>) {
+        let _ = self.requeuer.set(requeuer);
+    }
+
+    fn rejections(&self) -> std::sync::MutexGuard<'_, RecentRejections> {
+        self.rejections.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// After filter: a pod that fits nowhere among the candidates is remembered with the nodes where
+    /// only capacity stood in the way (preemptable rejections); one that fits is forgotten.
+    fn note_verdict(&self, pod: &Pod, c: &Candidates<'_>, answers: &[Answer], feasible: usize, read_at: Instant) {
+        let Some(requeuer) = self.requeuer.get() else { return };
+        let uid = &pod.metadata.uid;
+        if uid.is_empty() {
+            return;
+        }
+        if feasible > 0 {
+            self.rejections().forget(uid);
+            return;
+        }
+        let capacity = c
+            .unique()
+            .filter(|&p| matches!(&answers[p], Answer::No(r) if r.class == RejectClass::Preemptable))
+            .map(|p| c.names[p]);
+        let due = self.rejections().record(
+            uid,
+            &pod.metadata.namespace,
+            &pod.metadata.name,
+            capacity,
+            read_at,
+            Instant::now(),
+        );
+        if let Some(p) = due {
+            requeuer.requeue(vec![p]);
+        }
+    }
+
+    /// GPUs on `node` were freed (the state already shows it): pods just turned away there go back
+    /// to kube-scheduler's queue.
+    fn note_freed(&self, node: &str) {
+        let Some(requeuer) = self.requeuer.get() else { return };
+        let mut due = self.rejections().freed(node, Instant::now());
+        if !due.is_empty() {
+            // bound since (by this replica, or another before a hand-over): nothing to retry
+            let st = self.read();
+            due.retain(|p| !st.bound.contains_key(&p.uid));
+        }
+        if !due.is_empty() {
+            requeuer.requeue(due);
         }
     }
 
@@ -935,6 +997,8 @@ impl Extender {
         // gpuplace policy counts a pod before it places it
         self.observe_arrival(&args.pod.metadata.uid, &req);
         let st = self.read();
+        // after the read lock: a freeing stamped later than this is not in the verdict
+        let read_at = Instant::now();
         let c = self.names.resolve(&st.cluster, names, args.names_verbatim());
         let now = self.now_ms();
         let mut unknown = Unknown::new(args);
@@ -998,6 +1062,7 @@ impl Extender {
             }
         }
         d.feasible = feasible;
+        self.note_verdict(&args.pod, &c, &answers, feasible, read_at);
         if self.log.is_some() {
             d.top = top;
             for (class, &n) in RejectClass::ALL.iter().zip(&class_counts) {

@@ -648,8 +648,10 @@ async fn forged_assignments_are_never_counted() {
     assert_eq!(node_name(&late), Some(node.as_str()), "the pinned pod was not bound once the GPUs were free");
     let late_text = late.metadata.annotations.as_ref().and_then(|a| a.get(ANNOTATION_ASSIGNMENT)).cloned();
     let seq = AssignmentAnnotation::parse(&late_text.expect("late's assignment")).expect("valid").bind_seq;
+    let requeued = counter(&ext.metrics(), "gpuplace_requeued_pods_total", "result=\"annotated\"");
     figure(&format!(
-        "forgery: the genuine pod deleted: the pinned pod bound with bindSeq {seq} (genuine {}, forged 100)",
+        "forgery: the genuine pod deleted: the pinned pod bound with bindSeq {seq} (genuine {}, forged 100); \
+         requeued by the extender {requeued} time(s) (when kube-scheduler retried it before the extender saw the deletion)",
         genuine.bind_seq
     ));
     assert_eq!(seq, genuine.bind_seq + 1, "the bind sequence did not continue the genuine one");

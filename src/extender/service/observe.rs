@@ -277,6 +277,7 @@ impl Extender {
 
     /// Gives back what a pod holds (deleted or finished). Returns whether it held a record.
     pub fn release_pod(&self, uid: &str) -> bool {
+        self.rejections().forget(uid);
         {
             let st = self.read();
             if !st.bound.contains_key(uid) && !st.refused.contains_key(uid) && !st.withdrawn.contains_key(uid) {
@@ -285,18 +286,20 @@ impl Extender {
         }
         let mut st = self.write();
         let released = Self::release_locked(&mut st, uid);
-        if released {
-            tracing::debug!(uid, "pod released");
+        drop(st);
+        if let Some(node) = &released {
+            tracing::debug!(uid, node = %node, "pod released");
+            self.note_freed(node);
         }
-        released
+        released.is_some()
     }
 
     /// After a re-list: releases the records of pods the list no longer shows (their deletion
     /// happened while the watch was broken). A bind this process confirmed after `listed_since`
     /// (when the re-list began) is kept: the list may predate it. Returns the pods released.
     pub fn retain_pods(&self, listed: &HashSet<String>, listed_since: Instant) -> Vec<String> {
-        let mut st = self.write();
-        let st = &mut *st;
+        let mut guard = self.write();
+        let st = &mut *guard;
         let gone: Vec<String> = st
             .bound
             .values()
@@ -306,27 +309,31 @@ impl Extender {
             .map(|b| b.uid.clone())
             .collect();
         let mut keys = Vec::with_capacity(gone.len());
+        let mut freed = HashSet::new();
         for uid in gone {
             if let Some(b) = st.bound.get(&uid) {
                 keys.push(b.key.clone());
             }
-            Self::release_locked(st, &uid);
+            freed.extend(Self::release_locked(st, &uid));
         }
         st.refused.retain(|uid, _| listed.contains(uid));
         st.withdrawn.retain(|uid, _| listed.contains(uid));
+        drop(guard);
+        for node in &freed {
+            self.note_freed(node);
+        }
         if !keys.is_empty() {
             tracing::info!(released = keys.len(), "pods gone while the watch was broken released");
         }
         keys
     }
 
-    fn release_locked(st: &mut State, uid: &str) -> bool {
+    /// Drops the pod's record and gives back its GPUs; returns the node it held them on.
+    fn release_locked(st: &mut State, uid: &str) -> Option<String> {
         st.refused.remove(uid);
         st.withdrawn.remove(uid);
         st.bound_at.remove(uid);
-        let Some(b) = st.bound.remove(uid) else {
-            return false;
-        };
+        let b = st.bound.remove(uid)?;
         if st.uid_of.get(&b.key).is_some_and(|u| u == uid) {
             st.uid_of.remove(&b.key);
         }
@@ -339,7 +346,7 @@ impl Extender {
                 st.parked.remove(&b.node);
             }
         }
-        true
+        Some(b.node)
     }
 
     /// At a rebuild: an assignment on a pod that is not bound (left by a bind that never finished,
