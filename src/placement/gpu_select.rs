@@ -5,12 +5,14 @@
 //! 1. the highest set score (sum of pair scores, NVSwitch lanes counted);
 //! 2. fewest NUMA nodes (the pair score already ranks cross-socket paths lowest);
 //! 3. packing: shared slices go where GPUs are already busy (or idle, under `spread`);
-//! 4. look-ahead: among equals, take the GPUs least connected to the GPUs that stay free, so the
-//!    best-connected groups are left for the next request;
+//! 4. look-ahead: among equals, leave the GPUs that split best into more sets of this size
+//!    (go-gpuallocator's measure of a partition), then those whose best quad and the best pair
+//!    beside it score highest, then take the GPUs least connected to the GPUs that stay free;
 //! 5. lowest indices.
 
 use crate::core::cluster::{share_milli, Node};
 use crate::core::resources::{GpuDemand, NumaPolicy, PackingPolicy};
+use crate::core::topology::GpuTopology;
 use crate::placement::scorers::fragmentation::HostFree;
 
 /// Free capacity of the GPUs of one node while a pod's containers are being placed.
@@ -226,6 +228,76 @@ fn leftover_value(node: &Node, left: &[usize]) -> u32 {
     }
 }
 
+/// Splits of the GPUs left examined at most by [`partition_value`]; beyond, it is left out.
+const PARTITION_LIMIT: f64 = 5_000.0;
+
+/// What the GPUs `left` are worth to more requests of `k` GPUs: the best total score of a split of
+/// them into sets of `k` (one set short when `k` does not divide their number), go-gpuallocator's
+/// own measure. 0 for single GPUs (every split scores 0) and where the splits are too many to
+/// examine (large boards): then [`leftover_value`] alone decides.
+fn partition_value(node: &Node, left: &[usize], k: usize) -> u32 {
+    let m = left.len();
+    if k < 2 || m < 2 || m >= 64 {
+        return 0;
+    }
+    let sets = m.div_ceil(k);
+    // splits of the padded list: (sets*k)! / (k!^sets * sets!)
+    let ln_fact = |n: usize| (1..=n).map(|i| (i as f64).ln()).sum::<f64>();
+    let ln_count = ln_fact(sets * k) - sets as f64 * ln_fact(k) - ln_fact(sets);
+    if ln_count > PARTITION_LIMIT.ln() {
+        return 0;
+    }
+    let short = m - (sets - 1) * k;
+    let all = if m == 64 { u64::MAX } else { (1u64 << m) - 1 };
+    best_split(&node.topology, left, all, k, short, true)
+}
+
+/// The best split of the positions `mask` of `left` into sets of `k`, with one set of `short`
+/// while `short_open`: the lowest position goes into a full set or the short one, with every
+/// choice of the other members.
+fn best_split(topo: &GpuTopology, left: &[usize], mask: u64, k: usize, short: usize, short_open: bool) -> u32 {
+    if mask == 0 {
+        return 0;
+    }
+    let first = mask.trailing_zeros() as usize;
+    let rest = mask & !(1 << first);
+    let mut top = 0;
+    for size in [k, short] {
+        let closes_short = size < k;
+        if closes_short && !short_open {
+            continue;
+        }
+        let mut set = vec![left[first]];
+        for_each_subset(rest, size - 1, &mut Vec::new(), &mut |members| {
+            set.truncate(1);
+            set.extend(members.iter().map(|&i| left[i]));
+            let used = members.iter().fold(1u64 << first, |m, &i| m | 1 << i);
+            let after = best_split(topo, left, mask & !used, k, short, short_open && !closes_short);
+            top = top.max(topo.set_score(&set) + after);
+        });
+        if short == k {
+            break;
+        }
+    }
+    top
+}
+
+/// Calls `f` with every `need` positions among the bits of `avail`, in increasing order.
+fn for_each_subset(avail: u64, need: usize, pick: &mut Vec<usize>, f: &mut dyn FnMut(&[usize])) {
+    if need == 0 {
+        f(pick);
+        return;
+    }
+    let mut a = avail;
+    while a.count_ones() as usize >= need {
+        let i = a.trailing_zeros() as usize;
+        a &= !(1 << i);
+        pick.push(i);
+        for_each_subset(a, need - 1, pick, f);
+        pick.pop();
+    }
+}
+
 /// Among equally good sets, the one that leaves the most for later (see the module comment).
 fn pick_lookahead(node: &Node, free: &[usize], mut ties: Vec<Vec<usize>>) -> Option<Vec<usize>> {
     if ties.len() <= 1 {
@@ -240,10 +312,10 @@ fn pick_lookahead(node: &Node, free: &[usize], mut ties: Vec<Vec<usize>>) -> Opt
     // cheap pre-rank: weakly tied to what stays free first (stable, so index order breaks ties)
     ties.sort_by_cached_key(|s| connect(s));
     ties.truncate(LOOKAHEAD_CANDIDATES);
-    let mut best: Option<(u32, Vec<usize>)> = None;
+    let mut best: Option<((u32, u32), Vec<usize>)> = None;
     for set in ties {
         let left: Vec<usize> = free.iter().copied().filter(|g| !set.contains(g)).collect();
-        let v = leftover_value(node, &left);
+        let v = (partition_value(node, &left, set.len()), leftover_value(node, &left));
         if best.as_ref().is_none_or(|(b, _)| v > *b) {
             best = Some((v, set));
         }
