@@ -237,7 +237,7 @@ const PARTITION_LIMIT: f64 = 5_000.0;
 /// examine (large boards): then [`leftover_value`] alone decides.
 fn partition_value(node: &Node, left: &[usize], k: usize) -> u32 {
     let m = left.len();
-    if k < 2 || m < 2 || m >= 64 {
+    if k < 2 || !(2..64).contains(&m) {
         return 0;
     }
     let sets = m.div_ceil(k);
