@@ -270,6 +270,9 @@ fn combinations<T: Copy>(items: &[T], size: usize, out: &mut Vec<Vec<T>>) {
     rec(items, size, 0, &mut Vec::new(), out);
 }
 
+/// A split of the padded GPU list into sets (`None`: a padding slot).
+type Partition = Vec<Vec<Option<usize>>>;
+
 /// go-gpuallocator's BestEffort pick of `k` GPUs among `available` (in this order) on `score`'s
 /// pairs; `None` when there are fewer than `k`.
 fn best_effort(available: &[usize], k: usize, score: &dyn Fn(usize, usize) -> u32) -> Option<Vec<usize>> {
@@ -291,12 +294,12 @@ fn best_effort(available: &[usize], k: usize, score: &dyn Fn(usize, usize) -> u3
         s
     };
     let mut devices: Vec<Option<usize>> = available.iter().map(|&g| Some(g)).collect();
-    while devices.len() % k != 0 {
+    while !devices.len().is_multiple_of(k) {
         devices.push(None);
     }
     let padding = devices.iter().filter(|d| d.is_none()).count();
-    let mut best: Option<(u32, Vec<Vec<Option<usize>>>)> = None;
-    let mut visit = |partition: &Vec<Vec<Option<usize>>>| {
+    let mut best: Option<(u32, Partition)> = None;
+    let mut visit = |partition: &Partition| {
         if !partition.iter().any(|s| s.iter().all(Option::is_some)) {
             return;
         }
@@ -309,8 +312,8 @@ fn best_effort(available: &[usize], k: usize, score: &dyn Fn(usize, usize) -> u3
         devices: &[Option<usize>],
         k: usize,
         padding: usize,
-        accum: &mut Vec<Vec<Option<usize>>>,
-        visit: &mut dyn FnMut(&Vec<Vec<Option<usize>>>),
+        accum: &mut Partition,
+        visit: &mut dyn FnMut(&Partition),
     ) {
         if devices.len() == k {
             accum.push(devices.to_vec());
