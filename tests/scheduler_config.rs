@@ -298,3 +298,28 @@ fn the_extender_reads_only_its_key_secret() {
         assert!(!strings(&r["resources"]).contains(&"secrets".to_string()), "the ClusterRole reads no Secret: {r:?}");
     }
 }
+
+/// The extender Deployment's `args:` parse with `gpuplace`'s own command-line definitions (the
+/// device plugin's DaemonSet is checked in device-plugin/tests/cli.rs).
+#[test]
+fn the_extender_deployment_args_parse() {
+    let docs = documents();
+    let deployment = named(&docs, "Deployment", SERVICE);
+    let containers = deployment["spec"]["template"]["spec"]["containers"].as_sequence().expect("containers");
+    let mut checked = 0;
+    for c in containers.iter().filter(|c| c["image"].as_str().is_some_and(|i| i.starts_with("gpuplace:"))) {
+        let args: Vec<&str> = c["args"].as_sequence().expect("args").iter().filter_map(Value::as_str).collect();
+        let out =
+            std::process::Command::new(env!("CARGO_BIN_EXE_gpuplace")).args(&args).arg("--help").output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success() && !err.contains("error:"), "{args:?}: {err}");
+        checked += 1;
+    }
+    assert_eq!(checked, 1, "one gpuplace container");
+    // the check itself refuses what the binary refuses
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpuplace"))
+        .args(["serve", "--no-such-flag", "--help"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+}

@@ -28,6 +28,8 @@ use gpuplace_device_plugin::server::{run, ServeConfig};
 use gpuplace_device_plugin::slots::DEFAULT_SLOTS_PER_GPU;
 use gpuplace_device_plugin::{discover, slots};
 
+/// Every option is global: it works before or after the subcommand (`serve --no-assignments` and
+/// `--no-assignments serve` alike), as manifests and troubleshooting advice write them either way.
 #[derive(Debug, Parser)]
 #[command(name = "gpuplace-device-plugin", version, about = "gpuplace's kubelet device plugin")]
 struct Cli {
@@ -44,62 +46,62 @@ struct Cli {
     node_name: Option<String>,
     /// Run without the API server: kubelet's slots decide the GPUs (no extender assignments, no
     /// per-pod limits), and node capacity, inventory and utilization are not written.
-    #[arg(long, conflicts_with_all = ["kubeconfig", "apiserver"])]
+    #[arg(long, conflicts_with_all = ["kubeconfig", "apiserver"], global = true)]
     no_apiserver: bool,
     #[command(flatten)]
     connect: ConnectArgs,
     /// With the API server, still let kubelet's slots decide the GPUs (no extender assignments, no
     /// per-pod limits; node capacity, inventory and utilization are written): for clusters whose
     /// extender does not write assignments yet (static mode), where every Allocate would be refused.
-    #[arg(long)]
+    #[arg(long, global = true)]
     no_assignments: bool,
     /// How often the node's gpu-mem / gpu-core capacity and inventory annotation are checked (one
     /// GET; a PATCH only when something differs). Also checked at every kubelet registration and
     /// GPU health change.
-    #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = parse_duration)]
+    #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = parse_duration, global = true)]
     node_sync_interval: Duration,
     /// kubelet's device plugin directory (kubelet.sock and our socket live here).
-    #[arg(long, default_value = DEFAULT_DEVICE_PLUGIN_DIR)]
+    #[arg(long, default_value = DEFAULT_DEVICE_PLUGIN_DIR, global = true)]
     device_plugin_dir: PathBuf,
     /// Our socket's file name inside the device plugin directory.
-    #[arg(long, default_value = "gpuplace.sock")]
+    #[arg(long, default_value = "gpuplace.sock", global = true)]
     socket_name: String,
     /// The extended resource to register.
-    #[arg(long, default_value = RESOURCE_NAME)]
+    #[arg(long, default_value = RESOURCE_NAME, global = true)]
     resource_name: String,
     /// Devices advertised per GPU: how many containers may share one GPU.
-    #[arg(long, default_value_t = DEFAULT_SLOTS_PER_GPU)]
+    #[arg(long, default_value_t = DEFAULT_SLOTS_PER_GPU, global = true)]
     slots_per_gpu: u32,
     /// How often to check that kubelet.sock and our socket are still the ones we registered with.
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = 1000, global = true)]
     poll_interval_ms: u64,
     /// Host directory of the MPS control daemon's pipes, mounted into containers that get a share.
-    #[arg(long, value_name = "DIR")]
+    #[arg(long, value_name = "DIR", global = true)]
     mps_pipe_dir: Option<PathBuf>,
     /// Where to serve Prometheus /metrics (DCGM-exporter names; dcgm-exporter's port by default).
-    #[arg(long, value_name = "ADDR", default_value = DEFAULT_METRICS_LISTEN)]
+    #[arg(long, value_name = "ADDR", default_value = DEFAULT_METRICS_LISTEN, global = true)]
     metrics_listen: SocketAddr,
     /// How often every GPU is sampled (utilization, memory, temperature, power, SM clock), e.g. 5s,
     /// 500ms, 1m.
-    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_duration)]
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_duration, global = true)]
     sample_interval: Duration,
     /// kubelet's pod-resources socket, for pod/namespace/container labels on the metrics. When it is
     /// missing, metrics are served without pod labels.
-    #[arg(long, value_name = "PATH", default_value = DEFAULT_POD_RESOURCES_SOCKET)]
+    #[arg(long, value_name = "PATH", default_value = DEFAULT_POD_RESOURCES_SOCKET, global = true)]
     pod_resources_socket: PathBuf,
     /// Publish utilization when a GPU's SM utilization or memory use moved by more than this many
     /// percent points since the last publish.
-    #[arg(long, value_name = "POINTS", default_value_t = 10, value_parser = clap::value_parser!(u32).range(0..=100))]
+    #[arg(long, value_name = "POINTS", default_value_t = 10, value_parser = clap::value_parser!(u32).range(0..=100), global = true)]
     publish_threshold: u32,
     /// Publish utilization at least this often, moved or not.
-    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_duration)]
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_duration, global = true)]
     publish_max_interval: Duration,
     /// Publish utilization at most this often, however much it moves (bounds API writes).
-    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration, global = true)]
     publish_min_interval: Duration,
     /// Namespace of this node's utilization ConfigMap (default: $POD_NAMESPACE, set from the downward
     /// API in the DaemonSet, else gpuplace-system); the extender watches the same one.
-    #[arg(long, value_name = "NAMESPACE")]
+    #[arg(long, value_name = "NAMESPACE", global = true)]
     utilization_namespace: Option<String>,
     #[command(subcommand)]
     command: Option<Command>,

@@ -287,3 +287,57 @@ async fn binary_with_an_api_server_writes_the_node_and_applies_assignments() {
     let (_, _, page) = http_get(metrics_addr, "/metrics").await.unwrap();
     assert!(page.contains("gpuplace_apiserver_errors_total{Hostname=\"cli-api-node\",op=\"pod_patch\"} 0"), "{page}");
 }
+
+/// The `args:` items of the first container in a manifest's text, commented-out items (`# - --x`,
+/// options the manifest offers to switch on) included.
+fn manifest_args(text: &str) -> Vec<String> {
+    let mut lines = text.lines().skip_while(|l| l.trim() != "args:");
+    let Some(head) = lines.next() else { return Vec::new() };
+    let indent = head.len() - head.trim_start().len();
+    let mut out = Vec::new();
+    for l in lines {
+        let t = l.trim_start();
+        let at = l.len() - t.len();
+        let item = t
+            .strip_prefix("- ")
+            .or_else(|| t.strip_prefix('#').map(str::trim_start).and_then(|c| c.strip_prefix("- ")));
+        match item {
+            Some(v) if at >= indent => out.push(v.trim().trim_matches('"').to_string()),
+            _ if t.starts_with('#') && at >= indent => {}
+            _ => break,
+        }
+    }
+    out
+}
+
+/// Every option in the DaemonSet's `args:`, the commented-out ones switched on, parses with the
+/// binary's own definitions, after the subcommand as the manifest writes them; so do options the
+/// troubleshooting advice adds after `serve` (`--slots-per-gpu`), and options before it.
+#[test]
+fn the_daemonset_args_parse_uncommented_and_on_either_side_of_the_subcommand() {
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scheduler-config/device-plugin/daemonset.yaml");
+    let args = manifest_args(&std::fs::read_to_string(&path).unwrap());
+    assert_eq!(args.first().map(String::as_str), Some("serve"), "{args:?}");
+    assert!(args.iter().any(|a| a == "--no-assignments"), "the commented option is read: {args:?}");
+    let parses = |args: &[&str]| {
+        let out = Command::new(BIN).args(args).arg("--help").output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        (out.status.success() && !err.contains("error:"), err)
+    };
+    let listed: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (ok, err) = parses(&listed);
+    assert!(ok, "{listed:?}: {err}");
+    for extra in [
+        &["serve", "--slots-per-gpu", "20", "--no-assignments"][..],
+        &["--slots-per-gpu", "20", "serve"],
+        &["serve", "--kubeconfig", "/dev/null", "--metrics-listen", "0.0.0.0:9400", "--sample-interval", "1s"],
+        &["discover", "--json", "--fake-topology", "x.json"],
+    ] {
+        let (ok, err) = parses(extra);
+        assert!(ok, "{extra:?}: {err}");
+    }
+    // still refused: an unknown option, on either side
+    assert!(!parses(&["serve", "--no-such-flag"]).0);
+    assert!(!parses(&["--no-such-flag", "serve"]).0);
+}

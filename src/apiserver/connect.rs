@@ -30,10 +30,10 @@ pub enum Source {
 #[derive(Clone, Debug, Default, clap::Args)]
 pub struct ConnectArgs {
     /// Kubeconfig file (its current context). Default: in-cluster, else KUBECONFIG, else ~/.kube/config.
-    #[arg(long, value_name = "FILE", conflicts_with = "apiserver")]
+    #[arg(long, value_name = "FILE", conflicts_with = "apiserver", global = true)]
     pub kubeconfig: Option<PathBuf>,
     /// API server URL, plain http without credentials (`kubectl proxy`, tests, demos).
-    #[arg(long, value_name = "URL")]
+    #[arg(long, value_name = "URL", global = true)]
     pub apiserver: Option<String>,
 }
 
