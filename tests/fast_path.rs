@@ -17,6 +17,7 @@ use gpuplace::placement::profile::{Profile, ProfileConfig, Weights};
 use gpuplace::placement::scorers::fragmentation::{fragmentation_delta, HostFree, MixEntry, WorkloadMix};
 use gpuplace::placement::scorers::network::GroupView;
 use gpuplace::placement::scorers::packing::load_after;
+use gpuplace::placement::scorers::reserve::ReserveClass;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -219,8 +220,16 @@ fn random_mix(rng: &mut ChaCha8Rng) -> WorkloadMix {
                 weight: rng.random_range(0.01..1.0),
             }
         })
+        .collect::<Vec<MixEntry>>();
+    // the reserve's classes are derived, not drawn (the seeded cases stay the same): every entry of
+    // 2 GPUs or more keeps back a few free hosts, so the reserve scorer and its cluster-wide
+    // scarcity are part of what the two paths must agree on
+    let reserve = entries
+        .iter()
+        .filter(|e| e.gpus >= 2)
+        .map(|e| ReserveClass::of(e, (e.cpu_milli / 1000 % 7) as u32 + 1))
         .collect();
-    WorkloadMix { entries }
+    WorkloadMix { entries, reserve }
 }
 
 fn engines(rng: &mut ChaCha8Rng) -> Vec<Engine> {
@@ -233,7 +242,14 @@ fn engines(rng: &mut ChaCha8Rng) -> Vec<Engine> {
     let packing_only = ProfileConfig {
         share_by_fragmentation: false,
         numa: NumaPolicy::None,
-        weights: Weights { fragmentation: 0.0, packing: 1.0, topology: 0.5, network: 0.0, utilization: 0.0 },
+        weights: Weights {
+            fragmentation: 0.0,
+            packing: 1.0,
+            topology: 0.5,
+            network: 0.0,
+            utilization: 0.0,
+            reserve: 0.0,
+        },
         ..ProfileConfig::default()
     };
     vec![

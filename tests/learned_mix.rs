@@ -59,7 +59,8 @@ fn node_names(c: &Cluster) -> Vec<String> {
 /// Only fragmentation counts: every change of the mix shows in the 0..10 scores (with the default
 /// weights most changes round away, and a stale cached score could go unnoticed).
 fn fragmentation_only() -> ProfileConfig {
-    let weights = Weights { fragmentation: 1.0, packing: 0.0, topology: 0.0, network: 0.0, utilization: 0.0 };
+    let weights =
+        Weights { fragmentation: 1.0, packing: 0.0, topology: 0.0, network: 0.0, utilization: 0.0, reserve: 0.0 };
     ProfileConfig { weights, requested_packing_weight: 0.0, ..ProfileConfig::default() }
 }
 
@@ -261,7 +262,7 @@ fn prioritize_scores_as_the_engine_with_the_learners_mix() {
         let report = ext.mix_report();
         assert_eq!((report.source, report.observed, report.taken_at), (MixSource::Learned, 70, mirror.taken_at));
         assert!(mirror.taken_at >= 32, "the drifting workload moved the mix late too");
-        assert_same_mix(&WorkloadMix { entries: report.entries }, &mirror.mix, "the mix in use");
+        assert_same_mix(&WorkloadMix { entries: report.entries, ..Default::default() }, &mirror.mix, "the mix in use");
         let (hits, _) = ext.shape_cache_stats();
         assert!(hits > 0, "the shape cache answered");
         if profile == fragmentation_only() {
@@ -339,7 +340,7 @@ fn inspect_and_mix_report_the_learners_mix() {
         (mix.source, mix.observed, mix.taken_at, mix.half_life),
         (MixSource::Learned, 40, mirror.taken_at, Some(LearnerConfig::default().half_life))
     );
-    assert_same_mix(&WorkloadMix { entries: mix.entries.clone() }, &mirror.mix, "/inspect");
+    assert_same_mix(&WorkloadMix { entries: mix.entries.clone(), ..Default::default() }, &mirror.mix, "/inspect");
     // the JSON names every field of an entry
     let raw: Value = serde_json::from_slice(&r.body).unwrap();
     let first = &raw["mix"]["entries"][0];

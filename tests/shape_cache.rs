@@ -17,6 +17,7 @@ use gpuplace::extender::wire::{decode, ExtenderFilterResult, HostPriorityList, P
 use gpuplace::placement::engine::Engine;
 use gpuplace::placement::profile::{Profile, ProfileConfig, Weights};
 use gpuplace::placement::scorers::fragmentation::WorkloadMix;
+use gpuplace::placement::scorers::reserve::ReserveClass;
 use proptest::prelude::*;
 use serde_json::{json, Value};
 
@@ -45,15 +46,22 @@ fn node(name: &str) -> Node {
     board.resolve(Path::new(".")).unwrap().node(name, labels, 0, 0)
 }
 
-fn service(shape_cache: usize) -> Extender {
+/// A mix whose reserve keeps back the last 2 nodes with 8 free GPUs (4 of the 5 nodes have 8): a
+/// few binds make it scarce, a release makes it plenty again, and every verdict on such a node
+/// changes with it although the node itself did not.
+fn reserve_mix() -> WorkloadMix {
+    let class = ReserveClass { gpus: 8, milli: 1000, cpu_milli: 0, memory_mib: 0, models: Vec::new(), keep: 2 };
+    WorkloadMix { entries: Vec::new(), reserve: vec![class] }
+}
+
+fn service_with(shape_cache: usize, mix: WorkloadMix) -> Extender {
     let cluster = Cluster::new(NODES.iter().map(|n| node(n)).collect());
     let opts =
         ServiceOptions { shape_cache, eval_cache: if shape_cache == 0 { 0 } else { 64 }, ..ServiceOptions::default() };
     // utilization weighs as much as everything else together, so a stale sample shows in the 0..10
     // scores (with the default weights it often rounds away)
     let weights = Weights { utilization: 12.0, ..Weights::default() };
-    let engine =
-        Engine::new(Profile::new(ProfileConfig { weights, ..ProfileConfig::default() }), WorkloadMix::default());
+    let engine = Engine::new(Profile::new(ProfileConfig { weights, ..ProfileConfig::default() }), mix);
     let ext = Extender::new(cluster, engine, Arc::new(RecordingBinder::new()), opts);
     ext.set_clock(Some(NOW));
     ext
@@ -162,9 +170,13 @@ struct Twins {
 
 impl Twins {
     fn new() -> Self {
-        let cached = service(2);
+        Self::with_mix(WorkloadMix::default())
+    }
+
+    fn with_mix(mix: WorkloadMix) -> Self {
+        let cached = service_with(2, mix.clone());
         // one key ring: `restore` hands both services the assignments the cached one signed
-        let plain = service(0).with_key_ring(cached.key_ring().as_deref().cloned().unwrap());
+        let plain = service_with(0, mix).with_key_ring(cached.key_ring().as_deref().cloned().unwrap());
         Self { cached, plain, now: NOW, seq: 0, bound: BTreeMap::new() }
     }
 
@@ -282,6 +294,32 @@ proptest! {
         prop_assert_eq!(t.cached.cluster(), t.plain.cluster());
         prop_assert_eq!(t.cached.bound_pods(), t.plain.bound_pods());
     }
+
+    /// The same with a reserve, whose scarcity depends on every node (`Engine::shared_key`).
+    #[test]
+    fn cached_answers_equal_uncached_answers_with_a_reserve(ops in proptest::collection::vec(op(), 1..60)) {
+        let mut t = Twins::with_mix(reserve_mix());
+        for op in &ops {
+            t.apply(op);
+        }
+        prop_assert_eq!(t.cached.cluster(), t.plain.cluster());
+    }
+}
+
+#[test]
+fn a_reserve_turning_scarce_voids_the_cached_verdicts_of_unchanged_nodes() {
+    let t = Twins::with_mix(reserve_mix());
+    let h100_1 = |t: &Twins, pod_name: &str| t.prioritize(&args(&pod(0, pod_name), &[1], false))[0].score;
+    let plenty = h100_1(&t, "a");
+    // two binds elsewhere leave 2 nodes with 8 free GPUs: h100-1 is one of the last two now
+    for (name, node) in [("x", "h100-0"), ("y", "l40s-0")] {
+        t.filter(&args(&pod(0, name), &all_nodes(), false));
+        let bind = json!({ "PodName": name, "PodNamespace": "ns", "PodUID": format!("uid-{name}"), "Node": node });
+        assert!(t.both("bind", |e| block_on(e.bind(bind.to_string().as_bytes())).unwrap()).error.is_empty());
+    }
+    // h100-1 did not change, yet its cached verdict for this shape must not be served
+    let scarce = h100_1(&t, "b");
+    assert!(scarce < plenty, "{plenty} -> {scarce}");
 }
 
 fn all_nodes() -> Vec<usize> {

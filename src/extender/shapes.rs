@@ -11,7 +11,10 @@
 //! # When a cached verdict is used
 //!
 //! A verdict is a pure function of the pod's request, the node, the clock (utilization samples
-//! count only while fresh) and, for pods of a `gpuplace.io/group`, where the group's other pods are.
+//! count only while fresh), which of the mix's reserve classes are scarce in the whole cluster
+//! ([`Engine::shared_key`](crate::placement::engine::Engine::shared_key): a table's verdicts are
+//! dropped when it changes, see [`Table::keep_only`]) and, for pods of a `gpuplace.io/group`, where
+//! the group's other pods are.
 //! The profile is fixed for the process; the learned mix changes now and then, and the whole cache
 //! is emptied when it does ([`ShapeCache::clear`]). So an entry is keyed by the whole
 //! [`PodRequest`] except the pod's name (policies, NUMA, GPU models and containers are all in it),
@@ -245,10 +248,21 @@ struct Slot {
 #[derive(Debug, Default)]
 pub(crate) struct Table {
     slots: Vec<Slot>,
+    /// The engine's shared key the verdicts were made with.
+    shared: u64,
     reasons: HashMap<ReasonKey, Arc<Reason>>,
 }
 
 impl Table {
+    /// Drops every verdict unless it was made with the engine's shared key `key`: a score depends
+    /// on which reserve classes are scarce cluster-wide, not only on the node judged.
+    pub fn keep_only(&mut self, key: u64) {
+        if self.shared != key {
+            self.slots.clear();
+            self.shared = key;
+        }
+    }
+
     /// The cached verdict on node `i`, when made for this stamp and still valid at `now`.
     pub fn get(&self, i: usize, stamp: u64, now: i64) -> Option<&Answer> {
         let s = self.slots.get(i)?;

@@ -12,6 +12,7 @@ use crate::placement::profile::Profile;
 use crate::placement::scorer::{ScoreContext, Scorer};
 use crate::placement::scorers::fragmentation::WorkloadMix;
 use crate::placement::scorers::network::GroupView;
+use crate::placement::scorers::reserve::{ReserveView, ScarcityMemo};
 
 /// The extender protocol's score range is 0..=10.
 pub const MAX_NODE_SCORE: i64 = 10;
@@ -161,11 +162,35 @@ pub struct Evaluation {
 pub struct Engine {
     pub profile: Profile,
     pub mix: WorkloadMix,
+    /// Which of the mix's reserve classes are scarce, per cluster state (see [`Engine::shared_key`]).
+    scarcity: ScarcityMemo,
+}
+
+/// The scorers' weights for one pod: which of them apply ([`Scorer::applies`]) and their sum.
+#[derive(Debug, Clone, Copy)]
+struct Weighting {
+    /// Bit `i` set: the profile's scorer `i` is left out.
+    skip: u64,
+    total: f64,
 }
 
 impl Engine {
     pub fn new(profile: Profile, mix: WorkloadMix) -> Self {
-        Self { profile, mix }
+        Self { profile, mix, scarcity: ScarcityMemo::default() }
+    }
+
+    /// What a node's verdict depends on besides the request, the node itself ([`Node::generation`])
+    /// and the clock: the reserve's classes and which of them are scarce in the whole cluster
+    /// (`scorers::reserve`; 0 while none is). A cache of per-node verdicts must hold this key too,
+    /// and drop what it keeps when the key changes. Cheap: only nodes whose stamp changed since the
+    /// last call are looked at.
+    pub fn shared_key(&self, cluster: &Cluster) -> u64 {
+        self.reserve_view(cluster).key()
+    }
+
+    /// The reserve in `cluster`: the mix's classes and the inventory's, and which are scarce.
+    pub fn reserve_view(&self, cluster: &Cluster) -> ReserveView {
+        self.scarcity.view(cluster, &self.mix.reserve)
     }
 
     /// How GPUs are picked for this pod (profile defaults after the pod's overrides).
@@ -227,6 +252,7 @@ impl Engine {
         req: &'a PodRequest,
         now_unix_ms: i64,
         group: Option<&'a GroupView>,
+        reserve: &'a ReserveView,
     ) -> ScoreContext<'a> {
         ScoreContext {
             cluster,
@@ -236,7 +262,24 @@ impl Engine {
             now_unix_ms,
             max_sample_age_ms: self.max_sample_age_ms(),
             group,
+            reserve,
         }
+    }
+
+    /// Which scorers count for the pod of `ctx`, and their total weight (the sum is taken in the
+    /// profile's order, as it always was, so scores do not move by a rounding when all apply).
+    fn weighting(&self, ctx: &ScoreContext<'_>) -> Weighting {
+        let asked = ctx.request.node_policy.is_some();
+        let mut skip = 0u64;
+        let mut total = 0.0;
+        for (i, (s, w)) in self.profile.weights_for(asked).enumerate() {
+            if i < 64 && !s.applies(ctx) {
+                skip |= 1 << i;
+            } else {
+                total += w;
+            }
+        }
+        Weighting { skip, total }
     }
 
     fn max_sample_age_ms(&self) -> i64 {
@@ -245,25 +288,31 @@ impl Engine {
 
     /// When (Unix ms, `[from, until)`) a verdict on `node` made at `now` for a pod without a group
     /// still holds, as far as the clock goes: the node's utilization samples keep their freshness
-    /// throughout. Such a verdict depends on nothing else but the request and the node's state
-    /// (its [`Node::generation`]): feasibility and every scorer but the group's network locality
-    /// read the node alone.
+    /// throughout. Such a verdict depends on nothing else but the request, the node's state (its
+    /// [`Node::generation`]) and [`Engine::shared_key`]: feasibility and every scorer but the group's
+    /// network locality and the reserve's scarcity read the node alone.
     pub fn verdict_window(&self, node: &Node, now: i64) -> (i64, i64) {
         crate::placement::scorers::utilization::stable_window(node, now, self.max_sample_age_ms())
     }
 
-    /// Weighted mean of the scorers; `part` sees each scorer with its weighted share.
+    /// Weighted mean of the scorers that apply; `part` sees each scorer with its weighted share (0
+    /// for one left out).
     fn weigh(
         &self,
         ctx: &ScoreContext<'_>,
+        weighting: Weighting,
         node: &Node,
         placement: &Placement,
         mut part: impl FnMut(&dyn Scorer, f64),
     ) -> f64 {
         let asked = ctx.request.node_policy.is_some();
-        let total_w = self.profile.total_weight(asked);
+        let total_w = weighting.total;
         let mut total = 0.0;
-        for (s, w) in self.profile.weights_for(asked) {
+        for (i, (s, w)) in self.profile.weights_for(asked).enumerate() {
+            if i < 64 && (weighting.skip >> i) & 1 == 1 {
+                part(s, 0.0);
+                continue;
+            }
             let v = s.score(ctx, node, placement);
             let v = if v.is_finite() { v.clamp(0.0, 1.0) } else { 0.0 };
             let share = if total_w > 0.0 { v * w / total_w } else { 0.0 };
@@ -286,9 +335,11 @@ impl Engine {
         let Some(n) = cluster.nodes().get(node) else {
             return NodeScore { total: 0.0, score: 0, parts: Vec::new() };
         };
-        let ctx = self.context(cluster, req, now_unix_ms, group);
+        let reserve = self.reserve_view(cluster);
+        let ctx = self.context(cluster, req, now_unix_ms, group, &reserve);
+        let weighting = self.weighting(&ctx);
         let mut parts = Vec::with_capacity(self.profile.scorers.len());
-        let total = self.weigh(&ctx, n, placement, |s, share| parts.push((s.name(), share)));
+        let total = self.weigh(&ctx, weighting, n, placement, |s, share| parts.push((s.name(), share)));
         NodeScore { total, score: scale(total), parts }
     }
 
@@ -308,7 +359,9 @@ impl Engine {
         rank: bool,
     ) -> Evaluation {
         let group = req.group.as_ref().map(|g| GroupView::new(cluster, g));
-        let ctx = self.context(cluster, req, now_unix_ms, group.as_ref());
+        let reserve = self.reserve_view(cluster);
+        let ctx = self.context(cluster, req, now_unix_ms, group.as_ref(), &reserve);
+        let weighting = self.weighting(&ctx);
         let plan = Plan::new(req, self.gpu_choice(req));
         // one record, refilled per node, is what the scorers see
         let mut scratch = compact::blank_placement(req);
@@ -321,14 +374,16 @@ impl Engine {
                 let (total, pick) = match compact::place(node, &plan, memo, &mut sc) {
                     Outcome::Fits => {
                         compact::fill_placement(&mut scratch, node, req, &sc.masks);
-                        (self.weigh(&ctx, node, &scratch, |_, _| {}), Pick::from_masks(&sc.masks))
+                        (self.weigh(&ctx, weighting, node, &scratch, |_, _| {}), Pick::from_masks(&sc.masks))
                     }
                     Outcome::Rejected { unresolvable } => {
                         rejected.push(Rejection { node: i, unresolvable });
                         continue;
                     }
                     Outcome::TooLarge => match place_on_node(node, req, &plan.how) {
-                        Ok(p) => (self.weigh(&ctx, node, &p, |_, _| {}), Pick(PickRepr::Placed(Box::new(p)))),
+                        Ok(p) => {
+                            (self.weigh(&ctx, weighting, node, &p, |_, _| {}), Pick(PickRepr::Placed(Box::new(p))))
+                        }
                         Err(why) => {
                             rejected.push(Rejection { node: i, unresolvable: why.is_unresolvable() });
                             continue;

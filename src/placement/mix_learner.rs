@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::core::resources::PodRequest;
 use crate::placement::scorers::fragmentation::{MixEntry, WorkloadMix};
+use crate::placement::scorers::reserve::ReserveClass;
 
 /// How the learner weighs what it sees.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -43,6 +44,15 @@ pub const REFRESH_EVERY: u64 = 1024;
 /// taken. Replaying the openb `default` trace (seeds 42-51): 0.02 gave 4.48 percent unallocated at
 /// 100 percent arrival, 0.05 gave 4.50-4.53 and 0.1 gave 4.65 (docs/performance.md).
 pub const MIX_CHANGE: f64 = 0.02;
+
+/// The reserve (`scorers::reserve`) is kept for at most this many of the largest request types seen.
+pub const RESERVE_TYPES: usize = 6;
+
+/// A reserve keeps back at most this many free hosts: only the last few are protected.
+pub const RESERVE_MAX_KEEP: u32 = 8;
+
+/// A request type is a reserve class only while its faded count is at least this (observations).
+const RESERVE_MIN_COUNT: f64 = 0.5;
 
 /// How far apart two mixes are: the total variation distance of their weights (0 same, 1 disjoint),
 /// where an entry whose typical host memory moved by more than a quarter counts as a different one.
@@ -83,6 +93,13 @@ fn entry_of((gpus, milli, cpu_milli, models): &Key, memory_mib: u64) -> MixEntry
     MixEntry { gpus: *gpus, milli: *milli, cpu_milli: *cpu_milli, memory_mib, models: models.clone(), weight: 0.0 }
 }
 
+/// Larger request types first: GPUs times share, host CPU, then GPUs, share and models, so the order
+/// never depends on hashing.
+fn larger_type(a: &Key, b: &Key) -> std::cmp::Ordering {
+    let size = |k: &Key| u64::from(k.0) * u64::from(k.1);
+    size(b).cmp(&size(a)).then(b.2.cmp(&a.2)).then(b.0.cmp(&a.0)).then(b.1.cmp(&a.1)).then(a.3.cmp(&b.3))
+}
+
 /// The lower median of `values` (0 for none).
 fn lower_median(mut values: Vec<u64>) -> u64 {
     values.sort_unstable();
@@ -117,6 +134,9 @@ pub struct MixLearner {
     /// decaying every older one), and everything is rescaled before it gets large.
     scale: f64,
     observed: u64,
+    /// The last observation was of one of the [`RESERVE_TYPES`] largest types: the reserve may have
+    /// changed.
+    last_large: bool,
 }
 
 impl Default for MixLearner {
@@ -147,12 +167,13 @@ pub fn bundled_prior() -> WorkloadMix {
             e(4, 1000, 0.08),
             e(8, 1000, 0.07),
         ],
+        reserve: Vec::new(),
     }
 }
 
 impl MixLearner {
     pub fn new(config: LearnerConfig, prior: WorkloadMix) -> Self {
-        Self { config, prior, types: HashMap::new(), scale: 1.0, observed: 0 }
+        Self { config, prior, types: HashMap::new(), scale: 1.0, observed: 0, last_large: false }
     }
 
     pub fn config(&self) -> LearnerConfig {
@@ -178,17 +199,31 @@ impl MixLearner {
     /// `current`. A new mix invalidates every cached score, so it is not taken after every request,
     /// nor for changes too small to move a placement; the extender and the simulator follow this same
     /// rule, so they score with the same mix after the same requests.
+    ///
+    /// The reserve ([`MixLearner::reserve`]) is looked at also after every observation of one of the
+    /// largest types, and a new one is taken whenever it differs: the next large request must not
+    /// wait for a refresh point. When only the reserve changed, the entries stay `current`'s.
     pub fn refreshed(&self, current: &WorkloadMix) -> Option<WorkloadMix> {
-        if !self.refresh_due() {
+        let due = self.refresh_due();
+        if !due && !self.last_large {
             return None;
         }
-        let next = self.mix();
-        (mix_distance(&next, current) > MIX_CHANGE).then_some(next)
+        if due {
+            let next = self.mix();
+            if mix_distance(&next, current) > MIX_CHANGE {
+                return Some(next);
+            }
+            return (next.reserve != current.reserve)
+                .then(|| WorkloadMix { entries: current.entries.clone(), reserve: next.reserve });
+        }
+        let reserve = self.reserve();
+        (reserve != current.reserve).then(|| WorkloadMix { entries: current.entries.clone(), reserve })
     }
 
     /// Counts one arriving request (`weight` on an entry is ignored).
     pub fn observe(&mut self, e: &MixEntry) {
         let key = key_of(e);
+        self.last_large = e.gpus > 0 && self.is_among_largest(&key);
         let scale = self.scale;
         let t = self.types.entry(key).or_default();
         t.weight += scale;
@@ -223,11 +258,55 @@ impl MixLearner {
         self.scale = 1.0;
     }
 
+    /// The weight of the newest observation, in the learner's current scale.
+    fn newest(&self) -> f64 {
+        self.scale / 2f64.powf(1.0 / self.config.half_life.max(1.0))
+    }
+
+    /// Whether a type with `key` is, or would be, one of the [`RESERVE_TYPES`] largest counted ones.
+    fn is_among_largest(&self, key: &Key) -> bool {
+        let min = RESERVE_MIN_COUNT * self.newest();
+        let larger =
+            self.types.iter().filter(|(k, t)| *k != key && t.weight >= min && larger_type(k, key).is_lt()).count();
+        larger < RESERVE_TYPES
+    }
+
+    /// The reserve: the [`RESERVE_TYPES`] largest GPU request types seen recently (GPUs times share,
+    /// then host CPU; host memory is each type's median), each keeping back as many free hosts as
+    /// requests needing such a host were seen recently (faded counts, as the mix's, of the types at
+    /// least as large and as constrained: [`ReserveClass::needed_by`]), rounded up, at most
+    /// [`RESERVE_MAX_KEEP`].
+    pub fn reserve(&self) -> Vec<ReserveClass> {
+        let newest = self.newest();
+        let mut types: Vec<(&Key, &TypeStats)> = self.types.iter().filter(|(k, _)| k.0 > 0).collect();
+        types.sort_by(|a, b| larger_type(a.0, b.0));
+        let mut entries: Vec<(MixEntry, f64)> = Vec::new();
+        let mut out = Vec::new();
+        for (key, t) in types {
+            let count = t.weight / newest;
+            let entry = entry_of(key, lower_median(t.memory.iter().copied().collect()));
+            if out.len() < RESERVE_TYPES && count >= RESERVE_MIN_COUNT {
+                // a type needing this one's hosts is at least as large: it came before (or is it)
+                entries.push((entry.clone(), count));
+                let class = ReserveClass::of(&entry, 0);
+                let demand: f64 = entries.iter().filter(|(d, _)| class.needed_by(d)).map(|(_, w)| w).sum();
+                let keep = (demand - 1e-9).ceil().clamp(0.0, f64::from(RESERVE_MAX_KEEP)) as u32;
+                out.push(ReserveClass { keep, ..class });
+            } else {
+                entries.push((entry, count));
+            }
+            if out.len() >= RESERVE_TYPES {
+                break;
+            }
+        }
+        out
+    }
+
     /// The mix now: the observed types with their faded weights, plus the prior, the most popular
-    /// kept until `coverage` of the weight is covered, normalized.
+    /// kept until `coverage` of the weight is covered, normalized; and the reserve.
     pub fn mix(&self) -> WorkloadMix {
         // observed weights in units of "one new observation"; their sum is the effective count
-        let newest = self.scale / 2f64.powf(1.0 / self.config.half_life.max(1.0));
+        let newest = self.newest();
         let mut weighted: Vec<(MixEntry, f64)> = self
             .types
             .iter()
@@ -260,7 +339,7 @@ impl MixLearner {
             .into_iter()
             .map(|(e, w)| MixEntry { weight: if covered > 0.0 { w / covered } else { 0.0 }, ..e })
             .collect();
-        WorkloadMix { entries }
+        WorkloadMix { entries, reserve: self.reserve() }
     }
 
     /// What to save; [`MixLearner::restore`] takes it back.
@@ -405,20 +484,60 @@ mod tests {
     fn a_new_mix_is_taken_only_when_it_moved() {
         let mut l = MixLearner::default();
         let mut current = l.mix();
-        let mut taken = 0;
+        let (mut taken, mut reserve_only) = (0, 0);
         for i in 0..5000u64 {
             l.observe(&entry(1, if i % 2 == 0 { 500 } else { 1000 }, 0));
             if let Some(m) = l.refreshed(&current) {
-                assert!(mix_distance(&m, &current) > MIX_CHANGE);
+                if mix_distance(&m, &current) > MIX_CHANGE {
+                    taken += 1;
+                } else {
+                    // only the reserve moved (its keeps grow with the first observations)
+                    assert!(m.reserve != current.reserve && m.entries == current.entries);
+                    reserve_only += 1;
+                }
                 current = m;
-                taken += 1;
             }
         }
+        assert!(reserve_only <= 2 * RESERVE_MAX_KEEP, "{reserve_only}");
         // the prior gives way at first; a steady workload then stops moving the mix
         assert!((1..=12).contains(&taken), "{taken}");
         assert!((weight_of(&current, 1, 500) - 0.5).abs() < 0.05, "{current:?}");
         assert_eq!(mix_distance(&current, &current), 0.0);
         assert!((mix_distance(&current, &WorkloadMix::default()) - 0.5).abs() < 1e-9);
+    }
+
+    #[test]
+    fn the_reserve_keeps_hosts_for_the_largest_types_seen_and_is_taken_at_once() {
+        let mut l = MixLearner::default();
+        let mut current = l.mix();
+        for _ in 0..1500 {
+            l.observe(&entry(1, 500, 4000));
+        }
+        let mut big = entry(8, 1000, 120_000);
+        big.memory_mib = 700_000;
+        l.observe(&big);
+        // observation 1501 is no refresh point, yet the new reserve is taken, with the old entries
+        assert!(!l.refresh_due());
+        current = l.refreshed(&current).inspect(|m| assert_eq!(m.entries, current.entries)).unwrap_or(current);
+        assert_eq!(
+            current.reserve.first().map(|c| (c.gpus, c.cpu_milli, c.memory_mib, c.keep)),
+            Some((8, 120_000, 700_000, 1))
+        );
+        // a type at least as large counts for the smaller one's hosts too; the smallest types are
+        // not reserved for
+        let mut huge = entry(8, 1000, 128_000);
+        huge.memory_mib = 750_000;
+        l.observe(&huge);
+        l.observe(&huge);
+        let r = l.reserve();
+        assert_eq!(
+            r.iter().map(|c| (c.cpu_milli, c.keep)).collect::<Vec<_>>(),
+            [(128_000, 2), (120_000, 3), (4000, 1500)].map(|(c, k)| (c, k.min(RESERVE_MAX_KEEP)))
+        );
+        assert!(l.refreshed(&current).is_some());
+        // an observation that moves no keep gives no new mix away from the refresh points
+        l.observe(&entry(1, 500, 4000));
+        assert!(l.refreshed(&l.mix()).is_none());
     }
 
     #[test]

@@ -5,8 +5,8 @@ use serde::{Deserialize, Serialize};
 use crate::core::resources::{NumaPolicy, PackingPolicy};
 use crate::placement::scorer::Scorer;
 use crate::placement::scorers::{
-    fragmentation::FragmentationScorer, network::NetworkScorer, packing::PackingScorer, topology::TopologyScorer,
-    utilization::UtilizationScorer,
+    fragmentation::FragmentationScorer, network::NetworkScorer, packing::PackingScorer, reserve::ReserveScorer,
+    topology::TopologyScorer, utilization::UtilizationScorer,
 };
 
 /// Scorer weights; a weight of 0 switches a scorer off.
@@ -23,11 +23,14 @@ pub struct Weights {
     pub topology: f64,
     pub network: f64,
     pub utilization: f64,
+    /// Keeping back the last free hosts of the largest requests seen (`scorers::reserve`). It counts
+    /// only for pods that would take one; high, so that such a pod goes elsewhere whenever it can.
+    pub reserve: f64,
 }
 
 impl Default for Weights {
     fn default() -> Self {
-        Self { fragmentation: 6.0, packing: 0.01, topology: 2.0, network: 3.0, utilization: 1.0 }
+        Self { fragmentation: 6.0, packing: 0.01, topology: 2.0, network: 3.0, utilization: 1.0, reserve: 6.0 }
     }
 }
 
@@ -86,6 +89,7 @@ impl Profile {
             (Box::new(TopologyScorer), w.topology),
             (Box::new(NetworkScorer), w.network),
             (Box::new(UtilizationScorer), w.utilization),
+            (Box::new(ReserveScorer), w.reserve),
         ] {
             let is_packing = s.name() == PackingScorer.name();
             // packing stays (at its own weight, possibly 0) while pods may ask for a policy, so
@@ -115,7 +119,8 @@ impl Profile {
         Self::new(ProfileConfig::default())
     }
 
-    /// Sum of the weights a pod is scored with.
+    /// Sum of the weights a pod is scored with when every scorer applies (one that has nothing to
+    /// say about a pod, `Scorer::applies`, is left out of it then).
     pub fn total_weight(&self, pod_asked_node_policy: bool) -> f64 {
         self.weights_for(pod_asked_node_policy).map(|(_, w)| w).sum()
     }

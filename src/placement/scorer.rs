@@ -6,6 +6,7 @@ use crate::core::resources::{PackingPolicy, PodRequest};
 use crate::placement::feasibility::Placement;
 use crate::placement::scorers::fragmentation::WorkloadMix;
 use crate::placement::scorers::network::GroupView;
+use crate::placement::scorers::reserve::ReserveView;
 
 /// What every scorer may look at besides the node itself.
 #[derive(Debug, Clone, Copy)]
@@ -21,6 +22,9 @@ pub struct ScoreContext<'a> {
     pub max_sample_age_ms: i64,
     /// Where the pod's group stands (`None` for pods without a group).
     pub group: Option<&'a GroupView>,
+    /// The reserve classes and which of them are scarce in the cluster right now (a cluster-wide
+    /// fact, see `scorers::reserve`).
+    pub reserve: &'a ReserveView,
 }
 
 /// One concern of node choice.
@@ -29,4 +33,9 @@ pub trait Scorer: Send + Sync + std::fmt::Debug {
     fn name(&self) -> &'static str;
     /// 0.0 (worst) ..= 1.0 (best) for putting the pod on `node` as `placement` says.
     fn score(&self, ctx: &ScoreContext<'_>, node: &Node, placement: &Placement) -> f64;
+    /// Whether the scorer has anything to say about this pod at all. One that has not is left out of
+    /// the weighting for every node alike, so it neither moves nor compresses the others' scores.
+    fn applies(&self, _ctx: &ScoreContext<'_>) -> bool {
+        true
+    }
 }

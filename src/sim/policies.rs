@@ -148,16 +148,20 @@ fn fgd_score(before: f64, after: f64) -> i64 {
 /// A node's score for a pod and the GPUs it would get.
 type Scored = (i64, Vec<usize>);
 
+/// (node, request shape) -> (node generation, score and GPUs, `None` where it does not fit).
+type ScoreCache = HashMap<(usize, u32), (u64, Option<Scored>)>;
+
 /// A policy with its per-run caches.
 pub struct Policy {
     kind: PolicyKind,
     engine: Option<Engine>,
-    /// (node, request shape) -> (node generation, score and GPUs): nodes change one at a time, so
-    /// most evaluations repeat.
-    cache: HashMap<(usize, u32), (u64, Option<Scored>)>,
+    /// Nodes change one at a time, so most evaluations repeat.
+    cache: ScoreCache,
     shapes: HashMap<(u64, u64, u32, u32, String), u32>,
     /// The `gpuplace` policy's learner ([`MixSource::Learned`]) and the GPU memory it reads shares by.
     learner: Option<(MixLearner, u64)>,
+    /// The `gpuplace` engine's [`Engine::shared_key`] the cached scores were made with.
+    shared_key: u64,
 }
 
 impl Policy {
@@ -174,7 +178,7 @@ impl Policy {
             };
             Engine::new(Profile::new(profile.clone()), start)
         });
-        Self { kind, engine, cache: HashMap::new(), shapes: HashMap::new(), learner }
+        Self { kind, engine, cache: HashMap::new(), shapes: HashMap::new(), learner, shared_key: 0 }
     }
 
     pub fn kind(&self) -> PolicyKind {
@@ -248,37 +252,51 @@ impl Policy {
         if let (Some((learner, gpu_memory)), Some(engine)) = (self.learner.as_mut(), self.engine.as_mut()) {
             learner.observe_request(&req, *gpu_memory);
             if let Some(mix) = learner.refreshed(&engine.mix) {
+                // a new reserve alone shows in the shared key below, when it can move a score
+                if mix.entries != engine.mix.entries {
+                    self.cache.clear();
+                }
                 engine.mix = mix;
-                self.cache.clear();
             }
         }
         let engine = self.engine.as_ref()?;
-        let mut best: Option<(f64, usize, Vec<usize>)> = None;
+        // scores depend on the whole cluster too (the reserve's scarcity): a new key voids them all
+        let key = engine.shared_key(&state.cluster);
+        if key != self.shared_key {
+            self.shared_key = key;
+            self.cache.clear();
+        }
+        fn fresh<'c>(c: &'c ScoreCache, state: &SimState, i: usize, shape: u32) -> Option<&'c Option<Scored>> {
+            c.get(&(i, shape)).filter(|(g, _)| *g == state.nodes[i].generation).map(|(_, v)| v)
+        }
+        let stale: Vec<usize> = (0..state.nodes.len())
+            .filter(|&i| state.nodes[i].fits(pod, models) && fresh(&self.cache, state, i, shape).is_none())
+            .collect();
+        if !stale.is_empty() {
+            let ev = engine.evaluate_in_order(&state.cluster, &req, &stale, 0, false);
+            for c in &ev.ranked {
+                // scores kept at 1e-9 resolution so the cache stays integral and ties are exact
+                let v = ((c.total * 1e9).round() as i64, c.gpus().into_iter().map(|g| g as usize).collect());
+                self.cache.insert((c.node, shape), (state.nodes[c.node].generation, Some(v)));
+            }
+            for r in &ev.rejected {
+                self.cache.insert((r.node, shape), (state.nodes[r.node].generation, None));
+            }
+        }
+        let mut best: Option<(i64, usize)> = None;
         for (i, s) in state.nodes.iter().enumerate() {
             if !s.fits(pod, models) {
                 continue;
             }
-            let cached = self.cache.get(&(i, shape)).filter(|(g, _)| *g == s.generation).map(|(_, v)| v.clone());
-            let v = match cached {
-                Some(v) => v,
-                None => {
-                    let v = engine.place(&state.cluster, &req, i).ok().map(|p| {
-                        let sc = engine.score(&state.cluster, &req, i, &p, 0, None);
-                        // scores kept at 1e-9 resolution so the cache stays integral and ties are exact
-                        ((sc.total * 1e9).round() as i64, p.gpus().into_iter().map(|g| g as usize).collect())
-                    });
-                    self.cache.insert((i, shape), (s.generation, v.clone()));
-                    v
-                }
-            };
-            if let Some((score, gpus)) = v {
-                let score = score as f64;
-                if best.as_ref().is_none_or(|(b, _, _)| score > *b) {
-                    best = Some((score, i, gpus));
+            if let Some(Some((score, _))) = fresh(&self.cache, state, i, shape) {
+                if best.is_none_or(|(b, _)| *score > b) {
+                    best = Some((*score, i));
                 }
             }
         }
-        best.map(|(_, n, g)| (n, g))
+        let (_, node) = best?;
+        let gpus = fresh(&self.cache, state, node, shape).and_then(|v| v.as_ref()).map(|(_, g)| g.clone())?;
+        Some((node, gpus))
     }
 }
 

@@ -22,6 +22,7 @@ use crate::core::cluster::Node;
 use crate::placement::feasibility::Placement;
 use crate::placement::gpu_select::FreeState;
 use crate::placement::scorer::{ScoreContext, Scorer};
+use crate::placement::scorers::reserve::ReserveClass;
 
 /// One typical request of the workload.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -46,6 +47,10 @@ pub struct MixEntry {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct WorkloadMix {
     pub entries: Vec<MixEntry>,
+    /// The largest request types seen, whose last free hosts are kept back (`scorers::reserve`);
+    /// none in a mix given without them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reserve: Vec<ReserveClass>,
 }
 
 impl WorkloadMix {
@@ -94,7 +99,7 @@ impl WorkloadMix {
                 e
             })
             .collect();
-        Self { entries }
+        Self { entries, reserve: Vec::new() }
     }
 
     pub fn is_empty(&self) -> bool {
@@ -277,12 +282,13 @@ mod tests {
     #[test]
     fn fgd_measure_counts_gpus_too_small_for_each_type() {
         // half the requests want a whole GPU, half want 0.5 of one
-        let mix = WorkloadMix { entries: vec![entry(1, 1000, 0, 0, 0.5), entry(1, 500, 0, 0, 0.5)] };
+        let mix =
+            WorkloadMix { entries: vec![entry(1, 1000, 0, 0, 0.5), entry(1, 500, 0, 0, 0.5)], ..Default::default() };
         let free = [1000, 600, 300, 0];
         // whole: 600 + 300 are fragments; half: only 300
         assert_eq!(mix.fgd_fragmentation(&free, None, "H100"), 0.5 * 900.0 + 0.5 * 300.0);
         // one more whole request would not fit the CPU: all idle share is fragment for both types
-        let cpu_bound = WorkloadMix { entries: vec![entry(1, 1000, 4000, 0, 1.0)] };
+        let cpu_bound = WorkloadMix { entries: vec![entry(1, 1000, 4000, 0, 1.0)], ..Default::default() };
         assert_eq!(cpu_bound.fgd_fragmentation(&free, Some(3999), "H100"), 1900.0);
         assert_eq!(cpu_bound.fgd_fragmentation(&free, Some(4000), "H100"), 900.0);
     }
@@ -296,6 +302,7 @@ mod tests {
                 entry(2, 1000, 8000, 0, 0.2),
                 entry(0, 0, 4000, 0, 0.1),
             ],
+            ..Default::default()
         };
         for free in [[1000u32, 1000, 530, 60], [0, 0, 0, 0], [1000, 0, 0, 0], [300, 300, 300, 300]] {
             let fgd = mix.fgd_fragmentation(&free, None, "T4");
@@ -307,7 +314,7 @@ mod tests {
 
     #[test]
     fn gpus_the_host_cannot_feed_are_fragments() {
-        let mix = WorkloadMix { entries: vec![entry(1, 1000, 11_000, 40_000, 1.0)] };
+        let mix = WorkloadMix { entries: vec![entry(1, 1000, 11_000, 40_000, 1.0)], ..Default::default() };
         let free = [1000u32; 8];
         // FGD: one more 11-core pod fits, so nothing looks fragmented
         assert_eq!(mix.fgd_fragmentation(&free, Some(12_000), "G2"), 0.0);
@@ -318,7 +325,7 @@ mod tests {
         let mem = HostFree { cpu_milli: None, memory_mib: Some(100_000) };
         assert_eq!(mix.fragmentation(&free, mem, "G2"), 6000.0);
         // the GPUs a type would use are the freest ones
-        let shares = WorkloadMix { entries: vec![entry(1, 400, 5_000, 0, 1.0)] };
+        let shares = WorkloadMix { entries: vec![entry(1, 400, 5_000, 0, 1.0)], ..Default::default() };
         let cpu = HostFree { cpu_milli: Some(10_000), memory_mib: None };
         assert_eq!(shares.fragmentation(&[500, 1000, 400, 200], cpu, "G2"), 400.0 + 200.0);
     }
@@ -327,7 +334,7 @@ mod tests {
     fn other_models_and_cpu_only_types_count_all_idle() {
         let mut gpu_t4 = entry(1, 500, 0, 0, 0.5);
         gpu_t4.models = vec!["T4".into()];
-        let mix = WorkloadMix { entries: vec![gpu_t4, entry(0, 0, 1000, 0, 0.5)] };
+        let mix = WorkloadMix { entries: vec![gpu_t4, entry(0, 0, 1000, 0, 0.5)], ..Default::default() };
         assert_eq!(mix.fragmentation(&[1000, 200], UNLIMITED, "t4"), 0.5 * 200.0 + 0.5 * 1200.0);
         assert_eq!(mix.fragmentation(&[1000, 200], UNLIMITED, "A10"), 1200.0);
     }

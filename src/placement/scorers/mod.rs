@@ -3,5 +3,6 @@
 pub mod fragmentation;
 pub mod network;
 pub mod packing;
+pub mod reserve;
 pub mod topology;
 pub mod utilization;

@@ -151,6 +151,7 @@ mod tests {
             now_unix_ms: 0,
             max_sample_age_ms: 60_000,
             group: view.as_ref(),
+            reserve: &Default::default(),
         };
         NetworkScorer.score(&ctx, &c.nodes()[i], &placement)
     }
@@ -193,7 +194,8 @@ mod tests {
     #[test]
     fn the_engine_ranks_by_locality() {
         let c = locality_cluster();
-        let weights = Weights { fragmentation: 0.0, packing: 0.0, topology: 0.0, network: 1.0, utilization: 0.0 };
+        let weights =
+            Weights { fragmentation: 0.0, packing: 0.0, topology: 0.0, network: 1.0, utilization: 0.0, reserve: 0.0 };
         let engine =
             Engine::new(Profile::new(ProfileConfig { weights, ..ProfileConfig::default() }), WorkloadMix::default());
         let ev = engine.evaluate_all(&c, &member(2, 4), 0);

@@ -90,6 +90,7 @@ mod tests {
         // alone would always pick busy
         let mix = WorkloadMix {
             entries: vec![MixEntry { gpus: 2, milli: 1000, cpu_milli: 0, memory_mib: 0, models: vec![], weight: 1.0 }],
+            ..Default::default()
         };
         let ev = Engine::new(Profile::gpuplace(), mix).evaluate_all(c, &req, 0);
         ev.ranked.iter().map(|r| c.nodes()[r.node].name.clone()).collect()
