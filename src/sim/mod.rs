@@ -6,6 +6,7 @@ pub mod paper;
 pub mod policies;
 pub mod protocol;
 pub mod reference;
+pub mod replay;
 pub mod report;
 pub mod run;
 pub mod state;

@@ -2,15 +2,17 @@
 
 use std::collections::BTreeMap;
 
-use serde::{Serialize, Serializer};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::sim::run::SeedResult;
 
 /// Columns shown in the table and JSON (arrived workload, % of GPU capacity).
 pub const REPORT_COLUMNS: [usize; 12] = [75, 80, 85, 90, 95, 100, 105, 110, 115, 120, 125, 130];
 
-/// One policy's results over all seeds: the JSON object `--json` prints.
-#[derive(Debug, Clone, Serialize)]
+/// One policy's results over all seeds: the JSON object `--json` prints (and `gpuplace report`
+/// reads, refusing fields it does not know).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct PolicyReport {
     pub policy: String,
     pub workload: String,
@@ -21,6 +23,7 @@ pub struct PolicyReport {
     pub unallocated_gpu_pct: BTreeMap<String, f64>,
     /// Mean fragment rate (% of idle GPU capacity that is fragmented) at 80 % arrived workload;
     /// NaN (`null` in JSON) when the arrivals never reached 80 %.
+    #[serde(deserialize_with = "nan_when_null")]
     pub frag_rate_pct_at_80: f64,
     /// Mean over seeds of pods that could not be placed.
     pub failed_pods: f64,
@@ -31,7 +34,7 @@ pub struct PolicyReport {
     /// Pods placed or refused per second of single-core time.
     pub pods_per_s: f64,
     /// The paper's mean unallocated GPU % at 100 % arrival, where `fgd-paper-results/` has it.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub paper_unallocated_gpu_pct_at_100: Option<f64>,
 }
 
@@ -40,6 +43,11 @@ fn columns_in_numeric_order<S: Serializer>(m: &BTreeMap<String, f64>, s: S) -> R
     let mut entries: Vec<(&String, &f64)> = m.iter().collect();
     entries.sort_by_key(|(k, _)| (k.parse::<u64>().unwrap_or(u64::MAX), k.as_str()));
     s.collect_map(entries)
+}
+
+/// `null` (no figure) reads back as NaN, as it was before it was written.
+fn nan_when_null<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
 }
 
 fn mean(xs: impl Iterator<Item = f64>) -> f64 {
@@ -57,9 +65,15 @@ fn round2(x: f64) -> f64 {
 
 impl PolicyReport {
     pub fn new(policy: &str, workload: &str, results: &[SeedResult], wall_s: f64) -> Self {
+        Self::with_columns(policy, workload, results, wall_s, &REPORT_COLUMNS)
+    }
+
+    /// With unallocated GPU % at `columns` (arrived workload, % of capacity, at most
+    /// [`MAX_COLUMN`](crate::sim::run::MAX_COLUMN)) instead of the paper's.
+    pub fn with_columns(policy: &str, workload: &str, results: &[SeedResult], wall_s: f64, columns: &[usize]) -> Self {
         let mut unallocated = BTreeMap::new();
-        for k in REPORT_COLUMNS {
-            let m = mean(results.iter().filter_map(|r| r.allocated_pct[k]).map(|a| 100.0 - a));
+        for &k in columns {
+            let m = mean(results.iter().filter_map(|r| r.allocated_pct.get(k).copied().flatten()).map(|a| 100.0 - a));
             if m.is_finite() {
                 unallocated.insert(k.to_string(), round2(m));
             }
@@ -141,6 +155,17 @@ mod tests {
         let at: Vec<usize> = REPORT_COLUMNS.iter().map(|c| json.find(&format!("\"{c}\":")).unwrap()).collect();
         assert!(at.windows(2).all(|w| w[0] < w[1]), "{json}");
         assert!(!json.contains("paper_unallocated"), "absent paper figure is left out: {json}");
+    }
+
+    #[test]
+    fn json_reads_back() {
+        for r in [report(&REPORT_COLUMNS, 3.0), report(&[], f64::NAN)] {
+            let json = serde_json::to_string(&r).unwrap();
+            let back: PolicyReport = serde_json::from_str(&json).unwrap();
+            assert_eq!(serde_json::to_string(&back).unwrap(), json);
+        }
+        let extra = serde_json::to_string(&report(&[], 1.0)).unwrap().replacen('{', "{\"nope\":1,", 1);
+        assert!(serde_json::from_str::<PolicyReport>(&extra).unwrap_err().to_string().contains("nope"));
     }
 
     #[test]

@@ -61,14 +61,42 @@ pub fn run_seed(
     tune: f64,
 ) -> SeedResult {
     let start = Instant::now();
-    let mut state = SimState::new(nodes, mix.clone());
+    let state = SimState::new(nodes, mix.clone());
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let order = arrival_order(pods, state.capacity_milli, tune, &mut rng);
+    place_in_order(state, &order, kind, gpuplace, seed, rng, start)
+}
+
+/// Replays `order` as given, neither shuffled nor resized (`simulate --from-placement-log`: the
+/// log's own order); the seed only drives the policies' random choices.
+pub fn run_in_order(
+    nodes: &[TraceNode],
+    order: &[TracePod],
+    mix: &WorkloadMix,
+    kind: PolicyKind,
+    gpuplace: GpuplaceSetup<'_>,
+    seed: u64,
+) -> SeedResult {
+    let start = Instant::now();
+    let state = SimState::new(nodes, mix.clone());
+    place_in_order(state, order, kind, gpuplace, seed, ChaCha8Rng::seed_from_u64(seed), start)
+}
+
+/// Places each pod of `order` in turn and records what each arrival left behind.
+fn place_in_order(
+    mut state: SimState,
+    order: &[TracePod],
+    kind: PolicyKind,
+    gpuplace: GpuplaceSetup<'_>,
+    seed: u64,
+    mut rng: ChaCha8Rng,
+    start: Instant,
+) -> SeedResult {
     let mut policy = Policy::new(kind, &state, gpuplace.profile, gpuplace.mix);
     let mut events = Vec::with_capacity(order.len());
     let mut arrived = 0u64;
     let mut failed = 0usize;
-    for pod in &order {
+    for pod in order {
         arrived += gpu_milli_total(pod);
         let placed = match policy.choose(&state, pod, &mut rng) {
             Some((node, gpus)) => match state.apply(node, pod, &gpus) {
