@@ -1,6 +1,7 @@
 //! API-server mode against the in-process fake API server: the binder (annotation, Binding,
-//! rollback, retry), the watchers (release, rebuild after restart, forged annotations, outages) and
-//! leader election with two replicas.
+//! rollback, retry), the watchers (release, rebuild after restart, forged annotations, outages),
+//! leader election with two replicas, and the standby's forward of every verb to the leader over
+//! HTTP and HTTPS.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -8,6 +9,7 @@ use std::time::Duration;
 
 use gpuplace::apiserver::fake::FakeApiServer;
 use gpuplace::apiserver::keys::KeyOptions;
+use gpuplace::apiserver::leader::ANNOTATION_LEADER_URL;
 use gpuplace::apiserver::run::{self, ApiOptions, Controller};
 use gpuplace::apiserver::{KubeBinder, LeaderConfig, Leadership};
 use gpuplace::core::annotations::{
@@ -18,8 +20,11 @@ use gpuplace::core::cluster::Cluster;
 use gpuplace::core::signing::KeyRing;
 use gpuplace::core::utilization_configmap::{configmap_name, data, labels};
 use gpuplace::extender::binder::{BindError, BindRequest, Binder};
+use gpuplace::extender::forward::{ForwardOptions, Forwarder, Role, Route, FORWARDED_HEADER};
+use gpuplace::extender::http::{self, Frontend, HttpOptions};
 use gpuplace::extender::metrics::{BindOutcome, ConflictKind, Watched};
 use gpuplace::extender::service::{now_unix_ms, Extender, ServiceOptions};
+use gpuplace::extender::tls::ServerFiles;
 use gpuplace::placement::engine::Engine;
 use gpuplace::placement::mix_learner::{bundled_prior, MixLearner};
 use gpuplace::placement::profile::{Profile, ProfileConfig, Weights};
@@ -30,6 +35,11 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::ByteString;
 use kube::ResourceExt;
 use serde_json::{json, Value};
+
+#[path = "support/tls.rs"]
+mod certs;
+
+use certs::{https, write as write_pem, Ca, Identity};
 
 const WAIT: Duration = Duration::from_secs(3);
 const LEASES: &str = "/apis/coordination.k8s.io/v1/namespaces/*/leases/*";
@@ -1025,4 +1035,258 @@ async fn a_pod_turned_away_from_gpus_then_freed_is_sent_back_to_the_queue() {
     fake.remove::<Pod>("ns", "other");
     settle().await;
     assert_eq!(requeued(&fake, "waiting").as_deref(), Some(text.as_str()));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Two replicas behind their HTTP servers: the standby forwards to the leader
+// ---------------------------------------------------------------------------------------------------
+
+/// The certificates of a TLS run (one CA: the replicas' serving certificates double as the forward's
+/// client certificates, and kube-scheduler's is a client certificate from the same CA).
+struct TlsSetup {
+    ca: Ca,
+    ca_file: std::path::PathBuf,
+    cert: std::path::PathBuf,
+    key: std::path::PathBuf,
+    scheduler: Identity,
+}
+
+impl TlsSetup {
+    fn new(name: &str) -> TlsSetup {
+        let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("apiserver-extender-{name}-{}", std::process::id()));
+        let ca = Ca::new("gpuplace test CA");
+        let server = ca.server();
+        TlsSetup {
+            ca_file: write_pem(&dir, "ca.crt", &ca.cert_pem),
+            cert: write_pem(&dir, "tls.crt", &server.cert_pem),
+            key: write_pem(&dir, "tls.key", &server.key_pem),
+            scheduler: ca.client("kube-scheduler"),
+            ca,
+        }
+    }
+}
+
+/// The name every replica's certificate carries (the forward checks it instead of the pod IP).
+const SERVICE_NAME: &str = "gpuplace-extender.gpuplace-system.svc";
+
+/// A replica served over HTTP(S) as `gpuplace serve` runs it: its election publishes its URL on
+/// the Lease and its forward follows the Lease.
+struct Served {
+    r: Replica,
+    port: u16,
+    http: http::Running,
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        // the command is sent at once; nothing waits for the server to finish
+        drop(self.http.handle.stop(false));
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn served_replica(fake: &FakeApiServer, identity: &str, tls: Option<&TlsSetup>) -> Served {
+    let port = free_port();
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let mut cfg = election(identity);
+    cfg.advertise_url = Some(format!("{scheme}://127.0.0.1:{port}/gpuplace"));
+    let r = replica(fake, Some(cfg));
+    let client = match tls {
+        Some(t) => gpuplace::extender::tls::client_config(Some(&t.ca_file), Some((&t.cert, &t.key))).unwrap(),
+        None => gpuplace::extender::tls::client_config(None, None).unwrap(),
+    };
+    let opts = ForwardOptions {
+        timeout: Duration::from_secs(2),
+        identity: identity.into(),
+        tls: client,
+        server_name: tls.map(|_| SERVICE_NAME.to_string()),
+    };
+    let forward = Forwarder::new(r.ctl.readiness.clone(), opts).unwrap();
+    let server_tls = tls.map(|t| {
+        let files = ServerFiles { cert: t.cert.clone(), key: t.key.clone(), client_ca: Some(t.ca_file.clone()) };
+        gpuplace::extender::tls::server_config(&files).unwrap()
+    });
+    let front = Frontend { tls: server_tls, forward: Some(Arc::new(forward)) };
+    let http = http::spawn_with(r.ext.clone(), HttpOptions::default(), &format!("127.0.0.1:{port}"), 2, front).unwrap();
+    Served { r, port, http }
+}
+
+impl Served {
+    fn url(&self, tls: bool) -> String {
+        format!("{}://127.0.0.1:{}/gpuplace", if tls { "https" } else { "http" }, self.port)
+    }
+
+    /// One request as kube-scheduler sends it (over TLS with its client certificate), off the test's
+    /// runtime, which the fake API server needs meanwhile. `forwarded_by`: the forward's header
+    /// (plain HTTP only).
+    async fn call(
+        &self,
+        tls: Option<&TlsSetup>,
+        method: &'static str,
+        path: &str,
+        body: String,
+        forwarded_by: Option<&str>,
+    ) -> (u16, String) {
+        let port = self.port;
+        let path = path.to_string();
+        let tls = tls.map(|t| (t.ca.cert_pem.clone(), t.scheduler.clone()));
+        let header = forwarded_by.map(|f| format!("{FORWARDED_HEADER}: {f}\r\n")).unwrap_or_default();
+        tokio::task::spawn_blocking(move || {
+            let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+            match tls {
+                Some((ca, id)) => https(addr, SERVICE_NAME, &ca, Some(&id), method, &path, body.as_bytes()),
+                None => plain(addr, method, &path, &header, body.as_bytes()),
+            }
+        })
+        .await
+        .unwrap()
+        .unwrap_or_else(|e| panic!("{method} {}: {e}", self.port))
+    }
+}
+
+/// A plain HTTP/1.1 request with extra header lines (`Connection: close`).
+fn plain(
+    addr: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    extra: &str,
+    body: &[u8],
+) -> std::io::Result<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{extra}Connection: close\r\n\r\n",
+        body.len()
+    )?;
+    s.write_all(body)?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw)?;
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let status = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    Ok((status, body))
+}
+
+fn forwarded(m: &str, verb: &str, result: &str) -> u64 {
+    let line = format!("gpuplace_forwarded_requests_total{{verb=\"{verb}\",result=\"{result}\"}} ");
+    m.lines().find_map(|l| l.strip_prefix(&line)).and_then(|n| n.parse().ok()).unwrap_or(0)
+}
+
+fn binding_posts(fake: &FakeApiServer) -> usize {
+    fake.requests().iter().filter(|q| q.method == "POST" && q.path.ends_with("/binding")).count()
+}
+
+/// Both replicas are Ready (synced), only the leader decides: every verb sent to the standby is
+/// answered by the leader, unchanged; a bind through the standby is one Binding, made and counted
+/// by the leader. With the leader's port gone the standby answers as a not-ready extender does;
+/// once it leads it decides itself.
+async fn a_standby_forwards_every_verb_to_the_leader(tls: Option<TlsSetup>) {
+    let t = tls.as_ref();
+    let fake = FakeApiServer::start().await.unwrap();
+    fake.put(&gpu_node("n1", 2));
+    let p = fake.put(&gpu_pod("p", whole(1)));
+    let a = served_replica(&fake, "a", t);
+    let b = served_replica(&fake, "b", t);
+    eventually("one leads", || a.r.ext.is_ready() || b.r.ext.is_ready()).await;
+    eventually("both synced", || a.r.ctl.readiness.synced() && b.r.ctl.readiness.synced()).await;
+    let (leader, standby) = if a.r.ext.is_ready() { (&a, &b) } else { (&b, &a) };
+    let leader_url = leader.url(tls.is_some());
+    let lease: Lease = fake.get("gpuplace-system", "gpuplace-extender").unwrap();
+    assert_eq!(lease.annotations().get(ANNOTATION_LEADER_URL), Some(&leader_url), "the leader publishes its URL");
+    eventually("the standby follows the Lease", || {
+        standby.r.ctl.readiness.route() == Route::Leader(leader_url.clone())
+    })
+    .await;
+    // both Ready, whichever leads: a rolling update with maxUnavailable 0 can finish
+    let (status, text) = standby.call(t, "GET", "/readyz", String::new(), None).await;
+    assert_eq!((status, text.as_str()), (200, &*format!("ready: standby, forwarding to the leader at {leader_url}")));
+    let (status, text) = leader.call(t, "GET", "/readyz", String::new(), None).await;
+    assert_eq!((status, text.as_str()), (200, "ready: leader"));
+
+    // filter and prioritize through the standby: the leader's answers, byte for byte
+    let args = json!({"Pod": p, "NodeNames": ["n1"]}).to_string();
+    for verb in ["filter", "prioritize"] {
+        let path = format!("/gpuplace/{verb}");
+        let via = standby.call(t, "POST", &path, args.clone(), None).await;
+        let direct = leader.call(t, "POST", &path, args.clone(), None).await;
+        assert_eq!(via, direct, "{verb}");
+        assert_eq!(via.0, 200, "{verb}: {}", via.1);
+    }
+    let filtered: Value =
+        serde_json::from_str(&standby.call(t, "POST", "/gpuplace/filter", args.clone(), None).await.1).unwrap();
+    assert_eq!(filtered["NodeNames"], json!(["n1"]), "{filtered}");
+    // bind through the standby: one Binding, by the leader
+    let bind_args = json!({"PodName": "p", "PodNamespace": "ns", "PodUID": uid(&p), "Node": "n1"}).to_string();
+    let (status, text) = standby.call(t, "POST", "/gpuplace/bind", bind_args, None).await;
+    assert_eq!((status, text.as_str()), (200, r#"{"Error":""}"#));
+    assert_eq!(node_of(&fake, "p").as_deref(), Some("n1"));
+    assert!(annotation(&fake, "p").is_some(), "bound with its assignment");
+    assert_eq!(binding_posts(&fake), 1);
+    assert_eq!(holders(&leader.r.ext, "n1"), ["ns/p"]);
+    eventually("the standby counts the leader's bind from the watch", || holders(&standby.r.ext, "n1") == ["ns/p"])
+        .await;
+    // preempt through the standby: the leader's answer
+    let q = fake.put(&gpu_pod("q", whole(2)));
+    let victims = json!({"n1": {"Pods": [{"UID": uid(&p)}], "NumPDBViolations": 0}});
+    let preempt = json!({"Pod": q, "NodeNameToMetaVictims": victims}).to_string();
+    let via = standby.call(t, "POST", "/gpuplace/preempt", preempt.clone(), None).await;
+    assert_eq!(via, leader.call(t, "POST", "/gpuplace/preempt", preempt, None).await);
+    assert_eq!(via.0, 200, "{}", via.1);
+    let (_, m) = standby.call(t, "GET", "/metrics", String::new(), None).await;
+    for (verb, n) in [("filter", 2), ("prioritize", 1), ("bind", 1), ("preempt", 1)] {
+        assert_eq!(forwarded(&m, verb, "answered"), n, "{verb}: {m}");
+    }
+    assert!(m.contains("gpuplace_leader 0") && m.contains("gpuplace_synced 1"), "{m}");
+    let (_, m) = leader.call(t, "GET", "/metrics", String::new(), None).await;
+    assert!(m.contains("gpuplace_leader 1") && m.contains("gpuplace_synced 1"), "{m}");
+    assert_eq!(forwarded(&m, "filter", "answered"), 0);
+
+    if tls.is_none() {
+        // a request that was already forwarded is answered here, never passed on again
+        let (status, text) = standby.call(t, "POST", "/gpuplace/filter", args.clone(), Some("x")).await;
+        assert_eq!(status, 200);
+        assert!(text.contains("not ready"), "{text}");
+    }
+
+    // the leader's port goes away while it still holds the Lease: not-ready answers, so
+    // kube-scheduler retries
+    leader.http.handle.stop(false).await;
+    let (status, text) = standby.call(t, "POST", "/gpuplace/filter", args.clone(), None).await;
+    assert_eq!(status, 200);
+    assert!(serde_json::from_str::<Value>(&text).unwrap()["Error"].as_str().unwrap().contains("not ready"), "{text}");
+    let (status, _) = standby.call(t, "POST", "/gpuplace/prioritize", args.clone(), None).await;
+    assert_eq!(status, 503);
+    let (_, m) = standby.call(t, "GET", "/metrics", String::new(), None).await;
+    assert_eq!(forwarded(&m, "filter", "failed"), 1, "{m}");
+    assert_eq!(forwarded(&m, "prioritize", "failed"), 1, "{m}");
+
+    // the leader goes: the standby takes the Lease over and decides itself
+    leader.r.ctl.stop();
+    eventually("the standby leads", || standby.r.ext.is_ready()).await;
+    let (status, text) = standby.call(t, "GET", "/readyz", String::new(), None).await;
+    assert_eq!((status, text.as_str()), (200, "ready: leader"));
+    let r = fake.put(&gpu_pod("r", whole(1)));
+    settle().await;
+    let args = json!({"Pod": r, "NodeNames": ["n1"]}).to_string();
+    let (_, text) = standby.call(t, "POST", "/gpuplace/filter", args, None).await;
+    assert_eq!(serde_json::from_str::<Value>(&text).unwrap()["NodeNames"], json!(["n1"]), "{text}");
+    assert_eq!(binding_posts(&fake), 1, "the standby never bound");
+}
+
+#[tokio::test]
+async fn a_standby_forwards_every_verb_to_the_leader_over_http() {
+    a_standby_forwards_every_verb_to_the_leader(None).await;
+}
+
+/// The same over HTTPS with client certificates: the standby presents its serving certificate to
+/// the leader and checks the leader's against the Service's name.
+#[tokio::test]
+async fn a_standby_forwards_every_verb_to_the_leader_over_https() {
+    a_standby_forwards_every_verb_to_the_leader(Some(TlsSetup::new("forward"))).await;
 }

@@ -6,8 +6,12 @@
 //! just read, so when two candidates race the API server accepts one and answers 409 to the other.
 //!
 //! A leader counts itself as leading for `renew_deadline` after its last successful write, which is
-//! shorter than the lease duration the others wait: it stops binding and reports not ready before
-//! anyone else can take over, even if it cannot reach the API server to find out.
+//! shorter than the lease duration the others wait: it stops binding and deciding before anyone else
+//! can take over, even if it cannot reach the API server to find out.
+//!
+//! The leader also writes where the other replicas reach its verbs ([`ANNOTATION_LEADER_URL`], from
+//! `--advertise-url`) on the Lease at every write; the others read it each round and forward their
+//! verbs there ([`Leadership::leader_url`], `extender::forward`).
 //!
 //! [`Elector`] is the decision alone (unit-tested with made-up instants); [`run`] does the calls.
 
@@ -19,6 +23,10 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use kube::api::PostParams;
 use kube::{Api, Client};
 use tokio::time::Instant;
+
+/// The Lease annotation with the URL prefix at which the holder answers the extender's verbs
+/// (`http://10.0.0.5:8888/gpuplace`); absent when the holder published none.
+pub const ANNOTATION_LEADER_URL: &str = "gpuplace.io/leader-url";
 
 /// Where the Lease is, who this replica is, and the timings.
 #[derive(Debug, Clone)]
@@ -33,6 +41,8 @@ pub struct LeaderConfig {
     pub renew_deadline: Duration,
     /// How often every replica reads (and the leader renews) the Lease.
     pub retry_period: Duration,
+    /// Where the others reach this replica's verbs while it leads (written on the Lease).
+    pub advertise_url: Option<String>,
 }
 
 impl LeaderConfig {
@@ -45,6 +55,7 @@ impl LeaderConfig {
             lease_duration: Duration::from_secs(15),
             renew_deadline: Duration::from_secs(10),
             retry_period: Duration::from_secs(2),
+            advertise_url: None,
         }
     }
 
@@ -76,17 +87,19 @@ pub struct Leadership {
     always: bool,
     /// Leading until then (the last successful write plus the renew deadline).
     until: Mutex<Option<Instant>>,
+    /// Where the current holder (another replica) answers, as last read from the Lease.
+    leader_url: Mutex<Option<String>>,
 }
 
 impl Leadership {
     /// Leader election is off: this replica always leads.
     pub fn always() -> Arc<Self> {
-        Arc::new(Self { always: true, until: Mutex::new(None) })
+        Arc::new(Self { always: true, until: Mutex::new(None), leader_url: Mutex::new(None) })
     }
 
     /// Not leading until [`run`] wins the Lease.
     pub fn elected() -> Arc<Self> {
-        Arc::new(Self { always: false, until: Mutex::new(None) })
+        Arc::new(Self { always: false, until: Mutex::new(None), leader_url: Mutex::new(None) })
     }
 
     pub fn is_elected(&self) -> bool {
@@ -109,6 +122,16 @@ impl Leadership {
     /// Stops leading now (a replica shutting down), whatever its last renewal allowed.
     pub fn resign(&self) {
         self.lead_until(None);
+    }
+
+    /// Where another replica that holds the Lease answers the verbs (`None`: this replica leads, no
+    /// one holds it, or the holder published no URL).
+    pub fn leader_url(&self) -> Option<String> {
+        self.leader_url.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn set_leader_url(&self, url: Option<String>) {
+        *self.leader_url.lock().unwrap_or_else(|e| e.into_inner()) = url;
     }
 }
 
@@ -191,6 +214,16 @@ pub fn lease_for(cfg: &LeaderConfig, action: Action, current: Option<&Lease>) ->
         },
         spec: None,
     });
+    // written at every write (a renewal too), so a changed --advertise-url is published by a restart
+    let annotations = lease.metadata.annotations.get_or_insert_with(Default::default);
+    match &cfg.advertise_url {
+        Some(url) => {
+            annotations.insert(ANNOTATION_LEADER_URL.into(), url.clone());
+        }
+        None => {
+            annotations.remove(ANNOTATION_LEADER_URL);
+        }
+    }
     let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
     let now = micro_now();
     let secs = i32::try_from(cfg.lease_duration.as_secs().max(1)).unwrap_or(i32::MAX);
@@ -245,8 +278,14 @@ pub async fn run(client: Client, cfg: LeaderConfig, leadership: Arc<Leadership>,
     loop {
         let started = Instant::now();
         match round(&api, &mut elector, started).await {
-            Ok(true) => leadership.lead_until(Some(started + cfg.renew_deadline)),
-            Ok(false) => leadership.lead_until(None),
+            Ok(Round::Leading) => {
+                leadership.lead_until(Some(started + cfg.renew_deadline));
+                leadership.set_leader_url(None);
+            }
+            Ok(Round::Following(url)) => {
+                leadership.lead_until(None);
+                leadership.set_leader_url(url);
+            }
             // the last renewal still holds until its deadline, which then lapses by itself
             Err(e) => {
                 let text = e.to_string();
@@ -337,6 +376,9 @@ pub async fn release(client: Client, cfg: &LeaderConfig) -> Result<bool, LeaseEr
     let api = LeaseApi::new(client, cfg);
     let held = api.get().await?.filter(|l| LeaseView::of(l).holder.as_deref() == Some(cfg.identity.as_str()));
     let Some(mut lease) = held else { return Ok(false) };
+    if let Some(a) = lease.metadata.annotations.as_mut() {
+        a.remove(ANNOTATION_LEADER_URL);
+    }
     let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
     spec.holder_identity = None;
     spec.lease_duration_seconds = Some(1);
@@ -345,13 +387,28 @@ pub async fn release(client: Client, cfg: &LeaderConfig) -> Result<bool, LeaseEr
     api.write("release", &lease, false).await
 }
 
-/// One round: `Ok(true)` when this replica wrote the Lease as its holder.
-async fn round(api: &LeaseApi<'_>, elector: &mut Elector, now: Instant) -> Result<bool, LeaseError> {
+/// What one round found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Round {
+    /// This replica wrote the Lease as its holder.
+    Leading,
+    /// Another replica holds it (or won the write), answering at this URL if it published one.
+    Following(Option<String>),
+}
+
+/// The URL the holder published, if someone holds the Lease.
+fn holder_url(lease: &Lease) -> Option<String> {
+    LeaseView::of(lease).holder?;
+    lease.metadata.annotations.as_ref()?.get(ANNOTATION_LEADER_URL).filter(|u| !u.is_empty()).cloned()
+}
+
+/// One round of the election.
+async fn round(api: &LeaseApi<'_>, elector: &mut Elector, now: Instant) -> Result<Round, LeaseError> {
     let cfg = api.cfg;
     let current = api.get().await?;
     let action = elector.decide(current.as_ref().map(LeaseView::of).as_ref(), now);
     if action == Action::Wait {
-        return Ok(false);
+        return Ok(Round::Following(current.as_ref().and_then(holder_url)));
     }
     let lease = lease_for(cfg, action, current.as_ref());
     let wrote = api.write("write", &lease, action == Action::Create).await?;
@@ -361,7 +418,8 @@ async fn round(api: &LeaseApi<'_>, elector: &mut Elector, now: Instant) -> Resul
     } else if action != Action::Renew {
         tracing::info!(identity = %cfg.identity, ?action, "acquired the leader lease");
     }
-    Ok(wrote)
+    // the winner of a race is found at the next read
+    Ok(if wrote { Round::Leading } else { Round::Following(None) })
 }
 
 #[cfg(test)]
@@ -404,6 +462,23 @@ mod tests {
         assert_eq!((renewed.holder_identity.as_deref(), renewed.acquire_time), (Some("me"), spec.acquire_time));
     }
 
+    /// The holder's URL travels on the Lease: written at every write, read by the others only while
+    /// someone holds it.
+    #[test]
+    fn the_leader_url_is_written_with_the_lease_and_read_while_held() {
+        let mut cfg = LeaderConfig::new("ns", "gpuplace", "me");
+        assert_eq!(holder_url(&lease_for(&cfg, Action::Create, None)), None, "none published");
+        cfg.advertise_url = Some("http://10.0.0.5:8888/gpuplace".into());
+        let created = lease_for(&cfg, Action::Create, None);
+        assert_eq!(holder_url(&created).as_deref(), Some("http://10.0.0.5:8888/gpuplace"));
+        cfg.advertise_url = Some("http://10.0.0.6:8888/gpuplace".into());
+        let renewed = lease_for(&cfg, Action::Renew, Some(&created));
+        assert_eq!(holder_url(&renewed).as_deref(), Some("http://10.0.0.6:8888/gpuplace"));
+        let mut released = renewed.clone();
+        released.spec.as_mut().unwrap().holder_identity = None;
+        assert_eq!(holder_url(&released), None, "nobody holds it");
+    }
+
     #[test]
     fn timings_that_allow_two_leaders_are_refused() {
         let mut cfg = LeaderConfig::new("ns", "l", "me");
@@ -429,7 +504,7 @@ mod tests {
         assert!(text.contains("kubectl create namespace gpuplace-missing"), "{text}");
         assert!(text.contains("--leader-elect-namespace"), "{text}");
         // the next round, with the namespace there, creates the Lease and leads
-        assert!(round(&api, &mut elector, Instant::now()).await.unwrap());
+        assert_eq!(round(&api, &mut elector, Instant::now()).await.unwrap(), Round::Leading);
     }
 
     #[tokio::test]

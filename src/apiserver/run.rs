@@ -1,15 +1,18 @@
 //! API-server mode, wired: the node, pod and utilization ConfigMap watchers, leader election and
 //! readiness around one [`Extender`].
 //!
-//! Readiness is `rebuilt && leader && keys`: allocations were rebuilt from the first complete lists,
-//! this replica holds the Lease (always, without election), and the assignment key ring is loaded
-//! from its Secret and well-formed (`keys`; the rebuild itself waits for the ring, which verifies
-//! every assignment it counts). The leader also re-signs records made with an old key (`resign`)
+//! Readiness (`/readyz`, [`Readiness::synced`]) is `rebuilt && keys`: allocations were rebuilt from
+//! the first complete lists, and the assignment key ring is loaded from its Secret and well-formed
+//! (`keys`; the rebuild itself waits for the ring, which verifies every assignment it counts). It does
+//! not depend on leadership, so both replicas are Ready and a rolling update with no unavailable
+//! replica finishes. Deciding is the leader's alone: the extender answers verbs itself only while
+//! synced *and* leading ([`Extender::set_ready`]), and a replica that does not lead forwards every
+//! verb to the leader at the URL the leader published on its Lease ([`Readiness`] is the forward's
+//! [`Role`]; `extender::forward`). The leader also re-signs records made with an old key (`resign`)
 //! and removes assignments left on unbound pods (`stale`); pods just turned away from GPUs that are
-//! then freed are sent back to kube-scheduler's queue (`requeue`). The utilization watch is not part of
-//! readiness: samples are optional and age out by themselves. Only the ready replica answers
-//! `/readyz` with 200, so the Service in front sends kube-scheduler to the leader; the standby keeps
-//! watching, so it is current when it takes over.
+//! then freed are sent back to kube-scheduler's queue (`requeue`). The utilization watch is not part
+//! of readiness: samples are optional and age out by themselves. The standby keeps watching, so it is
+//! current when it takes over.
 //!
 //! Runtimes: actix-web runs its own system (one current-thread tokio runtime per worker), and
 //! `http::serve_forever` owns the main thread until SIGTERM. The kube side gets one more
@@ -35,6 +38,7 @@ use crate::apiserver::keys::{self, KeyOptions, KeyStatus};
 use crate::apiserver::leader::{self, LeaderConfig, Leadership};
 use crate::apiserver::stale;
 use crate::apiserver::{nodes, pods, requeue, resign, utilization};
+use crate::extender::forward::{Role, Route};
 use crate::extender::service::Extender;
 
 /// How long an assignment may sit on an unbound pod before the leader removes it ([`stale`]), at
@@ -57,18 +61,32 @@ pub struct ApiOptions {
     pub keys: KeyOptions,
 }
 
-/// Turns the extender ready exactly when it is rebuilt, leads, and has its key ring.
+/// Whether this replica is synced (rebuilt, key ring loaded: `/readyz`), and whether it decides
+/// (synced and leading: the extender answers verbs itself, [`Extender::set_ready`]).
 #[derive(Debug)]
 pub struct Readiness {
     ext: Arc<Extender>,
     leadership: Arc<Leadership>,
     rebuilt: AtomicBool,
     keys_loaded: AtomicBool,
+    /// The watchers were stopped: nothing keeps the state current any more.
+    stopped: AtomicBool,
 }
 
 impl Readiness {
     pub fn new(ext: Arc<Extender>, leadership: Arc<Leadership>) -> Self {
-        Self { ext, leadership, rebuilt: AtomicBool::new(false), keys_loaded: AtomicBool::new(false) }
+        Self {
+            ext,
+            leadership,
+            rebuilt: AtomicBool::new(false),
+            keys_loaded: AtomicBool::new(false),
+            stopped: AtomicBool::new(false),
+        }
+    }
+
+    /// Rebuilt and the key ring loaded, and still watching: what `/readyz` reports, whoever leads.
+    pub fn synced(&self) -> bool {
+        !self.stopped.load(Ordering::Relaxed) && self.is_rebuilt() && self.keys_loaded()
     }
 
     /// Whether the key Secret is loaded and well-formed (a malformed one keeps the replica unready).
@@ -95,7 +113,21 @@ impl Readiness {
         if self.leadership.is_elected() {
             self.ext.metrics().set_leader(leader);
         }
-        self.ext.set_ready(self.is_rebuilt() && leader && self.keys_loaded());
+        self.ext.set_ready(self.synced() && leader);
+    }
+}
+
+impl Role for Readiness {
+    fn synced(&self) -> bool {
+        Readiness::synced(self)
+    }
+
+    fn route(&self) -> Route {
+        if self.leadership.is_leader() {
+            Route::Local
+        } else {
+            self.leadership.leader_url().map_or(Route::Unknown, Route::Leader)
+        }
     }
 }
 
@@ -140,6 +172,7 @@ impl Controller {
         for t in &self.tasks {
             t.abort();
         }
+        self.readiness.stopped.store(true, Ordering::Relaxed);
         self.readiness.ext.set_ready(false);
     }
 }
@@ -226,10 +259,12 @@ pub enum RunError {
     Ended,
 }
 
-/// The kube side running on its thread: the extender for the HTTP server, and a graceful end.
+/// The kube side running on its thread: the extender and its readiness (the forward's role) for
+/// the HTTP server, and a graceful end.
 #[derive(Debug)]
 pub struct KubeSide {
     pub ext: Arc<Extender>,
+    pub readiness: Arc<Readiness>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     done: std::sync::mpsc::Receiver<()>,
 }
@@ -305,7 +340,7 @@ pub fn spawn_thread(
                 let leadership = if opts.leader.is_some() { Leadership::elected() } else { Leadership::always() };
                 let ext = make(bind_client, leadership.clone());
                 let controller = start(client, ext.clone(), leadership, opts);
-                let _ = tx.send(Ok(ext));
+                let _ = tx.send(Ok((ext, controller.readiness.clone())));
                 // a dropped handle ends it the same way
                 let _ = stop_rx.await;
                 controller.shutdown().await;
@@ -313,6 +348,6 @@ pub fn spawn_thread(
             })
         })
         .map_err(RunError::Runtime)?;
-    let ext = rx.recv().map_err(|_| RunError::Ended)??;
-    Ok(KubeSide { ext, stop: Some(stop_tx), done: done_rx })
+    let (ext, readiness) = rx.recv().map_err(|_| RunError::Ended)??;
+    Ok(KubeSide { ext, readiness, stop: Some(stop_tx), done: done_rx })
 }

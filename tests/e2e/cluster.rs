@@ -386,7 +386,38 @@ impl ControlPlane {
     fn scheduler_config(&self, text: &str) -> Result<Value, String> {
         let mut doc: Value = serde_norway::from_str(text).map_err(|e| e.to_string())?;
         doc["clientConnection"]["kubeconfig"] = Value::String(self.kubeconfig(User::Scheduler).display().to_string());
+        // an extender over TLS (kube-scheduler-config-tls.yaml): kube-scheduler reads its tlsConfig
+        // files at start and does not start without them, so they become certificates made here
+        if let Some(extenders) = doc.get_mut("extenders").and_then(Value::as_array_mut) {
+            for e in extenders {
+                if let Some(tls) = e.get_mut("tlsConfig").and_then(Value::as_object_mut) {
+                    for (key, path) in self.tls_files() {
+                        if tls.contains_key(key) {
+                            tls.insert(key.to_string(), Value::String(path.display().to_string()));
+                        }
+                    }
+                }
+            }
+        }
         Ok(doc)
+    }
+
+    /// A CA, and kube-scheduler's client certificate from it, for a tlsConfig: (field, file).
+    fn tls_files(&self) -> [(&'static str, PathBuf); 3] {
+        let dir = self.dir.join("tls");
+        let files = [
+            ("caFile", dir.join("ca.crt")),
+            ("certFile", dir.join("kube-scheduler.crt")),
+            ("keyFile", dir.join("kube-scheduler.key")),
+        ];
+        if !files.iter().all(|(_, p)| p.exists()) {
+            let ca = crate::tls::Ca::new("gpuplace e2e CA");
+            let client = ca.client("kube-scheduler");
+            crate::tls::write(&dir, "ca.crt", &ca.cert_pem);
+            crate::tls::write(&dir, "kube-scheduler.crt", &client.cert_pem);
+            crate::tls::write(&dir, "kube-scheduler.key", &client.key_pem);
+        }
+        files
     }
 
     /// Runs kube-scheduler on the configuration `config_text` (named `name` in files) just long

@@ -157,6 +157,8 @@ impl Extender {
                 .arg("--kubeconfig")
                 .arg(cp.kubeconfig(User::Extender))
                 .args(["--listen", &format!("127.0.0.1:{port}")])
+                // where the other replica forwards the verbs while this one leads (in a pod: POD_IP)
+                .args(["--advertise-url", &format!("http://127.0.0.1:{port}/gpuplace")])
                 .args(["--leader-elect-identity", identity])
                 .arg("--placement-log")
                 .arg(&placement_log)
@@ -176,14 +178,20 @@ impl Extender {
         http_get(self.port, path)
     }
 
+    /// `/readyz` answers 200: rebuilt and the key ring loaded, whether or not it leads.
     pub fn ready(&self) -> bool {
         self.get("/readyz").is_some_and(|(s, _)| s == 200)
     }
 
-    /// Waits until `/readyz` answers 200 (rebuilt and leading).
+    /// It holds the Lease (`gpuplace_leader 1`).
+    pub fn leads(&self) -> bool {
+        self.metrics().lines().any(|l| l == "gpuplace_leader 1")
+    }
+
+    /// Waits until `/readyz` answers 200 and it leads (one replica: it then decides).
     pub async fn wait_ready(&mut self, limit: Duration) {
         let until = Instant::now() + limit;
-        while !self.ready() {
+        while !(self.ready() && self.leads()) {
             assert!(self.proc.running(), "{} exited:\n{}", self.proc.name, self.proc.tail(40));
             assert!(Instant::now() < until, "{} not ready in {limit:?}:\n{}", self.proc.name, self.proc.tail(40));
             tokio::time::sleep(Duration::from_millis(200)).await;
@@ -197,9 +205,23 @@ impl Extender {
 
 /// A plain HTTP/1.1 GET on loopback: (status, body).
 pub fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
+    http_request(port, "GET", path, "")
+}
+
+/// A plain HTTP/1.1 POST of JSON on loopback, as kube-scheduler sends a verb: (status, body).
+pub fn http_post(port: u16, path: &str, body: &str) -> Option<(u16, String)> {
+    http_request(port, "POST", path, body)
+}
+
+fn http_request(port: u16, method: &str, path: &str, body: &str) -> Option<(u16, String)> {
     let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
-    write!(s, "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").ok()?;
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .ok()?;
     let mut raw = Vec::new();
     s.read_to_end(&mut raw).ok()?;
     let text = String::from_utf8_lossy(&raw).into_owned();
@@ -340,8 +362,8 @@ pub async fn create_pods(client: &Client, ns: &str, prefix: &str, shapes: &[Shap
 }
 
 /// What a Service with readiness does for kube-scheduler: a loopback port that hands each new
-/// connection to a backend whose `/readyz` answers 200 (threads copying bytes both ways; stops
-/// accepting when dropped).
+/// connection to the next backend, in turn, whose `/readyz` answers 200 (round robin over the ready
+/// ones; threads copying bytes both ways; stops accepting when dropped).
 pub struct ReadyProxy {
     pub port: u16,
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
@@ -356,17 +378,21 @@ impl ReadyProxy {
         let stop = std::sync::Arc::new(AtomicBool::new(false));
         let stopped = stop.clone();
         std::thread::spawn(move || {
+            let mut next = 0;
             while !stopped.load(Ordering::Relaxed) {
                 let Ok((client, _)) = listener.accept() else {
                     std::thread::sleep(Duration::from_millis(5));
                     continue;
                 };
                 let _ = client.set_nonblocking(false);
-                let Some(backend) =
-                    backends.iter().copied().find(|&b| http_get(b, "/readyz").is_some_and(|(s, _)| s == 200))
+                let n = backends.len();
+                let Some(backend) = (0..n)
+                    .map(|i| backends[(next + i) % n])
+                    .find(|&b| http_get(b, "/readyz").is_some_and(|(s, _)| s == 200))
                 else {
                     continue; // no ready endpoint: the connection is refused, as by a Service
                 };
+                next = (next + 1) % n.max(1);
                 let Ok(upstream) = TcpStream::connect(("127.0.0.1", backend)) else { continue };
                 for (mut from, mut to) in
                     [(client.try_clone(), upstream.try_clone()), (upstream.try_clone(), client.try_clone())]

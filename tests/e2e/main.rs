@@ -10,6 +10,8 @@
 mod audit;
 mod cluster;
 mod fleet;
+#[path = "../support/tls.rs"]
+mod tls;
 #[path = "../support/yaml_files.rs"]
 mod yaml_files;
 
@@ -297,6 +299,30 @@ async fn extender_killed_mid_storm_loses_nothing() {
     latency_figure("kill", &ext.placement_log);
 }
 
+/// Placement log lines of `verb` for `pod` (`ns/name`; `None`: any pod) with `outcome`.
+fn decisions(ext: &Extender, verb: &str, pod: Option<&str>, outcome: Option<&str>) -> usize {
+    let text = std::fs::read_to_string(&ext.placement_log).unwrap_or_default();
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|d| d["verb"] == verb)
+        .filter(|d| pod.is_none_or(|p| d["pod"] == p))
+        .filter(|d| outcome.is_none_or(|o| d["outcome"] == o))
+        .count()
+}
+
+/// The pods (`ns/name`) a replica's placement log says it bound.
+fn bound_pods(ext: &Extender) -> std::collections::BTreeSet<String> {
+    let text = std::fs::read_to_string(&ext.placement_log).unwrap_or_default();
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|d| d["verb"] == "bind" && d["outcome"] == "bound")
+        .filter_map(|d| d["pod"].as_str().map(str::to_owned))
+        .collect()
+}
+
+/// Two replicas behind a router that spreads connections over every ready replica, as a Service
+/// does: both are Ready (what lets a rolling update finish), one leads, and the standby passes every
+/// verb to the leader, so every bind is the leader's; then the leader's SIGKILL and SIGTERM.
 #[tokio::test(flavor = "current_thread")]
 async fn two_replicas_fail_over_within_the_lease() {
     let _serial = SERIAL.lock().await;
@@ -305,28 +331,81 @@ async fn two_replicas_fail_over_within_the_lease() {
     let retry = Duration::from_secs(2);
     let mut replicas = [Extender::start(&st.cp, "replica-a", 0, &[]), Extender::start(&st.cp, "replica-b", 0, &[])];
     let until = Instant::now() + Duration::from_secs(60);
-    while !replicas.iter().any(Extender::ready) {
-        assert!(Instant::now() < until, "no replica became ready:\n{}", replicas[0].proc.tail(30));
+    while !(replicas.iter().all(Extender::ready) && replicas.iter().any(Extender::leads)) {
+        assert!(Instant::now() < until, "the replicas did not both turn ready:\n{}", replicas[0].proc.tail(30));
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let ready: Vec<bool> = replicas.iter().map(Extender::ready).collect();
-    assert_eq!(ready.iter().filter(|r| **r).count(), 1, "exactly one replica leads: {ready:?}");
+    let leads: Vec<bool> = replicas.iter().map(Extender::leads).collect();
+    assert_eq!(leads.iter().filter(|l| **l).count(), 1, "exactly one leads: {leads:?}");
+    assert!(replicas.iter().all(Extender::ready), "both stay ready, whichever leads");
+    let leader = usize::from(!leads[0]);
+    let standby = 1 - leader;
+    let (_, role) = replicas[standby].get("/readyz").expect("/readyz");
+    assert_eq!(role, format!("ready: standby, forwarding to the leader at {}", replicas[leader].url()));
     let proxy = fleet::ReadyProxy::start(replicas.iter().map(|r| r.port).collect());
     st.cp.start_scheduler(&scheduler_config(), Some(&proxy.url()));
     let pre = storm_shapes(40);
     create_pods(&st.admin, NS, "pre", &pre).await;
     settle(&st.admin, NS, Duration::from_secs(3), Duration::from_secs(120)).await;
-    let bound_pre = wait_bound(&st.admin, NS, 0, Duration::ZERO).await;
+
+    // a filter and a bind sent to the standby itself, as kube-scheduler sends them: the leader
+    // answers and binds (the pod names a scheduler nobody runs, so only these calls place it)
+    let pods: Api<Pod> = Api::namespaced(st.admin.clone(), NS);
+    let mut direct = fleet::Shape { gpu: Some("1"), kind: "whole-1", ..fleet::Shape::default() }.pod("direct");
+    direct.spec.as_mut().expect("spec").scheduler_name = Some("e2e-nobody".into());
+    let direct = pods.create(&PostParams::default(), &direct).await.expect("create the direct pod");
+    let names: Vec<&str> = st.nodes.iter().map(|n| n.name.as_str()).collect();
+    let filter = json!({"Pod": direct, "NodeNames": names, "Nodes": null}).to_string();
+    let (status, body) = fleet::http_post(replicas[standby].port, "/gpuplace/filter", &filter).expect("filter");
+    assert_eq!(status, 200, "{body}");
+    let answer: Value = serde_json::from_str(&body).expect("a filter answer");
+    assert_eq!(answer["Error"], "", "{body}");
+    let node = answer["NodeNames"][0].as_str().unwrap_or_else(|| panic!("no node fits: {body}")).to_string();
+    let uid = direct.metadata.uid.clone().expect("uid");
+    let bind = json!({"PodName": "direct", "PodNamespace": NS, "PodUID": uid, "Node": node}).to_string();
+    let (status, body) = fleet::http_post(replicas[standby].port, "/gpuplace/bind", &bind).expect("bind");
+    assert_eq!((status, body.as_str()), (200, r#"{"Error":""}"#));
+    let bound = pods.get("direct").await.expect("the direct pod");
+    assert_eq!(node_name(&bound), Some(node.as_str()));
+    let key = format!("{NS}/direct");
+    assert_eq!(decisions(&replicas[leader], "bind", Some(&key), Some("bound")), 1, "the leader bound it");
+    assert_eq!(decisions(&replicas[standby], "bind", Some(&key), None), 0, "the standby only forwarded");
+    // every bind so far, kube-scheduler's through either replica included, is the leader's
+    let standby_metrics = replicas[standby].metrics();
+    let forwarded = |verb: &str| {
+        counter(&standby_metrics, "gpuplace_forwarded_requests_total", &format!("verb=\"{verb}\",result=\"answered\""))
+    };
+    let bound_now = wait_bound(&st.admin, NS, 0, Duration::ZERO).await;
+    let leader_bound = bound_pods(&replicas[leader]);
+    let leader_binds = leader_bound.len();
+    figure(&format!(
+        "failover: both replicas ready; through the standby {} filters, {} prioritizes and {} binds went to the leader; \
+         {bound_now} pods bound, {leader_binds} by the leader, {} by the standby",
+        forwarded("filter"),
+        forwarded("prioritize"),
+        forwarded("bind"),
+        decisions(&replicas[standby], "bind", None, Some("bound")),
+    ));
+    assert!(forwarded("bind") >= 1.0, "no bind forwarded:\n{standby_metrics}");
+    assert_eq!(decisions(&replicas[standby], "bind", None, Some("bound")), 0, "the standby bound pods itself");
+    let snap = snapshot(&st.admin, NS).await;
+    let not_by_leader: Vec<String> = snap
+        .pods
+        .iter()
+        .filter(|p| node_name(p).is_some())
+        .map(|p| format!("{NS}/{}", p.metadata.name.as_deref().unwrap_or_default()))
+        .filter(|k| !leader_bound.contains(k))
+        .collect();
+    assert!(not_by_leader.is_empty(), "bound, but not by the leader: {not_by_leader:?}");
+    Audit::of(&snap).assert_sound(false);
 
     // SIGKILL the leader: the standby takes the Lease once it expires and binds
-    let leader = usize::from(!ready[0]);
-    let standby = 1 - leader;
     replicas[leader].proc.kill();
     let killed = Instant::now();
     let whole = fleet::Shape { gpu: Some("1"), kind: "whole-1", ..fleet::Shape::default() };
     create_pods(&st.admin, NS, "post", &vec![whole.clone(); 10]).await;
-    while !replicas[standby].ready() {
+    while !replicas[standby].leads() {
         assert!(
             killed.elapsed() < Duration::from_secs(60),
             "the standby never led:\n{}",
@@ -335,7 +414,7 @@ async fn two_replicas_fail_over_within_the_lease() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let led_s = killed.elapsed().as_secs_f64();
-    wait_bound(&st.admin, NS, bound_pre + 1, Duration::from_secs(60)).await;
+    wait_bound(&st.admin, NS, bound_now + 1, Duration::from_secs(60)).await;
     let bound_s = killed.elapsed().as_secs_f64();
     figure(&format!(
         "failover: leader SIGKILLed; the standby led after {led_s:.1} s and bound its first pod after {bound_s:.1} s \
@@ -343,15 +422,25 @@ async fn two_replicas_fail_over_within_the_lease() {
     ));
     assert!(led_s <= (lease + retry + Duration::from_secs(1)).as_secs_f64(), "the standby took {led_s:.1} s to lead");
 
-    // the killed replica comes back as the standby; SIGTERM on the leader hands the Lease over at once
+    // the killed replica comes back and turns ready as the standby (a rollout's new pod); SIGTERM on
+    // the leader hands the Lease over at once
     let old = replicas[leader].identity.clone();
     replicas[leader] = Extender::start(&st.cp, &old, replicas[leader].port, &[]);
-    tokio::time::sleep(Duration::from_secs(4)).await;
-    assert!(!replicas[leader].ready(), "two replicas lead");
+    let until = Instant::now() + Duration::from_secs(60);
+    while !replicas[leader].ready() {
+        assert!(
+            Instant::now() < until,
+            "the restarted replica never turned ready:\n{}",
+            replicas[leader].proc.tail(30)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(!replicas[leader].leads(), "two replicas lead");
     let termed = Instant::now();
     let status = replicas[standby].proc.terminate(Duration::from_secs(20));
     assert!(status.is_some_and(|s| s.success()), "the leader did not exit cleanly on SIGTERM: {status:?}");
-    while !replicas[leader].ready() {
+    while !replicas[leader].leads() {
         assert!(termed.elapsed() < lease, "no hand-over within the lease:\n{}", replicas[leader].proc.tail(30));
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -397,6 +486,9 @@ async fn manifests_and_scheduler_configs_are_accepted_by_the_real_control_plane(
                 }
                 // kubeadm's own configuration, not an API object
                 Some("ClusterConfiguration") => continue,
+                // the Prometheus operator's kinds (scheduler-config/monitoring/): its CRDs are not
+                // installed here; tests/monitoring.rs checks these objects
+                Some("ServiceMonitor" | "PodMonitor" | "PrometheusRule") => continue,
                 _ => {}
             }
             if let Some(data) = obj["data"].as_object() {
