@@ -260,3 +260,60 @@ async fn serve_in_apiserver_mode_hands_its_lease_back_on_sigterm() {
     assert!(status.unwrap().success(), "a clean exit on SIGTERM");
     assert_eq!(holder(), None, "the Lease is handed back");
 }
+
+/// `gpuplace serve` (static mode, `RUST_LOG=info`) with stderr piped, as under kubelet: its log lines,
+/// read after a SIGTERM.
+fn serve_log(before: &[&str], after: &[&str]) -> String {
+    use std::io::Read;
+    use std::process::Stdio;
+    use std::time::{Duration, Instant};
+
+    let cluster = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/clusters/fixture-cluster.yaml");
+    let listen = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+    let mut child = Reap(
+        Command::new(env!("CARGO_BIN_EXE_gpuplace"))
+            .args(before)
+            .args(["serve", "--cluster", cluster, "--listen", &listen])
+            .args(after)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run gpuplace serve"),
+    );
+    let mut stderr = child.0.stderr.take().expect("stderr");
+    let until = Instant::now() + Duration::from_secs(30);
+    let url = format!("http://{listen}/healthz");
+    while !gpuplace::extender::client::get(&url, Duration::from_secs(2)).is_ok_and(|r| r.status == 200) {
+        assert!(Instant::now() < until, "gpuplace serve never answered /healthz");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let pid = child.0.id().to_string();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let _ = child.0.wait();
+    let mut log = String::new();
+    stderr.read_to_string(&mut log).unwrap();
+    log
+}
+
+/// Logs to a pipe (a pod's log, a file) carry no ANSI colour codes; `--log-format json` writes one
+/// JSON object per line with the level and the event's fields, the flag on either side of the
+/// subcommand.
+#[test]
+fn serve_logs_plain_text_to_a_pipe_and_json_when_asked() {
+    let log = serve_log(&[], &[]);
+    assert!(log.lines().any(|l| l.contains(" INFO ")), "no log line:\n{log}");
+    assert!(!log.contains("\x1b["), "ANSI escapes in a piped log:\n{log:?}");
+    for (before, after) in [(&["--log-format", "json"][..], &[][..]), (&[], &["--log-format", "json"])] {
+        let log = serve_log(before, after);
+        let lines: Vec<&str> = log.lines().filter(|l| !l.trim().is_empty()).collect();
+        assert!(!lines.is_empty(), "no log line");
+        for l in lines {
+            let v: Value = serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}"));
+            assert!(v["level"].is_string() && v["fields"]["message"].is_string(), "{l}");
+            assert!(v["timestamp"].is_string() && v["target"].is_string(), "{l}");
+        }
+    }
+    let out = gpuplace(&["--log-format", "xml", "serve"]);
+    assert!(!out.status.success() && text(&out.stderr).contains("--log-format"), "{}", text(&out.stderr));
+}

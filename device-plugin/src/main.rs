@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use gpuplace::apiserver::{connect, ConnectArgs, ConnectError, Source};
+use gpuplace::logging::LogFormat;
 use gpuplace_device_plugin::api::DEFAULT_DEVICE_PLUGIN_DIR;
 use gpuplace_device_plugin::assign::AssignmentSource;
 use gpuplace_device_plugin::k8s::assignments::KubeAssignments;
@@ -103,6 +104,10 @@ struct Cli {
     /// API in the DaemonSet, else gpuplace-system); the extender watches the same one.
     #[arg(long, value_name = "NAMESPACE", global = true)]
     utilization_namespace: Option<String>,
+    /// Log lines on stderr as text (ANSI colours only on a terminal) or as JSON objects, one per
+    /// line, for a log collector. RUST_LOG filters either (default info).
+    #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -323,18 +328,17 @@ async fn api_client(cli: &Cli) -> Result<Option<(kube::Client, String)>, String>
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    // parsed first: the format is a flag (clap reports its own errors without a subscriber)
     let cli = Cli::parse();
+    gpuplace::logging::init(cli.log_format, "info");
     let backend = match backend(&cli) {
         Ok(b) => b,
         Err(e) => {
-            eprintln!("gpuplace-device-plugin: {e}");
+            gpuplace::logging::say(
+                tracing::Level::ERROR,
+                "gpuplace_device_plugin",
+                &format!("gpuplace-device-plugin: {e}"),
+            );
             return ExitCode::FAILURE;
         }
     };
@@ -351,7 +355,11 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("gpuplace-device-plugin: {e}");
+            gpuplace::logging::say(
+                tracing::Level::ERROR,
+                "gpuplace_device_plugin",
+                &format!("gpuplace-device-plugin: {e}"),
+            );
             ExitCode::FAILURE
         }
     }

@@ -341,3 +341,58 @@ fn the_daemonset_args_parse_uncommented_and_on_either_side_of_the_subcommand() {
     assert!(!parses(&["serve", "--no-such-flag"]).0);
     assert!(!parses(&["--no-such-flag", "serve"]).0);
 }
+
+/// The binary serving the fake node without kubelet or API server, stderr piped as under kubelet:
+/// its log lines (startup, and registration retries: there is no kubelet), read after a SIGTERM.
+async fn serve_log(args: &[&str]) -> String {
+    use std::io::Read;
+
+    let dir = tempfile::Builder::new().prefix("gdplog").tempdir().unwrap();
+    let metrics_addr = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let mut child = Child(
+        Command::new(BIN)
+            .args(args)
+            .arg("--fake-topology")
+            .arg(topology("hgx-h100-8"))
+            .args(["--no-apiserver", "--node-name", "log-node"])
+            .arg("--device-plugin-dir")
+            .arg(dir.path())
+            .args(["--metrics-listen", &metrics_addr.to_string()])
+            .env_remove("RUST_LOG")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let mut stderr = child.0.stderr.take().unwrap();
+    let until = std::time::Instant::now() + Duration::from_secs(30);
+    while !http_get(metrics_addr, "/metrics").await.is_ok_and(|r| r.0 == 200) {
+        assert!(std::time::Instant::now() < until, "no /metrics");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let pid = child.0.id().to_string();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let _ = child.0.wait();
+    let mut log = String::new();
+    stderr.read_to_string(&mut log).unwrap();
+    log
+}
+
+/// Logs to a pipe carry no ANSI colour codes; `--log-format json` writes one JSON object per line
+/// with the level and the event's fields, the flag on either side of the subcommand.
+#[tokio::test]
+async fn logs_are_plain_text_to_a_pipe_and_json_when_asked() {
+    let log = serve_log(&["serve"]).await;
+    assert!(log.lines().any(|l| l.contains(" INFO ")), "no log line:\n{log}");
+    assert!(!log.contains("\x1b["), "ANSI escapes in a piped log:\n{log:?}");
+    for args in [&["serve", "--log-format", "json"][..], &["--log-format", "json", "serve"]] {
+        let log = serve_log(args).await;
+        let lines: Vec<&str> = log.lines().filter(|l| !l.trim().is_empty()).collect();
+        assert!(!lines.is_empty(), "{args:?}: no log line");
+        for l in lines {
+            let v: serde_json::Value =
+                serde_json::from_str(l).unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}): {l}"));
+            assert!(v["level"].is_string() && v["fields"]["message"].is_string(), "{l}");
+        }
+    }
+}

@@ -176,6 +176,12 @@ impl PodAssignment {
         g.dedup();
         g
     }
+
+    /// What the pod holds of each GPU it uses, as the node counts it (app containers together, an
+    /// init container alone): (GPU index, memory MiB, compute percent, held whole).
+    pub fn holdings(&self) -> impl Iterator<Item = (u32, u64, u32, bool)> {
+        self.footprints().into_iter().map(|(gpu, f)| (gpu, f.mem_mib, f.core_pct, f.exclusive))
+    }
 }
 
 /// Allocated capacity on one GPU.

@@ -6,10 +6,17 @@
 //! code. That keeps a dependency (and its default protobuf feature) out of the build. Counters are
 //! relaxed atomics: a scrape may see one counter a request ahead of another, which Prometheus
 //! tolerates.
+//!
+//! Per-pod series (what each pod holds on each GPU) exist only for pods holding GPUs, and pending
+//! pods are counted by reason class, never listed: the series grow with the GPUs in use, not with
+//! the pods that come and go.
 
+use std::borrow::Cow;
+use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
-use std::time::Duration;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use crate::core::cluster::Cluster;
 
@@ -59,6 +66,21 @@ impl RejectClass {
             RejectClass::Unresolvable => "unresolvable",
             RejectClass::Preemptable => "preemptable",
         }
+    }
+
+    fn index(self) -> usize {
+        RejectClass::ALL.iter().position(|&c| c == self).unwrap_or(0)
+    }
+
+    /// What a pod every candidate turned down waits on, from how many nodes each class turned it
+    /// down (in [`RejectClass::ALL`] order): a refused request first (it fits nowhere until it is
+    /// changed), then capacity (somewhere it would fit after evictions), then nodes gpuplace knows
+    /// nothing about (it might fit there once their inventory is published), else nowhere.
+    /// `None` when no node turned it down.
+    pub fn of_pending(counts: &[u64; 4]) -> Option<RejectClass> {
+        [RejectClass::Contract, RejectClass::Preemptable, RejectClass::UnknownNode, RejectClass::Unresolvable]
+            .into_iter()
+            .find(|c| counts[c.index()] > 0)
     }
 }
 
@@ -165,6 +187,15 @@ impl Watched {
     }
 }
 
+/// How long a pod every candidate turned down counts as pending without another filter of it.
+/// kube-scheduler retries an unschedulable pod at least every 5 minutes
+/// (`podMaxInUnschedulablePodsDuration`), sooner when the cluster changes; a pending pod deleted
+/// without a watch seeing it (static mode), or placed by another scheduler, drops out after this.
+pub const PENDING_TTL: Duration = Duration::from_secs(6 * 60);
+
+/// Pending pods remembered at most: a bound on memory (they are exported as counts per class).
+const PENDING_CAP: usize = 100_000;
+
 /// Upper bounds of the latency histogram, in seconds: 50 µs to 1 s, finest where the 5 ms target is.
 const BUCKETS: [f64; 13] = [0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0];
 
@@ -212,6 +243,8 @@ pub struct Metrics {
     /// Pods sent back to kube-scheduler's queue after GPUs were freed (`extender::requeue`):
     /// [annotated, failed].
     requeued: [AtomicU64; 2],
+    /// UID → why every candidate turned the pod down at its last filter, and when.
+    pending: Mutex<HashMap<String, (RejectClass, Instant)>>,
 }
 
 fn verb_index(v: Verb) -> usize {
@@ -228,6 +261,50 @@ impl Metrics {
     /// A watcher delivered an event or completed a (re)list at `now_ms` (Unix ms).
     pub fn watch_fresh(&self, w: Watched, now_ms: i64) {
         self.watch_fresh_ms[w.index()].store(now_ms.max(1), Ordering::Relaxed);
+    }
+
+    /// After a filter of the pod `uid` at `now`: `Some(class)` when every candidate turned it down,
+    /// with what it waits on ([`RejectClass::of_pending`]); `None` when it fits somewhere.
+    pub fn pod_filtered(&self, uid: &str, pending: Option<RejectClass>, now: Instant) {
+        if uid.is_empty() {
+            return;
+        }
+        let mut p = self.pending();
+        let Some(class) = pending else {
+            p.remove(uid);
+            return;
+        };
+        if p.len() >= PENDING_CAP && !p.contains_key(uid) {
+            p.retain(|_, (_, at)| now.saturating_duration_since(*at) < PENDING_TTL);
+            if p.len() >= PENDING_CAP {
+                // still full of live entries: the longest unseen goes
+                if let Some(oldest) = p.iter().min_by_key(|(_, (_, at))| *at).map(|(uid, _)| uid.clone()) {
+                    p.remove(&oldest);
+                }
+            }
+        }
+        p.insert(uid.to_string(), (class, now));
+    }
+
+    /// The pod `uid` was bound, or is gone: no longer pending.
+    pub fn pod_settled(&self, uid: &str) {
+        self.pending().remove(uid);
+    }
+
+    /// Pending pods at `now` per class, in [`RejectClass::ALL`] order; those not filtered for
+    /// [`PENDING_TTL`] are forgotten.
+    pub fn pending_pods(&self, now: Instant) -> [u64; 4] {
+        let mut p = self.pending();
+        p.retain(|_, (_, at)| now.saturating_duration_since(*at) < PENDING_TTL);
+        let mut out = [0; 4];
+        for (class, _) in p.values() {
+            out[class.index()] += 1;
+        }
+        out
+    }
+
+    fn pending(&self) -> MutexGuard<'_, HashMap<String, (RejectClass, Instant)>> {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// A pod sent back to kube-scheduler's queue (`ok`: its annotation update went through).
@@ -407,6 +484,16 @@ impl Metrics {
         );
         let _ = writeln!(out, "gpuplace_mix_observed_total {}", ld(&self.mix_observed));
         self.render_apiserver(&mut out);
+        header(
+            &mut out,
+            "gpuplace_pending_pods",
+            "gauge",
+            "GPU pods every candidate turned down at their last filter, by what they wait on: preemptable (capacity), unknown_node (nodes without a gpuplace inventory), unresolvable (fits no node), contract (the request is refused). Until bound, deleted, placeable, or not filtered for 6 minutes.",
+        );
+        let pending = self.pending_pods(Instant::now());
+        for c in RejectClass::ALL {
+            let _ = writeln!(out, "gpuplace_pending_pods{{reason=\"{}\"}} {}", c.name(), pending[c.index()]);
+        }
 
         let s = ClusterSummary::of(cluster);
         header(&mut out, "gpuplace_ready", "gauge", "1 when the extender answers from a complete state.");
@@ -465,8 +552,70 @@ impl Metrics {
             "Share of free GPU capacity that sits on partly used GPUs, where no whole-GPU request can use it (0..1).",
         );
         let _ = writeln!(out, "gpuplace_fragmentation_ratio {}", s.fragmentation());
+        header(
+            &mut out,
+            "gpuplace_gpu_free_capacity_gpus",
+            "gauge",
+            "Free GPU capacity in GPUs (a partly used GPU counts its free share): on idle GPUs, and on partly used ones (only the idle part can take whole-GPU requests).",
+        );
+        for (state, milli) in [("idle", s.free_milli_idle), ("partial", s.free_milli_partial)] {
+            let _ = writeln!(out, "gpuplace_gpu_free_capacity_gpus{{state=\"{state}\"}} {}", milli as f64 / 1000.0);
+        }
+        render_pod_gpus(&mut out, cluster);
         out
     }
+}
+
+/// What each pod holds on each GPU: one series per (pod, GPU) held, labelled as the device plugin
+/// labels the GPU (`gpu` is its NVML index, `UUID`), so the two join.
+fn render_pod_gpus(out: &mut String, cluster: &Cluster) {
+    let mut rows = Vec::new();
+    for n in cluster.nodes() {
+        for pod in n.pods() {
+            let (namespace, name) = pod.pod.split_once('/').unwrap_or(("", pod.pod.as_str()));
+            for (g, mem_mib, core_pct, exclusive) in pod.holdings() {
+                let Some(gpu) = n.gpus.get(g as usize) else { continue };
+                let labels = format!(
+                    "namespace=\"{}\",pod=\"{}\",node=\"{}\",gpu=\"{}\",UUID=\"{}\"",
+                    escape(namespace),
+                    escape(name),
+                    escape(&n.name),
+                    gpu.index,
+                    escape(&gpu.uuid)
+                );
+                // a whole GPU is all taken, as in the cluster totals
+                let (mem, core) =
+                    if exclusive { (gpu.memory_mib, 100) } else { (mem_mib.min(gpu.memory_mib), core_pct.min(100)) };
+                rows.push((labels, mem, core));
+            }
+        }
+    }
+    header(
+        out,
+        "gpuplace_pod_gpu_memory_allocated_mib",
+        "gauge",
+        "GPU memory gpuplace assigned to a pod on one GPU, in MiB (a whole GPU: its size). Only pods holding GPUs.",
+    );
+    for (labels, mem, _) in &rows {
+        let _ = writeln!(out, "gpuplace_pod_gpu_memory_allocated_mib{{{labels}}} {mem}");
+    }
+    header(
+        out,
+        "gpuplace_pod_gpu_core_allocated_percent",
+        "gauge",
+        "GPU compute gpuplace assigned to a pod on one GPU, in percent of the GPU (a whole GPU: 100). Only pods holding GPUs.",
+    );
+    for (labels, _, core) in &rows {
+        let _ = writeln!(out, "gpuplace_pod_gpu_core_allocated_percent{{{labels}}} {core}");
+    }
+}
+
+/// A label value as the text format wants it: backslash, double quote and newline escaped.
+fn escape(v: &str) -> Cow<'_, str> {
+    if !v.contains(['\\', '"', '\n']) {
+        return Cow::Borrowed(v);
+    }
+    Cow::Owned(v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n"))
 }
 
 impl Metrics {
@@ -577,5 +726,115 @@ impl ClusterSummary {
         } else {
             self.free_milli_partial as f64 / free as f64
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+    use std::path::Path;
+
+    use super::*;
+    use crate::core::cluster::{ContainerAssignment, GpuSlice, PodAssignment};
+    use crate::core::inventory::Board;
+
+    #[test]
+    fn a_pod_waits_on_a_refused_request_then_capacity_then_unknown_nodes() {
+        use RejectClass::*;
+        // [contract, unknown_node, unresolvable, preemptable]
+        assert_eq!(RejectClass::of_pending(&[0, 2, 5, 1]), Some(Preemptable));
+        assert_eq!(RejectClass::of_pending(&[0, 2, 5, 0]), Some(UnknownNode));
+        assert_eq!(RejectClass::of_pending(&[0, 0, 5, 0]), Some(Unresolvable));
+        assert_eq!(RejectClass::of_pending(&[4, 0, 0, 0]), Some(Contract));
+        assert_eq!(RejectClass::of_pending(&[0, 0, 0, 0]), None);
+    }
+
+    #[test]
+    fn pending_pods_count_until_placeable_bound_or_unseen() {
+        let m = Metrics::new();
+        let t0 = Instant::now();
+        m.pod_filtered("a", Some(RejectClass::Preemptable), t0);
+        m.pod_filtered("b", Some(RejectClass::Contract), t0);
+        m.pod_filtered("c", Some(RejectClass::Preemptable), t0);
+        m.pod_filtered("", Some(RejectClass::Preemptable), t0);
+        assert_eq!(m.pending_pods(t0), [1, 0, 0, 2]);
+        // a later filter moves it to its new class, or out when it fits
+        m.pod_filtered("a", Some(RejectClass::Unresolvable), t0);
+        m.pod_filtered("c", None, t0);
+        assert_eq!(m.pending_pods(t0), [1, 0, 1, 0]);
+        m.pod_settled("b");
+        assert_eq!(m.pending_pods(t0), [0, 0, 1, 0]);
+        // not filtered again within the TTL: gone (deleted unseen, or placed by someone else)
+        m.pod_filtered("d", Some(RejectClass::UnknownNode), t0 + PENDING_TTL / 2);
+        assert_eq!(m.pending_pods(t0 + PENDING_TTL), [0, 1, 0, 0]);
+    }
+
+    #[test]
+    fn each_pod_has_a_series_per_gpu_it_holds_and_pending_pods_every_class() {
+        let board = Board::Flat { gpus: 4, model: "A100".into(), memory_mib: 40960 }.resolve(Path::new(".")).unwrap();
+        let mut c = Cluster::new(vec![board.node("n1", BTreeMap::new(), 0, 0)]);
+        let share = |gpu| GpuSlice { gpu, mem_mib: 10240, core_pct: 25, exclusive: false };
+        c.allocate(PodAssignment {
+            pod: "ml/train".into(),
+            node: "n1".into(),
+            containers: vec![
+                ContainerAssignment { name: "a".into(), init: false, slices: vec![share(0), share(1)] },
+                ContainerAssignment { name: "b".into(), init: false, slices: vec![share(1)] },
+            ],
+            cpu_milli: 0,
+            memory_mib: 0,
+            group: None,
+        })
+        .unwrap();
+        c.allocate(PodAssignment {
+            pod: "web/infer".into(),
+            node: "n1".into(),
+            containers: vec![ContainerAssignment {
+                name: "c".into(),
+                init: false,
+                slices: vec![GpuSlice { gpu: 3, mem_mib: 40960, core_pct: 100, exclusive: true }],
+            }],
+            cpu_milli: 0,
+            memory_mib: 0,
+            group: None,
+        })
+        .unwrap();
+        let m = Metrics::new();
+        m.pod_filtered("p", Some(RejectClass::Preemptable), Instant::now());
+        let page = m.render(&c, 2, true);
+        let uuid = |g: usize| c.nodes()[0].gpus[g].uuid.clone();
+        let mem: Vec<&str> = page.lines().filter(|l| l.starts_with("gpuplace_pod_gpu_memory_allocated_mib{")).collect();
+        assert_eq!(
+            mem,
+            [
+                format!(
+                    r#"gpuplace_pod_gpu_memory_allocated_mib{{namespace="ml",pod="train",node="n1",gpu="0",UUID="{}"}} 10240"#,
+                    uuid(0)
+                ),
+                format!(
+                    r#"gpuplace_pod_gpu_memory_allocated_mib{{namespace="ml",pod="train",node="n1",gpu="1",UUID="{}"}} 20480"#,
+                    uuid(1)
+                ),
+                format!(
+                    r#"gpuplace_pod_gpu_memory_allocated_mib{{namespace="web",pod="infer",node="n1",gpu="3",UUID="{}"}} 40960"#,
+                    uuid(3)
+                ),
+            ]
+        );
+        assert!(page.contains(&format!(
+            r#"gpuplace_pod_gpu_core_allocated_percent{{namespace="ml",pod="train",node="n1",gpu="1",UUID="{}"}} 50"#,
+            uuid(1)
+        )));
+        for (class, n) in [("contract", 0), ("unknown_node", 0), ("unresolvable", 0), ("preemptable", 1)] {
+            assert!(page.contains(&format!("gpuplace_pending_pods{{reason=\"{class}\"}} {n}\n")), "{class}");
+        }
+        // GPU 2 idle; GPUs 0 and 1 three quarters and half free
+        assert!(page.contains("gpuplace_gpu_free_capacity_gpus{state=\"idle\"} 1\n"), "{page}");
+        assert!(page.contains("gpuplace_gpu_free_capacity_gpus{state=\"partial\"} 1.25\n"), "{page}");
+        // one HELP and TYPE per family
+        let types: Vec<&str> = page.lines().filter(|l| l.starts_with("# TYPE ")).collect();
+        let names: std::collections::BTreeSet<&str> = types.iter().map(|l| l.split(' ').nth(2).unwrap()).collect();
+        assert_eq!(names.len(), types.len());
+        assert_eq!(escape("a\"b\\c\nd"), r#"a\"b\\c\nd"#);
     }
 }

@@ -181,6 +181,10 @@ impl Extender {
     /// [`release_pod`](Self::release_pod)).
     pub fn observe_pod(&self, pod: &ObservedPod) -> PodOutcome {
         let outcome = self.count_pod(pod);
+        if outcome == PodOutcome::Counted {
+            // bound (by another replica, or before a restart): no longer pending
+            self.metrics.pod_settled(&pod.uid);
+        }
         if let (PodOutcome::Counted, Ok(req)) = (&outcome, &pod.request) {
             // a bound pod this replica never filtered (the leader did) is one arrival too
             self.observe_arrival(&pod.uid, req);
@@ -278,6 +282,7 @@ impl Extender {
     /// Gives back what a pod holds (deleted or finished). Returns whether it held a record.
     pub fn release_pod(&self, uid: &str) -> bool {
         self.rejections().forget(uid);
+        self.metrics.pod_settled(uid);
         {
             let st = self.read();
             if !st.bound.contains_key(uid) && !st.refused.contains_key(uid) && !st.withdrawn.contains_key(uid) {
