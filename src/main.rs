@@ -11,11 +11,15 @@ use gpuplace::apiserver::{ApiOptions, ConnectArgs, KubeBinder, LeaderConfig};
 use gpuplace::core::cluster::Cluster;
 use gpuplace::core::inventory::load_cluster;
 use gpuplace::extender::binder::RecordingBinder;
-use gpuplace::extender::http::{HttpOptions, DEFAULT_LISTEN, DEFAULT_MAX_BODY_BYTES, DEFAULT_PREFIX};
+use gpuplace::extender::forward::{advertise_url, ForwardOptions, Forwarder};
+use gpuplace::extender::http::{
+    Frontend, HttpOptions, DEFAULT_LISTEN, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_REQUEST_NODES, DEFAULT_PREFIX,
+};
 use gpuplace::extender::inspect::InspectReport;
 use gpuplace::extender::mix::{load_learner, MixSaver, SAVE_EVERY};
 use gpuplace::extender::placement_log::PlacementLog;
 use gpuplace::extender::service::{Extender, ServiceOptions};
+use gpuplace::logging::LogFormat;
 use gpuplace::placement::engine::Engine;
 use gpuplace::placement::mix_learner::MixLearner;
 use gpuplace::placement::profile::{Profile, ProfileConfig};
@@ -26,6 +30,10 @@ use gpuplace::sim::{simulate, SimConfig};
 #[derive(Parser, Debug)]
 #[command(name = "gpuplace", version, about = "Fractional and topology-aware GPU placement for Kubernetes")]
 struct Cli {
+    /// Log lines on stderr as text (ANSI colours only on a terminal) or as JSON objects, one per
+    /// line, for a log collector. RUST_LOG filters either (default warn).
+    #[arg(long, value_enum, global = true, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
 }
@@ -38,10 +46,37 @@ enum Command {
     /// Serve kube-scheduler's extender verbs (filter, prioritize, bind, preempt) over HTTP.
     /// Static mode (--cluster): nodes come from a cluster file and binds are recorded, not sent to
     /// an API server. API-server mode (no --cluster): nodes and assignments come from watches,
-    /// binds write the assignment and the Binding, two replicas elect a leader through a Lease.
+    /// binds write the assignment and the Binding, two replicas elect a leader through a Lease (the
+    /// other forwards every verb to it). --tls-cert/--tls-key serve HTTPS in either mode.
     Serve(Box<ServeArgs>),
     /// Show per node and per GPU what is allocated, to whom, and live utilization.
     Inspect(InspectArgs),
+    /// Write one self-contained HTML report (SVG charts) of placement logs, `simulate --json`
+    /// results, or both, and print a summary (docs/placement-log.md, "Reports").
+    Report(ReportArgs),
+}
+
+#[derive(clap::Args, Debug)]
+#[command(group(clap::ArgGroup::new("input").required(true).multiple(true).args(["placement_log", "simulate"])))]
+struct ReportArgs {
+    /// A placement log (`serve --placement-log`); repeat for rotated files, oldest first
+    /// (`--placement-log p.jsonl.1 --placement-log p.jsonl`).
+    #[arg(long, value_name = "FILE")]
+    placement_log: Vec<PathBuf>,
+    /// A `simulate --json` result (JSON Lines, one object per policy); repeat to compare several.
+    #[arg(long, value_name = "FILE")]
+    simulate: Vec<PathBuf>,
+    /// Where to write the HTML report.
+    #[arg(short, long, value_name = "FILE", default_value = "gpuplace-report.html")]
+    output: PathBuf,
+}
+
+/// Reads the inputs, writes the page, and returns the terminal summary.
+fn report(args: &ReportArgs) -> Result<String, String> {
+    let report = gpuplace::report::Report::read(&args.placement_log, &args.simulate).map_err(|e| e.to_string())?;
+    let (html, charts) = report.html().map_err(|e| e.to_string())?;
+    std::fs::write(&args.output, html).map_err(|e| format!("writing {}: {e}", args.output.display()))?;
+    Ok(format!("{}report: {} ({charts} charts)", report.summary(), args.output.display()))
 }
 
 #[derive(clap::Args, Debug)]
@@ -96,6 +131,10 @@ struct ServeArgs {
     /// Largest request body accepted; larger ones get 413.
     #[arg(long, default_value_t = DEFAULT_MAX_BODY_BYTES)]
     max_body_bytes: usize,
+    /// Most nodes one request may name; a request naming more gets 413 while it is decoded
+    /// (kube-scheduler never sends more nodes than the cluster has).
+    #[arg(long, default_value_t = DEFAULT_MAX_REQUEST_NODES, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    max_request_nodes: usize,
     /// Write one JSON line per decision to this file (rotated by size) or to stdout (`-`).
     #[arg(long)]
     placement_log: Option<String>,
@@ -122,6 +161,33 @@ struct ServeArgs {
     /// HTTP worker threads (0: one per core).
     #[arg(long, default_value_t = 0)]
     workers: usize,
+    /// Serve HTTPS with this certificate (PEM; a chain, the leaf first). With --tls-key.
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Require client certificates signed by this CA (PEM) for the verbs, /inspect and /mix (403
+    /// without one); /healthz, /readyz and /metrics stay open for probes and scrapers.
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    tls_client_ca: Option<PathBuf>,
+    /// API-server mode: the URL prefix at which the other replica reaches this one's verbs, written
+    /// on the Lease while this replica leads (default: http://$POD_IP:<--listen port><--prefix>,
+    /// https:// with --tls-cert).
+    #[arg(long, value_name = "URL", conflicts_with = "cluster")]
+    advertise_url: Option<String>,
+    /// API-server mode: how long a replica that does not lead waits for the leader's answer to a
+    /// forwarded verb before answering as not ready itself (keep it below kube-scheduler's httpTimeout).
+    #[arg(long, value_name = "MS", default_value_t = 4000, conflicts_with = "cluster")]
+    forward_timeout_ms: u64,
+    /// API-server mode over HTTPS: the CA (PEM) that verifies the leader's certificate when a
+    /// replica forwards to it (default: --tls-client-ca). The replica presents --tls-cert to it.
+    #[arg(long, value_name = "FILE", conflicts_with = "cluster")]
+    forward_ca: Option<PathBuf>,
+    /// API-server mode over HTTPS: the name to verify in the leader's certificate instead of the
+    /// host of its URL (a pod IP), e.g. gpuplace-extender.gpuplace-system.svc.
+    #[arg(long, value_name = "NAME", conflicts_with = "cluster")]
+    forward_server_name: Option<String>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -210,9 +276,53 @@ fn host_identity() -> String {
     format!("{host}_{}", std::process::id())
 }
 
+/// The serving TLS of `--tls-cert`, `--tls-key`, `--tls-client-ca`, if asked.
+fn server_tls(args: &ServeArgs) -> Result<Option<gpuplace::extender::tls::ServerTls>, String> {
+    let (Some(cert), Some(key)) = (&args.tls_cert, &args.tls_key) else { return Ok(None) };
+    let files = gpuplace::extender::tls::ServerFiles {
+        cert: cert.clone(),
+        key: key.clone(),
+        client_ca: args.tls_client_ca.clone(),
+    };
+    gpuplace::extender::tls::server_config(&files).map(Some).map_err(|e| format!("TLS: {e}"))
+}
+
+/// The forward of a replica that does not lead (`role`: its readiness and election).
+fn forwarder(
+    args: &ServeArgs,
+    role: Arc<gpuplace::apiserver::run::Readiness>,
+    identity: &str,
+) -> Result<Forwarder, String> {
+    let ca = args.forward_ca.as_deref().or(args.tls_client_ca.as_deref());
+    let own = args.tls_cert.as_deref().zip(args.tls_key.as_deref());
+    let tls = gpuplace::extender::tls::client_config(ca, own).map_err(|e| format!("forward TLS: {e}"))?;
+    let opts = ForwardOptions {
+        timeout: Duration::from_millis(args.forward_timeout_ms.max(1)),
+        identity: identity.to_string(),
+        tls,
+        server_name: args.forward_server_name.clone(),
+    };
+    Forwarder::new(role, opts)
+}
+
 /// API-server mode: the kube side on its own thread (gpuplace::apiserver::run), HTTP on this one.
 fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
     let source = args.connect.source().map_err(|e| e.to_string())?;
+    let tls = server_tls(args)?;
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let prefix = HttpOptions { prefix: args.prefix.clone(), ..HttpOptions::default() }.normalized_prefix()?;
+    let advertise = advertise_url(
+        args.advertise_url.as_deref(),
+        env_nonempty("POD_IP").as_deref(),
+        &args.listen,
+        tls.is_some(),
+        &prefix,
+    );
+    if let Some(url) = &advertise {
+        if !(url.starts_with("http://") || url.starts_with("https://")) {
+            return Err(format!("--advertise-url must be an http:// or https:// URL, got {url:?}"));
+        }
+    }
     let (engine, learner) = engine_of(args)?;
     let log = placement_log_of(args)?;
     let identity =
@@ -223,7 +333,11 @@ fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
         cfg.lease_duration = Duration::from_secs(args.leader_elect_lease_duration);
         cfg.renew_deadline = Duration::from_secs(args.leader_elect_renew_deadline);
         cfg.retry_period = Duration::from_secs(args.leader_elect_retry_period);
+        cfg.advertise_url = advertise.clone();
         cfg.check().map_err(|e| format!("leader election: {e}"))?;
+        if advertise.is_none() {
+            tracing::warn!("no --advertise-url and no POD_IP: while this replica leads, the other cannot forward to it and answers kube-scheduler as not ready");
+        }
         Some(cfg)
     } else {
         None
@@ -241,12 +355,15 @@ fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
     let opts = ApiOptions {
         node_selector: args.node_selector.clone(),
         leader,
-        instance: identity,
+        instance: identity.clone(),
         utilization_namespace: Some(utilization_namespace),
         keys: KeyOptions { secret: key_secret.clone(), ..KeyOptions::default() },
     };
-    let http = HttpOptions { prefix: args.prefix.clone(), max_body_bytes: args.max_body_bytes };
-    let prefix = http.normalized_prefix()?;
+    let http = HttpOptions {
+        prefix: args.prefix.clone(),
+        max_body_bytes: args.max_body_bytes,
+        max_request_nodes: args.max_request_nodes,
+    };
     let kube = gpuplace::apiserver::run::spawn_thread(source, opts, move |client, leadership| {
         let binder = Arc::new(KubeBinder::new(client, leadership));
         let options = ServiceOptions { ready: false, accept_unsigned, ..ServiceOptions::default() };
@@ -261,13 +378,23 @@ fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
     })
     .map_err(|e| e.to_string())?;
     let saver = mix_saver(args, &kube.ext)?;
-    eprintln!(
-        "gpuplace: API-server mode (leader election {}); listening on http://{}{prefix}; ready once the keys in Secret {key_secret} are loaded and allocations rebuilt{}",
+    // with election, a replica that does not lead forwards the verbs to the one that does
+    let forward = if elect { Some(Arc::new(forwarder(args, kube.readiness.clone(), &identity)?)) } else { None };
+    let banner = format!(
+        "gpuplace: API-server mode (leader election {}); listening on {scheme}://{}{prefix}{}; ready once the keys in Secret {key_secret} are loaded and allocations rebuilt{}",
         if elect { "on" } else { "off" },
         args.listen,
-        if elect { " and leading" } else { "" }
+        if args.tls_client_ca.is_some() { " (client certificates required)" } else { "" },
+        match (&advertise, elect) {
+            (Some(url), true) => format!("; the verbs go to the leader, this replica publishes {url} while it leads"),
+            (None, true) => "; the verbs go to the leader".to_string(),
+            _ => String::new(),
+        }
     );
-    let served = gpuplace::extender::http::serve_forever(kube.ext.clone(), http, &args.listen, args.workers);
+    gpuplace::logging::say(tracing::Level::INFO, "gpuplace", &banner);
+    let front = Frontend { tls, forward };
+    let served =
+        gpuplace::extender::http::serve_forever_with(kube.ext.clone(), http, &args.listen, args.workers, front);
     // SIGTERM: the HTTP server has drained its requests (binds included); hand the Lease back
     kube.shutdown(std::time::Duration::from_secs(3));
     if let Some(saver) = saver {
@@ -291,16 +418,24 @@ fn serve(args: &ServeArgs) -> Result<(), String> {
         ext = ext.with_mix_learner(learner);
     }
     let ext = Arc::new(ext);
+    let tls = server_tls(args)?;
     let saver = mix_saver(args, &ext)?;
-    let opts = HttpOptions { prefix: args.prefix.clone(), max_body_bytes: args.max_body_bytes };
+    let opts = HttpOptions {
+        prefix: args.prefix.clone(),
+        max_body_bytes: args.max_body_bytes,
+        max_request_nodes: args.max_request_nodes,
+    };
     tracing::info!(cluster = %cluster_file.display(), nodes, "static mode");
-    eprintln!(
-        "gpuplace: static mode, {nodes} node(s) from {}; listening on http://{}{}",
+    let banner = format!(
+        "gpuplace: static mode, {nodes} node(s) from {}; listening on {}://{}{}",
         cluster_file.display(),
+        if tls.is_some() { "https" } else { "http" },
         args.listen,
         opts.normalized_prefix()?
     );
-    let served = gpuplace::extender::http::serve_forever(ext, opts, &args.listen, args.workers);
+    gpuplace::logging::say(tracing::Level::INFO, "gpuplace", &banner);
+    let front = Frontend { tls, forward: None };
+    let served = gpuplace::extender::http::serve_forever_with(ext, opts, &args.listen, args.workers, front);
     if let Some(saver) = saver {
         saver.finish();
     }
@@ -374,6 +509,57 @@ struct SimulateArgs {
     /// workload's mix is known in advance (reported as `gpuplace(what-if: trace mix)`).
     #[arg(long, default_value = "learned")]
     gpuplace_mix: gpuplace::sim::policies::MixSource,
+    /// What-if: replay the pods of a placement log (`serve --placement-log`) in the log's order on
+    /// --cluster, instead of a trace (docs/placement-log.md, "What if").
+    #[arg(long, value_name = "FILE", requires = "cluster", conflicts_with_all = ["trace", "workload", "tune", "offline_reference"])]
+    from_placement_log: Option<PathBuf>,
+    /// The cluster file (examples/clusters/*.yaml) to replay a placement log on: the one the log
+    /// came from, or a changed one (the log does not record which).
+    #[arg(long, value_name = "FILE", requires = "from_placement_log")]
+    cluster: Option<PathBuf>,
+}
+
+/// `simulate --from-placement-log`: the log's pods on `--cluster` under each policy.
+fn replay_placement_log(args: &SimulateArgs, log: &Path, cfg: &SimConfig) -> ExitCode {
+    let Some(cluster) = &args.cluster else {
+        eprintln!(
+            "error: --from-placement-log needs --cluster FILE (the placement log does not record the cluster file)"
+        );
+        return ExitCode::from(2);
+    };
+    let replayed = match gpuplace::sim::replay::replay_log(log, cluster, cfg) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if args.json {
+        for r in &replayed.reports {
+            match serde_json::to_string(r) {
+                Ok(s) => println!("{s}"),
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::FAILURE;
+                }
+            }
+        }
+        return ExitCode::SUCCESS;
+    }
+    let w = &replayed.workload;
+    println!("placement log: {} replayed on {}", log.display(), cluster.display());
+    println!(
+        "{} pods in the order they first appeared: {} bound in the log, {} still waiting when it ended",
+        w.pods.len(),
+        w.bound,
+        w.pods.len() - w.bound
+    );
+    if !w.skipped.is_empty() {
+        let why: Vec<String> = w.skipped.iter().map(|(why, n)| format!("{n} {why}")).collect();
+        println!("left out: {}", why.join(", "));
+    }
+    print!("{}", gpuplace::sim::replay::table(&replayed.reports, w.pods.len(), replayed.capacity_gpus));
+    ExitCode::SUCCESS
 }
 
 #[derive(Debug, Clone)]
@@ -411,14 +597,22 @@ fn bundled_example() -> PathBuf {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
-        .with_writer(std::io::stderr)
-        .init();
+    // parsed first: the format is a flag (clap reports its own errors without a subscriber)
     let cli = Cli::parse();
+    gpuplace::logging::init(cli.log_format, "warn");
     match cli.command {
         Command::Serve(args) => match serve(&args) {
             Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                gpuplace::logging::say(tracing::Level::ERROR, "gpuplace", &format!("error: {e}"));
+                ExitCode::FAILURE
+            }
+        },
+        Command::Report(args) => match report(&args) {
+            Ok(out) => {
+                println!("{}", out.trim_end());
+                ExitCode::SUCCESS
+            }
             Err(e) => {
                 eprintln!("error: {e}");
                 ExitCode::FAILURE
@@ -459,6 +653,9 @@ fn main() -> ExitCode {
             if !(cfg.tune > 0.0 && cfg.tune <= 10.0) {
                 eprintln!("error: --tune must be in (0, 10], got {}", cfg.tune);
                 return ExitCode::from(2);
+            }
+            if let Some(log) = &args.from_placement_log {
+                return replay_placement_log(&args, log, &cfg);
             }
             match simulate(&dir, &cfg) {
                 Ok(reports) => {

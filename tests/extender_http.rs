@@ -498,7 +498,7 @@ fn a_failed_binding_rolls_the_allocation_back() {
 fn http_errors_are_clear_and_leave_state_alone() {
     let s = Server::with(
         Arc::new(RecordingBinder::new()),
-        HttpOptions { prefix: "/gpuplace".into(), max_body_bytes: 8 * 1024 },
+        HttpOptions { prefix: "/gpuplace".into(), max_body_bytes: 8 * 1024, ..HttpOptions::default() },
         None,
     );
     s.fixture("cache/filter-002");
@@ -598,6 +598,89 @@ fn http_errors_are_clear_and_leave_state_alone() {
         assert!(metrics.lines().any(|l| l == line), "missing {line:?} in\n{metrics}");
     }
     assert!(metrics.contains("gpuplace_request_duration_seconds_bucket{verb=\"filter\",le=\"+Inf\"}"));
+}
+
+#[test]
+fn requests_naming_more_nodes_than_a_cluster_has_are_refused_while_decoded() {
+    let s = Server::with(
+        Arc::new(RecordingBinder::new()),
+        HttpOptions { max_request_nodes: 100, ..HttpOptions::default() },
+        None,
+    );
+    let pod = fixture_json("cache/filter-002")["Pod"].clone();
+    let names = |n: usize, prefix: &str| (0..n).map(|i| format!("{prefix}{i}")).collect::<Vec<_>>();
+    let mut at_limit = names(96, "x");
+    at_limit.extend(ALL_NODES.iter().map(|n| n.to_string()));
+    // exactly the limit: answered, the known nodes judged and the unknown ones refused
+    let a = s.ok("filter", json!({"Pod": pod, "NodeNames": at_limit}).to_string().as_bytes());
+    let unknown = a["FailedAndUnresolvableNodes"].as_object().unwrap().keys().filter(|k| k.starts_with('x')).count();
+    assert_eq!(unknown, 96);
+    let over = |verb: &str, body: Value| {
+        let r = s.post(verb, body.to_string().as_bytes());
+        assert_eq!(r.status, 413, "{verb}: {}", r.text());
+        assert!(r.text().contains("more than 100 nodes (serve --max-request-nodes)"), "{verb}: {}", r.text());
+    };
+    // one over: the scanner's path, serde_json's path (a name with an escape), and full Nodes
+    over("filter", json!({"Pod": pod, "NodeNames": names(101, "x")}));
+    over("prioritize", json!({"Pod": pod, "NodeNames": names(101, "x")}));
+    let mut escaped = names(101, "x");
+    escaped[0] = "a\"b".into();
+    over("filter", json!({"Pod": pod, "NodeNames": escaped}));
+    let items: Vec<Value> = names(101, "n").iter().map(|n| json!({"metadata": {"name": n}})).collect();
+    over("filter", json!({"Pod": pod, "Nodes": {"metadata": {}, "items": items}}));
+    // preempt: victims keyed by node
+    let victims: serde_json::Map<String, Value> =
+        names(101, "n").into_iter().map(|n| (n, json!({"Pods": [], "NumPDBViolations": 0}))).collect();
+    over("preempt", json!({"Pod": pod, "NodeNameToMetaVictims": victims}));
+
+    // a body over LARGE_BODY_BYTES is decided off the HTTP workers, with the same answer
+    let small = fixture("cache/filter-003");
+    let expected = s.ok("filter", &small);
+    let mut padded = small.clone();
+    padded.extend(std::iter::repeat_n(b' ', gpuplace::extender::http::LARGE_BODY_BYTES + 1));
+    assert_eq!(s.ok("filter", &padded), expected);
+    let metrics = s.call("GET", "/metrics", b"").text();
+    assert!(metrics.lines().any(|l| l == "gpuplace_requests_total{verb=\"filter\",code=\"4xx\"} 3"), "{metrics}");
+}
+
+/// A 55 MB filter body naming five million unknown nodes, as issue 12 sent: refused within a second
+/// while probes keep answering, and the server's memory stays bounded.
+#[test]
+fn a_body_of_millions_of_unknown_nodes_is_refused_quickly_and_probes_answer_meanwhile() {
+    let s = Server::start();
+    let pod = fixture_json("cache/filter-002")["Pod"].to_string();
+    let mut body = format!("{{\"Pod\":{pod},\"Nodes\":null,\"NodeNames\":[").into_bytes();
+    for i in 0..5_000_000u32 {
+        if i > 0 {
+            body.push(b',');
+        }
+        body.extend_from_slice(format!("\"x{i:07}\"").as_bytes());
+    }
+    body.extend_from_slice(b"]}");
+    assert!(body.len() > 50 << 20 && body.len() < gpuplace::extender::http::DEFAULT_MAX_BODY_BYTES);
+    let addr = s.running.addr.to_string();
+    let started = Instant::now();
+    let sender = std::thread::spawn(move || {
+        let mut conn = Connection::open(&addr, TIMEOUT).expect("connect");
+        conn.request("POST", "/gpuplace/filter", &body).expect("answer")
+    });
+    // probes on their own connection while the body is sent and decided
+    let mut probes = 0;
+    while !sender.is_finished() {
+        let t = Instant::now();
+        let mut conn = Connection::open(&s.running.addr.to_string(), TIMEOUT).expect("connect");
+        assert_eq!(conn.request("GET", "/healthz", b"").expect("healthz").status, 200);
+        assert!(t.elapsed() < Duration::from_secs(1), "healthz took {:?}", t.elapsed());
+        probes += 1;
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let r = sender.join().unwrap();
+    assert_eq!(r.status, 413, "{}", r.text());
+    assert!(r.text().contains("more than 15000 nodes"), "{}", r.text());
+    assert!(started.elapsed() < Duration::from_secs(10), "took {:?}", started.elapsed());
+    assert!(probes > 0);
+    // the server still decides ordinary requests
+    s.fixture("cache/filter-002");
 }
 
 /// A filter/prioritize body for the c-whole4 fixture pod renamed to `name`/`uid`, asking for `gpus`

@@ -90,14 +90,32 @@ fn scheduler_configs_match_the_extender() {
     let configs = scheduler_configs(&docs);
     assert!(configs.len() >= 2, "expected the reference config and the second profile's, got {}", configs.len());
     let want_url = format!("http://{SERVICE}.{NAMESPACE}.svc:{}{DEFAULT_PREFIX}", serve_port());
+    let want_https = format!("https://{SERVICE}.{NAMESPACE}.svc:{}{DEFAULT_PREFIX}", serve_port());
     let mut scheduler_names = Vec::new();
+    let mut with_tls = 0;
     for (name, c) in &configs {
         assert_eq!(c["apiVersion"].as_str(), Some("kubescheduler.config.k8s.io/v1"), "{name}");
         assert_eq!(c["percentageOfNodesToScore"].as_u64(), Some(100), "{name}");
         let extenders = c["extenders"].as_sequence().unwrap_or_else(|| panic!("{name}: no extenders"));
         assert_eq!(extenders.len(), 1, "{name}");
         let e = &extenders[0];
-        assert_eq!(e["urlPrefix"].as_str(), Some(want_url.as_str()), "{name}");
+        if e["enableHTTPS"].as_bool() == Some(true) {
+            // serve --tls-cert/--tls-key/--tls-client-ca: kube-scheduler verifies the extender
+            // against caFile (the Service's name, also when urlPrefix is a ClusterIP) and presents
+            // its client certificate
+            with_tls += 1;
+            assert_eq!(e["urlPrefix"].as_str(), Some(want_https.as_str()), "{name}");
+            let tls = &e["tlsConfig"];
+            for f in ["caFile", "certFile", "keyFile"] {
+                assert!(tls[f].as_str().is_some_and(|p| p.starts_with('/')), "{name}: tlsConfig.{f}");
+            }
+            assert_eq!(tls["serverName"].as_str(), Some(&*format!("{SERVICE}.{NAMESPACE}.svc")), "{name}");
+            assert_ne!(tls["insecure"].as_bool(), Some(true), "{name}: the extender must be verified");
+        } else {
+            assert_eq!(e["urlPrefix"].as_str(), Some(want_url.as_str()), "{name}");
+            assert_eq!(e["enableHTTPS"].as_bool(), Some(false), "{name}");
+            assert!(e["tlsConfig"].is_null(), "{name}");
+        }
         for (field, verb) in [
             ("filterVerb", "filter"),
             ("prioritizeVerb", "prioritize"),
@@ -107,7 +125,6 @@ fn scheduler_configs_match_the_extender() {
             assert_eq!(e[field].as_str(), Some(verb), "{name}: {field}");
         }
         assert_eq!(e["nodeCacheCapable"].as_bool(), Some(true), "{name}");
-        assert_eq!(e["enableHTTPS"].as_bool(), Some(false), "{name}");
         assert_eq!(e["ignorable"].as_bool(), Some(false), "{name}");
         assert!(e["weight"].as_u64().is_some_and(|w| w > 0), "{name}: weight");
         assert!(e["httpTimeout"].is_string(), "{name}: httpTimeout");
@@ -127,7 +144,97 @@ fn scheduler_configs_match_the_extender() {
         }
     }
     scheduler_names.sort();
+    scheduler_names.dedup();
     assert_eq!(scheduler_names, ["default-scheduler", "gpuplace-scheduler"]);
+    assert_eq!(with_tls, 1, "kube-scheduler-config-tls.yaml");
+}
+
+/// The TLS example is the reference config with only the extender's urlPrefix, enableHTTPS and
+/// tlsConfig changed.
+#[test]
+fn the_tls_scheduler_config_is_the_reference_over_tls() {
+    let read = |f: &str| -> Value {
+        let text = std::fs::read_to_string(root().join("scheduler-config").join(f)).unwrap();
+        serde_norway::from_str(&text).unwrap()
+    };
+    let strip = |mut v: Value| -> Value {
+        for e in v["extenders"].as_sequence_mut().unwrap() {
+            let e = e.as_mapping_mut().unwrap();
+            for k in ["urlPrefix", "enableHTTPS", "tlsConfig"] {
+                e.remove(k);
+            }
+        }
+        v
+    };
+    let (plain, tls) = (read("kube-scheduler-config.yaml"), read("kube-scheduler-config-tls.yaml"));
+    assert_eq!(tls["extenders"][0]["enableHTTPS"].as_bool(), Some(true));
+    assert_eq!(strip(plain), strip(tls));
+}
+
+/// Rollouts finish and voluntary disruptions leave one replica: the Deployment surges one pod and
+/// keeps every replica available (both replicas are Ready, the standby forwards), the
+/// PodDisruptionBudget and the anti-affinity select its pods, and the NetworkPolicy admits the
+/// schedulers, the other replica and labelled scrapers to the container's port only.
+#[test]
+fn rollout_disruption_budget_and_network_policy_fit_the_deployment() {
+    let docs = documents();
+    let dep = named(&docs, "Deployment", SERVICE);
+    let pod = &dep["spec"]["template"];
+    let labels = pod["metadata"]["labels"].as_mapping().unwrap();
+    let selects = |sel: &Value| {
+        let m = sel["matchLabels"].as_mapping().unwrap_or_else(|| panic!("no matchLabels: {sel:?}"));
+        !m.is_empty() && m.iter().all(|(k, v)| labels.get(k) == Some(v))
+    };
+    assert_eq!(dep["spec"]["replicas"].as_u64(), Some(2));
+    assert_eq!(dep["spec"]["strategy"]["type"].as_str(), Some("RollingUpdate"));
+    let ru = &dep["spec"]["strategy"]["rollingUpdate"];
+    assert_eq!((ru["maxSurge"].as_u64(), ru["maxUnavailable"].as_u64()), (Some(1), Some(0)));
+    let c = &pod["spec"]["containers"][0];
+    let env = c["env"].as_sequence().unwrap();
+    let pod_ip =
+        env.iter().find(|e| e["name"].as_str() == Some("POD_IP")).expect("POD_IP: the default --advertise-url");
+    assert_eq!(pod_ip["valueFrom"]["fieldRef"]["fieldPath"].as_str(), Some("status.podIP"));
+    let anti = &pod["spec"]["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0];
+    assert_eq!(anti["podAffinityTerm"]["topologyKey"].as_str(), Some("kubernetes.io/hostname"));
+    assert!(selects(&anti["podAffinityTerm"]["labelSelector"]));
+
+    let pdb = named(&docs, "PodDisruptionBudget", SERVICE);
+    assert_eq!(pdb["metadata"]["namespace"].as_str(), Some(NAMESPACE));
+    assert_eq!(pdb["spec"]["minAvailable"].as_u64(), Some(1));
+    assert!(selects(&pdb["spec"]["selector"]));
+    assert_eq!(pdb["spec"]["selector"], dep["spec"]["selector"]);
+
+    let np = named(&docs, "NetworkPolicy", SERVICE);
+    assert_eq!(np["metadata"]["namespace"].as_str(), Some(NAMESPACE));
+    assert!(selects(&np["spec"]["podSelector"]));
+    let ingress = np["spec"]["ingress"].as_sequence().unwrap();
+    let ports: Vec<u64> = ingress
+        .iter()
+        .flat_map(|r| r["ports"].as_sequence().unwrap().iter().map(|p| p["port"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(ports, [c["ports"][0]["containerPort"].as_u64().unwrap()], "only the extender's port");
+    let from: Vec<&Value> = ingress.iter().flat_map(|r| r["from"].as_sequence().unwrap()).collect();
+    // a peer without namespaceSelector is in the policy's own namespace
+    let same_ns = |p: &&Value| p["namespaceSelector"].is_null();
+    assert!(
+        from.iter().copied().filter(same_ns).any(|p| selects(&p["podSelector"])),
+        "the other replica (the forward)"
+    );
+    let second = named(&docs, "Deployment", "gpuplace-scheduler");
+    assert_eq!(second["metadata"]["namespace"].as_str(), Some(NAMESPACE));
+    let second_labels = second["spec"]["template"]["metadata"]["labels"].as_mapping().unwrap();
+    assert!(
+        from.iter().copied().filter(same_ns).any(|p| p["podSelector"]["matchLabels"]
+            .as_mapping()
+            .is_some_and(|m| m.iter().all(|(k, v)| second_labels.get(k) == Some(v)))),
+        "option A's scheduler"
+    );
+    assert!(
+        from.iter().any(|p| p["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"].as_str()
+            == Some("kube-system")
+            && p["podSelector"]["matchLabels"]["component"].as_str() == Some("kube-scheduler")),
+        "kubeadm's kube-scheduler"
+    );
 }
 
 #[test]

@@ -2,13 +2,21 @@
 //! Every decision is [`Extender`]'s.
 //!
 //! - `POST {prefix}/filter|prioritize|bind|preempt`: kube-scheduler's verbs. 200 with the answer;
-//!   400 with the decoding error for a body that cannot be used; 413 over `max_body_bytes`;
-//!   404 for an unknown verb; 405 for a known verb with another method. While not ready, filter and
+//!   400 with the decoding error for a body that cannot be used; 413 over `max_body_bytes`, or for
+//!   a body naming more than `max_request_nodes` nodes (refused while it is decoded); 404 for an unknown verb; 405 for a known verb with another method. While not ready, filter and
 //!   bind answer with `Error` set, prioritize and preempt with 503.
 //! - `GET /healthz` (the process answers), `/readyz` (503 until the state is complete),
 //!   `/metrics` (Prometheus text), `/inspect` and `/inspect/{node}` (JSON; 404 for an unknown node),
 //!   `/mix` (the learned mix's state as JSON, what `--mix-state` holds; 404 when the mix is fixed).
 //!   These sit at the root, not under the prefix, where probes and scrapers look by default.
+//! - With a [`Frontend`] (API-server mode): HTTPS ([`tls`](crate::extender::tls); with a client CA
+//!   the verbs, `/inspect` and `/mix` answer 403 to a connection without a verified client
+//!   certificate), and the forward of every verb to the leader while this replica does not lead
+//!   ([`forward`](crate::extender::forward); `/readyz` then reports the role).
+//!
+//! A body over [`LARGE_BODY_BYTES`] is decided on actix's blocking pool, one at a time, so that
+//! the workers keep answering probes and ordinary requests meanwhile; the heap it used is then
+//! handed back to the system.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -19,8 +27,10 @@ use actix_web::http::StatusCode;
 use actix_web::{web, FromRequest, HttpRequest, HttpResponse};
 use serde::Serialize;
 
+use crate::extender::forward::{Forwarder, Route, FORWARDED_HEADER};
 use crate::extender::metrics::Verb;
 use crate::extender::service::Extender;
+use crate::extender::tls::{self, ClientVerified, ServerTls};
 use crate::extender::wire::WireError;
 
 /// Default address: every interface, port 8888 (the Service in front of the extender targets it).
@@ -28,18 +38,36 @@ pub const DEFAULT_LISTEN: &str = "0.0.0.0:8888";
 pub const DEFAULT_PREFIX: &str = "/gpuplace";
 /// 64 MiB: a full-Nodes request for 5,000 nodes is about 25 MiB (a Node object is ~5 KiB).
 pub const DEFAULT_MAX_BODY_BYTES: usize = 64 << 20;
+pub use crate::extender::wire::DEFAULT_MAX_REQUEST_NODES;
+/// Bodies above this are decided off the HTTP workers (about 60,000 node names, or 200 Node
+/// objects); kube-scheduler's names-only requests for a 5,000-node cluster stay below it.
+pub const LARGE_BODY_BYTES: usize = 1 << 20;
 
 #[derive(Debug, Clone)]
 pub struct HttpOptions {
     /// Path before the verbs, `""` or starting with `/` (a trailing `/` is dropped).
     pub prefix: String,
     pub max_body_bytes: usize,
+    /// Most nodes one request may name (candidates, or victims' nodes in preempt).
+    pub max_request_nodes: usize,
 }
 
 impl Default for HttpOptions {
     fn default() -> Self {
-        Self { prefix: DEFAULT_PREFIX.into(), max_body_bytes: DEFAULT_MAX_BODY_BYTES }
+        Self {
+            prefix: DEFAULT_PREFIX.into(),
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            max_request_nodes: DEFAULT_MAX_REQUEST_NODES,
+        }
     }
+}
+
+/// What every verb handler needs besides the extender: the node limit, and the gate that lets one
+/// large body at a time be decided.
+#[derive(Debug, Clone)]
+struct VerbLimits {
+    max_request_nodes: usize,
+    large: Arc<tokio::sync::Semaphore>,
 }
 
 impl HttpOptions {
@@ -57,9 +85,21 @@ impl HttpOptions {
 }
 
 /// Registers every route on an actix `App`.
-pub fn configure(cfg: &mut web::ServiceConfig, ext: web::Data<Extender>, prefix: &str, max_body_bytes: usize) {
+pub fn configure(cfg: &mut web::ServiceConfig, ext: web::Data<Extender>, prefix: &str, opts: &HttpOptions) {
+    configure_with(cfg, ext, prefix, opts, Arc::new(tokio::sync::Semaphore::new(1)))
+}
+
+/// [`configure`] with the large-body gate shared by every worker of one server.
+fn configure_with(
+    cfg: &mut web::ServiceConfig,
+    ext: web::Data<Extender>,
+    prefix: &str,
+    opts: &HttpOptions,
+    large: Arc<tokio::sync::Semaphore>,
+) {
     cfg.app_data(ext)
-        .app_data(web::PayloadConfig::new(max_body_bytes))
+        .app_data(web::PayloadConfig::new(opts.max_body_bytes))
+        .app_data(web::Data::new(VerbLimits { max_request_nodes: opts.max_request_nodes, large }))
         .route("/healthz", web::get().to(healthz))
         .route("/readyz", web::get().to(readyz))
         .route("/metrics", web::get().to(metrics))
@@ -77,6 +117,37 @@ pub fn configure(cfg: &mut web::ServiceConfig, ext: web::Data<Extender>, prefix:
         .default_service(web::to(not_found));
 }
 
+/// What API-server mode adds around the routes: TLS on the port, and the forward to the leader.
+#[derive(Debug, Clone, Default)]
+pub struct Frontend {
+    pub tls: Option<ServerTls>,
+    pub forward: Option<Arc<Forwarder>>,
+}
+
+/// App data: the verbs, `/inspect` and `/mix` need a verified client certificate.
+#[derive(Debug, Clone, Copy)]
+struct RequireClientCert;
+
+/// Registers the frontend's app data next to [`configure`]'s routes.
+fn configure_frontend(cfg: &mut web::ServiceConfig, front: &Frontend) {
+    if let Some(f) = &front.forward {
+        cfg.app_data(web::Data::from(f.clone()));
+    }
+    if front.tls.as_ref().is_some_and(|t| t.require_client_cert) {
+        cfg.app_data(RequireClientCert);
+    }
+}
+
+/// Binds `listen`, over TLS when the frontend has it.
+macro_rules! bind_frontend {
+    ($server:expr, $listen:expr, $front:expr) => {
+        match &$front.tls {
+            Some(t) => $server.on_connect(tls::on_connect).bind_rustls_0_23($listen, (*t.config).clone()),
+            None => $server.bind($listen),
+        }
+    };
+}
+
 /// A running server.
 #[derive(Debug)]
 pub struct Running {
@@ -88,21 +159,37 @@ pub struct Running {
 /// Starts a server on its own thread and actix system (tests, benchmarks, tools): returns once it
 /// listens. `listen` may use port 0 for a free port.
 pub fn spawn(ext: Arc<Extender>, opts: HttpOptions, listen: &str, workers: usize) -> std::io::Result<Running> {
+    spawn_with(ext, opts, listen, workers, Frontend::default())
+}
+
+/// [`spawn`] with TLS and the forward to the leader.
+pub fn spawn_with(
+    ext: Arc<Extender>,
+    opts: HttpOptions,
+    listen: &str,
+    workers: usize,
+    front: Frontend,
+) -> std::io::Result<Running> {
     let prefix = opts.normalized_prefix().map_err(std::io::Error::other)?;
     let listen = listen.to_string();
     let (tx, rx) = std::sync::mpsc::channel();
     let thread = std::thread::Builder::new().name("gpuplace-http".into()).spawn(move || {
         actix_web::rt::System::new().block_on(async move {
             let data = web::Data::from(ext);
-            let max = opts.max_body_bytes;
-            let bound = actix_web::HttpServer::new(move || {
-                let (data, prefix) = (data.clone(), prefix.clone());
-                actix_web::App::new().configure(move |cfg| configure(cfg, data, &prefix, max))
+            let large = Arc::new(tokio::sync::Semaphore::new(1));
+            let app_front = front.clone();
+            let server = actix_web::HttpServer::new(move || {
+                let (data, prefix, opts, large) = (data.clone(), prefix.clone(), opts.clone(), large.clone());
+                let front = app_front.clone();
+                actix_web::App::new().configure(move |cfg| {
+                    configure_with(cfg, data, &prefix, &opts, large);
+                    configure_frontend(cfg, &front);
+                })
             })
             .workers(workers.max(1))
             .disable_signals()
-            .shutdown_timeout(1)
-            .bind(&listen);
+            .shutdown_timeout(1);
+            let bound = bind_frontend!(server, &listen, front);
             let server = match bound {
                 Ok(s) => s,
                 Err(e) => {
@@ -123,19 +210,35 @@ pub fn spawn(ext: Arc<Extender>, opts: HttpOptions, listen: &str, workers: usize
 
 /// Serves until SIGINT or SIGTERM (the `gpuplace serve` command).
 pub fn serve_forever(ext: Arc<Extender>, opts: HttpOptions, listen: &str, workers: usize) -> std::io::Result<()> {
+    serve_forever_with(ext, opts, listen, workers, Frontend::default())
+}
+
+/// [`serve_forever`] with TLS and the forward to the leader.
+pub fn serve_forever_with(
+    ext: Arc<Extender>,
+    opts: HttpOptions,
+    listen: &str,
+    workers: usize,
+    front: Frontend,
+) -> std::io::Result<()> {
     let prefix = opts.normalized_prefix().map_err(std::io::Error::other)?;
     actix_web::rt::System::new().block_on(async move {
         let data = web::Data::from(ext);
-        let max = opts.max_body_bytes;
+        let large = Arc::new(tokio::sync::Semaphore::new(1));
+        let app_front = front.clone();
         let mut server = actix_web::HttpServer::new(move || {
-            let (data, prefix) = (data.clone(), prefix.clone());
-            actix_web::App::new().configure(move |cfg| configure(cfg, data, &prefix, max))
+            let (data, prefix, opts, large) = (data.clone(), prefix.clone(), opts.clone(), large.clone());
+            let front = app_front.clone();
+            actix_web::App::new().configure(move |cfg| {
+                configure_with(cfg, data, &prefix, &opts, large);
+                configure_frontend(cfg, &front);
+            })
         })
         .shutdown_timeout(5);
         if workers > 0 {
             server = server.workers(workers);
         }
-        let server = server.bind(listen)?;
+        let server = bind_frontend!(server, listen, front)?;
         for a in server.addrs() {
             tracing::info!(addr = %a, "gpuplace extender listening");
         }
@@ -164,7 +267,7 @@ fn json_body(body: Vec<u8>) -> HttpResponse {
 }
 
 fn bad_request(e: &WireError) -> HttpResponse {
-    text(StatusCode::BAD_REQUEST, e.to_string())
+    text(StatusCode::from_u16(e.http_status()).unwrap_or(StatusCode::BAD_REQUEST), e.to_string())
 }
 
 /// Reads the whole body within the configured limit; the error response names the limit.
@@ -181,7 +284,42 @@ async fn body(req: &HttpRequest, payload: web::Payload) -> Result<web::Bytes, Ht
     })
 }
 
-/// Runs one verb: body, decision, status, metrics.
+/// With a client CA: 403 for a connection that presented no verified client certificate.
+fn unauthenticated(req: &HttpRequest) -> Option<HttpResponse> {
+    req.app_data::<RequireClientCert>()?;
+    if req.conn_data::<ClientVerified>().is_some() {
+        return None;
+    }
+    Some(text(
+        StatusCode::FORBIDDEN,
+        "a client certificate signed by the extender's --tls-client-ca is required for this route",
+    ))
+}
+
+/// The leader's URL when this verb is to be forwarded: this replica does not lead, a leader is
+/// known, and the request was not forwarded already (it is then answered here).
+fn forward_to(req: &HttpRequest) -> Option<(web::Data<Forwarder>, String)> {
+    let fwd = req.app_data::<web::Data<Forwarder>>()?;
+    if req.headers().contains_key(FORWARDED_HEADER) {
+        return None;
+    }
+    match fwd.role().route() {
+        Route::Leader(url) => Some((fwd.clone(), url)),
+        Route::Local | Route::Unknown => None,
+    }
+}
+
+/// The leader's answer, as it came.
+fn relay(answer: crate::extender::forward::Answer) -> HttpResponse {
+    let status = StatusCode::from_u16(answer.status).unwrap_or(StatusCode::BAD_GATEWAY);
+    let mut resp = HttpResponse::build(status);
+    if let Some(ct) = answer.content_type {
+        resp.insert_header((actix_web::http::header::CONTENT_TYPE, ct));
+    }
+    resp.body(answer.body)
+}
+
+/// Runs one verb: body, decision (here, or the leader's through the forward), status, metrics.
 async fn run_verb<F, Fut>(
     verb: Verb,
     ext: web::Data<Extender>,
@@ -194,9 +332,19 @@ where
     Fut: std::future::Future<Output = HttpResponse>,
 {
     let started = Instant::now();
-    let resp = match body(&req, payload).await {
-        Ok(bytes) => f(ext.clone(), bytes).await,
-        Err(resp) => resp,
+    let resp = match unauthenticated(&req) {
+        Some(refused) => refused,
+        None => match body(&req, payload).await {
+            Ok(bytes) => match forward_to(&req) {
+                // a failed forward is answered here: not leading, that is the not-ready answer
+                Some((fwd, url)) => match fwd.forward(verb, &url, bytes.clone()).await {
+                    Ok(answer) => relay(answer),
+                    Err(_) => f(ext.clone(), bytes).await,
+                },
+                None => f(ext.clone(), bytes).await,
+            },
+            Err(resp) => resp,
+        },
     };
     if resp.status().is_client_error() {
         tracing::debug!(verb = verb.name(), status = resp.status().as_u16(), "request refused");
@@ -205,28 +353,112 @@ where
     resp
 }
 
-async fn filter(ext: web::Data<Extender>, req: HttpRequest, payload: web::Payload) -> HttpResponse {
-    run_verb(Verb::Filter, ext, req, payload, |ext, b| async move {
-        match ext.filter_json(&b) {
-            Ok(body) => json_body(body),
-            Err(e) => bad_request(&e),
+/// Runs a verb whose decision is synchronous (filter, prioritize, preempt) under the node limit: on
+/// the worker for an ordinary body, on the blocking pool (one at a time) for a large one.
+async fn run_sync_verb(
+    verb: Verb,
+    ext: web::Data<Extender>,
+    limits: web::Data<VerbLimits>,
+    req: HttpRequest,
+    payload: web::Payload,
+    decide: fn(&Extender, &[u8]) -> Answer,
+) -> HttpResponse {
+    let max_nodes = limits.max_request_nodes;
+    let declared =
+        req.headers().get(actix_web::http::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
+    // the gate is taken before the body is read, so at most one large body is held at once
+    let _permit = match declared {
+        Some(n) if n > LARGE_BODY_BYTES => match limits.large.clone().acquire_owned().await {
+            Ok(p) => Some(p),
+            Err(_) => return text(StatusCode::SERVICE_UNAVAILABLE, "shutting down"),
+        },
+        _ => None,
+    };
+    run_verb(verb, ext, req, payload, move |ext, b| async move {
+        if b.len() <= LARGE_BODY_BYTES {
+            return crate::extender::wire::with_node_limit(max_nodes, || decide(&ext, &b)).into_response();
+        }
+        let answer = web::block(move || {
+            let answer = crate::extender::wire::with_node_limit(max_nodes, || decide(&ext, &b));
+            drop(b);
+            release_heap();
+            answer
+        })
+        .await;
+        match answer {
+            Ok(a) => a.into_response(),
+            Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, format!("deciding a large request: {e}")),
         }
     })
     .await
 }
 
-fn not_ready() -> HttpResponse {
-    text(StatusCode::SERVICE_UNAVAILABLE, crate::extender::service::NOT_READY)
+/// A synchronous verb's answer, before it becomes a response (which may not cross threads).
+enum Answer {
+    Json(Vec<u8>),
+    Text(StatusCode, String),
 }
 
-async fn prioritize(ext: web::Data<Extender>, req: HttpRequest, payload: web::Payload) -> HttpResponse {
-    run_verb(Verb::Prioritize, ext, req, payload, |ext, b| async move {
-        if !ext.is_ready() {
-            return not_ready();
+impl Answer {
+    fn json<T: Serialize>(value: &T) -> Self {
+        match serde_json::to_vec(value) {
+            Ok(body) => Answer::Json(body),
+            Err(e) => Answer::Text(StatusCode::INTERNAL_SERVER_ERROR, format!("encoding the answer: {e}")),
         }
-        match ext.prioritize_json(&b) {
-            Ok(body) => json_body(body),
-            Err(e) => bad_request(&e),
+    }
+
+    fn refused(e: &WireError) -> Self {
+        Answer::Text(StatusCode::from_u16(e.http_status()).unwrap_or(StatusCode::BAD_REQUEST), e.to_string())
+    }
+
+    fn not_ready() -> Self {
+        Answer::Text(StatusCode::SERVICE_UNAVAILABLE, crate::extender::service::NOT_READY.into())
+    }
+
+    fn into_response(self) -> HttpResponse {
+        match self {
+            Answer::Json(body) => json_body(body),
+            Answer::Text(status, message) => text(status, message),
+        }
+    }
+}
+
+/// Hands the heap a large request used back to the system: glibc keeps freed memory in its arenas,
+/// and one 60 MB body would otherwise leave the process hundreds of MB larger for good.
+fn release_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free pages of glibc's own heap to the kernel.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
+async fn filter(
+    ext: web::Data<Extender>,
+    limits: web::Data<VerbLimits>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> HttpResponse {
+    run_sync_verb(Verb::Filter, ext, limits, req, payload, |ext, b| match ext.filter_json(b) {
+        Ok(body) => Answer::Json(body),
+        Err(e) => Answer::refused(&e),
+    })
+    .await
+}
+
+async fn prioritize(
+    ext: web::Data<Extender>,
+    limits: web::Data<VerbLimits>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> HttpResponse {
+    run_sync_verb(Verb::Prioritize, ext, limits, req, payload, |ext, b| {
+        if !ext.is_ready() {
+            return Answer::not_ready();
+        }
+        match ext.prioritize_json(b) {
+            Ok(body) => Answer::Json(body),
+            Err(e) => Answer::refused(&e),
         }
     })
     .await
@@ -242,14 +474,19 @@ async fn bind(ext: web::Data<Extender>, req: HttpRequest, payload: web::Payload)
     .await
 }
 
-async fn preempt(ext: web::Data<Extender>, req: HttpRequest, payload: web::Payload) -> HttpResponse {
-    run_verb(Verb::Preempt, ext, req, payload, |ext, b| async move {
+async fn preempt(
+    ext: web::Data<Extender>,
+    limits: web::Data<VerbLimits>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> HttpResponse {
+    run_sync_verb(Verb::Preempt, ext, limits, req, payload, |ext, b| {
         if !ext.is_ready() {
-            return not_ready();
+            return Answer::not_ready();
         }
-        match ext.preempt(&b) {
-            Ok(r) => json(&r),
-            Err(e) => bad_request(&e),
+        match ext.preempt(b) {
+            Ok(r) => Answer::json(&r),
+            Err(e) => Answer::refused(&e),
         }
     })
     .await
@@ -274,7 +511,13 @@ async fn healthz() -> HttpResponse {
     text(StatusCode::OK, "ok")
 }
 
-async fn readyz(ext: web::Data<Extender>) -> HttpResponse {
+async fn readyz(ext: web::Data<Extender>, req: HttpRequest) -> HttpResponse {
+    if let Some(fwd) = req.app_data::<web::Data<Forwarder>>() {
+        // two replicas: ready once synced, whoever leads; the text names the role
+        let (ready, message) = fwd.readiness();
+        let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+        return text(status, message);
+    }
     if ext.is_ready() {
         text(StatusCode::OK, "ready")
     } else {
@@ -282,18 +525,28 @@ async fn readyz(ext: web::Data<Extender>) -> HttpResponse {
     }
 }
 
-async fn metrics(ext: web::Data<Extender>) -> HttpResponse {
-    HttpResponse::Ok().content_type("text/plain; version=0.0.4; charset=utf-8").body(ext.render_metrics())
+async fn metrics(ext: web::Data<Extender>, req: HttpRequest) -> HttpResponse {
+    let mut body = ext.render_metrics();
+    if let Some(fwd) = req.app_data::<web::Data<Forwarder>>() {
+        body.push_str(&fwd.render_metrics());
+    }
+    HttpResponse::Ok().content_type("text/plain; version=0.0.4; charset=utf-8").body(body)
 }
 
-async fn inspect_all(ext: web::Data<Extender>) -> HttpResponse {
+async fn inspect_all(ext: web::Data<Extender>, req: HttpRequest) -> HttpResponse {
+    if let Some(refused) = unauthenticated(&req) {
+        return refused;
+    }
     match ext.inspect(None) {
         Some(r) => json(&r),
         None => text(StatusCode::INTERNAL_SERVER_ERROR, "no report"),
     }
 }
 
-async fn mix(ext: web::Data<Extender>) -> HttpResponse {
+async fn mix(ext: web::Data<Extender>, req: HttpRequest) -> HttpResponse {
+    if let Some(refused) = unauthenticated(&req) {
+        return refused;
+    }
     match ext.mix_state() {
         Some(s) => json(&s),
         None => text(
@@ -303,7 +556,10 @@ async fn mix(ext: web::Data<Extender>) -> HttpResponse {
     }
 }
 
-async fn inspect_node(ext: web::Data<Extender>, path: web::Path<String>) -> HttpResponse {
+async fn inspect_node(ext: web::Data<Extender>, req: HttpRequest, path: web::Path<String>) -> HttpResponse {
+    if let Some(refused) = unauthenticated(&req) {
+        return refused;
+    }
     let node = path.into_inner();
     match ext.inspect(Some(&node)) {
         Some(r) => json(&r),

@@ -9,6 +9,8 @@
 //! - [`service`]: the decisions of each verb over the engine, the node cache and the bind records.
 //! - [`binder`]: the seam to the API server for binds ([`binder::RecordingBinder`] in static mode).
 //! - [`http`]: actix-web routes, status codes, body limits; [`client`]: a small HTTP/1.1 client.
+//! - [`forward`]: a replica that does not lead passes the verbs to the leader; [`tls`]: HTTPS and
+//!   client certificates on the extender's port.
 //! - [`reasons`]: the texts kube-scheduler shows (reasons that group across nodes, never a `%`).
 //! - [`metrics`], [`placement_log`], [`inspect`]: what operators and planners see.
 //! - [`mix`]: the typical request mix, learned from the pods seen (or fixed), and its state file.
@@ -18,6 +20,7 @@
 pub mod adapt;
 pub mod binder;
 pub mod client;
+pub mod forward;
 pub mod http;
 pub mod inspect;
 pub mod metrics;
@@ -28,4 +31,5 @@ pub mod requeue;
 mod scan;
 pub mod service;
 pub mod shapes;
+pub mod tls;
 pub mod wire;

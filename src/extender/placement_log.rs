@@ -13,6 +13,7 @@ use std::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
 
+use crate::core::cluster::Cluster;
 use crate::core::resources::ContainerDemand;
 
 /// Schema version of a line (`"v"`); bumped on incompatible changes, fields may be added.
@@ -59,7 +60,66 @@ pub struct Decision {
     pub error: Option<String>,
     /// From the request's arrival to the answer (bind: including the Binding), microseconds.
     pub latency_us: u64,
+    /// Bind: the cluster's GPUs right after it, for reports (absent on lines written before it was
+    /// added, read as null).
+    #[serde(default)]
+    pub cluster: Option<CapacitySummary>,
+    /// Present (true) only on a line that was cut to [`MAX_LINE_BYTES`]: `rejection_details` emptied
+    /// and `rejections` kept to its first [`TRUNCATED_REJECTIONS`] reasons.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub truncated: bool,
 }
+
+/// The longest line written: a request that would make a longer one (thousands of distinct
+/// reasons) gets a cut line instead, so no line outgrows the file's rotation size.
+pub const MAX_LINE_BYTES: usize = 1 << 20;
+/// Reasons kept on a cut line.
+pub const TRUNCATED_REJECTIONS: usize = 100;
+
+impl Decision {
+    /// The line cut to what fits [`MAX_LINE_BYTES`] (the per-node details and all but the first
+    /// reasons go; the counts by class stay whole).
+    fn cut(&self) -> Decision {
+        let mut d = self.clone();
+        d.rejection_details.clear();
+        d.rejections = std::mem::take(&mut d.rejections).into_iter().take(TRUNCATED_REJECTIONS).collect();
+        for text in [&mut d.refused, &mut d.error] {
+            if let Some(t) = text.as_mut().filter(|t| t.len() > 4096) {
+                let mut end = 4096;
+                while !t.is_char_boundary(end) {
+                    end -= 1;
+                }
+                t.truncate(end);
+            }
+        }
+        d.truncated = true;
+        d
+    }
+}
+
+/// Every field a line may carry, for readers that refuse what they do not know.
+pub const FIELDS: [&str; 20] = [
+    "v",
+    "ts_unix_ms",
+    "verb",
+    "pod",
+    "uid",
+    "mode",
+    "requests",
+    "refused",
+    "candidates",
+    "feasible",
+    "rejections",
+    "rejection_classes",
+    "rejection_details",
+    "top",
+    "chosen",
+    "outcome",
+    "error",
+    "latency_us",
+    "cluster",
+    "truncated",
+];
 
 /// The pod's GPU containers.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -98,6 +158,115 @@ pub struct ChosenGpu {
     pub memory_mib: u64,
     pub core_percent: u32,
     pub exclusive: bool,
+}
+
+/// The cluster's GPUs right after a bind (bind lines only), so that a report can chart capacity,
+/// fragmentation and per-node allocation over time without a copy of the cluster. Releases between
+/// two binds show in the next bind's figures.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct CapacitySummary {
+    pub nodes: usize,
+    pub gpus: u32,
+    /// GPU-equivalents held: a whole GPU counts 1, a share its fraction (the larger of its compute
+    /// and memory fractions).
+    pub allocated_gpus: f64,
+    /// Healthy GPUs that nobody holds.
+    pub idle_gpus: u32,
+    /// Free share left on healthy GPUs that are partly held: capacity free only as fractions.
+    pub fragmented_gpus: f64,
+    pub unhealthy_gpus: u32,
+    /// The same figures per GPU model.
+    pub by_model: BTreeMap<String, ModelCapacity>,
+    /// The bind's node after the bind; null when it is not in the model.
+    pub node: Option<NodeCapacity>,
+}
+
+/// One GPU model's figures in a [`CapacitySummary`].
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ModelCapacity {
+    pub gpus: u32,
+    pub allocated_gpus: f64,
+    pub idle_gpus: u32,
+    pub fragmented_gpus: f64,
+}
+
+/// One node's figures in a [`CapacitySummary`].
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct NodeCapacity {
+    pub name: String,
+    /// The model of its first GPU (empty for a node without GPUs).
+    pub model: String,
+    pub gpus: u32,
+    pub allocated_gpus: f64,
+}
+
+/// Thousandths of a GPU as GPUs.
+fn gpus_of_milli(milli: u64) -> f64 {
+    milli as f64 / 1000.0
+}
+
+impl CapacitySummary {
+    /// The figures of `cluster` now; `node` is the bind's node. Reads every GPU once (a bind's
+    /// Binding call costs far more), and only when a placement log is written.
+    pub fn of(cluster: &Cluster, node: &str) -> Self {
+        #[derive(Default)]
+        struct Acc {
+            gpus: u32,
+            allocated: u64,
+            idle: u32,
+            fragmented: u64,
+        }
+        let mut total = Acc::default();
+        let mut unhealthy_gpus = 0;
+        let mut models: BTreeMap<&str, Acc> = BTreeMap::new();
+        let mut this = None;
+        for n in cluster.nodes() {
+            let mut node_allocated = 0u64;
+            for (i, used) in n.used_milli().enumerate() {
+                let used = u64::from(used);
+                let healthy = n.gpu_facts()[i].healthy;
+                let idle = healthy && n.is_gpu_free(i);
+                let fragmented = if healthy && !idle { 1000u64.saturating_sub(used) } else { 0 };
+                unhealthy_gpus += u32::from(!healthy);
+                node_allocated += used;
+                for acc in [&mut total, models.entry(n.gpus[i].model.as_str()).or_default()] {
+                    acc.gpus += 1;
+                    acc.allocated += used;
+                    acc.idle += u32::from(idle);
+                    acc.fragmented += fragmented;
+                }
+            }
+            if n.name == node {
+                this = Some(NodeCapacity {
+                    name: n.name.clone(),
+                    model: n.gpus.first().map(|g| g.model.clone()).unwrap_or_default(),
+                    gpus: n.gpus.len() as u32,
+                    allocated_gpus: gpus_of_milli(node_allocated),
+                });
+            }
+        }
+        Self {
+            nodes: cluster.nodes().len(),
+            gpus: total.gpus,
+            allocated_gpus: gpus_of_milli(total.allocated),
+            idle_gpus: total.idle,
+            fragmented_gpus: gpus_of_milli(total.fragmented),
+            unhealthy_gpus,
+            by_model: models
+                .into_iter()
+                .map(|(m, a)| {
+                    let s = ModelCapacity {
+                        gpus: a.gpus,
+                        allocated_gpus: gpus_of_milli(a.allocated),
+                        idle_gpus: a.idle,
+                        fragmented_gpus: gpus_of_milli(a.fragmented),
+                    };
+                    (m.to_string(), s)
+                })
+                .collect(),
+            node: this,
+        }
+    }
 }
 
 /// Where lines go.
@@ -150,6 +319,9 @@ impl PlacementLog {
     /// Writes one line.
     pub fn write(&self, d: &Decision) -> io::Result<()> {
         let mut line = serde_json::to_vec(d).map_err(io::Error::other)?;
+        if line.len() > MAX_LINE_BYTES {
+            line = serde_json::to_vec(&d.cut()).map_err(io::Error::other)?;
+        }
         line.push(b'\n');
         match self {
             Self::Stdout => {
@@ -165,6 +337,78 @@ impl PlacementLog {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_line_over_the_limit_is_cut_not_dropped() {
+        let dir = std::env::temp_dir().join(format!("gpuplace-cut-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("p.jsonl");
+        let log = PlacementLog::open(path.to_str().unwrap(), 100 << 20).unwrap();
+        let mut d =
+            Decision { v: PLACEMENT_LOG_VERSION, verb: "filter".into(), candidates: 60_000, ..Decision::default() };
+        for i in 0..60_000 {
+            d.rejections.insert(format!("gpuplace: reason number {i} with some words"), 1);
+            d.rejection_details.insert(format!("node-{i}"), "figures ".repeat(4));
+        }
+        d.rejection_classes.insert("unresolvable".into(), 60_000);
+        log.write(&d).unwrap();
+        log.write(&Decision { verb: "bind".into(), ..Decision::default() }).unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 2);
+        assert!(lines[0].len() <= MAX_LINE_BYTES, "{}", lines[0].len());
+        let cut: Decision = serde_json::from_str(lines[0]).unwrap();
+        assert!(cut.truncated && cut.rejection_details.is_empty());
+        assert_eq!(cut.rejections.len(), TRUNCATED_REJECTIONS);
+        assert_eq!(cut.rejection_classes["unresolvable"], 60_000);
+        // an ordinary line carries no `truncated` field at all
+        assert!(!lines[1].contains("truncated"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn capacity_summary_counts_shares_as_fractions() {
+        use crate::core::cluster::{ContainerAssignment, GpuSlice, PodAssignment};
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/clusters/fixture-cluster.yaml");
+        let mut cluster = crate::core::inventory::load_cluster(&path).unwrap();
+        let slice = |gpu, mem_mib, core_pct, exclusive| GpuSlice { gpu, mem_mib, core_pct, exclusive };
+        let pod = |name: &str, slices| PodAssignment {
+            pod: name.into(),
+            node: "gpu-node-1".into(),
+            containers: vec![ContainerAssignment { name: "main".into(), init: false, slices }],
+            cpu_milli: 0,
+            memory_mib: 0,
+            group: None,
+        };
+        cluster.allocate(pod("ns/whole", vec![slice(0, 81559, 100, true), slice(1, 81559, 100, true)])).unwrap();
+        // 30 % of the compute and 20480 of 81559 MiB: 30 % of the GPU
+        cluster.allocate(pod("ns/share", vec![slice(2, 20480, 30, false)])).unwrap();
+        let s = CapacitySummary::of(&cluster, "gpu-node-1");
+        assert_eq!((s.nodes, s.gpus, s.idle_gpus, s.unhealthy_gpus), (4, 32, 29, 0));
+        assert_eq!((s.allocated_gpus, s.fragmented_gpus), (2.3, 0.7));
+        let node = s.node.as_ref().unwrap();
+        assert_eq!((node.name.as_str(), node.gpus, node.allocated_gpus), ("gpu-node-1", 8, 2.3));
+        assert_eq!(node.model, "NVIDIA H100 80GB HBM3");
+        let m = &s.by_model["NVIDIA H100 80GB HBM3"];
+        assert_eq!((m.gpus, m.allocated_gpus, m.idle_gpus, m.fragmented_gpus), (32, 2.3, 29, 0.7));
+        assert!(CapacitySummary::of(&cluster, "elsewhere").node.is_none());
+    }
+
+    #[test]
+    fn fields_name_every_field_a_line_has() {
+        // `truncated` is written only when true
+        let v = serde_json::to_value(Decision { truncated: true, ..Decision::default() }).unwrap();
+        let mut keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
+        let mut fields = FIELDS.to_vec();
+        keys.sort_unstable();
+        fields.sort_unstable();
+        assert_eq!(keys, fields);
+        // a line from before `cluster` was added still reads
+        let mut old = v.clone();
+        old.as_object_mut().unwrap().remove("cluster");
+        old.as_object_mut().unwrap().remove("truncated");
+        assert_eq!(serde_json::from_value::<Decision>(old).unwrap(), Decision::default());
+    }
 
     #[test]
     fn file_rotates_by_size_and_keeps_whole_lines() {

@@ -205,14 +205,19 @@ fn name_list<'a>(s: &mut Scanner<'a>) -> Option<Vec<NodeName<'a>>> {
     if !s.eat(b'[') {
         return None;
     }
-    // names run about 16 bytes with their quotes and comma
-    let mut out = Vec::with_capacity((s.b.len() - s.i) / 16 + 1);
+    // names run about 16 bytes with their quotes and comma; never more than the node limit, past
+    // which serde_json's decoder refuses the body with the limit's error
+    let max = crate::extender::wire::node_limit();
+    let mut out = Vec::with_capacity(((s.b.len() - s.i) / 16 + 1).min(max));
     s.ws();
     if s.eat(b']') {
         return Some(out);
     }
     loop {
         s.ws();
+        if out.len() >= max {
+            return None;
+        }
         out.push(NodeName(Cow::Borrowed(s.simple_str()?)));
         s.ws();
         if s.eat(b',') {

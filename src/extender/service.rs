@@ -38,7 +38,7 @@ use crate::extender::binder::{BindRequest, Binder};
 use crate::extender::metrics::{BindOutcome, ClusterSummary, ConflictKind, Metrics, RejectClass};
 use crate::extender::mix::Learning;
 use crate::extender::placement_log::{
-    Chosen, ChosenGpu, Decision, PlacementLog, Requests, TopScore, PLACEMENT_LOG_VERSION,
+    CapacitySummary, Chosen, ChosenGpu, Decision, PlacementLog, Requests, TopScore, PLACEMENT_LOG_VERSION,
 };
 use crate::extender::reasons::{self, prefixed, UnknownNode, MAX_DETAILED_NODES};
 use crate::extender::requeue::{RecentRejections, Requeuer};
@@ -815,6 +815,7 @@ impl Extender {
         let cluster = &st.cluster;
         let stamps = cluster.stamps();
         let mut table = shape.table();
+        table.keep_only(st.engine.shared_key(cluster));
         // each node once: what the cache cannot answer
         let mut stale = Vec::new();
         let mut unique = 0;
@@ -968,6 +969,7 @@ impl Extender {
             Err(reason) => {
                 let reason = Arc::new(Reason::new(RejectClass::Contract, prefixed(&reason)));
                 self.metrics.rejection(RejectClass::Contract, names.len() as u64);
+                self.metrics.pod_filtered(&args.pod.metadata.uid, Some(RejectClass::Contract), Instant::now());
                 d.rejections.insert(reason.text.clone(), names.len());
                 d.rejection_classes.insert(RejectClass::Contract.name().into(), names.len());
                 d.refused = Some(reason.text.clone());
@@ -1062,6 +1064,8 @@ impl Extender {
             }
         }
         d.feasible = feasible;
+        let waits_on = if feasible > 0 { None } else { RejectClass::of_pending(&class_counts) };
+        self.metrics.pod_filtered(&args.pod.metadata.uid, waits_on, read_at);
         self.note_verdict(&args.pod, &c, &answers, feasible, read_at);
         if self.log.is_some() {
             d.top = top;
@@ -1214,6 +1218,9 @@ impl Extender {
             },
         };
         self.metrics.bind(outcome);
+        if outcome.is_success() {
+            self.metrics.pod_settled(&args.pod_uid);
+        }
         d.outcome = Some(outcome.name().into());
         d.feasible = usize::from(outcome.is_success());
         d.ts_unix_ms = now_unix_ms();
@@ -1222,6 +1229,10 @@ impl Extender {
             tracing::debug!(pod = %args.pod_key(), node = %args.node, outcome = outcome.name(), "bound");
         } else {
             d.chosen = None;
+        }
+        if self.log.is_some() {
+            // the cluster after this bind, for capacity reports (docs/placement-log.md)
+            d.cluster = Some(CapacitySummary::of(&self.read().cluster, &args.node));
         }
         let out = match error {
             None => ExtenderBindingResult::ok(),

@@ -33,6 +33,7 @@
 //! Like Go's `resource.Quantity`, a JSON number is also accepted as a quantity.
 
 use std::borrow::Cow;
+use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::marker::PhantomData;
@@ -68,7 +69,7 @@ pub struct ExtenderArgs {
     #[serde(rename = "Nodes", default)]
     pub nodes: Option<NodeList>,
     /// `*[]string`: the candidates by name, set only when `nodeCacheCapable` is true.
-    #[serde(rename = "NodeNames", default)]
+    #[serde(rename = "NodeNames", default, deserialize_with = "bounded_opt_vec")]
     pub node_names: Option<Vec<String>>,
 }
 
@@ -94,7 +95,7 @@ pub struct ExtenderArgsRef<'a> {
     pub pod: Pod,
     #[serde(rename = "Nodes", default)]
     pub nodes: Option<NodeList>,
-    #[serde(rename = "NodeNames", default, borrow)]
+    #[serde(rename = "NodeNames", default, borrow, deserialize_with = "bounded_opt_vec")]
     pub node_names: Option<Vec<NodeName<'a>>>,
 }
 
@@ -142,8 +143,13 @@ pub fn decode_args(body: &[u8]) -> Result<ExtenderArgsRef<'_>, WireError> {
     if let Some(args) = crate::extender::scan::scan_args(body) {
         return Ok(args);
     }
+    NODE_LIMIT_HIT.set(false);
     match serde_json::from_slice::<ExtenderArgsRef<'_>>(body) {
         Ok(args) => Ok(args),
+        // over the limit: refused without decoding the body a second time
+        Err(_) if NODE_LIMIT_HIT.get() => {
+            Err(WireError::TooManyNodes { go_type: <ExtenderArgs as GoType>::GO_NAME, limit: node_limit() })
+        }
         Err(_) => decode::<ExtenderArgs>(body).map(ExtenderArgsRef::from),
     }
 }
@@ -225,10 +231,10 @@ pub struct ExtenderPreemptionArgs {
     #[serde(rename = "Pod")]
     pub pod: Pod,
     /// `map[string]*Victims`: full victim pods per node.
-    #[serde(rename = "NodeNameToVictims", default)]
+    #[serde(rename = "NodeNameToVictims", default, deserialize_with = "bounded_opt_map")]
     pub node_name_to_victims: Option<BTreeMap<String, Victims>>,
     /// `map[string]*MetaVictims`: victim UIDs per node.
-    #[serde(rename = "NodeNameToMetaVictims", default)]
+    #[serde(rename = "NodeNameToMetaVictims", default, deserialize_with = "bounded_opt_map")]
     pub node_name_to_meta_victims: Option<BTreeMap<String, MetaVictims>>,
 }
 
@@ -470,8 +476,8 @@ impl<'de> Deserialize<'de> for WireNode {
 pub struct NodeList {
     #[serde(default, deserialize_with = "null_as_default")]
     pub metadata: serde_json::Map<String, serde_json::Value>,
-    /// Go writes an empty list as `null`.
-    #[serde(default, deserialize_with = "null_as_default")]
+    /// Go writes an empty list as `null`. At most the request node limit ([`with_node_limit`]).
+    #[serde(default, deserialize_with = "bounded_null_vec")]
     pub items: Vec<WireNode>,
 }
 
@@ -520,6 +526,18 @@ pub enum WireError {
     },
     #[error("ExtenderArgs has neither Nodes nor NodeNames; kube-scheduler sends NodeNames when the extender is nodeCacheCapable and Nodes otherwise")]
     NoCandidates,
+    #[error("{go_type} names more than {limit} nodes (serve --max-request-nodes); kube-scheduler sends at most the cluster's nodes, so the request was refused")]
+    TooManyNodes { go_type: &'static str, limit: usize },
+}
+
+impl WireError {
+    /// The HTTP status that answers it: 413 for a request over the node limit, else 400.
+    pub fn http_status(&self) -> u16 {
+        match self {
+            WireError::TooManyNodes { .. } => 413,
+            _ => 400,
+        }
+    }
 }
 
 fn at(path: &str) -> String {
@@ -533,6 +551,17 @@ fn at(path: &str) -> String {
 /// Decodes a request or answer body into `T`, classifying failures so that a caller can answer with
 /// a clear message (and an HTTP 400) instead of a generic parse error.
 pub fn decode<T: GoType>(body: &[u8]) -> Result<T, WireError> {
+    NODE_LIMIT_HIT.set(false);
+    decode_unbounded_error::<T>(body).map_err(|e| {
+        if NODE_LIMIT_HIT.get() {
+            WireError::TooManyNodes { go_type: T::GO_NAME, limit: node_limit() }
+        } else {
+            e
+        }
+    })
+}
+
+fn decode_unbounded_error<T: GoType>(body: &[u8]) -> Result<T, WireError> {
     let go_type = T::GO_NAME;
     let classify = |path: String, source: serde_json::Error| match source.classify() {
         serde_json::error::Category::Eof => WireError::Truncated { go_type, source },
@@ -623,6 +652,112 @@ objects_only! {
     Node: "Node",
     NodeStatus: "NodeStatus",
     NodeList: "NodeList",
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The node limit: no list or map of nodes in a request grows past what a cluster has
+// ---------------------------------------------------------------------------------------------------
+
+/// Default for `serve --max-request-nodes`: three times the 5,000 nodes Kubernetes supports per
+/// cluster. A body within the size limit can still name millions of (unknown) nodes; each would cost
+/// memory to decode and a line in the answer, so such a request is refused while it is decoded.
+pub const DEFAULT_MAX_REQUEST_NODES: usize = 15_000;
+
+thread_local! {
+    static NODE_LIMIT: Cell<usize> = const { Cell::new(DEFAULT_MAX_REQUEST_NODES) };
+    static NODE_LIMIT_HIT: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f` (decoding and deciding on this thread) with at most `max` nodes accepted in any one
+/// node list or node map of a request; more fail decoding with [`WireError::TooManyNodes`]. The
+/// limit is per thread, so concurrent requests with different limits (tests) do not meet.
+pub fn with_node_limit<R>(max: usize, f: impl FnOnce() -> R) -> R {
+    struct Restore(usize);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            NODE_LIMIT.set(self.0);
+        }
+    }
+    let _restore = Restore(NODE_LIMIT.replace(max.max(1)));
+    f()
+}
+
+/// The node limit in force on this thread.
+pub(crate) fn node_limit() -> usize {
+    NODE_LIMIT.get()
+}
+
+fn over_node_limit<E: de::Error>() -> E {
+    NODE_LIMIT_HIT.set(true);
+    E::custom(format_args!("more than {} nodes (serve --max-request-nodes)", node_limit()))
+}
+
+/// A list that stops decoding at the node limit.
+struct BoundedVec<T>(Vec<T>);
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for BoundedVec<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor<T>(PhantomData<T>);
+        impl<'de, T: Deserialize<'de>> de::Visitor<'de> for Visitor<T> {
+            type Value = BoundedVec<T>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a list")
+            }
+            fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let max = node_limit();
+                let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(max).min(1 << 12));
+                while let Some(x) = seq.next_element()? {
+                    if out.len() >= max {
+                        return Err(over_node_limit());
+                    }
+                    out.push(x);
+                }
+                Ok(BoundedVec(out))
+            }
+        }
+        d.deserialize_seq(Visitor(PhantomData))
+    }
+}
+
+/// A map keyed by node that stops decoding at the node limit.
+struct BoundedMap<V>(BTreeMap<String, V>);
+
+impl<'de, V: Deserialize<'de>> Deserialize<'de> for BoundedMap<V> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor<V>(PhantomData<V>);
+        impl<'de, V: Deserialize<'de>> de::Visitor<'de> for Visitor<V> {
+            type Value = BoundedMap<V>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a map from node name")
+            }
+            fn visit_map<A: de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                let max = node_limit();
+                let mut out = BTreeMap::new();
+                while let Some((k, v)) = map.next_entry::<String, V>()? {
+                    if out.len() >= max {
+                        return Err(over_node_limit());
+                    }
+                    out.insert(k, v);
+                }
+                Ok(BoundedMap(out))
+            }
+        }
+        d.deserialize_map(Visitor(PhantomData))
+    }
+}
+
+fn bounded_opt_vec<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Option<Vec<T>>, D::Error> {
+    Ok(Option::<BoundedVec<T>>::deserialize(d)?.map(|v| v.0))
+}
+
+fn bounded_null_vec<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Vec<T>, D::Error> {
+    Ok(bounded_opt_vec(d)?.unwrap_or_default())
+}
+
+fn bounded_opt_map<'de, D: Deserializer<'de>, V: Deserialize<'de>>(
+    d: D,
+) -> Result<Option<BTreeMap<String, V>>, D::Error> {
+    Ok(Option::<BoundedMap<V>>::deserialize(d)?.map(|m| m.0))
 }
 
 // ---------------------------------------------------------------------------------------------------
