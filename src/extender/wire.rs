@@ -701,7 +701,7 @@ impl<'de, T: Deserialize<'de>> Deserialize<'de> for BoundedVec<T> {
         impl<'de, T: Deserialize<'de>> de::Visitor<'de> for Visitor<T> {
             type Value = BoundedVec<T>;
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a list")
+                f.write_str("a sequence")
             }
             fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
                 let max = node_limit();
@@ -728,7 +728,7 @@ impl<'de, V: Deserialize<'de>> Deserialize<'de> for BoundedMap<V> {
         impl<'de, V: Deserialize<'de>> de::Visitor<'de> for Visitor<V> {
             type Value = BoundedMap<V>;
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a map from node name")
+                f.write_str("a map")
             }
             fn visit_map<A: de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
                 let max = node_limit();

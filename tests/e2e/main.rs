@@ -341,8 +341,17 @@ async fn two_replicas_fail_over_within_the_lease() {
     assert!(replicas.iter().all(Extender::ready), "both stay ready, whichever leads");
     let leader = usize::from(!leads[0]);
     let standby = 1 - leader;
-    let (_, role) = replicas[standby].get("/readyz").expect("/readyz");
-    assert_eq!(role, format!("ready: standby, forwarding to the leader at {}", replicas[leader].url()));
+    // the standby reads the leader's URL from the Lease at its next election round
+    let forwarding = format!("ready: standby, forwarding to the leader at {}", replicas[leader].url());
+    let until = Instant::now() + 3 * retry;
+    loop {
+        let (_, role) = replicas[standby].get("/readyz").expect("/readyz");
+        if role == forwarding {
+            break;
+        }
+        assert!(Instant::now() < until, "the standby says {role:?}, not {forwarding:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     let proxy = fleet::ReadyProxy::start(replicas.iter().map(|r| r.port).collect());
     st.cp.start_scheduler(&scheduler_config(), Some(&proxy.url()));
     let pre = storm_shapes(40);
