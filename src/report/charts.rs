@@ -183,7 +183,9 @@ pub fn capacity(samples: &[CapacitySample], axis: &TimeAxis) -> Result<String> {
             ("allocated", ALLOCATED, |s| s.allocated),
         ];
         for (name, color, value) in layers {
-            let series = pts.iter().map(|s| (axis.at(s.ts_unix_ms), value(s)));
+            // the figures hold until the next bind, so the last ones reach the log's end
+            let hold = pts.last().map(|s| (axis.end, value(s)));
+            let series = pts.iter().map(|s| (axis.at(s.ts_unix_ms), value(s))).chain(hold);
             // opaque: each layer is drawn from zero over the one before
             c.draw_series(AreaSeries::new(series, 0.0, color.filled()).border_style(color.stroke_width(1)))
                 .map_err(&e)?
@@ -223,7 +225,9 @@ pub fn fragmentation(samples: &[CapacitySample], axis: &TimeAxis) -> Result<Stri
             .draw()
             .map_err(&e)?;
         let series: Vec<(f64, f64)> = pts.iter().map(|s| (axis.at(s.ts_unix_ms), s.fragmentation_pct())).collect();
-        c.draw_series(LineSeries::new(series.iter().copied(), FRAGMENTED.stroke_width(2)))
+        // the figure holds until the next bind, so the last one reaches the log's end
+        let hold = series.last().map(|&(_, y)| (axis.end, y));
+        c.draw_series(LineSeries::new(series.iter().copied().chain(hold), FRAGMENTED.stroke_width(2)))
             .map_err(&e)?
             .label("fragmented share of free capacity")
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], FRAGMENTED.stroke_width(2)));
