@@ -42,36 +42,60 @@ pub struct SimConfig {
 /// Host CPU (milli) or memory (MiB) that never runs out, with room left for sums.
 pub const UNLIMITED: u64 = u64::MAX / 4;
 
-/// Replays the workload in `trace_dir` under each policy and seed.
-pub fn simulate(trace_dir: &Path, cfg: &SimConfig) -> Result<Vec<PolicyReport>, TraceError> {
-    let mut nodes = trace::load_nodes(trace_dir)?;
+/// Makes every node's host CPU and memory unlimited when `cfg` asks for it (`--unlimited-host`).
+pub(crate) fn apply_host_limits(nodes: &mut [trace::TraceNode], cfg: &SimConfig) {
     if cfg.unlimited_host {
-        for n in &mut nodes {
+        for n in nodes {
             n.cpu_milli = UNLIMITED;
             n.memory_mib = UNLIMITED;
         }
     }
+}
+
+/// One policy's seeds, replayed: its report name, the results and the wall time in seconds.
+pub(crate) struct PolicyRun {
+    pub kind: PolicyKind,
+    pub name: &'static str,
+    pub results: Vec<run::SeedResult>,
+    pub wall_s: f64,
+}
+
+/// Replays each policy of `cfg` over its seeds, the seeds in parallel; `replay_seed` replays one.
+pub(crate) fn run_policies<F>(cfg: &SimConfig, replay_seed: F) -> Vec<PolicyRun>
+where
+    F: Fn(PolicyKind, run::GpuplaceSetup<'_>, u64) -> run::SeedResult + Sync,
+{
+    cfg.policies
+        .iter()
+        .map(|&kind| {
+            let start = Instant::now();
+            let results = cfg
+                .seeds
+                .par_iter()
+                .map(|&seed| replay_seed(kind, run::GpuplaceSetup { profile: &cfg.profile, mix: cfg.mix_source }, seed))
+                .collect();
+            let name = if kind == PolicyKind::Gpuplace { cfg.mix_source.policy_name() } else { kind.name() };
+            PolicyRun { kind, name, results, wall_s: start.elapsed().as_secs_f64() }
+        })
+        .collect()
+}
+
+/// Replays the workload in `trace_dir` under each policy and seed.
+pub fn simulate(trace_dir: &Path, cfg: &SimConfig) -> Result<Vec<PolicyReport>, TraceError> {
+    let mut nodes = trace::load_nodes(trace_dir)?;
+    apply_host_limits(&mut nodes, cfg);
     let (base, steps) = generate::parse_workload(&cfg.workload)?;
     let pods = generate::generate(&trace::load_pods(trace_dir, &base)?, &nodes, &steps)?;
     let mix = protocol::typical_mix(&pods);
     let paper = paper::PaperResults::load(trace_dir).ok();
     let mut reports = Vec::new();
-    for &kind in &cfg.policies {
-        let start = Instant::now();
-        let results: Vec<run::SeedResult> = cfg
-            .seeds
-            .par_iter()
-            .map(|&seed| {
-                let setup = run::GpuplaceSetup { profile: &cfg.profile, mix: cfg.mix_source };
-                run::run_seed(&nodes, &pods, &mix, kind, setup, seed, cfg.tune)
-            })
-            .collect();
-        let name = if kind == PolicyKind::Gpuplace { cfg.mix_source.policy_name() } else { kind.name() };
-        let mut r = PolicyReport::new(name, &cfg.workload, &results, start.elapsed().as_secs_f64());
+    let runs = run_policies(cfg, |kind, setup, seed| run::run_seed(&nodes, &pods, &mix, kind, setup, seed, cfg.tune));
+    for p in runs {
+        let mut r = PolicyReport::new(p.name, &cfg.workload, &p.results, p.wall_s);
         // rounded like every other figure (the mean of ten two-decimal figures is float noise)
         r.paper_unallocated_gpu_pct_at_100 = paper
             .as_ref()
-            .and_then(|p| p.unallocated_at(&cfg.workload, kind, 100, &cfg.seeds))
+            .and_then(|paper| paper.unallocated_at(&cfg.workload, p.kind, 100, &cfg.seeds))
             .map(|x| (x * 100.0).round() / 100.0);
         reports.push(r);
     }

@@ -8,16 +8,12 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
-use std::time::Instant;
-
-use rayon::prelude::*;
 
 use crate::core::cluster::Cluster;
 use crate::core::inventory::{load_cluster, InventoryError};
 use crate::core::resources::GpuDemand;
 use crate::extender::placement_log::Decision;
 use crate::report::input::{read_placement_log, InputError};
-use crate::sim::policies::PolicyKind;
 use crate::sim::report::PolicyReport;
 use crate::sim::trace::{TraceNode, TracePod};
 use crate::sim::{protocol, run, SimConfig, UNLIMITED};
@@ -148,29 +144,12 @@ pub fn largest_gpu_memory(cluster: &Cluster) -> u64 {
 /// choices (the `random` policy's, and ties some policies break at random).
 pub fn replay(nodes: &[TraceNode], pods: &[TracePod], workload: &str, cfg: &SimConfig) -> Vec<PolicyReport> {
     let mut nodes = nodes.to_vec();
-    if cfg.unlimited_host {
-        for n in &mut nodes {
-            n.cpu_milli = UNLIMITED;
-            n.memory_mib = UNLIMITED;
-        }
-    }
+    crate::sim::apply_host_limits(&mut nodes, cfg);
     let mix = protocol::typical_mix(pods);
     let columns: Vec<usize> = REPLAY_COLUMNS.collect();
-    cfg.policies
-        .iter()
-        .map(|&kind| {
-            let start = Instant::now();
-            let results: Vec<run::SeedResult> = cfg
-                .seeds
-                .par_iter()
-                .map(|&seed| {
-                    let setup = run::GpuplaceSetup { profile: &cfg.profile, mix: cfg.mix_source };
-                    run::run_in_order(&nodes, pods, &mix, kind, setup, seed)
-                })
-                .collect();
-            let name = if kind == PolicyKind::Gpuplace { cfg.mix_source.policy_name() } else { kind.name() };
-            PolicyReport::with_columns(name, workload, &results, start.elapsed().as_secs_f64(), &columns)
-        })
+    crate::sim::run_policies(cfg, |kind, setup, seed| run::run_in_order(&nodes, pods, &mix, kind, setup, seed))
+        .into_iter()
+        .map(|p| PolicyReport::with_columns(p.name, workload, &p.results, p.wall_s, &columns))
         .collect()
 }
 
@@ -238,6 +217,7 @@ mod tests {
     use super::*;
     use crate::core::resources::{ContainerDemand, MemoryDemand};
     use crate::extender::placement_log::Requests;
+    use crate::sim::policies::PolicyKind;
 
     fn bind(pod: &str, outcome: &str, demands: &[GpuDemand]) -> Decision {
         Decision {

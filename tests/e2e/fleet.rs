@@ -228,20 +228,7 @@ fn http_request(port: u16, method: &str, path: &str, body: &str) -> Option<(u16,
     let status = text.split_whitespace().nth(1)?.parse().ok()?;
     let (head, body) = text.split_once("\r\n\r\n")?;
     let chunked = head.to_ascii_lowercase().contains("transfer-encoding: chunked");
-    Some((status, if chunked { dechunk(body) } else { body.to_string() }))
-}
-
-fn dechunk(mut body: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = body.split_once("\r\n") {
-        let Ok(n) = usize::from_str_radix(size.trim(), 16) else { break };
-        if n == 0 || rest.len() < n {
-            break;
-        }
-        out.push_str(&rest[..n]);
-        body = rest[n..].trim_start_matches("\r\n");
-    }
-    out
+    Some((status, if chunked { crate::tls::dechunk(body) } else { body.to_string() }))
 }
 
 /// What a pod asks for, per its single container.

@@ -135,7 +135,8 @@ pub fn https(
     Ok((status, body))
 }
 
-fn dechunk(mut body: &str) -> String {
+/// A `Transfer-Encoding: chunked` HTTP/1.1 body, decoded (also the e2e suite's plain HTTP client's).
+pub fn dechunk(mut body: &str) -> String {
     let mut out = String::new();
     while let Some((size, rest)) = body.split_once("\r\n") {
         let Ok(n) = usize::from_str_radix(size.trim(), 16) else { break };
