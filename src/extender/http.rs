@@ -255,19 +255,12 @@ fn text(status: StatusCode, message: impl Into<String>) -> HttpResponse {
 }
 
 fn json<T: Serialize>(value: &T) -> HttpResponse {
-    match serde_json::to_vec(value) {
-        Ok(body) => json_body(body),
-        Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, format!("encoding the answer: {e}")),
-    }
+    Answer::json(value).into_response()
 }
 
 /// An answer already encoded (filter and prioritize write theirs straight into a sized buffer).
 fn json_body(body: Vec<u8>) -> HttpResponse {
     HttpResponse::Ok().content_type("application/json").body(body)
-}
-
-fn bad_request(e: &WireError) -> HttpResponse {
-    text(StatusCode::from_u16(e.http_status()).unwrap_or(StatusCode::BAD_REQUEST), e.to_string())
 }
 
 /// Reads the whole body within the configured limit; the error response names the limit.
@@ -394,6 +387,7 @@ async fn run_sync_verb(
 }
 
 /// A synchronous verb's answer, before it becomes a response (which may not cross threads).
+/// Serves the other handlers too, so encoding and refusals are written once.
 enum Answer {
     Json(Vec<u8>),
     Text(StatusCode, String),
@@ -468,7 +462,7 @@ async fn bind(ext: web::Data<Extender>, req: HttpRequest, payload: web::Payload)
     run_verb(Verb::Bind, ext, req, payload, |ext, b| async move {
         match ext.bind(&b).await {
             Ok(r) => json(&r),
-            Err(e) => bad_request(&e),
+            Err(e) => Answer::refused(&e).into_response(),
         }
     })
     .await
