@@ -5,6 +5,9 @@
 //! The Kubernetes binaries come from `GPUPLACE_E2E_KUBE_BIN` (a folder with `kube-apiserver`,
 //! `kube-scheduler` and `etcd`), else from the xz files in `../shared/kube/`, unpacked once into
 //! `target/tmp/e2e-kube/` and reused. Nothing is copied into the repository.
+//!
+//! `GPUPLACE_E2E_APISERVER_V=3` raises kube-apiserver's log level to where it logs every request
+//! with its latency (`httplog.go`), for digging into where a slow call spent its time.
 
 use std::fs;
 use std::io::Write;
@@ -13,7 +16,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use gpuplace::apiserver::{connect, Source};
+use gpuplace::apiserver::connect::{connect_with, Transport};
+use gpuplace::apiserver::Source;
 use kube::api::{DynamicObject, Patch, PatchParams};
 use kube::core::GroupVersionKind;
 use kube::discovery::Scope;
@@ -299,7 +303,11 @@ impl ControlPlane {
                 .arg("--service-account-issuer=https://kubernetes.default.svc")
                 .arg("--service-cluster-ip-range=10.96.0.0/16")
                 .arg("--enable-priority-and-fairness=false")
-                .arg("-v=1"),
+                .arg(
+                    std::env::var("GPUPLACE_E2E_APISERVER_V")
+                        .map(|v| format!("-v={v}"))
+                        .unwrap_or_else(|_| "-v=1".into()),
+                ),
             dir.join("kube-apiserver.log"),
         );
         let url = format!("https://127.0.0.1:{secure_port}");
@@ -326,9 +334,13 @@ impl ControlPlane {
         self.dir.join(user.file())
     }
 
-    /// A client as `user`.
+    /// A client as `user`, over one HTTP/2 connection as client-go's are: kube's default HTTP/1.1
+    /// client opened a TLS connection per request in flight, so the storm's pod creates (25 at a
+    /// time) began with 25 handshakes at the API server, just as the first binds arrived.
     pub async fn client(&self, user: User) -> Client {
-        connect(&Source::Kubeconfig(self.kubeconfig(user))).await.expect("a client for the e2e API server")
+        connect_with(&Source::Kubeconfig(self.kubeconfig(user)), Transport::Multiplexed)
+            .await
+            .expect("a client for the e2e API server")
     }
 
     async fn wait_ready(&mut self) {
