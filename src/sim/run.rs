@@ -110,6 +110,22 @@ fn place_in_order(
             None => false,
         };
         failed += usize::from(!placed);
+        if !placed {
+            // which pods a policy turns away, and how full the cluster was (RUST_LOG=gpuplace::sim=debug)
+            tracing::debug!(
+                policy = %kind,
+                seed,
+                pod = %pod.name,
+                gpus = pod.num_gpu,
+                gpu_milli = pod.gpu_milli,
+                cpu_milli = pod.cpu_milli,
+                memory_mib = pod.memory_mib,
+                gpu_spec = %pod.gpu_spec,
+                arrived_pct = arrived as f64 / state.capacity_milli as f64 * 100.0,
+                used_pct = state.used_milli() as f64 / state.capacity_milli as f64 * 100.0,
+                "pod not placed"
+            );
+        }
         events.push(Event {
             arrived_milli: arrived,
             used_milli: state.used_milli(),
