@@ -81,7 +81,7 @@ fn extender_with(profile: ProfileConfig, learner: Option<MixLearner>, opts: Serv
 
 /// The `i`th pod of a workload that drifts: whole GPUs and half shares at first, then mostly
 /// quarter shares given in memory and pods of 8 whole GPUs, with host CPU, so the learned mix moves
-/// away from the prior.
+/// away from the prior; and a fifth bound to T4 GPUs, which gives the reserve a class of its own.
 fn workload_pod(i: usize) -> Value {
     let res = |gpu: &str, mem: Option<&str>, core: Option<&str>| {
         let mut limits = json!({ "gpuplace.io/gpu": gpu });
@@ -107,7 +107,11 @@ fn workload_pod(i: usize) -> Value {
             _ => (res("1", Some("20000"), Some("25")), "6"),
         }
     };
-    pod(&format!("w{i}"), limits, cpu)
+    let mut p = pod(&format!("w{i}"), limits, cpu);
+    if i >= 24 && i % 5 == 1 {
+        p["metadata"]["annotations"] = json!({ "gpuplace.io/gpu-model": "T4" });
+    }
+    p
 }
 
 fn pod(name: &str, limits: Value, cpu: &str) -> Value {

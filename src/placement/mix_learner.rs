@@ -9,7 +9,7 @@
 //! Pure: no I/O, no clock. Decay is counted in observations, so a replay and a live cluster that
 //! see the same requests in the same order learn the same mix.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
@@ -50,6 +50,15 @@ pub const RESERVE_TYPES: usize = 6;
 
 /// A reserve keeps back at most this many free hosts: only the last few are protected.
 pub const RESERVE_MAX_KEEP: u32 = 8;
+
+/// A list of GPU models keeps back at most this many free hosts for the requests bound to it. With
+/// a third of the GPU pods bound to a model (`default+gpuspec=33`, seeds 42-51), a cap of 8 gave
+/// 29.19 percent unallocated at 75 percent arrival, 32 gave 29.08, 64 gave 29.06 and none 29.12
+/// (FGD: 29.16; docs/performance.md).
+pub const MODEL_RESERVE_MAX_KEEP: u32 = 32;
+
+/// At most this many lists of GPU models get a reserve class.
+pub const MODEL_RESERVE_CLASSES: usize = 16;
 
 /// A request type is a reserve class only while its faded count is at least this (observations).
 const RESERVE_MIN_COUNT: f64 = 0.5;
@@ -134,8 +143,8 @@ pub struct MixLearner {
     /// decaying every older one), and everything is rescaled before it gets large.
     scale: f64,
     observed: u64,
-    /// The last observation was of one of the [`RESERVE_TYPES`] largest types: the reserve may have
-    /// changed.
+    /// The last observation was of one of the [`RESERVE_TYPES`] largest types, or bound to GPU
+    /// models: the reserve may have changed.
     last_large: bool,
 }
 
@@ -223,7 +232,7 @@ impl MixLearner {
     /// Counts one arriving request (`weight` on an entry is ignored).
     pub fn observe(&mut self, e: &MixEntry) {
         let key = key_of(e);
-        self.last_large = e.gpus > 0 && self.is_among_largest(&key);
+        self.last_large = e.gpus > 0 && (!e.models.is_empty() || self.is_among_largest(&key));
         let scale = self.scale;
         let t = self.types.entry(key).or_default();
         t.weight += scale;
@@ -299,7 +308,34 @@ impl MixLearner {
                 break;
             }
         }
+        out.extend(self.model_classes());
         out
+    }
+
+    /// One reserve class per list of GPU models that recent requests were bound to (`gpu_spec`):
+    /// the smallest such request in GPUs, share, CPU and memory, keeping back as many free hosts as
+    /// bound requests were seen recently (faded counts, rounded up, at most
+    /// [`MODEL_RESERVE_MAX_KEEP`]). Only requests bound to those models consume it, so pods that
+    /// could run anywhere leave the last GPUs of a model to the pods that can run nowhere else.
+    fn model_classes(&self) -> Vec<ReserveClass> {
+        let newest = self.newest();
+        let mut bound: BTreeMap<&[String], (MixEntry, f64)> = BTreeMap::new();
+        for (key, t) in self.types.iter().filter(|(k, _)| k.0 > 0 && !k.3.is_empty()) {
+            let e = entry_of(key, lower_median(t.memory.iter().copied().collect()));
+            let slot = bound.entry(key.3.as_slice()).or_insert_with(|| (e.clone(), 0.0));
+            slot.0.gpus = slot.0.gpus.min(e.gpus);
+            slot.0.milli = slot.0.milli.min(e.milli);
+            slot.0.cpu_milli = slot.0.cpu_milli.min(e.cpu_milli);
+            slot.0.memory_mib = slot.0.memory_mib.min(e.memory_mib);
+            slot.1 += t.weight / newest;
+        }
+        let cap = f64::from(MODEL_RESERVE_MAX_KEEP);
+        bound
+            .into_values()
+            .filter(|(_, count)| *count >= RESERVE_MIN_COUNT)
+            .take(MODEL_RESERVE_CLASSES)
+            .map(|(e, count)| ReserveClass::of(&e, (count - 1e-9).ceil().clamp(0.0, cap) as u32))
+            .collect()
     }
 
     /// The mix now: the observed types with their faded weights, plus the prior, the most popular
@@ -538,6 +574,38 @@ mod tests {
         // an observation that moves no keep gives no new mix away from the refresh points
         l.observe(&entry(1, 500, 4000));
         assert!(l.refreshed(&l.mix()).is_none());
+    }
+
+    #[test]
+    fn requests_bound_to_models_get_a_class_per_list_of_models() {
+        let mut l = MixLearner::default();
+        for _ in 0..100 {
+            l.observe(&entry(1, 1000, 4000));
+        }
+        let bound = |gpus, milli, cpu, models: &[&str]| MixEntry {
+            models: models.iter().map(|m| m.to_string()).collect(),
+            ..entry(gpus, milli, cpu)
+        };
+        let current = l.mix();
+        for _ in 0..3 {
+            l.observe(&bound(1, 1000, 8000, &["P100"]));
+        }
+        l.observe(&bound(2, 500, 6000, &["P100"]));
+        // taken at once, away from the refresh points
+        assert!(!l.refresh_due());
+        let taken = l.refreshed(&current).expect("a new reserve");
+        let p100: Vec<_> = taken.reserve.iter().filter(|c| c.models == ["P100"] && c.keep == 4).collect();
+        // the smallest bound request in each respect, keeping a host per bound request seen
+        assert_eq!(p100.iter().map(|c| (c.gpus, c.milli, c.cpu_milli)).collect::<Vec<_>>(), [(1, 500, 6000)]);
+        for _ in 0..2 * MODEL_RESERVE_MAX_KEEP {
+            l.observe(&bound(1, 1000, 8000, &["V100M16", "V100M32"]));
+        }
+        let r = l.reserve();
+        // the model classes follow the largest types' (which may name models too)
+        let v100 = r.iter().rev().find(|c| c.models == ["V100M16", "V100M32"]).expect("a class for the second list");
+        assert_eq!(v100.keep, MODEL_RESERVE_MAX_KEEP);
+        // requests that may run anywhere get no model class
+        assert!(r.iter().all(|c| !c.models.is_empty() || c.cpu_milli != 8000));
     }
 
     #[test]

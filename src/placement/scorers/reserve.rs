@@ -129,8 +129,14 @@ impl ReserveClass {
 
     /// Whether a request `r` is at least as large as this class in GPUs, share, CPU and memory: such
     /// a request is what the reserve is kept for, so taking a reserved host is no loss.
+    /// A class that names GPU models is kept for requests bound to those models only.
     pub fn is_consumed_by(&self, r: &MixEntry) -> bool {
-        r.gpus >= self.gpus && r.milli >= self.milli && r.cpu_milli >= self.cpu_milli && r.memory_mib >= self.memory_mib
+        let models = self.models.is_empty() || (!r.models.is_empty() && r.models.iter().all(|m| self.allows(m)));
+        models
+            && r.gpus >= self.gpus
+            && r.milli >= self.milli
+            && r.cpu_milli >= self.cpu_milli
+            && r.memory_mib >= self.memory_mib
     }
 
     /// Whether a request `r` needs one of the hosts this class keeps back: it takes at least as
@@ -304,7 +310,7 @@ pub struct ReserveScorer;
 
 /// A pod's size as a reserve class reads it: a share by its compute alone, the same on every node
 /// (a share given in GPU memory reads no larger than it is, so a reserve is never given away by
-/// mistake). `None` for a pod without GPUs.
+/// mistake), and the models it is bound to. `None` for a pod without GPUs.
 fn pod_size(req: &PodRequest) -> Option<MixEntry> {
     let gpus = req.total_gpus();
     let share = |d: &crate::core::resources::GpuDemand| if d.is_whole() { 1000 } else { (d.core_on() * 10).min(1000) };
@@ -314,7 +320,7 @@ fn pod_size(req: &PodRequest) -> Option<MixEntry> {
         milli,
         cpu_milli: req.cpu_milli,
         memory_mib: req.memory_mib,
-        models: Vec::new(),
+        models: req.allowed_models.clone(),
         weight: 0.0,
     })
 }
@@ -397,6 +403,27 @@ mod tests {
     fn best(e: &Engine, c: &Cluster, req: &PodRequest) -> String {
         let ev = e.evaluate_all(c, req, 0);
         c.nodes()[ev.ranked[0].node].name.clone()
+    }
+
+    #[test]
+    fn a_class_bound_to_models_is_consumed_only_by_requests_bound_to_them() {
+        let class =
+            ReserveClass { gpus: 1, milli: 500, cpu_milli: 4000, memory_mib: 0, models: vec!["P100".into()], keep: 2 };
+        let request = |models: &[&str]| MixEntry {
+            gpus: 1,
+            milli: 1000,
+            cpu_milli: 8000,
+            memory_mib: 1024,
+            models: models.iter().map(|m| m.to_string()).collect(),
+            weight: 0.0,
+        };
+        assert!(class.is_consumed_by(&request(&["p100"])));
+        // larger, but free to run anywhere, or bound to models the class does not keep
+        assert!(!class.is_consumed_by(&request(&[])));
+        assert!(!class.is_consumed_by(&request(&["P100", "T4"])));
+        // a class that names no model is consumed by size alone
+        let any = ReserveClass { models: Vec::new(), ..class };
+        assert!(any.is_consumed_by(&request(&[])) && any.is_consumed_by(&request(&["T4"])));
     }
 
     #[test]
