@@ -111,6 +111,32 @@ fn latencies_ms(log: &std::path::Path, verb: &str) -> Vec<f64> {
     out
 }
 
+fn unix_ms() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1e3)
+}
+
+/// Bind latencies split at the moment the test's last create returned: the binds that began while
+/// the API server was still taking the burst of creates, and those after.
+fn burst_figure(scenario: &str, log: &std::path::Path, creates_done_ms: f64) {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let (mut during, mut after): (Vec<f64>, Vec<f64>) = (Vec::new(), Vec::new());
+    for d in text.lines().filter_map(|l| serde_json::from_str::<Value>(l).ok()).filter(|d| d["verb"] == "bind") {
+        let (Some(ts), Some(us)) = (d["ts_unix_ms"].as_f64(), d["latency_us"].as_f64()) else { continue };
+        let began = ts - us / 1000.0;
+        if began < creates_done_ms { &mut during } else { &mut after }.push(us / 1000.0);
+    }
+    for (when, l) in [("while the creates were in flight", &mut during), ("after the last create", &mut after)] {
+        l.sort_by(f64::total_cmp);
+        figure(&format!(
+            "{scenario}: bind latency {when} n={} p50={:.2} ms p99={:.2} ms max={:.2} ms",
+            l.len(),
+            percentile(l, 0.5),
+            percentile(l, 0.99),
+            l.last().copied().unwrap_or(f64::NAN)
+        ));
+    }
+}
+
 fn latency_figure(scenario: &str, log: &std::path::Path) {
     for verb in ["filter", "prioritize", "bind"] {
         let l = latencies_ms(log, verb);
@@ -144,6 +170,7 @@ async fn storm_of_300_mixed_pods_on_16_nodes() {
     let started = Instant::now();
     create_pods(&st.admin, NS, "storm", &shapes).await;
     let created_s = started.elapsed().as_secs_f64();
+    let creates_done_ms = unix_ms();
     let settled_s = settle(&st.admin, NS, Duration::from_secs(6), Duration::from_secs(300)).await;
 
     let snap = snapshot(&st.admin, NS).await;
@@ -235,6 +262,7 @@ async fn storm_of_300_mixed_pods_on_16_nodes() {
         quiet / pending
     );
     latency_figure("storm", &ext.placement_log);
+    burst_figure("storm", &ext.placement_log, creates_done_ms);
 }
 
 /// Polls until `n` pods of `ns` are bound; returns how many are.
