@@ -366,6 +366,17 @@ fn inspect_and_mix_report_the_learners_mix() {
     );
     let entries = format!("# TYPE gpuplace_mix_entries gauge\ngpuplace_mix_entries {}\n", mirror.mix.entries.len());
     assert!(metrics.contains(&entries), "{metrics}");
+    // the reserve: as many classes in the metrics as /inspect lists, by scarcity
+    let reserve = raw["mix"]["reserve"].as_array().cloned().unwrap_or_default();
+    assert!(!reserve.is_empty(), "the reserve in /inspect: {raw}");
+    let scarce = reserve.iter().filter(|r| r["scarce"] == true).count();
+    for (state, n) in [("scarce", scarce), ("plenty", reserve.len() - scarce)] {
+        assert!(
+            metrics.contains(&format!("gpuplace_reserve_classes{{state=\"{state}\"}} {n}\n")),
+            "{state}: {metrics}"
+        );
+    }
+    assert!(reserve.iter().all(|r| r["free_hosts"].is_u64() && r["keep"].is_u64()), "{reserve:?}");
 }
 
 /// kube-scheduler filters a pending pod again and again (and prioritizes and binds it): one

@@ -240,6 +240,8 @@ pub struct Metrics {
     /// GPU pods counted into the learned mix, and entries of the mix in use: set at scrape time.
     mix_observed: AtomicU64,
     mix_entries: AtomicU64,
+    /// Reserve classes: [scarce, plenty]; set at scrape time.
+    reserve_classes: [AtomicU64; 2],
     /// Pods sent back to kube-scheduler's queue after GPUs were freed (`extender::requeue`):
     /// [annotated, failed].
     requeued: [AtomicU64; 2],
@@ -341,6 +343,12 @@ impl Metrics {
     pub fn set_mix(&self, observed: u64, entries: u64) {
         self.mix_observed.store(observed, Ordering::Relaxed);
         self.mix_entries.store(entries, Ordering::Relaxed);
+    }
+
+    /// The reserve's classes now: how many are scarce, and how many are not.
+    pub fn set_reserve(&self, scarce: u64, plenty: u64) {
+        self.reserve_classes[0].store(scarce, Ordering::Relaxed);
+        self.reserve_classes[1].store(plenty, Ordering::Relaxed);
     }
 
     /// Conflicts of this kind counted so far.
@@ -516,6 +524,15 @@ impl Metrics {
             "Request types in the mix fragmentation is scored against (0: fragmentation not scored).",
         );
         let _ = writeln!(out, "gpuplace_mix_entries {}", ld(&self.mix_entries));
+        header(
+            &mut out,
+            "gpuplace_reserve_classes",
+            "gauge",
+            "Request types whose last free hosts are kept back (learned, and from the node inventory), by whether at most their keep is left (scarce).",
+        );
+        for (state, n) in [("scarce", &self.reserve_classes[0]), ("plenty", &self.reserve_classes[1])] {
+            let _ = writeln!(out, "gpuplace_reserve_classes{{state=\"{state}\"}} {}", ld(n));
+        }
         header(
             &mut out,
             "gpuplace_gpus",

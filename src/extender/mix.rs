@@ -32,6 +32,7 @@ use crate::core::resources::PodRequest;
 use crate::extender::service::Extender;
 use crate::placement::mix_learner::{bundled_prior, LearnerConfig, MixLearner, MixLearnerState};
 use crate::placement::scorers::fragmentation::{MixEntry, WorkloadMix};
+use crate::placement::scorers::reserve::ReserveClass;
 
 /// Pod UIDs remembered as counted; beyond it the oldest are forgotten (a forgotten pod that comes
 /// back to filter would count again, which needs 100,000 newer pods in between).
@@ -146,6 +147,23 @@ pub struct MixReport {
     /// The mix in use: gpus, milli (per-GPU share, 1000 = whole), cpu_milli, memory_mib, models,
     /// weight (they sum to 1), most popular first.
     pub entries: Vec<MixEntry>,
+    /// The reserve (`placement::scorers::reserve`): the request types whose last free hosts are
+    /// kept back, learned and from the node inventory, with how many hosts are free now.
+    #[serde(default)]
+    pub reserve: Vec<ReserveReport>,
+}
+
+/// One reserve class as `/inspect` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReserveReport {
+    /// gpus, milli, cpu_milli, memory_mib, models, keep (free hosts kept back).
+    #[serde(flatten)]
+    pub class: ReserveClass,
+    /// Nodes that could take one request of the class now.
+    pub free_hosts: u32,
+    /// At most `keep` free hosts are left: pods smaller than the class (or, for a class that names
+    /// models, not bound to them) score 0 on the reserve where they would take one.
+    pub scarce: bool,
 }
 
 impl MixReport {
@@ -172,7 +190,12 @@ impl MixReport {
         if self.entries.len() > SHOWN {
             parts.push(format!("+{} more", self.entries.len() - SHOWN));
         }
-        format!("mix: {source}: {}", parts.join(", "))
+        let scarce = self.reserve.iter().filter(|r| r.scarce).count();
+        let reserve = match self.reserve.len() {
+            0 => String::new(),
+            n => format!("; reserve: {n} class(es), {scarce} scarce"),
+        };
+        format!("mix: {source}: {}{reserve}", parts.join(", "))
     }
 }
 
@@ -409,11 +432,35 @@ mod tests {
             taken_at: 0,
             half_life: Some(2000.0),
             entries: l.mix().entries,
+            reserve: Vec::new(),
         };
         let s = r.summary();
         assert!(s.starts_with("mix: learned from 0 pod(s): 1 GPU 30%, 1x0.5 GPU 20%"), "{s}");
         assert!(s.ends_with("+2 more"), "{s}");
-        let fixed = MixReport { source: MixSource::Fixed, observed: 0, taken_at: 0, half_life: None, entries: vec![] };
+        let class = ReserveClass { gpus: 8, milli: 1000, cpu_milli: 96_001, memory_mib: 0, models: vec![], keep: 2 };
+        let reserve = vec![
+            ReserveReport { class: class.clone(), free_hosts: 2, scarce: true },
+            ReserveReport { class: ReserveClass { keep: 1, ..class }, free_hosts: 2, scarce: false },
+        ];
+        let with_reserve = MixReport { reserve, ..r };
+        assert!(
+            with_reserve.summary().ends_with("+2 more; reserve: 2 class(es), 1 scarce"),
+            "{}",
+            with_reserve.summary()
+        );
+        let json = serde_json::to_value(&with_reserve.reserve[0]).unwrap();
+        assert_eq!(
+            (json["gpus"].as_u64(), json["keep"].as_u64(), json["free_hosts"].as_u64()),
+            (Some(8), Some(2), Some(2))
+        );
+        let fixed = MixReport {
+            source: MixSource::Fixed,
+            observed: 0,
+            taken_at: 0,
+            half_life: None,
+            entries: vec![],
+            reserve: vec![],
+        };
         assert!(fixed.summary().contains("fixed (--mix); empty"), "{}", fixed.summary());
     }
 }

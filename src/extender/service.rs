@@ -1494,6 +1494,9 @@ impl Extender {
         let bound = st.cluster.nodes().iter().map(|n| n.pods().count()).sum();
         self.metrics.set_signed_with_old_key(self.signed_with_old_key(&st));
         self.metrics.set_mix(observed, st.engine.mix.entries.len() as u64);
+        let reserve = st.engine.reserve_view(&st.cluster);
+        let scarce = u64::from(reserve.scarce.count_ones());
+        self.metrics.set_reserve(scarce, (reserve.classes.len() as u64).saturating_sub(scarce));
         self.metrics.render(&st.cluster, bound, self.is_ready())
     }
 

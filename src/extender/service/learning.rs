@@ -6,7 +6,7 @@ use std::sync::MutexGuard;
 
 use super::{Extender, UNKNOWN_GPU_MEMORY};
 use crate::core::resources::PodRequest;
-use crate::extender::mix::{Learning, MixReport, MixSource};
+use crate::extender::mix::{Learning, MixReport, MixSource, ReserveReport};
 use crate::placement::mix_learner::{typical_gpu_memory_mib, MixLearnerState};
 use crate::placement::scorers::fragmentation::WorkloadMix;
 
@@ -90,12 +90,24 @@ impl Extender {
     pub fn mix_report(&self) -> MixReport {
         let learned = self.learning().map(|l| (l.learner().observed(), l.learner().config().half_life));
         let st = self.read();
+        let view = st.engine.reserve_view(&st.cluster);
+        let reserve = view
+            .classes
+            .iter()
+            .enumerate()
+            .map(|(k, class)| ReserveReport {
+                class: class.clone(),
+                free_hosts: st.cluster.nodes().iter().filter(|n| class.hosted_by(n)).count() as u32,
+                scarce: (view.scarce >> k) & 1 == 1,
+            })
+            .collect();
         MixReport {
             source: if learned.is_some() { MixSource::Learned } else { MixSource::Fixed },
             observed: learned.map_or(0, |(n, _)| n),
             taken_at: st.mix_taken_at,
             half_life: learned.map(|(_, h)| h),
             entries: st.engine.mix.entries.clone(),
+            reserve,
         }
     }
 
