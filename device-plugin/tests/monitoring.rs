@@ -168,8 +168,9 @@ async fn scrape_all() -> Exported {
     quiet(&mut c);
     let _plugin = Proc(c.spawn().expect("gpuplace-device-plugin"));
 
-    // kube-scheduler's recorded traffic: a fractional and a 4-GPU pod filtered, scored and bound, a
-    // pod whose request breaks the contract (pending, class contract), a preemption
+    // kube-scheduler's recorded traffic: a 4-GPU pod filtered and bound, a preemption, and two pods
+    // whose requests break the contract (pending, class contract): `c-frac` and `c-memonly` ask for
+    // gpu-mem (and gpu-core) without `gpuplace.io/gpu`, so c-frac's recorded bind is refused too
     scrape_when(static_addr, "static extender", |p| p.contains("gpuplace_ready 1"));
     for rel in [
         "cache/filter-001",
@@ -190,8 +191,7 @@ async fn scrape_all() -> Exported {
     let mut exported = Exported::default();
     exported.add(&scrape_when(static_addr, "static extender", |p| {
         p.contains("gpuplace_pod_gpu_memory_allocated_mib{")
-            && p.contains("gpuplace_pending_pods{reason=\"contract\"}")
-            && !p.contains("gpuplace_pending_pods{reason=\"contract\"} 0\n")
+            && p.contains("gpuplace_pending_pods{reason=\"contract\"} 2\n")
     }));
     exported.add(&scrape_when(api_addr, "API-server-mode extender", |p| {
         p.contains("gpuplace_leader 1")
