@@ -145,7 +145,7 @@ pub struct MixLearner {
     observed: u64,
     /// The last observation was of one of the [`RESERVE_TYPES`] largest types, or bound to GPU
     /// models: the reserve may have changed.
-    last_large: bool,
+    reserve_may_change: bool,
 }
 
 impl Default for MixLearner {
@@ -182,7 +182,7 @@ pub fn bundled_prior() -> WorkloadMix {
 
 impl MixLearner {
     pub fn new(config: LearnerConfig, prior: WorkloadMix) -> Self {
-        Self { config, prior, types: HashMap::new(), scale: 1.0, observed: 0, last_large: false }
+        Self { config, prior, types: HashMap::new(), scale: 1.0, observed: 0, reserve_may_change: false }
     }
 
     pub fn config(&self) -> LearnerConfig {
@@ -214,7 +214,7 @@ impl MixLearner {
     /// wait for a refresh point. When only the reserve changed, the entries stay `current`'s.
     pub fn refreshed(&self, current: &WorkloadMix) -> Option<WorkloadMix> {
         let due = self.refresh_due();
-        if !due && !self.last_large {
+        if !due && !self.reserve_may_change {
             return None;
         }
         if due {
@@ -232,7 +232,7 @@ impl MixLearner {
     /// Counts one arriving request (`weight` on an entry is ignored).
     pub fn observe(&mut self, e: &MixEntry) {
         let key = key_of(e);
-        self.last_large = e.gpus > 0 && (!e.models.is_empty() || self.is_among_largest(&key));
+        self.reserve_may_change = e.gpus > 0 && (!e.models.is_empty() || self.is_among_largest(&key));
         let scale = self.scale;
         let t = self.types.entry(key).or_default();
         t.weight += scale;
@@ -420,14 +420,20 @@ impl MixEntry {
             return None;
         }
         let milli = req.containers.iter().map(|c| c.demand.milli_on(gpu_memory_mib)).max().unwrap_or(1000);
-        Some(MixEntry {
-            gpus,
+        Some(MixEntry::of_request(req, milli))
+    }
+
+    /// A pod's request as an entry of weight 0, with its per-GPU share (`milli`) read by the
+    /// caller: its GPUs, host CPU and memory, and allowed models.
+    pub(crate) fn of_request(req: &PodRequest, milli: u32) -> MixEntry {
+        MixEntry {
+            gpus: req.total_gpus(),
             milli,
             cpu_milli: req.cpu_milli,
             memory_mib: req.memory_mib,
             models: req.allowed_models.clone(),
             weight: 0.0,
-        })
+        }
     }
 }
 

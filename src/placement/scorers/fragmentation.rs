@@ -148,6 +148,9 @@ impl WorkloadMix {
     /// 29.16 (29.30 with FGD's measure on such models; docs/performance.md).
     pub fn fragmentation(&self, free_milli: &[u32], host: HostFree, model: &str) -> f64 {
         let n = free_milli.len().min(64);
+        if self.binds_model(model) {
+            return self.fgd_fragmentation(&free_milli[..n], host.cpu_milli, model);
+        }
         let mut sorted = [0u32; 64];
         sorted[..n].copy_from_slice(&free_milli[..n]);
         // most free first, so "the GPUs t would use" are a prefix
@@ -160,28 +163,18 @@ impl WorkloadMix {
         if idle == 0 {
             return 0.0;
         }
-        // both measures in one pass: which one counts is known only once every type was seen
-        let (mut host_aware, mut fgd, mut bound_here) = (0.0, 0.0, false);
+        let mut frag = 0.0;
         for t in &self.entries {
             if !t.wants_gpus_of(model) {
-                host_aware += t.weight * f64::from(idle);
-                fgd += t.weight * f64::from(idle);
+                frag += t.weight * f64::from(idle);
                 continue;
             }
-            bound_here |= !t.models.is_empty();
             let fit = sorted[..n].partition_point(|&f| f >= t.milli);
             let fed = host.requests_of(t).saturating_mul(t.gpus as usize);
             let usable = if fit < t.gpus as usize { 0 } else { prefix[fit.min(fed)] };
-            host_aware += t.weight * f64::from(idle - usable);
-            let cpu_ok = host.cpu_milli.is_none_or(|c| c >= t.cpu_milli);
-            let fgd_usable = if cpu_ok && fit >= t.gpus as usize { prefix[fit] } else { 0 };
-            fgd += t.weight * f64::from(idle - fgd_usable);
+            frag += t.weight * f64::from(idle - usable);
         }
-        if bound_here {
-            fgd
-        } else {
-            host_aware
-        }
+        frag
     }
 
     /// Whether some typical GPU request of the mix is bound to GPUs of `model` (and so

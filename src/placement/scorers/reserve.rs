@@ -92,6 +92,12 @@ impl ReserveClass {
             && free_milli.filter(|&f| f >= self.milli).take(self.gpus as usize).count() >= self.gpus as usize
     }
 
+    /// Whether a request `r` may only run on models this class keeps hosts of (always, for a class
+    /// that names no model).
+    fn covers_models_of(&self, r: &MixEntry) -> bool {
+        self.models.is_empty() || (!r.models.is_empty() && r.models.iter().all(|m| self.allows(m)))
+    }
+
     /// Whether `node` is a free host of this class now.
     pub fn hosted_by(&self, node: &Node) -> bool {
         let n = node.gpus.len();
@@ -131,7 +137,7 @@ impl ReserveClass {
     /// a request is what the reserve is kept for, so taking a reserved host is no loss.
     /// A class that names GPU models is kept for requests bound to those models only.
     pub fn is_consumed_by(&self, r: &MixEntry) -> bool {
-        let models = self.models.is_empty() || (!r.models.is_empty() && r.models.iter().all(|m| self.allows(m)));
+        let models = self.covers_models_of(r);
         models
             && r.gpus >= self.gpus
             && r.milli >= self.milli
@@ -144,7 +150,7 @@ impl ReserveClass {
     /// a type's median, and two large types that differ only in it (120 cores with 720 or with 625
     /// GiB) compete for the same nearly empty nodes.
     pub fn needed_by(&self, r: &MixEntry) -> bool {
-        let models = self.models.is_empty() || (!r.models.is_empty() && r.models.iter().all(|m| self.allows(m)));
+        let models = self.covers_models_of(r);
         r.gpus >= self.gpus && r.milli >= self.milli && r.cpu_milli >= self.cpu_milli && models
     }
 }
@@ -315,14 +321,7 @@ fn pod_size(req: &PodRequest) -> Option<MixEntry> {
     let gpus = req.total_gpus();
     let share = |d: &crate::core::resources::GpuDemand| if d.is_whole() { 1000 } else { (d.core_on() * 10).min(1000) };
     let milli = req.containers.iter().map(|c| share(&c.demand)).max()?;
-    (gpus > 0).then(|| MixEntry {
-        gpus,
-        milli,
-        cpu_milli: req.cpu_milli,
-        memory_mib: req.memory_mib,
-        models: req.allowed_models.clone(),
-        weight: 0.0,
-    })
+    (gpus > 0).then(|| MixEntry::of_request(req, milli))
 }
 
 /// The scarce classes `ctx`'s pod is not large enough to consume.
