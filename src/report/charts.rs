@@ -146,6 +146,44 @@ fn legend_box<'a, DB: DrawingBackend + 'a>(
         .draw()
 }
 
+/// The axes of a line or area chart: ranges, how their ticks read, and what they measure.
+struct Axes<'a> {
+    x: std::ops::Range<f64>,
+    y: std::ops::Range<f64>,
+    x_label: &'a dyn Fn(&f64) -> String,
+    y_label: &'a dyn Fn(&f64) -> String,
+    x_desc: &'a str,
+    y_desc: &'a str,
+}
+
+type XyChart<'a, DB> =
+    ChartContext<'a, DB, Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>>;
+
+/// A chart with a caption and a labelled mesh on `axes`, in the report's margins and fonts: what the
+/// capacity, fragmentation and unallocated charts share.
+fn xy_chart<'a, DB: DrawingBackend>(
+    root: &'a DrawingArea<DB, plotters::coord::Shift>,
+    title: &str,
+    axes: Axes<'_>,
+) -> std::result::Result<XyChart<'a, DB>, DrawingAreaErrorKind<DB::ErrorType>> {
+    let mut c = ChartBuilder::on(root)
+        .caption(title, (FONT, 20))
+        .margin(12)
+        .x_label_area_size(50)
+        .y_label_area_size(70)
+        .build_cartesian_2d(axes.x, axes.y)?;
+    c.configure_mesh()
+        .max_light_lines(1)
+        .x_label_formatter(axes.x_label)
+        .y_label_formatter(axes.y_label)
+        .x_desc(axes.x_desc)
+        .y_desc(axes.y_desc)
+        .axis_desc_style((FONT, 15))
+        .label_style((FONT, 13))
+        .draw()?;
+    Ok(c)
+}
+
 /// The top of one stacked layer of the capacity chart.
 type Layer = fn(&CapacitySample) -> f64;
 
@@ -160,23 +198,15 @@ pub fn capacity(samples: &[CapacitySample], axis: &TimeAxis) -> Result<String> {
     {
         let root = SVGBackend::with_string(&mut svg, (WIDTH, HEIGHT)).into_drawing_area();
         root.fill(&WHITE).map_err(&e)?;
-        let mut c = ChartBuilder::on(&root)
-            .caption(title, (FONT, 20))
-            .margin(12)
-            .x_label_area_size(50)
-            .y_label_area_size(70)
-            .build_cartesian_2d(0.0..axis.end, 0.0..top)
-            .map_err(&e)?;
-        c.configure_mesh()
-            .max_light_lines(1)
-            .x_label_formatter(&|v| axis_number(*v, axis.end))
-            .y_label_formatter(&|v| axis_number(*v, top))
-            .x_desc(axis.label())
-            .y_desc("GPUs")
-            .axis_desc_style((FONT, 15))
-            .label_style((FONT, 13))
-            .draw()
-            .map_err(&e)?;
+        let axes = Axes {
+            x: 0.0..axis.end,
+            y: 0.0..top,
+            x_label: &|v| axis_number(*v, axis.end),
+            y_label: &|v| axis_number(*v, top),
+            x_desc: &axis.label(),
+            y_desc: "GPUs",
+        };
+        let mut c = xy_chart(&root, title, axes).map_err(&e)?;
         let layers: [(&str, RGBColor, Layer); 3] = [
             ("idle (no one holds the GPU)", IDLE, |s| s.allocated + s.fragmented + s.idle),
             ("fragmented (free share of partly held GPUs)", FRAGMENTED, |s| s.allocated + s.fragmented),
@@ -207,23 +237,15 @@ pub fn fragmentation(samples: &[CapacitySample], axis: &TimeAxis) -> Result<Stri
     {
         let root = SVGBackend::with_string(&mut svg, (WIDTH, HEIGHT)).into_drawing_area();
         root.fill(&WHITE).map_err(&e)?;
-        let mut c = ChartBuilder::on(&root)
-            .caption(title, (FONT, 20))
-            .margin(12)
-            .x_label_area_size(50)
-            .y_label_area_size(70)
-            .build_cartesian_2d(0.0..axis.end, 0.0..125.0)
-            .map_err(&e)?;
-        c.configure_mesh()
-            .max_light_lines(1)
-            .x_label_formatter(&|v| axis_number(*v, axis.end))
-            .y_label_formatter(&|v| if *v <= 100.0 { format!("{v:.0}") } else { String::new() })
-            .x_desc(axis.label())
-            .y_desc("Fragmented, % of free GPU capacity")
-            .axis_desc_style((FONT, 15))
-            .label_style((FONT, 13))
-            .draw()
-            .map_err(&e)?;
+        let axes = Axes {
+            x: 0.0..axis.end,
+            y: 0.0..125.0,
+            x_label: &|v| axis_number(*v, axis.end),
+            y_label: &|v| if *v <= 100.0 { format!("{v:.0}") } else { String::new() },
+            x_desc: &axis.label(),
+            y_desc: "Fragmented, % of free GPU capacity",
+        };
+        let mut c = xy_chart(&root, title, axes).map_err(&e)?;
         let series: Vec<(f64, f64)> = pts.iter().map(|s| (axis.at(s.ts_unix_ms), s.fragmentation_pct())).collect();
         // the figure holds until the next bind, so the last one reaches the log's end
         let hold = series.last().map(|&(_, y)| (axis.end, y));
@@ -470,23 +492,15 @@ pub fn unallocated(sim: &SimModel) -> Result<String> {
     {
         let root = SVGBackend::with_string(&mut svg, (WIDTH, 460)).into_drawing_area();
         root.fill(&WHITE).map_err(&e)?;
-        let mut c = ChartBuilder::on(&root)
-            .caption(title, (FONT, 20))
-            .margin(12)
-            .x_label_area_size(50)
-            .y_label_area_size(70)
-            .build_cartesian_2d(x0..x1, 0.0..ymax * 1.1)
-            .map_err(&e)?;
-        c.configure_mesh()
-            .max_light_lines(1)
-            .x_label_formatter(&|v| format!("{v:.0}"))
-            .y_label_formatter(&|v| axis_number(*v, ymax))
-            .x_desc("Arrived workload (% of cluster GPU capacity)")
-            .y_desc("Unallocated GPU (% of capacity)")
-            .axis_desc_style((FONT, 15))
-            .label_style((FONT, 13))
-            .draw()
-            .map_err(&e)?;
+        let axes = Axes {
+            x: x0..x1,
+            y: 0.0..ymax * 1.1,
+            x_label: &|v| format!("{v:.0}"),
+            y_label: &|v| axis_number(*v, ymax),
+            x_desc: "Arrived workload (% of cluster GPU capacity)",
+            y_desc: "Unallocated GPU (% of capacity)",
+        };
+        let mut c = xy_chart(&root, title, axes).map_err(&e)?;
         for (i, p) in sim.policies.iter().enumerate() {
             let color = PALETTE[i % PALETTE.len()];
             let pts = curve(p);
