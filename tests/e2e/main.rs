@@ -97,16 +97,27 @@ fn counter(metrics: &str, name: &str, filter: &str) -> f64 {
         .sum()
 }
 
+/// The lines of one verb in a placement log (none when it cannot be read), in the log's order.
+fn log_lines(log: &std::path::Path, verb: &str) -> Vec<Value> {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    text.lines().filter_map(|l| serde_json::from_str::<Value>(l).ok()).filter(|d| d["verb"] == verb).collect()
+}
+
+/// (when the decision began, Unix ms; its latency, ms) of each decision of one verb in a placement
+/// log, in the log's order.
+fn timings(log: &std::path::Path, verb: &str) -> Vec<(f64, f64)> {
+    log_lines(log, verb)
+        .iter()
+        .filter_map(|d| {
+            let ms = d["latency_us"].as_f64()? / 1000.0;
+            Some((d["ts_unix_ms"].as_f64()? - ms, ms))
+        })
+        .collect()
+}
+
 /// Latencies (ms) of one verb from a placement log, sorted.
 fn latencies_ms(log: &std::path::Path, verb: &str) -> Vec<f64> {
-    let text = std::fs::read_to_string(log).unwrap_or_default();
-    let mut out: Vec<f64> = text
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter(|d| d["verb"] == verb)
-        .filter_map(|d| d["latency_us"].as_f64())
-        .map(|us| us / 1000.0)
-        .collect();
+    let mut out: Vec<f64> = timings(log, verb).into_iter().map(|(_, ms)| ms).collect();
     out.sort_by(f64::total_cmp);
     out
 }
@@ -118,12 +129,9 @@ fn unix_ms() -> f64 {
 /// Bind latencies split at the moment the test's last create returned: the binds that began while
 /// the API server was still taking the burst of creates, and those after.
 fn burst_figure(scenario: &str, log: &std::path::Path, creates_done_ms: f64) {
-    let text = std::fs::read_to_string(log).unwrap_or_default();
     let (mut during, mut after): (Vec<f64>, Vec<f64>) = (Vec::new(), Vec::new());
-    for d in text.lines().filter_map(|l| serde_json::from_str::<Value>(l).ok()).filter(|d| d["verb"] == "bind") {
-        let (Some(ts), Some(us)) = (d["ts_unix_ms"].as_f64(), d["latency_us"].as_f64()) else { continue };
-        let began = ts - us / 1000.0;
-        if began < creates_done_ms { &mut during } else { &mut after }.push(us / 1000.0);
+    for (began, ms) in timings(log, "bind") {
+        if began < creates_done_ms { &mut during } else { &mut after }.push(ms);
     }
     for (when, l) in [("while the creates were in flight", &mut during), ("after the last create", &mut after)] {
         l.sort_by(f64::total_cmp);
@@ -329,10 +337,8 @@ async fn extender_killed_mid_storm_loses_nothing() {
 
 /// Placement log lines of `verb` for `pod` (`ns/name`; `None`: any pod) with `outcome`.
 fn decisions(ext: &Extender, verb: &str, pod: Option<&str>, outcome: Option<&str>) -> usize {
-    let text = std::fs::read_to_string(&ext.placement_log).unwrap_or_default();
-    text.lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter(|d| d["verb"] == verb)
+    log_lines(&ext.placement_log, verb)
+        .iter()
         .filter(|d| pod.is_none_or(|p| d["pod"] == p))
         .filter(|d| outcome.is_none_or(|o| d["outcome"] == o))
         .count()
@@ -340,10 +346,9 @@ fn decisions(ext: &Extender, verb: &str, pod: Option<&str>, outcome: Option<&str
 
 /// The pods (`ns/name`) a replica's placement log says it bound.
 fn bound_pods(ext: &Extender) -> std::collections::BTreeSet<String> {
-    let text = std::fs::read_to_string(&ext.placement_log).unwrap_or_default();
-    text.lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter(|d| d["verb"] == "bind" && d["outcome"] == "bound")
+    log_lines(&ext.placement_log, "bind")
+        .iter()
+        .filter(|d| d["outcome"] == "bound")
         .filter_map(|d| d["pod"].as_str().map(str::to_owned))
         .collect()
 }
