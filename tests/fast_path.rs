@@ -229,7 +229,7 @@ fn random_mix(rng: &mut ChaCha8Rng) -> WorkloadMix {
         .filter(|e| e.gpus >= 2)
         .map(|e| ReserveClass::of(e, (e.cpu_milli / 1000 % 7) as u32 + 1))
         .collect();
-    WorkloadMix { entries, reserve }
+    WorkloadMix::new(entries, reserve)
 }
 
 fn engines(rng: &mut ChaCha8Rng) -> Vec<Engine> {

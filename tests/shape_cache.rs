@@ -51,7 +51,7 @@ fn node(name: &str) -> Node {
 /// changes with it although the node itself did not.
 fn reserve_mix() -> WorkloadMix {
     let class = ReserveClass { gpus: 8, milli: 1000, cpu_milli: 0, memory_mib: 0, models: Vec::new(), keep: 2 };
-    WorkloadMix { entries: Vec::new(), reserve: vec![class] }
+    WorkloadMix::new(Vec::new(), vec![class])
 }
 
 fn service_with(shape_cache: usize, mix: WorkloadMix) -> Extender {

@@ -507,7 +507,7 @@ impl Memo {
 
 /// FxHash-style hashing: the keys are a few integers, and SipHash would cost more than the lookup.
 #[derive(Default)]
-struct KeyHasher(u64);
+pub(crate) struct KeyHasher(u64);
 
 impl Hasher for KeyHasher {
     fn finish(&self) -> u64 {

@@ -166,8 +166,8 @@ pub fn bundled_prior() -> WorkloadMix {
         models: Vec::new(),
         weight,
     };
-    WorkloadMix {
-        entries: vec![
+    WorkloadMix::new(
+        vec![
             e(1, 1000, 0.30),
             e(1, 500, 0.20),
             e(1, 250, 0.15),
@@ -176,8 +176,8 @@ pub fn bundled_prior() -> WorkloadMix {
             e(4, 1000, 0.08),
             e(8, 1000, 0.07),
         ],
-        reserve: Vec::new(),
-    }
+        Vec::new(),
+    )
 }
 
 impl MixLearner {
@@ -222,11 +222,10 @@ impl MixLearner {
             if mix_distance(&next, current) > MIX_CHANGE {
                 return Some(next);
             }
-            return (next.reserve != current.reserve)
-                .then(|| WorkloadMix { entries: current.entries.clone(), reserve: next.reserve });
+            return (next.reserve != current.reserve).then(|| WorkloadMix::new(current.entries.clone(), next.reserve));
         }
         let reserve = self.reserve();
-        (reserve != current.reserve).then(|| WorkloadMix { entries: current.entries.clone(), reserve })
+        (reserve != current.reserve).then(|| WorkloadMix::new(current.entries.clone(), reserve))
     }
 
     /// Counts one arriving request (`weight` on an entry is ignored).
@@ -375,7 +374,7 @@ impl MixLearner {
             .into_iter()
             .map(|(e, w)| MixEntry { weight: if covered > 0.0 { w / covered } else { 0.0 }, ..e })
             .collect();
-        WorkloadMix { entries, reserve: self.reserve() }
+        WorkloadMix::new(entries, self.reserve())
     }
 
     /// What to save; [`MixLearner::restore`] takes it back.

@@ -3,10 +3,12 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::hash::BuildHasherDefault;
 
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
+use crate::placement::compact::KeyHasher;
 use crate::placement::engine::Engine;
 use crate::placement::mix_learner::{typical_gpu_memory_mib, MixLearner};
 use crate::placement::profile::{Profile, ProfileConfig};
@@ -149,7 +151,7 @@ fn fgd_score(before: f64, after: f64) -> i64 {
 type Scored = (i64, Vec<usize>);
 
 /// (node, request shape) -> (node generation, score and GPUs, `None` where it does not fit).
-type ScoreCache = HashMap<(usize, u32), (u64, Option<Scored>)>;
+type ScoreCache = HashMap<(usize, u32), (u64, Option<Scored>), BuildHasherDefault<KeyHasher>>;
 
 /// A policy with its per-run caches.
 pub struct Policy {
@@ -178,7 +180,7 @@ impl Policy {
             };
             Engine::new(Profile::new(profile.clone()), start)
         });
-        Self { kind, engine, cache: HashMap::new(), shapes: HashMap::new(), learner, shared_key: 0 }
+        Self { kind, engine, cache: ScoreCache::default(), shapes: HashMap::new(), learner, shared_key: 0 }
     }
 
     pub fn kind(&self) -> PolicyKind {

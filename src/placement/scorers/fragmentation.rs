@@ -13,8 +13,10 @@
 //! look fine for 11-core pods although 7 of those GPUs can never be fed. Here the GPUs that `t` could
 //! use are capped by how many `t` requests the node's free CPU and host memory can still hold; the
 //! rest count as fragment. On the Alibaba trace this alone cuts FGD's unallocated GPUs by a tenth
-//! (docs/performance.md). The paper's own measure stays available as
-//! [`WorkloadMix::fgd_fragmentation`] for the FGD baseline and for reporting comparable fragment rates.
+//! (docs/performance.md). It also weighs each type by its popularity over the square root of the
+//! GPUs it takes ([`MixEntry::gap_weight`]), not by popularity alone. The paper's own measure stays
+//! available as [`WorkloadMix::fgd_fragmentation`] for the FGD baseline and for reporting
+//! comparable fragment rates.
 
 use serde::{Deserialize, Serialize};
 
@@ -44,16 +46,48 @@ pub struct MixEntry {
 }
 
 /// The typical request mix a cluster serves.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct WorkloadMix {
     pub entries: Vec<MixEntry>,
     /// The largest request types seen, whose last free hosts are kept back (`scorers::reserve`);
     /// none in a mix given without them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub reserve: Vec<ReserveClass>,
+    /// The entries' [`MixEntry::gap_weight`]s, normalized, worked out on first use: the measure runs
+    /// for every candidate GPU of every node, and the square roots were half its time. A mix is
+    /// built, not edited; an entry added or removed later is noticed (the length differs) and the
+    /// weights are then worked out on each call.
+    #[serde(skip)]
+    gap_weights: std::sync::OnceLock<Vec<f64>>,
+}
+
+/// Two mixes are equal when their entries and reserve are (the cached weights follow from them).
+impl PartialEq for WorkloadMix {
+    fn eq(&self, other: &Self) -> bool {
+        self.entries == other.entries && self.reserve == other.reserve
+    }
 }
 
 impl WorkloadMix {
+    pub fn new(entries: Vec<MixEntry>, reserve: Vec<ReserveClass>) -> Self {
+        Self { entries, reserve, gap_weights: Default::default() }
+    }
+
+    /// Each entry's `gap_weight`, normalized to sum to 1 (all 0 when they sum to 0).
+    fn gap_weights(&self) -> std::borrow::Cow<'_, [f64]> {
+        let compute = || {
+            let w: Vec<f64> = self.entries.iter().map(MixEntry::gap_weight).collect();
+            let total: f64 = w.iter().sum();
+            w.into_iter().map(|x| if total > 0.0 { x / total } else { 0.0 }).collect::<Vec<f64>>()
+        };
+        let cached = self.gap_weights.get_or_init(compute);
+        if cached.len() == self.entries.len() {
+            std::borrow::Cow::Borrowed(cached.as_slice())
+        } else {
+            std::borrow::Cow::Owned(compute())
+        }
+    }
+
     /// Builds a mix from observed requests: counts each distinct request, keeps the most popular
     /// ones until `coverage` (0..=1) of all requests is covered, and normalizes their weights.
     pub fn from_requests(requests: impl IntoIterator<Item = MixEntry>, coverage: f64) -> Self {
@@ -99,7 +133,7 @@ impl WorkloadMix {
                 e
             })
             .collect();
-        Self { entries, reserve: Vec::new() }
+        Self::new(entries, Vec::new())
     }
 
     pub fn is_empty(&self) -> bool {
@@ -136,8 +170,9 @@ impl WorkloadMix {
     }
 
     /// gpuplace's fragmentation (thousandths of a GPU): FGD's, with the GPUs each typical request
-    /// could use capped by how many such requests the host's free CPU and memory still hold, except
-    /// on a GPU model that some typical request is bound to (a `gpu_spec`), where it is FGD's.
+    /// could use capped by how many such requests the host's free CPU and memory still hold, and the
+    /// types weighted toward small requests ([`MixEntry::gap_weight`]); except on a GPU model that
+    /// some typical request is bound to (a `gpu_spec`), where it is FGD's.
     ///
     /// Why not host-aware there: a node whose host can feed fewer of its GPUs than it has counts its
     /// unfed GPUs as fragment, so any pod that fills them lowers the measure. On a model that pods
@@ -163,16 +198,17 @@ impl WorkloadMix {
         if idle == 0 {
             return 0.0;
         }
+        let weights = self.gap_weights();
         let mut frag = 0.0;
-        for t in &self.entries {
+        for (t, &w) in self.entries.iter().zip(weights.iter()) {
             if !t.wants_gpus_of(model) {
-                frag += t.weight * f64::from(idle);
+                frag += w * f64::from(idle);
                 continue;
             }
             let fit = sorted[..n].partition_point(|&f| f >= t.milli);
             let fed = host.requests_of(t).saturating_mul(t.gpus as usize);
             let usable = if fit < t.gpus as usize { 0 } else { prefix[fit.min(fed)] };
-            frag += t.weight * f64::from(idle - usable);
+            frag += w * f64::from(idle - usable);
         }
         frag
     }
@@ -204,6 +240,26 @@ impl MixEntry {
             .then(other.milli.cmp(&self.milli))
             .then(other.gpus.cmp(&self.gpus))
             .then(other.models.cmp(&self.models))
+    }
+
+    /// Its weight in gpuplace's measure ([`WorkloadMix::fragmentation`]): its popularity divided by
+    /// the square root of the GPUs it takes (`gpus x milli / 1000`; CPU-only types count as 1).
+    ///
+    /// Why not popularity alone, as in FGD: a large type counts every idle GPU of a partly used node
+    /// as fragment, so popularity weights let the few 4- and 8-GPU types pull every share toward
+    /// the already used nodes, although the reserve scorer keeps their hosts back anyway. The gaps
+    /// that a share leaves are filled by the many small requests, and they are what the measure
+    /// should protect. Exponents tried on 26 workloads and two seed sets (docs/performance.md,
+    /// "Weighting the measure toward small requests"): 0 (popularity) left `default` at 4.46
+    /// percent unallocated at 100 percent arrival, -0.5 at 4.29, -0.7 at 4.22; -1 began to turn
+    /// multi-GPU pods away before 75 percent arrival where FGD places them (`multigpu=40`, `=45`).
+    pub fn gap_weight(&self) -> f64 {
+        let gpus = f64::from(self.gpus) * f64::from(self.milli) / 1000.0;
+        if gpus > 0.0 {
+            self.weight / gpus.sqrt()
+        } else {
+            self.weight
+        }
     }
 
     /// Whether this request type may run on GPUs of `model`.
@@ -311,6 +367,32 @@ mod tests {
         assert_eq!(cpu_bound.fgd_fragmentation(&free, Some(4000), "H100"), 900.0);
     }
 
+    /// The mix with each type's weight replaced by its normalized `gap_weight`.
+    fn gap_weighted(mix: &WorkloadMix) -> WorkloadMix {
+        let total: f64 = mix.entries.iter().map(MixEntry::gap_weight).sum();
+        let entries = mix.entries.iter().map(|e| MixEntry { weight: e.gap_weight() / total, ..e.clone() }).collect();
+        WorkloadMix { entries, ..Default::default() }
+    }
+
+    #[test]
+    fn small_requests_weigh_more_than_their_popularity() {
+        // a whole GPU weighs its popularity; 4 GPUs half of theirs; a quarter GPU twice
+        assert_eq!(entry(1, 1000, 0, 0, 0.3).gap_weight(), 0.3);
+        assert_eq!(entry(4, 1000, 0, 0, 0.3).gap_weight(), 0.15);
+        assert_eq!(entry(1, 250, 0, 0, 0.3).gap_weight(), 0.6);
+        assert_eq!(entry(0, 0, 4000, 0, 0.1).gap_weight(), 0.1);
+        // equally popular 8-GPU and quarter-GPU types: a node with one busy GPU of 8 is fragment
+        // for the 8-GPU type (all 7 idle GPUs) and not at all for the quarter
+        let mix =
+            WorkloadMix { entries: vec![entry(8, 1000, 0, 0, 0.5), entry(1, 250, 0, 0, 0.5)], ..Default::default() };
+        let free = [0, 1000, 1000, 1000, 1000, 1000, 1000, 1000];
+        let (big, small) = (0.5 / 8f64.sqrt(), 0.5 / 0.25f64.sqrt());
+        let expected = big / (big + small) * 7000.0;
+        assert!((mix.fragmentation(&free, UNLIMITED, "A100") - expected).abs() < 1e-9);
+        // FGD's measure weighs both alike
+        assert_eq!(mix.fgd_fragmentation(&free, None, "A100"), 3500.0);
+    }
+
     #[test]
     fn host_aware_measure_equals_fgd_when_the_host_is_not_a_limit() {
         let mix = WorkloadMix {
@@ -322,8 +404,9 @@ mod tests {
             ],
             ..Default::default()
         };
+        let gap = gap_weighted(&mix);
         for free in [[1000u32, 1000, 530, 60], [0, 0, 0, 0], [1000, 0, 0, 0], [300, 300, 300, 300]] {
-            let fgd = mix.fgd_fragmentation(&free, None, "T4");
+            let fgd = gap.fgd_fragmentation(&free, None, "T4");
             assert!((mix.fragmentation(&free, UNLIMITED, "T4") - fgd).abs() < 1e-9, "{free:?}");
             let plenty = HostFree { cpu_milli: Some(1_000_000), memory_mib: Some(1 << 30) };
             assert!((mix.fragmentation(&free, plenty, "T4") - fgd).abs() < 1e-9, "{free:?}");

@@ -88,10 +88,10 @@ mod tests {
         req.node_policy = policy;
         // a mix of 2-GPU requests: filling busy's last GPU removes a fragment, so fragmentation
         // alone would always pick busy
-        let mix = WorkloadMix {
-            entries: vec![MixEntry { gpus: 2, milli: 1000, cpu_milli: 0, memory_mib: 0, models: vec![], weight: 1.0 }],
-            ..Default::default()
-        };
+        let mix = WorkloadMix::new(
+            vec![MixEntry { gpus: 2, milli: 1000, cpu_milli: 0, memory_mib: 0, models: vec![], weight: 1.0 }],
+            Vec::new(),
+        );
         let ev = Engine::new(Profile::gpuplace(), mix).evaluate_all(c, &req, 0);
         ev.ranked.iter().map(|r| c.nodes()[r.node].name.clone()).collect()
     }

@@ -396,7 +396,7 @@ mod tests {
     }
 
     fn engine(keep: u32) -> Engine {
-        Engine::new(Profile::gpuplace(), WorkloadMix { entries: Vec::new(), reserve: vec![large(keep)] })
+        Engine::new(Profile::gpuplace(), WorkloadMix::new(Vec::new(), vec![large(keep)]))
     }
 
     fn best(e: &Engine, c: &Cluster, req: &PodRequest) -> String {
