@@ -1,7 +1,7 @@
 //! Placement benchmarks: filter+score of one pod over 1k/5k/10k nodes of 8 GPUs at 50 % random
 //! allocation, and GPU-set selection on 8- and 16-GPU boards: through `Engine::place` (whole-GPU
 //! choices are memoized per board and mask, so repeated calls measure the memoized path) and the
-//! set search itself, uncached.
+//! set search itself, uncached; and the capacity summary a placement log adds to every bind line.
 //! Run: `cargo bench --bench placement`; figures go to docs/performance.md.
 
 use std::collections::BTreeMap;
@@ -12,6 +12,7 @@ use gpuplace::core::cluster::{Cluster, ContainerAssignment, GpuSlice, PodAssignm
 use gpuplace::core::inventory::Board;
 use gpuplace::core::resources::{GpuDemand, MemoryDemand, PodRequest};
 use gpuplace::core::resources::{NumaPolicy, PackingPolicy};
+use gpuplace::extender::placement_log::CapacitySummary;
 use gpuplace::placement::engine::Engine;
 use gpuplace::placement::gpu_select::{choose_one, choose_set, FreeState, ShareChoice};
 use rand::{Rng, SeedableRng};
@@ -123,5 +124,19 @@ fn gpu_set_search(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, filter_and_score, gpu_set_selection, gpu_set_search);
+/// `CapacitySummary::of`: written on every bind when a placement log is on, under the cluster's
+/// read lock, over every GPU of the cluster.
+fn capacity_summary(c: &mut Criterion) {
+    let mut group = c.benchmark_group("capacity_summary");
+    group.sample_size(20);
+    for n in [1_000usize, 5_000] {
+        let cl = cluster(n);
+        group.bench_with_input(BenchmarkId::from_parameter(n), &cl, |b, cl| {
+            b.iter(|| black_box(CapacitySummary::of(cl, "node-00042").idle_gpus))
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, filter_and_score, gpu_set_selection, gpu_set_search, capacity_summary);
 criterion_main!(benches);

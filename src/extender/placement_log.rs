@@ -392,6 +392,18 @@ mod tests {
         let m = &s.by_model["NVIDIA H100 80GB HBM3"];
         assert_eq!((m.gpus, m.allocated_gpus, m.idle_gpus, m.fragmented_gpus), (32, 2.3, 29, 0.7));
         assert!(CapacitySummary::of(&cluster, "elsewhere").node.is_none());
+
+        // a node with two models: each model gets its own GPUs, and the totals all of them
+        let mut nodes = cluster.nodes().to_vec();
+        for g in nodes[0].gpus.iter_mut().skip(4) {
+            g.model = "L40S".into();
+        }
+        let name = nodes[0].name.clone();
+        let mixed = CapacitySummary::of(&Cluster::new(nodes), &name);
+        assert_eq!((mixed.gpus, mixed.idle_gpus), (32, 29));
+        let (h100, l40s) = (&mixed.by_model["NVIDIA H100 80GB HBM3"], &mixed.by_model["L40S"]);
+        assert_eq!((h100.gpus + l40s.gpus, h100.idle_gpus + l40s.idle_gpus), (32, 29));
+        assert_eq!(l40s.gpus, 4);
     }
 
     #[test]
