@@ -69,6 +69,7 @@ impl PartialEq for WorkloadMix {
 }
 
 impl WorkloadMix {
+    /// A mix of `entries` (their weights: popularity, summing to 1) and `reserve` classes.
     pub fn new(entries: Vec<MixEntry>, reserve: Vec<ReserveClass>) -> Self {
         Self { entries, reserve, gap_weights: Default::default() }
     }
