@@ -193,6 +193,11 @@ impl Engine {
         self.scarcity.view(cluster, &self.mix.reserve)
     }
 
+    /// [`Engine::reserve_view`] with each class's free hosts now (what `/inspect` shows).
+    pub fn reserve_view_with_hosts(&self, cluster: &Cluster) -> (ReserveView, Vec<u32>) {
+        self.scarcity.view_with_hosts(cluster, &self.mix.reserve)
+    }
+
     /// How GPUs are picked for this pod (profile defaults after the pod's overrides).
     pub fn gpu_choice<'a>(&'a self, req: &PodRequest) -> GpuChoice<'a> {
         let cfg = &self.profile.config;

@@ -90,14 +90,15 @@ impl Extender {
     pub fn mix_report(&self) -> MixReport {
         let learned = self.learning().map(|l| (l.learner().observed(), l.learner().config().half_life));
         let st = self.read();
-        let view = st.engine.reserve_view(&st.cluster);
+        let (view, hosts) = st.engine.reserve_view_with_hosts(&st.cluster);
         let reserve = view
             .classes
             .iter()
+            .zip(hosts)
             .enumerate()
-            .map(|(k, class)| ReserveReport {
+            .map(|(k, (class, free_hosts))| ReserveReport {
                 class: class.clone(),
-                free_hosts: st.cluster.nodes().iter().filter(|n| class.hosted_by(n)).count() as u32,
+                free_hosts,
                 scarce: (view.scarce >> k) & 1 == 1,
             })
             .collect();

@@ -270,6 +270,24 @@ impl MemoState {
 impl ScarcityMemo {
     /// The reserve of `cluster` with the mix's `learned` classes.
     pub fn view(&self, cluster: &Cluster, learned: &[ReserveClass]) -> ReserveView {
+        self.view_with_hosts(cluster, learned).0
+    }
+
+    /// [`ScarcityMemo::view`], with each class's free hosts now (by class index, as in the view).
+    pub fn view_with_hosts(&self, cluster: &Cluster, learned: &[ReserveClass]) -> (ReserveView, Vec<u32>) {
+        let m = self.current(cluster, learned);
+        let scarce = m
+            .classes
+            .iter()
+            .zip(&m.counts)
+            .enumerate()
+            .filter(|(_, (c, &n))| c.keep > 0 && n <= c.keep)
+            .fold(0, |s, (k, _)| s | (1 << k));
+        (ReserveView { classes: m.classes.clone(), scarce }, m.counts.clone())
+    }
+
+    /// The memo brought up to `cluster`'s state.
+    fn current(&self, cluster: &Cluster, learned: &[ReserveClass]) -> std::sync::MutexGuard<'_, MemoState> {
         let mut m = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let stamps = cluster.stamps();
         let nodes = cluster.nodes();
@@ -299,14 +317,7 @@ impl ScarcityMemo {
                 m.rebuild(cluster, learned);
             }
         }
-        let scarce = m
-            .classes
-            .iter()
-            .zip(&m.counts)
-            .enumerate()
-            .filter(|(_, (c, &n))| c.keep > 0 && n <= c.keep)
-            .fold(0, |s, (k, _)| s | (1 << k));
-        ReserveView { classes: m.classes.clone(), scarce }
+        m
     }
 }
 
@@ -456,6 +467,11 @@ mod tests {
             .unwrap();
         }
         assert_eq!(memo.view(&c, &classes), ScarcityMemo::default().view(&c, &classes));
+        // its free-host counts are each class's hosts, counted afresh
+        let (view, hosts) = memo.view_with_hosts(&c, &classes);
+        let recount: Vec<u32> =
+            view.classes.iter().map(|k| c.nodes().iter().filter(|n| k.hosted_by(n)).count() as u32).collect();
+        assert_eq!(hosts, recount);
         c.release("ns/a").unwrap();
         c.release("ns/b0").unwrap();
         c.release("ns/b1").unwrap();
