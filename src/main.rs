@@ -364,8 +364,8 @@ fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
         max_body_bytes: args.max_body_bytes,
         max_request_nodes: args.max_request_nodes,
     };
-    let kube = gpuplace::apiserver::run::spawn_thread(source, opts, move |client, leadership| {
-        let binder = Arc::new(KubeBinder::new(client, leadership));
+    let kube = gpuplace::apiserver::run::spawn_thread(source, opts, move |bind_client, leadership| {
+        let binder = Arc::new(KubeBinder::new(bind_client.client, leadership).run_calls_on(bind_client.runtime));
         let options = ServiceOptions { ready: false, accept_unsigned, ..ServiceOptions::default() };
         let mut ext = Extender::new(Cluster::default(), engine, binder, options);
         if let Some(log) = log {

@@ -256,6 +256,49 @@ async fn a_failed_binding_writes_nothing_and_rolls_back_the_allocation() {
     assert_eq!(holders(&r.ext, "n1"), ["ns/p"]);
 }
 
+/// `gpuplace serve` runs each bind's calls on the bind client's own thread
+/// (`KubeBinder::run_calls_on`): they bind there, and once that thread's runtime is gone a bind is
+/// refused, not left hanging and not run elsewhere.
+#[tokio::test]
+async fn binds_run_on_the_bind_thread_and_are_refused_once_it_is_gone() {
+    let fake = FakeApiServer::start().await.unwrap();
+    fake.put(&gpu_node("n1", 2));
+    let p = fake.put(&gpu_pod("p", whole(1)));
+    let q = fake.put(&gpu_pod("q", whole(1)));
+    let (handle_tx, handle_rx) = std::sync::mpsc::channel();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let thread = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        handle_tx.send(rt.handle().clone()).unwrap();
+        rt.block_on(async {
+            let _ = stop_rx.await;
+        });
+    });
+    let handle = handle_rx.recv().unwrap();
+    let binder = KubeBinder::new(fake.client().unwrap(), Leadership::always()).run_calls_on(handle);
+    let request = |pod: &Pod| BindRequest {
+        namespace: "ns".into(),
+        name: pod.name_any(),
+        uid: uid(pod),
+        node: "n1".into(),
+        annotations: BTreeMap::new(),
+    };
+
+    binder.bind(&request(&p)).await.unwrap();
+    assert_eq!(node_of(&fake, "p").as_deref(), Some("n1"));
+
+    stop_tx.send(()).unwrap();
+    thread.join().unwrap();
+    match binder.bind(&request(&q)).await {
+        Err(BindError::Unavailable { pod, message }) => {
+            assert_eq!(pod, "ns/q");
+            assert!(message.contains("bind thread ended"), "{message}");
+        }
+        other => panic!("a bind with its thread gone: {other:?}"),
+    }
+    assert_eq!(node_of(&fake, "q"), None, "nothing bound once the thread is gone");
+}
+
 #[tokio::test]
 async fn pods_that_are_deleted_or_finish_give_their_gpus_back() {
     let fake = FakeApiServer::start().await.unwrap();

@@ -32,7 +32,7 @@ pub use binder::KubeBinder;
 pub use connect::{client_for_url, connect, ConnectArgs, ConnectError, Source};
 pub use fake::FakeApiServer;
 pub use leader::{LeaderConfig, Leadership};
-pub use run::{ApiOptions, Controller};
+pub use run::{ApiOptions, Controller, DedicatedClient};
 
 /// The next event of a watch (`None` when the stream ends): a failure is counted and logged and
 /// the watcher's backoff retries it; an event marks the watch fresh.

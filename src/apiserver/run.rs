@@ -284,8 +284,9 @@ impl KubeSide {
 /// which then run for the life of the process. Binds use it: on the watchers' thread, a burst of
 /// pod events (hundreds while kube-scheduler works through a backlog) delayed every bind's
 /// requests behind their decoding. Its requests share one HTTP/2 connection ([`Transport`]).
-fn spawn_client_thread(source: Source, name: &str) -> Result<Client, RunError> {
+fn spawn_client_thread(source: Source, name: &str) -> Result<DedicatedClient, RunError> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(RunError::Runtime)?;
+    let runtime = rt.handle().clone();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::Builder::new()
         .name(name.into())
@@ -309,17 +310,26 @@ fn spawn_client_thread(source: Source, name: &str) -> Result<Client, RunError> {
             })
         })
         .map_err(RunError::Runtime)?;
-    rx.recv().map_err(|_| RunError::Ended)?
+    let client = rx.recv().map_err(|_| RunError::Ended)??;
+    Ok(DedicatedClient { client, runtime })
+}
+
+/// A client with a thread of its own ([`spawn_client_thread`]), and that thread's runtime, on which
+/// calls can run beside the connection.
+#[derive(Clone)]
+pub struct DedicatedClient {
+    pub client: Client,
+    pub runtime: tokio::runtime::Handle,
 }
 
 /// Starts the kube side on its own thread and runtime (see the module doc): connects, builds the
-/// extender with `make` (given a client for binds, on a thread of its own, and the leadership its
-/// binder must check), starts the controller, and returns the extender for the HTTP server. The
-/// thread runs until [`KubeSide::shutdown`] (or the end of the process).
+/// extender with `make` (given a client for binds, on a thread and runtime of its own, and the
+/// leadership its binder must check), starts the controller, and returns the extender for the HTTP
+/// server. The thread runs until [`KubeSide::shutdown`] (or the end of the process).
 pub fn spawn_thread(
     source: Source,
     opts: ApiOptions,
-    make: impl FnOnce(Client, Arc<Leadership>) -> Arc<Extender> + Send + 'static,
+    make: impl FnOnce(DedicatedClient, Arc<Leadership>) -> Arc<Extender> + Send + 'static,
 ) -> Result<KubeSide, RunError> {
     let bind_client = spawn_client_thread(source.clone(), "gpuplace-bind")?;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(RunError::Runtime)?;
