@@ -7,7 +7,8 @@
 //! `target/tmp/e2e-kube/` and reused. Nothing is copied into the repository.
 //!
 //! `GPUPLACE_E2E_APISERVER_V=3` raises kube-apiserver's log level to where it logs every request
-//! with its latency (`httplog.go`), for digging into where a slow call spent its time.
+//! with its latency (`httplog.go`), for digging into where a slow call spent its time;
+//! `GPUPLACE_E2E_SCHEDULER_V=6` does the same for kube-scheduler's own API calls.
 
 use std::fs;
 use std::io::Write;
@@ -248,6 +249,9 @@ impl User {
 /// exit once etcd is gone).
 pub struct ControlPlane {
     pub dir: PathBuf,
+    /// kube-scheduler's `-v` for its next start: 2, or `GPUPLACE_E2E_SCHEDULER_V` (at 6 it logs each
+    /// API call with its latency, and each wait in its client's rate limiter).
+    pub scheduler_verbosity: String,
     pub url: String,
     pub scheduler: Option<Proc>,
     pub apiserver: Proc,
@@ -311,7 +315,8 @@ impl ControlPlane {
             dir.join("kube-apiserver.log"),
         );
         let url = format!("https://127.0.0.1:{secure_port}");
-        let mut cp = ControlPlane { dir, url, scheduler: None, apiserver, etcd, bin };
+        let scheduler_verbosity = std::env::var("GPUPLACE_E2E_SCHEDULER_V").unwrap_or_else(|_| "2".into());
+        let mut cp = ControlPlane { dir, url, scheduler_verbosity, scheduler: None, apiserver, etcd, bin };
         for u in User::ALL {
             cp.write_kubeconfig(u);
         }
@@ -388,7 +393,7 @@ impl ControlPlane {
             Command::new(self.bin.join("kube-scheduler"))
                 .arg(format!("--config={}", path.display()))
                 .arg("--secure-port=0")
-                .arg("-v=2"),
+                .arg(format!("-v={}", self.scheduler_verbosity)),
             self.dir.join("kube-scheduler.log"),
         ));
     }

@@ -332,6 +332,30 @@ pub fn storm_shapes(n: usize) -> Vec<Shape> {
     out
 }
 
+/// kube-controller-manager's client limits (`--kube-api-qps`, `--kube-api-burst`, their defaults):
+/// the pace at which a Job or ReplicaSet controller creates pods.
+pub const CONTROLLER_QPS: f64 = 20.0;
+pub const CONTROLLER_BURST: usize = 30;
+
+/// Creates the pods `<prefix>-NNN` in `ns` at a controller's pace: client-go's token bucket with
+/// [`CONTROLLER_QPS`] and [`CONTROLLER_BURST`] (full at the start), each create sent as soon as it
+/// has a token. Returns when the last create has returned.
+pub async fn create_pods_as_a_controller(client: &Client, ns: &str, prefix: &str, shapes: &[Shape]) {
+    let api: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let start = tokio::time::Instant::now();
+    let futs = shapes.iter().enumerate().map(|(i, shape)| {
+        let name = format!("{prefix}-{i:03}");
+        let pod = shape.pod(&name);
+        let api = api.clone();
+        let token_at = (i + 1).saturating_sub(CONTROLLER_BURST) as f64 / CONTROLLER_QPS;
+        async move {
+            tokio::time::sleep_until(start + Duration::from_secs_f64(token_at)).await;
+            api.create(&PostParams::default(), &pod).await.unwrap_or_else(|e| panic!("create pod {name}: {e}"));
+        }
+    });
+    futures::future::join_all(futs).await;
+}
+
 /// Creates the pods `<prefix>-NNN` in `ns` as fast as the API server takes them (a storm).
 pub async fn create_pods(client: &Client, ns: &str, prefix: &str, shapes: &[Shape]) {
     let api: Api<Pod> = Api::namespaced(client.clone(), ns);

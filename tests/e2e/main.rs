@@ -27,7 +27,7 @@ use serde_json::{json, Value};
 
 use audit::{node_name, percentile, settle, snapshot, Audit};
 use cluster::{apply, figure, repo, yaml_objects, ControlPlane, User};
-use fleet::{create_pods, start_nodes, storm_shapes, wait_inventories, Extender};
+use fleet::{create_pods, create_pods_as_a_controller, start_nodes, storm_shapes, wait_inventories, Extender};
 use yaml_files::yaml_files;
 
 /// One scenario at a time: each runs a whole control plane on CI's 2 cores. (tokio's lock: it is
@@ -128,9 +128,9 @@ fn unix_ms() -> f64 {
 
 /// Bind latencies split at the moment the test's last create returned: the binds that began while
 /// the API server was still taking the burst of creates, and those after.
-fn burst_figure(scenario: &str, log: &std::path::Path, creates_done_ms: f64) {
+fn burst_figure(scenario: &str, log: &std::path::Path, creates_began_ms: f64, creates_done_ms: f64) {
     let (mut during, mut after): (Vec<f64>, Vec<f64>) = (Vec::new(), Vec::new());
-    for (began, ms) in timings(log, "bind") {
+    for (began, ms) in timings(log, "bind").into_iter().filter(|(b, _)| *b >= creates_began_ms) {
         if began < creates_done_ms { &mut during } else { &mut after }.push(ms);
     }
     for (when, l) in [("while the creates were in flight", &mut during), ("after the last create", &mut after)] {
@@ -174,18 +174,24 @@ async fn storm_of_300_mixed_pods_on_16_nodes() {
     let (mut st, ext) = stage_with_extender("storm").await;
     st.cp.start_scheduler(&scheduler_config(), Some(&ext.url()));
 
+    // created as a Job or ReplicaSet controller creates pods (the kill scenario creates its storm as
+    // fast as the API server takes it; `binds_in_a_burst_of_creates...` measures binds in that burst)
     let shapes = storm_shapes(300);
     let started = Instant::now();
-    create_pods(&st.admin, NS, "storm", &shapes).await;
+    create_pods_as_a_controller(&st.admin, NS, "storm", &shapes).await;
     let created_s = started.elapsed().as_secs_f64();
-    let creates_done_ms = unix_ms();
     let settled_s = settle(&st.admin, NS, Duration::from_secs(6), Duration::from_secs(300)).await;
 
     let snap = snapshot(&st.admin, NS).await;
     let audit = Audit::of(&snap);
     figure(&format!(
-        "storm: {} pods created in {created_s:.1} s, settled after {settled_s:.1} s: {} bound, {} pending",
-        audit.pods, audit.bound, audit.pending
+        "storm: {} pods created in {created_s:.1} s (a controller's pace: {} a second after a burst of {}), \
+         settled after {settled_s:.1} s: {} bound, {} pending",
+        audit.pods,
+        fleet::CONTROLLER_QPS,
+        fleet::CONTROLLER_BURST,
+        audit.bound,
+        audit.pending
     ));
     let gpu_pods = snap.pods.iter().filter(|p| node_name(p).is_some() && audit::asks_gpuplace(p)).count();
     figure(&format!(
@@ -270,7 +276,6 @@ async fn storm_of_300_mixed_pods_on_16_nodes() {
         quiet / pending
     );
     latency_figure("storm", &ext.placement_log);
-    burst_figure("storm", &ext.placement_log, creates_done_ms);
 }
 
 /// Polls until `n` pods of `ns` are bound; returns how many are.
@@ -797,4 +802,102 @@ async fn forged_assignments_are_never_counted() {
     audit.assert_sound(true);
     let diffs = audit.compare_inspect(&inspect(&ext));
     assert!(diffs.is_empty(), "/inspect differs from the annotations: {diffs:#?}");
+}
+
+/// kube-scheduler's own Binding calls in one run, from its `-v=6` log: (the call's latency, the
+/// wait in its client's rate limiter before it), ms, one per pod.
+fn scheduler_binding_calls(log: &std::path::Path) -> Vec<(f64, f64)> {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let pod = |l: &str| Some(l.split("/pods/").nth(1)?.split('/').next()?.to_string());
+    let (mut waited, mut took) = (BTreeMap::new(), BTreeMap::new());
+    for l in text.lines().filter(|l| l.contains("/binding")) {
+        let Some(p) = pod(l) else { continue };
+        if l.contains("Waited before sending request") {
+            // delay="1.003583279s" or "52.1ms"
+            let d = l.split("delay=\"").nth(1).and_then(|r| r.split('"').next()).unwrap_or("");
+            let ms = d
+                .strip_suffix("ms")
+                .and_then(|v| v.parse::<f64>().ok())
+                .or_else(|| d.strip_suffix('s').and_then(|v| v.parse::<f64>().ok()).map(|v| v * 1e3));
+            waited.insert(p, ms.unwrap_or(f64::NAN));
+        } else if l.contains("\"Response\"") {
+            if let Some(ms) = l.split("milliseconds=").nth(1).and_then(|r| r.split_whitespace().next()?.parse().ok()) {
+                took.insert(p, ms);
+            }
+        }
+    }
+    took.into_iter().map(|(p, ms)| (ms, waited.get(&p).copied().unwrap_or(0.0))).collect()
+}
+
+fn spread(label: &str, mut l: Vec<f64>) -> String {
+    l.sort_by(f64::total_cmp);
+    format!(
+        "{label} n={} p50={:.1} ms p90={:.1} ms p99={:.1} ms max={:.1} ms",
+        l.len(),
+        percentile(&l, 0.5),
+        percentile(&l, 0.9),
+        percentile(&l, 0.99),
+        l.last().copied().unwrap_or(f64::NAN)
+    )
+}
+
+/// A measurement for docs/performance.md, not a check (`cargo test -p gpuplace --test e2e --
+/// --ignored --nocapture binds_in_a_burst`, about a minute): 300 whole-GPU pods created as fast as
+/// the API server takes them (25 in flight), bound once by kube-scheduler alone (its own binder) and
+/// once through gpuplace, on the same nodes. kube-scheduler runs at `-v=6` in both, which logs each
+/// of its API calls with its latency and each wait in its client's rate limiter. The question: how
+/// fast can any binder bind while the API server on these cores is taking a burst of creates.
+#[tokio::test(flavor = "current_thread")]
+#[ignore = "a measurement for docs/performance.md"]
+async fn binds_in_a_burst_of_creates_by_kube_scheduler_alone_and_through_gpuplace() {
+    let _serial = SERIAL.lock().await;
+    let (mut st, ext) = stage_with_extender("burst").await;
+    st.cp.scheduler_verbosity = "6".into();
+    let whole = fleet::Shape { gpu: Some("1"), kind: "whole-1", ..fleet::Shape::default() };
+    let pods: Api<Pod> = Api::namespaced(st.admin.clone(), NS);
+    for (label, url) in [("kube-scheduler alone", None), ("through gpuplace", Some(ext.url()))] {
+        let _ = std::fs::remove_file(st.cp.dir.join("kube-scheduler.log"));
+        st.cp.start_scheduler(&scheduler_config(), url.as_deref());
+        wait_scheduler_leading(&mut st.cp).await;
+        let began_ms = unix_ms();
+        let started = Instant::now();
+        create_pods(&st.admin, NS, "burst", &vec![whole.clone(); 300]).await;
+        let created_s = started.elapsed().as_secs_f64();
+        let creates_done_ms = unix_ms();
+        settle(&st.admin, NS, Duration::from_secs(4), Duration::from_secs(300)).await;
+        let bound = wait_bound(&st.admin, NS, 300, Duration::ZERO).await;
+        figure(&format!("burst, {label}: 300 pods created in {created_s:.2} s, {bound} bound"));
+        let calls = scheduler_binding_calls(&st.cp.dir.join("kube-scheduler.log"));
+        if url.is_none() {
+            assert_eq!(calls.len(), bound, "kube-scheduler's -v=6 log shows a Binding call per bound pod");
+            figure(&spread(&format!("burst, {label}: its Binding calls"), calls.iter().map(|c| c.0).collect()));
+            figure(&spread(
+                &format!("burst, {label}: its Binding calls with the wait in its rate limiter"),
+                calls.iter().map(|c| c.0 + c.1).collect(),
+            ));
+        } else {
+            assert!(calls.is_empty(), "kube-scheduler bound pods itself while gpuplace binds");
+            // this run's binds that bound (a bind can also be refused: the GPU went to a pod whose
+            // bind came first, and kube-scheduler tries again)
+            let binds: Vec<f64> = log_lines(&ext.placement_log, "bind")
+                .iter()
+                .filter(|d| d["outcome"] == "bound")
+                .filter_map(|d| {
+                    let ms = d["latency_us"].as_f64()? / 1000.0;
+                    (d["ts_unix_ms"].as_f64()? - ms >= began_ms).then_some(ms)
+                })
+                .collect();
+            assert_eq!(binds.len(), bound, "the placement log shows a bind per bound pod");
+            figure(&spread(&format!("burst, {label}: its binds"), binds));
+            burst_figure(&format!("burst, {label}"), &ext.placement_log, began_ms, creates_done_ms);
+        }
+        pods.delete_collection(&DeleteParams::default().grace_period(0), &Default::default())
+            .await
+            .expect("delete pods");
+        let until = Instant::now() + Duration::from_secs(60);
+        while !pods.list(&Default::default()).await.expect("list").items.is_empty() {
+            assert!(Instant::now() < until, "pods not deleted");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
 }
