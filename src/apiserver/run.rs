@@ -18,8 +18,9 @@
 //! `http::serve_forever` owns the main thread until SIGTERM. The kube side gets one more
 //! current-thread tokio runtime on a thread of its own ([`spawn_thread`]): the watchers and the
 //! election never share a thread with HTTP workers, and no multi-thread runtime (another tokio
-//! feature to build) is needed. The binder is called from the HTTP workers; kube's `Client` sends
-//! its requests to a buffer task on the kube runtime, so calls from any runtime work. When the HTTP
+//! feature to build) is needed. Binds get a client, thread and runtime of their own
+//! ([`spawn_client_thread`], `gpuplace-bind`): the HTTP worker that takes a bind hands the API
+//! calls to that runtime and awaits their outcome (`KubeBinder::run_calls_on`). When the HTTP
 //! server has stopped (in-flight binds done), [`KubeSide::shutdown`] ends the kube side and hands the
 //! Lease back, so the standby leads within a retry period instead of a lease duration.
 
