@@ -19,7 +19,7 @@
 //! current-thread tokio runtime on a thread of its own ([`spawn_thread`]): the watchers and the
 //! election never share a thread with HTTP workers, and no multi-thread runtime (another tokio
 //! feature to build) is needed. Binds get a client, thread and runtime of their own
-//! ([`spawn_client_thread`], `gpuplace-bind`): the HTTP worker that takes a bind hands the API
+//! (`spawn_client_thread`, `gpuplace-bind`): the HTTP worker that takes a bind hands the API
 //! calls to that runtime and awaits their outcome (`KubeBinder::run_calls_on`). When the HTTP
 //! server has stopped (in-flight binds done), [`KubeSide::shutdown`] ends the kube side and hands the
 //! Lease back, so the standby leads within a retry period instead of a lease duration.
@@ -315,7 +315,7 @@ fn spawn_client_thread(source: Source, name: &str) -> Result<DedicatedClient, Ru
     Ok(DedicatedClient { client, runtime })
 }
 
-/// A client with a thread of its own ([`spawn_client_thread`]), and that thread's runtime, on which
+/// A client with a thread of its own (`spawn_client_thread`), and that thread's runtime, on which
 /// calls can run beside the connection.
 #[derive(Clone)]
 pub struct DedicatedClient {

@@ -9,7 +9,7 @@
 //!   `/metrics` (Prometheus text), `/inspect` and `/inspect/{node}` (JSON; 404 for an unknown node),
 //!   `/mix` (the learned mix's state as JSON, what `--mix-state` holds; 404 when the mix is fixed).
 //!   These sit at the root, not under the prefix, where probes and scrapers look by default.
-//! - With a [`Frontend`] (API-server mode): HTTPS ([`tls`](crate::extender::tls); with a client CA
+//! - With a [`Frontend`] (API-server mode): HTTPS ([`tls`]; with a client CA
 //!   the verbs, `/inspect` and `/mix` answer 403 to a connection without a verified client
 //!   certificate), and the forward of every verb to the leader while this replica does not lead
 //!   ([`forward`](crate::extender::forward); `/readyz` then reports the role).

@@ -2,7 +2,7 @@
 //! `Error` of filter and bind answers.
 //!
 //! kube-scheduler counts the nodes that gave identical reason texts and writes "0/16 nodes are
-//! available: 12 <reason>, 4 <reason>." into the pod's `FailedScheduling` event, which the API
+//! available: 12 `<reason>`, 4 `<reason>`." into the pod's `FailedScheduling` event, which the API
 //! server refuses beyond 1,024 characters; and it uses the text as a format string, so a `%` comes
 //! out garbled (`30%!f(MISSING)ree`). So a reason depends only on the pod's request and the kind of
 //! shortfall ([`Cause`]), never on the node's own figures, and no text that reaches kube-scheduler

@@ -1091,7 +1091,7 @@ impl Extender {
 
     /// The prioritize verb: 0..=10 per candidate from the engine; 0 where the pod does not fit.
     /// Answers from the shape cache, or for uncached shapes from filter's evaluation of the same pod
-    /// when nothing changed since (see [`EvalCache`]).
+    /// when nothing changed since (see `EvalCache`).
     pub fn prioritize(&self, body: &[u8]) -> Result<HostPriorityList, WireError> {
         let args = decode_args(body)?;
         let (names, scores) = self.prioritize_args(&args)?;

@@ -1,10 +1,10 @@
 //! The hot path of filter and prioritize (docs/performance.md, "filter+prioritize load"):
 //!
-//! - [`ShapeCache`]: each node's verdict (fits with a score, or the rejection and its reason) per
+//! - `ShapeCache`: each node's verdict (fits with a score, or the rejection and its reason) per
 //!   request *shape*, reused by later pods of the same shape while the node is unchanged.
 //!   kube-scheduler schedules the replicas of a Deployment or Job one after another, all of one
 //!   shape, and between two of them usually only the node of the last bind changed.
-//! - [`NameOrder`]: candidate names to node indices, guessing each from the order of the last
+//! - `NameOrder`: candidate names to node indices, guessing each from the order of the last
 //!   request (kube-scheduler sends its node list in a stable order) before hashing.
 //! - Answer encoding straight into one byte buffer: names as sent, reasons encoded once per text.
 //!
@@ -13,10 +13,10 @@
 //! A verdict is a pure function of the pod's request, the node, the clock (utilization samples
 //! count only while fresh), which of the mix's reserve classes are scarce in the whole cluster
 //! ([`Engine::shared_key`](crate::placement::engine::Engine::shared_key): a table's verdicts are
-//! dropped when it changes, see [`Table::keep_only`]) and, for pods of a `gpuplace.io/group`, where
+//! dropped when it changes, see `Table::keep_only`) and, for pods of a `gpuplace.io/group`, where
 //! the group's other pods are.
 //! The profile is fixed for the process; the learned mix changes now and then, and the whole cache
-//! is emptied when it does ([`ShapeCache::clear`]). So an entry is keyed by the whole
+//! is emptied when it does (`ShapeCache::clear`). So an entry is keyed by the whole
 //! [`PodRequest`] except the pod's name (policies, NUMA, GPU models and containers are all in it),
 //! and is used only when
 //! - the node's stamp ([`Node::generation`](crate::core::cluster::Node::generation)) is the one it

@@ -63,7 +63,7 @@ impl Why {
 
 /// The kind of shortfall that turned a node down. Its text (`Display`) is the reason kube-scheduler
 /// shows, and kube-scheduler counts nodes by identical reason texts ("0/16 nodes are available: 12
-/// <reason>, 4 <reason>."), so it carries figures of the pod's own request only, never of the node.
+/// `<reason>`, 4 `<reason>`."), so it carries figures of the pod's own request only, never of the node.
 /// It never contains a percent sign either: kube-scheduler uses the text as a format string.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Cause {

@@ -33,7 +33,7 @@ pub struct SimConfig {
     pub profile: crate::placement::profile::ProfileConfig,
     /// Where the `gpuplace` policy's typical request mix comes from (learned, or the what-if).
     pub mix_source: MixSource,
-    /// Also report the clairvoyant offline reference ([`reference`]) at 100 % arrival.
+    /// Also report the clairvoyant offline reference ([`reference`](mod@reference)) at 100 % arrival.
     pub offline_reference: bool,
     /// What-if: every node's host CPU and memory unlimited, so only GPUs limit placement.
     pub unlimited_host: bool,

@@ -39,7 +39,7 @@ fn is_fresh(at: i64, now: i64, max_age_ms: i64) -> bool {
 /// (caches of per-node verdicts expire with it). `(i64::MIN, i64::MAX)` for a node without samples.
 ///
 /// A sample counts while `at - FUTURE_SKEW_MS <= now <= at + max_age_ms`; computed exactly in
-/// 128 bits, which agrees with [`is_fresh`]'s saturating arithmetic (where it saturates, the exact
+/// 128 bits, which agrees with `is_fresh`'s saturating arithmetic (where it saturates, the exact
 /// age is out of range on the same side) for `max_age_ms >= 0`. Bounds are clamped inward.
 pub fn stable_window(node: &Node, now: i64, max_age_ms: i64) -> (i64, i64) {
     let (mut from, mut until) = (i128::from(i64::MIN), i128::from(i64::MAX));
