@@ -314,8 +314,9 @@ impl MixLearner {
     /// One reserve class per list of GPU models that recent requests were bound to (`gpu_spec`):
     /// the smallest such request in GPUs, share, CPU and memory, keeping back as many free hosts as
     /// bound requests were seen recently (faded counts, rounded up, at most
-    /// [`MODEL_RESERVE_MAX_KEEP`]). Only requests bound to those models consume it, so pods that
-    /// could run anywhere leave the last GPUs of a model to the pods that can run nowhere else.
+    /// [`MODEL_RESERVE_MAX_KEEP`]); the [`MODEL_RESERVE_CLASSES`] most seen lists. Only requests
+    /// bound to those models consume it, so pods that could run anywhere leave the last GPUs of a
+    /// model to the pods that can run nowhere else.
     fn model_classes(&self) -> Vec<ReserveClass> {
         let newest = self.newest();
         let mut bound: BTreeMap<&[String], (MixEntry, f64)> = BTreeMap::new();
@@ -329,11 +330,15 @@ impl MixLearner {
             slot.1 += t.weight / newest;
         }
         let cap = f64::from(MODEL_RESERVE_MAX_KEEP);
-        bound
-            .into_values()
-            .filter(|(_, count)| *count >= RESERVE_MIN_COUNT)
-            .take(MODEL_RESERVE_CLASSES)
-            .map(|(e, count)| ReserveClass::of(&e, (count - 1e-9).ceil().clamp(0.0, cap) as u32))
+        let mut kept: Vec<(&[String], (MixEntry, f64))> =
+            bound.into_iter().filter(|(_, (_, count))| *count >= RESERVE_MIN_COUNT).collect();
+        // with more lists than classes, the most seen lists (a stable sort: ties in name order),
+        // then back in name order
+        kept.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
+        kept.truncate(MODEL_RESERVE_CLASSES);
+        kept.sort_by(|a, b| a.0.cmp(b.0));
+        kept.into_iter()
+            .map(|(_, (e, count))| ReserveClass::of(&e, (count - 1e-9).ceil().clamp(0.0, cap) as u32))
             .collect()
     }
 
@@ -611,6 +616,35 @@ mod tests {
         assert_eq!(v100.keep, MODEL_RESERVE_MAX_KEEP);
         // requests that may run anywhere get no model class
         assert!(r.iter().all(|c| !c.models.is_empty() || c.cpu_milli != 8000));
+    }
+
+    #[test]
+    fn with_more_lists_of_models_than_classes_the_most_seen_lists_get_them() {
+        let mut l = MixLearner::default();
+        for _ in 0..100 {
+            l.observe(&entry(1, 1000, 4000));
+        }
+        let bound = |model: String| MixEntry { models: vec![model], ..entry(1, 1000, 8000) };
+        // lists "M00".."M19", each seen 3 times, except "M00" (first in name order) seen twice and
+        // "M19" (last) seen 9 times
+        for i in 0..MODEL_RESERVE_CLASSES + 4 {
+            let times = match i {
+                0 => 2,
+                i if i == MODEL_RESERVE_CLASSES + 3 => 9,
+                _ => 3,
+            };
+            for _ in 0..times {
+                l.observe(&bound(format!("M{i:02}")));
+            }
+        }
+        let lists: Vec<String> =
+            l.model_classes().iter().map(|c| c.models.first().cloned().unwrap_or_default()).collect();
+        assert_eq!(lists.len(), MODEL_RESERVE_CLASSES);
+        assert!(lists.contains(&format!("M{:02}", MODEL_RESERVE_CLASSES + 3)), "the most seen list: {lists:?}");
+        assert!(!lists.contains(&"M00".to_string()), "the least seen list: {lists:?}");
+        let mut sorted = lists.clone();
+        sorted.sort();
+        assert_eq!(lists, sorted, "in name order");
     }
 
     #[test]
