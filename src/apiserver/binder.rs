@@ -47,7 +47,7 @@ pub const BIND_CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_sec
 pub struct KubeBinder {
     client: Client,
     leadership: Arc<Leadership>,
-    slots: tokio::sync::Semaphore,
+    slots: Arc<tokio::sync::Semaphore>,
     /// Where the API calls run: the runtime that drives `client`'s connection, when it has one of its
     /// own; else the caller's.
     runtime: Option<tokio::runtime::Handle>,
@@ -74,7 +74,7 @@ impl KubeBinder {
 
     /// At most `concurrency` (at least 1) binds call the API server at once; the rest wait in turn.
     pub fn with_concurrency(client: Client, leadership: Arc<Leadership>, concurrency: usize) -> Self {
-        Self { client, leadership, slots: tokio::sync::Semaphore::new(concurrency.max(1)), runtime: None }
+        Self { client, leadership, slots: Arc::new(tokio::sync::Semaphore::new(concurrency.max(1))), runtime: None }
     }
 
     /// Runs each bind's API calls as a task on `runtime`, the one that drives the client's
@@ -93,14 +93,20 @@ impl KubeBinder {
             });
         }
         let queued = std::time::Instant::now();
-        // never closed: a failed acquire cannot happen, but is no reason to panic on a request path
-        let _slot = self.slots.acquire().await.ok();
+        // never closed: a failed acquire cannot happen, but is no reason to panic on a request path;
+        // held by the call itself, so a call whose caller went away still counts
+        let slot = self.slots.clone().acquire_owned().await.ok();
         let waited = queued.elapsed();
         let Some(runtime) = &self.runtime else {
+            let _slot = slot;
             return bind_call(self.client.clone(), r, waited).await;
         };
         let (client, request) = (self.client.clone(), r.clone());
-        runtime.spawn(async move { bind_call(client, &request, waited).await }).await.unwrap_or_else(|e| {
+        let call = async move {
+            let _slot = slot;
+            bind_call(client, &request, waited).await
+        };
+        runtime.spawn(call).await.unwrap_or_else(|e| {
             Err(BindError::Unavailable {
                 pod: format!("{}/{}", r.namespace, r.name),
                 message: format!("the bind thread ended before the Binding did: {e}"),
