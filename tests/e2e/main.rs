@@ -615,25 +615,28 @@ async fn whole_gpu_pods_per_second_with_and_without_the_extender() {
         let rate = n as f64 / secs;
         figure(&format!("throughput: {label}: {n} whole-GPU pods bound in {secs:.2} s, {rate:.1} pods/s"));
         rates.insert(label, rate);
-        pods.delete_collection(&DeleteParams::default().grace_period(0), &Default::default())
-            .await
-            .expect("delete pods");
-        let until = Instant::now() + Duration::from_secs(60);
-        while !pods.list(&Default::default()).await.expect("list").items.is_empty() {
-            assert!(Instant::now() < until, "pods not deleted");
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-        // the extender has released them (its watch saw the deletions)
-        let until = Instant::now() + Duration::from_secs(30);
-        while inspect(&ext).nodes.iter().flat_map(|n| &n.gpus).any(|g| !g.holders.is_empty()) {
-            assert!(Instant::now() < until, "the extender still counts deleted pods");
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        delete_all(&pods, &ext).await;
     }
     let ratio = rates["kube-scheduler with gpuplace"] / rates["kube-scheduler alone"];
     figure(&format!("throughput: with the extender / alone = {ratio:.2}"));
     assert!(ratio > 0.1, "the extender slows binding down tenfold: {ratio:.2}");
     latency_figure("throughput", &ext.placement_log);
+}
+
+/// Deletes every pod of `pods` and waits until they are gone and the extender has released them
+/// (its watch saw the deletions), so that the next run starts on idle GPUs.
+async fn delete_all(pods: &Api<Pod>, ext: &Extender) {
+    pods.delete_collection(&DeleteParams::default().grace_period(0), &Default::default()).await.expect("delete pods");
+    let until = Instant::now() + Duration::from_secs(60);
+    while !pods.list(&Default::default()).await.expect("list").items.is_empty() {
+        assert!(Instant::now() < until, "pods not deleted");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let until = Instant::now() + Duration::from_secs(30);
+    while inspect(ext).nodes.iter().flat_map(|n| &n.gpus).any(|g| !g.holders.is_empty()) {
+        assert!(Instant::now() < until, "the extender still counts deleted pods");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 /// Holders (pod names) of `node`'s GPUs in `/inspect`.
@@ -891,13 +894,6 @@ async fn binds_in_a_burst_of_creates_by_kube_scheduler_alone_and_through_gpuplac
             figure(&spread(&format!("burst, {label}: its binds"), binds));
             burst_figure(&format!("burst, {label}"), &ext.placement_log, began_ms, creates_done_ms);
         }
-        pods.delete_collection(&DeleteParams::default().grace_period(0), &Default::default())
-            .await
-            .expect("delete pods");
-        let until = Instant::now() + Duration::from_secs(60);
-        while !pods.list(&Default::default()).await.expect("list").items.is_empty() {
-            assert!(Instant::now() < until, "pods not deleted");
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        delete_all(&pods, &ext).await;
     }
 }
