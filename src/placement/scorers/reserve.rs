@@ -267,23 +267,30 @@ impl MemoState {
     }
 }
 
+impl MemoState {
+    /// The classes, and which are scarce (free hosts at most their keep).
+    fn view(&self) -> ReserveView {
+        let scarce = self
+            .classes
+            .iter()
+            .zip(&self.counts)
+            .enumerate()
+            .filter(|(_, (c, &n))| c.keep > 0 && n <= c.keep)
+            .fold(0, |s, (k, _)| s | (1 << k));
+        ReserveView { classes: self.classes.clone(), scarce }
+    }
+}
+
 impl ScarcityMemo {
     /// The reserve of `cluster` with the mix's `learned` classes.
     pub fn view(&self, cluster: &Cluster, learned: &[ReserveClass]) -> ReserveView {
-        self.view_with_hosts(cluster, learned).0
+        self.current(cluster, learned).view()
     }
 
     /// [`ScarcityMemo::view`], with each class's free hosts now (by class index, as in the view).
     pub fn view_with_hosts(&self, cluster: &Cluster, learned: &[ReserveClass]) -> (ReserveView, Vec<u32>) {
         let m = self.current(cluster, learned);
-        let scarce = m
-            .classes
-            .iter()
-            .zip(&m.counts)
-            .enumerate()
-            .filter(|(_, (c, &n))| c.keep > 0 && n <= c.keep)
-            .fold(0, |s, (k, _)| s | (1 << k));
-        (ReserveView { classes: m.classes.clone(), scarce }, m.counts.clone())
+        (m.view(), m.counts.clone())
     }
 
     /// The memo brought up to `cluster`'s state.
