@@ -103,23 +103,28 @@ fn log_lines(log: &std::path::Path, verb: &str) -> Vec<Value> {
     text.lines().filter_map(|l| serde_json::from_str::<Value>(l).ok()).filter(|d| d["verb"] == verb).collect()
 }
 
-/// (when the decision began, Unix ms; its latency, ms) of each decision of one verb in a placement
-/// log, in the log's order.
-fn timings(log: &std::path::Path, verb: &str) -> Vec<(f64, f64)> {
-    log_lines(log, verb)
-        .iter()
-        .filter_map(|d| {
-            let ms = d["latency_us"].as_f64()? / 1000.0;
-            Some((d["ts_unix_ms"].as_f64()? - ms, ms))
-        })
-        .collect()
+/// (when the decision began, Unix ms; its latency, ms) of one placement log line.
+fn began_and_latency(d: &Value) -> Option<(f64, f64)> {
+    let ms = d["latency_us"].as_f64()? / 1000.0;
+    Some((d["ts_unix_ms"].as_f64()? - ms, ms))
 }
 
-/// Latencies (ms) of one verb from a placement log, sorted.
-fn latencies_ms(log: &std::path::Path, verb: &str) -> Vec<f64> {
-    let mut out: Vec<f64> = timings(log, verb).into_iter().map(|(_, ms)| ms).collect();
-    out.sort_by(f64::total_cmp);
-    out
+/// [`began_and_latency`] of each decision of one verb in a placement log, in the log's order.
+fn timings(log: &std::path::Path, verb: &str) -> Vec<(f64, f64)> {
+    log_lines(log, verb).iter().filter_map(began_and_latency).collect()
+}
+
+/// "`label` n=… p50=… p90=… p99=… max=…" of latencies in ms.
+fn spread(label: &str, mut l: Vec<f64>) -> String {
+    l.sort_by(f64::total_cmp);
+    format!(
+        "{label} n={} p50={:.2} ms p90={:.2} ms p99={:.2} ms max={:.2} ms",
+        l.len(),
+        percentile(&l, 0.5),
+        percentile(&l, 0.9),
+        percentile(&l, 0.99),
+        l.last().copied().unwrap_or(f64::NAN)
+    )
 }
 
 fn unix_ms() -> f64 {
@@ -133,32 +138,18 @@ fn burst_figure(scenario: &str, log: &std::path::Path, creates_began_ms: f64, cr
     for (began, ms) in timings(log, "bind").into_iter().filter(|(b, _)| *b >= creates_began_ms) {
         if began < creates_done_ms { &mut during } else { &mut after }.push(ms);
     }
-    for (when, l) in [("while the creates were in flight", &mut during), ("after the last create", &mut after)] {
-        l.sort_by(f64::total_cmp);
-        figure(&format!(
-            "{scenario}: bind latency {when} n={} p50={:.2} ms p99={:.2} ms max={:.2} ms",
-            l.len(),
-            percentile(l, 0.5),
-            percentile(l, 0.99),
-            l.last().copied().unwrap_or(f64::NAN)
-        ));
+    for (when, l) in [("while the creates were in flight", during), ("after the last create", after)] {
+        figure(&spread(&format!("{scenario}: bind latency {when}"), l));
     }
 }
 
 fn latency_figure(scenario: &str, log: &std::path::Path) {
     for verb in ["filter", "prioritize", "bind"] {
-        let l = latencies_ms(log, verb);
+        let l: Vec<f64> = timings(log, verb).into_iter().map(|(_, ms)| ms).collect();
         if l.is_empty() {
             continue;
         }
-        figure(&format!(
-            "{scenario}: {verb} latency n={} p50={:.2} ms p90={:.2} ms p99={:.2} ms max={:.2} ms",
-            l.len(),
-            percentile(&l, 0.5),
-            percentile(&l, 0.9),
-            percentile(&l, 0.99),
-            l[l.len() - 1]
-        ));
+        figure(&spread(&format!("{scenario}: {verb} latency"), l));
     }
 }
 
@@ -832,18 +823,6 @@ fn scheduler_binding_calls(log: &std::path::Path) -> Vec<(f64, f64)> {
     took.into_iter().map(|(p, ms)| (ms, waited.get(&p).copied().unwrap_or(0.0))).collect()
 }
 
-fn spread(label: &str, mut l: Vec<f64>) -> String {
-    l.sort_by(f64::total_cmp);
-    format!(
-        "{label} n={} p50={:.1} ms p90={:.1} ms p99={:.1} ms max={:.1} ms",
-        l.len(),
-        percentile(&l, 0.5),
-        percentile(&l, 0.9),
-        percentile(&l, 0.99),
-        l.last().copied().unwrap_or(f64::NAN)
-    )
-}
-
 /// A measurement for docs/performance.md, not a check (`cargo test -p gpuplace --test e2e --
 /// --ignored --nocapture binds_in_a_burst`, about a minute): 300 whole-GPU pods created as fast as
 /// the API server takes them (25 in flight), bound once by kube-scheduler alone (its own binder) and
@@ -885,10 +864,9 @@ async fn binds_in_a_burst_of_creates_by_kube_scheduler_alone_and_through_gpuplac
             let binds: Vec<f64> = log_lines(&ext.placement_log, "bind")
                 .iter()
                 .filter(|d| d["outcome"] == "bound")
-                .filter_map(|d| {
-                    let ms = d["latency_us"].as_f64()? / 1000.0;
-                    (d["ts_unix_ms"].as_f64()? - ms >= began_ms).then_some(ms)
-                })
+                .filter_map(began_and_latency)
+                .filter(|(began, _)| *began >= began_ms)
+                .map(|(_, ms)| ms)
                 .collect();
             assert_eq!(binds.len(), bound, "the placement log shows a bind per bound pod");
             figure(&spread(&format!("burst, {label}: its binds"), binds));
