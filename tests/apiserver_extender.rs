@@ -1072,7 +1072,11 @@ async fn a_pod_turned_away_from_gpus_then_freed_is_sent_back_to_the_queue() {
     assert_eq!(requeued(&fake, "too-big"), None, "unresolvable everywhere: not requeued");
     let waiting_now: Pod = fake.get("ns", "waiting").unwrap();
     assert_eq!(waiting_now.spec.and_then(|s| s.node_name), None, "only annotated");
-    assert!(r.ext.render_metrics().contains("gpuplace_requeued_pods_total{result=\"annotated\"} 1"));
+    // counted once the patch's answer is back, which can be after the fake stored it
+    eventually("the requeue counted", || {
+        r.ext.render_metrics().contains("gpuplace_requeued_pods_total{result=\"annotated\"} 1")
+    })
+    .await;
 
     // once per rejection: freeing n2 as well sends nothing more until the pod is turned away again
     fake.remove::<Pod>("ns", "other");
