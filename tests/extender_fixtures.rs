@@ -268,7 +268,7 @@ fn check_pod(pod: &gpuplace::extender::wire::Pod, what: &str) {
     match expected_for(name) {
         Expect::Whole(n) => assert_eq!(got, Ok(whole(&key, n, None)), "{what}"),
         Expect::WholeInGroup(n, group, size) => {
-            let g = GroupSpec { key: group.into(), size };
+            let g = GroupSpec::labelled(group, size);
             assert_eq!(got, Ok(whole(&key, n, Some(g))), "{what}")
         }
         Expect::MissingGpu => {

@@ -197,7 +197,7 @@ fn random_request(rng: &mut ChaCha8Rng, i: usize) -> PodRequest {
         req.memory_mib = rng.random_range(0..256) * 1024;
     }
     if rng.random_bool(0.2) {
-        req.group = Some(GroupSpec { key: format!("ns/g{}", rng.random_range(0..2)), size: rng.random_range(1..6) });
+        req.group = Some(GroupSpec::labelled(format!("ns/g{}", rng.random_range(0..2)), rng.random_range(1..6)));
     }
     req
 }

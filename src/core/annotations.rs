@@ -551,7 +551,7 @@ mod tests {
             name: "warm".into(),
             demand: GpuDemand::Shared { gpus: 1, memory: MemoryDemand::Mib(1024), core_pct: 0 },
         });
-        r.group = Some(GroupSpec { key: "ns/job".into(), size: 2 });
+        r.group = Some(GroupSpec::labelled("ns/job", 2));
         r
     }
 

@@ -18,6 +18,7 @@ pub const ANNOTATION_NUMA: &str = "gpuplace.io/numa";
 pub const ANNOTATION_GPU_MODEL: &str = "gpuplace.io/gpu-model";
 pub const ANNOTATION_GROUP_SIZE: &str = "gpuplace.io/group-size";
 pub const LABEL_GROUP: &str = "gpuplace.io/group";
+pub const ANNOTATION_GROUP_TOPOLOGY: &str = "gpuplace.io/group-topology";
 
 /// More GPUs than any node carries; a larger count is refused outright rather than searched for.
 pub const MAX_GPUS_PER_CONTAINER: u32 = 64;
@@ -106,9 +107,26 @@ pub enum NumaPolicy {
 /// Membership in a job of several pods that should sit close together on the network.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct GroupSpec {
-    /// `namespace/group-label`: groups never span namespaces.
+    /// `namespace/name`: the PodGroup's name (`spec.schedulingGroup.podGroupName`) when the pod has
+    /// one, else the `gpuplace.io/group` label's value. Groups never span namespaces.
     pub key: String,
+    /// `gpuplace.io/group-size`: how many pods the group has (0 when only a PodGroup names the
+    /// group: its `minCount` says).
     pub size: u32,
+    /// The group is kube-scheduler's PodGroup (a gang that kube-scheduler schedules in one cycle).
+    #[serde(default)]
+    pub pod_group: bool,
+    /// `gpuplace.io/group-topology`: node label keys all members must share (a PodGroup adds its
+    /// `schedulingConstraints.topology` keys). Empty: closeness is a preference.
+    #[serde(default)]
+    pub required: Vec<String>,
+}
+
+impl GroupSpec {
+    /// A group of `gpuplace.io/group` and `gpuplace.io/group-size` alone.
+    pub fn labelled(key: impl Into<String>, size: u32) -> Self {
+        Self { key: key.into(), size, pod_group: false, required: Vec::new() }
+    }
 }
 
 /// One container's GPU need, by name.
@@ -194,6 +212,8 @@ pub struct PodSpecView {
     pub annotations: BTreeMap<String, String>,
     pub containers: Vec<ContainerResources>,
     pub init_containers: Vec<ContainerResources>,
+    /// `spec.schedulingGroup.podGroupName`: the kube-scheduler PodGroup the pod belongs to.
+    pub pod_group: Option<String>,
 }
 
 /// Why a pod's GPU request was refused. Every message says what to change.
@@ -382,18 +402,40 @@ pub fn pod_request(pod: &PodSpecView) -> Result<PodRequest, RequestError> {
         req.allowed_models =
             models.split([',', '|']).map(str::trim).filter(|m| !m.is_empty()).map(str::to_string).collect();
     }
-    if let Some(group) = pod.labels.get(LABEL_GROUP) {
-        let raw = pod
-            .annotations
-            .get(ANNOTATION_GROUP_SIZE)
-            .ok_or_else(|| RequestError::MissingGroupSize { group: group.clone() })?;
-        let size: u32 = raw
+    let size = match (pod.labels.get(LABEL_GROUP), pod.annotations.get(ANNOTATION_GROUP_SIZE)) {
+        (_, Some(raw)) => raw
             .trim()
             .parse()
             .ok()
             .filter(|s| (1..=MAX_GROUP_SIZE).contains(s))
-            .ok_or_else(|| RequestError::BadGroupSize { value: raw.clone() })?;
-        req.group = Some(GroupSpec { key: format!("{}/{}", pod.namespace, group), size });
+            .ok_or_else(|| RequestError::BadGroupSize { value: raw.clone() })?,
+        (Some(group), None) if pod.pod_group.is_none() => {
+            return Err(RequestError::MissingGroupSize { group: group.clone() })
+        }
+        _ => 0,
+    };
+    // the PodGroup names the group when both are set: kube-scheduler gangs by it
+    let name = pod.pod_group.as_ref().or(pod.labels.get(LABEL_GROUP));
+    if let Some(name) = name {
+        let mut required = Vec::new();
+        if let Some(raw) = pod.annotations.get(ANNOTATION_GROUP_TOPOLOGY) {
+            for key in raw.split(',').map(str::trim).filter(|k| !k.is_empty()) {
+                if key.chars().any(|c| c.is_whitespace() || c == '=') || key.len() > 317 {
+                    return Err(RequestError::BadAnnotation {
+                        key: ANNOTATION_GROUP_TOPOLOGY,
+                        value: raw.clone(),
+                        allowed: "node label keys, comma-separated (e.g. network.gpuplace.io/tor)",
+                    });
+                }
+                required.push(key.to_string());
+            }
+        }
+        req.group = Some(GroupSpec {
+            key: format!("{}/{}", pod.namespace, name),
+            size,
+            pod_group: pod.pod_group.is_some(),
+            required,
+        });
     }
     Ok(req)
 }
@@ -494,7 +536,7 @@ mod tests {
         assert_eq!(r.allowed_models, vec!["A100", "H100"]);
         assert!(r.allows_model("h100"));
         assert!(!r.allows_model("H100 80GB"));
-        assert_eq!(r.group, Some(GroupSpec { key: "ml/job".into(), size: 4 }));
+        assert_eq!(r.group, Some(GroupSpec::labelled("ml/job", 4)));
 
         pod.annotations.insert(ANNOTATION_NUMA.into(), "sometimes".into());
         assert!(pod_request(&pod).unwrap_err().to_string().contains("required | preferred | none"));

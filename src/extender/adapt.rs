@@ -51,6 +51,12 @@ impl Pod {
             annotations: self.metadata.annotations.clone(),
             containers: self.spec.containers.iter().map(Container::resources_view).collect(),
             init_containers: self.spec.init_containers.iter().map(Container::resources_view).collect(),
+            pod_group: self
+                .spec
+                .scheduling_group
+                .as_ref()
+                .and_then(|g| g.pod_group_name.clone())
+                .filter(|n| !n.is_empty()),
         }
     }
 

@@ -20,6 +20,10 @@ pub struct InspectReport {
     /// file).
     #[serde(default)]
     pub mix: Option<MixReport>,
+    /// Groups placed whole: members, plan and reserved GPUs (a running extender's; none for a
+    /// cluster file).
+    #[serde(default)]
+    pub groups: Vec<crate::extender::groups::GroupReport>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -75,7 +79,14 @@ impl InspectReport {
             Some(name) => vec![node_report(cluster.node(name)?)],
             None => cluster.nodes().iter().map(node_report).collect(),
         };
-        Some(Self { ready, generated_unix_ms: now_unix_ms, summary: ClusterSummary::of(cluster), nodes, mix: None })
+        Some(Self {
+            ready,
+            generated_unix_ms: now_unix_ms,
+            summary: ClusterSummary::of(cluster),
+            nodes,
+            mix: None,
+            groups: Vec::new(),
+        })
     }
 
     /// A table per node, one line per GPU.
@@ -100,6 +111,27 @@ impl InspectReport {
         );
         if let Some(mix) = &self.mix {
             let _ = writeln!(out, "{}", mix.summary());
+        }
+        for g in &self.groups {
+            let reserved: f64 = g.reserved.iter().map(|r| r.gpu_share).sum();
+            let state = match (&g.domain, &g.waiting) {
+                (Some(d), _) => format!(
+                    "planned in {d} {:.0} s ago, {reserved:.2} GPU(s) reserved on {}",
+                    g.plan_age_s.unwrap_or(0.0),
+                    g.reserved.iter().map(|r| r.node.as_str()).collect::<Vec<_>>().join(",")
+                ),
+                (None, Some(w)) => format!("waiting: {w}"),
+                (None, None) => "no reservation".into(),
+            };
+            let _ = writeln!(
+                out,
+                "group {}{}: {} of {} bound, {} seen; {state}",
+                g.group,
+                if g.gang { " (PodGroup)" } else { "" },
+                g.members_bound,
+                g.size,
+                g.members_seen
+            );
         }
         for n in &self.nodes {
             let net: Vec<String> = n

@@ -242,6 +242,9 @@ pub struct Metrics {
     mix_entries: AtomicU64,
     /// Reserve classes: [scarce, plenty]; set at scrape time.
     reserve_classes: [AtomicU64; 2],
+    /// Groups placed whole (`extender::groups`): [waiting with no plan, holding a plan, thousandths
+    /// of GPUs reserved, age of the oldest plan in ms].
+    groups: [AtomicU64; 4],
     /// Pods sent back to kube-scheduler's queue after GPUs were freed (`extender::requeue`):
     /// [annotated, failed].
     requeued: [AtomicU64; 2],
@@ -346,6 +349,13 @@ impl Metrics {
     }
 
     /// The reserve's classes now: how many are scarce, and how many are not.
+    pub fn set_groups(&self, g: &crate::extender::groups::GroupStats) {
+        self.groups[0].store(g.waiting as u64, Ordering::Relaxed);
+        self.groups[1].store(g.planned as u64, Ordering::Relaxed);
+        self.groups[2].store((g.gpus_reserved * 1000.0).round() as u64, Ordering::Relaxed);
+        self.groups[3].store((g.oldest_plan_s * 1000.0).round() as u64, Ordering::Relaxed);
+    }
+
     pub fn set_reserve(&self, scarce: u64, plenty: u64) {
         self.reserve_classes[0].store(scarce, Ordering::Relaxed);
         self.reserve_classes[1].store(plenty, Ordering::Relaxed);
@@ -533,6 +543,29 @@ impl Metrics {
         for (state, n) in [("scarce", &self.reserve_classes[0]), ("plenty", &self.reserve_classes[1])] {
             let _ = writeln!(out, "gpuplace_reserve_classes{{state=\"{state}\"}} {}", ld(n));
         }
+        header(
+            &mut out,
+            "gpuplace_groups",
+            "gauge",
+            "Groups placed whole, by state: waiting (members to place, no plan possible now), planned (a plan holds GPUs for members not bound yet).",
+        );
+        for (state, n) in [("waiting", &self.groups[0]), ("planned", &self.groups[1])] {
+            let _ = writeln!(out, "gpuplace_groups{{state=\"{state}\"}} {}", ld(n));
+        }
+        header(
+            &mut out,
+            "gpuplace_group_reserved_gpus",
+            "gauge",
+            "GPUs held by group plans for members not bound yet (a share counts its fraction).",
+        );
+        let _ = writeln!(out, "gpuplace_group_reserved_gpus {}", ld(&self.groups[2]) as f64 / 1000.0);
+        header(
+            &mut out,
+            "gpuplace_group_plan_age_seconds",
+            "gauge",
+            "Age of the oldest group plan still holding GPUs (0 when none).",
+        );
+        let _ = writeln!(out, "gpuplace_group_plan_age_seconds {}", ld(&self.groups[3]) as f64 / 1000.0);
         header(
             &mut out,
             "gpuplace_gpus",

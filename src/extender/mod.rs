@@ -14,6 +14,8 @@
 //! - [`reasons`]: the texts kube-scheduler shows (reasons that group across nodes, never a `%`).
 //! - [`metrics`], [`placement_log`], [`inspect`]: what operators and planners see.
 //! - [`mix`]: the typical request mix, learned from the pods seen (or fixed), and its state file.
+//! - [`groups`]: groups placed whole (gangs and `gpuplace.io/group` jobs): their plans and the
+//!   reservations that hold the plans' GPUs.
 //! - [`requeue`]: pods just turned away for want of GPUs, sent back to kube-scheduler's queue when
 //!   those GPUs are freed (its watch can be ahead of ours).
 
@@ -21,6 +23,7 @@ pub mod adapt;
 pub mod binder;
 pub mod client;
 pub mod forward;
+pub mod groups;
 pub mod http;
 pub mod inspect;
 pub mod metrics;

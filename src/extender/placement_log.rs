@@ -68,6 +68,15 @@ pub struct Decision {
     /// and `rejections` kept to its first [`TRUNCATED_REJECTIONS`] reasons.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub truncated: bool,
+    /// The pod's group (`namespace/name`), for members of one; on `group` lines, the group.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<String>,
+    /// Filter of a group member with a plan: the node its slot is on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub planned_node: Option<String>,
+    /// `group` lines: what happened to the group (planned, no_plan, expired, replanned, bound, deleted).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group_event: Option<crate::extender::groups::GroupEvent>,
 }
 
 /// The longest line written: a request that would make a longer one (thousands of distinct

@@ -35,6 +35,7 @@ use crate::core::resources::PodRequest;
 use crate::core::signing::{KeyId, KeyRing};
 use crate::extender::adapt::NodeListMode;
 use crate::extender::binder::{BindRequest, Binder};
+use crate::extender::groups::{Groups, DEFAULT_GROUP_TIMEOUT};
 use crate::extender::metrics::{BindOutcome, ClusterSummary, ConflictKind, Metrics, RejectClass};
 use crate::extender::mix::Learning;
 use crate::extender::placement_log::{
@@ -186,6 +187,9 @@ struct State {
     /// UID → when this process's own bind of it was confirmed: a re-list that started before then
     /// may not show the pod yet, and must not release it (`observe::retain_pods`).
     bound_at: HashMap<String, Instant>,
+    /// Groups placed whole: their members, plans and reservations (`extender::groups`). Here, under
+    /// the state's lock, because reservations are allocations in `cluster`.
+    groups: Groups,
 }
 
 /// Options of the service.
@@ -203,6 +207,8 @@ pub struct ServiceOptions {
     /// Count assignments that carry no `sig` at all (never ones whose `sig` does not verify): for
     /// one upgrade from a version that did not sign (`--accept-unsigned-assignments`).
     pub accept_unsigned: bool,
+    /// How long a group's plan holds GPUs for members not bound yet (`extender::groups`).
+    pub group_timeout: Duration,
 }
 
 impl Default for ServiceOptions {
@@ -213,6 +219,7 @@ impl Default for ServiceOptions {
             shape_cache: DEFAULT_SHAPE_CACHE,
             ready: true,
             accept_unsigned: false,
+            group_timeout: DEFAULT_GROUP_TIMEOUT,
         }
     }
 }
@@ -418,6 +425,7 @@ impl Extender {
             refused: HashMap::new(),
             withdrawn: HashMap::new(),
             bound_at: HashMap::new(),
+            groups: Groups::new(opts.group_timeout),
         };
         Self {
             state: RwLock::new(state),
@@ -625,6 +633,9 @@ impl Extender {
                 }
             }
         }
+        // a planned node that changed may no longer hold its group's reservations
+        let events = Self::groups_after_node_change(st);
+        self.group_events(events);
     }
 
     /// Rebuilds every allocation from pod assignment annotations (after a restart). Each annotation
@@ -693,6 +704,14 @@ impl Extender {
             st.bound.insert(b.uid.clone(), b);
         }
         st.last_seq = last_seq;
+        // the rebuild dropped every reservation: plans are made again at their members' next filter
+        st.groups.forget_plans();
+        for (uid, req) in &arrived {
+            if let Some(b) = st.bound.get(uid) {
+                let (key, node) = (b.key.clone(), b.node.clone());
+                st.groups.member_bound(uid, &key, req, &node);
+            }
+        }
         arrived.retain(|(uid, _)| st.bound.contains_key(uid));
         drop(st);
         self.observe_rebuilt(&arrived);
@@ -998,6 +1017,12 @@ impl Extender {
         // the pod has arrived: counted into the learned mix before it is judged, as the simulator's
         // gpuplace policy counts a pod before it places it
         self.observe_arrival(&args.pod.metadata.uid, &req);
+        self.expire_groups();
+        if req.group.is_some() {
+            if let Some(out) = self.group_filter(&args.pod.metadata.uid, &req, &names, args.names_verbatim(), &mut d) {
+                return Ok(self.finish(d, started, out));
+            }
+        }
         let st = self.read();
         // after the read lock: a freeing stamped later than this is not in the verdict
         let read_at = Instant::now();
@@ -1202,6 +1227,9 @@ impl Extender {
                             b.confirmed = true;
                             st.bound_at.insert(args.pod_uid.clone(), Instant::now());
                         }
+                        let done = st.groups.settle(&args.pod_uid);
+                        drop(st);
+                        self.group_events(done.into_iter().collect());
                     }
                     // counted here if this replica never filtered it (the filter went to another
                     // leader, or the pod watcher remembered it)
@@ -1301,31 +1329,48 @@ impl Extender {
         };
         let mut annotations = BTreeMap::new();
         if !req.is_gpu_free() {
-            let placement = match st.engine.place(&st.cluster, &req, index) {
-                Ok(p) => p,
-                Err(why) => {
-                    // the event gets the cause; the node's figures go to the logs
-                    tracing::debug!(pod = %key, node = %args.node, detail = %why.detail(), "pod no longer fits on the chosen node");
-                    d.rejection_details.insert(args.node.clone(), why.detail().to_string());
-                    return fail(
-                        BindOutcome::NoFit,
-                        format!("pod {key} no longer fits on {}: {}", args.node, why.cause()),
-                    );
-                }
+            // a group member binding where its plan put it takes its reservation's GPUs
+            let reserved = Self::take_reservation(st, &args.pod_uid, &key, &args.node);
+            let placement = match reserved {
+                Some(assignment) => crate::placement::feasibility::Placement { assignment, set_scores: Vec::new() },
+                None => match st.engine.place(&st.cluster, &req, index) {
+                    Ok(p) => p,
+                    Err(why) => {
+                        // the event gets the cause; the node's figures go to the logs
+                        tracing::debug!(pod = %key, node = %args.node, detail = %why.detail(), "pod no longer fits on the chosen node");
+                        d.rejection_details.insert(args.node.clone(), why.detail().to_string());
+                        return fail(
+                            BindOutcome::NoFit,
+                            format!("pod {key} no longer fits on {}: {}", args.node, why.cause()),
+                        );
+                    }
+                },
             };
             let seq = st.last_seq.get(&args.node).copied().unwrap_or(0) + 1;
             let node = &st.cluster.nodes()[index];
-            let annotation = AssignmentAnnotation::from_assignment(&placement.assignment, &args.pod_uid, node, seq)
-                .map_err(|e| (BindOutcome::NoFit, prefixed(&e.to_string())))?;
+            let annotation =
+                match AssignmentAnnotation::from_assignment(&placement.assignment, &args.pod_uid, node, seq) {
+                    Ok(a) => a,
+                    Err(e) => {
+                        Self::restore_reservation(st, &args.pod_uid, &args.node);
+                        return Err((BindOutcome::NoFit, prefixed(&e.to_string())));
+                    }
+                };
             // signed, so that a restarted replica (or the standby) can tell it from a forgery
             let Some(keys) = self.key_ring() else {
+                Self::restore_reservation(st, &args.pod_uid, &args.node);
                 return fail(BindOutcome::NotReady, "no assignment key to sign the assignment with; retry".into());
             };
             let annotation = annotation.signed(&keys);
             record.signed_by = Some(keys.primary().to_string());
-            st.cluster.allocate(placement.assignment.clone()).map_err(|e| {
-                (BindOutcome::NoFit, prefixed(&format!("pod {key} cannot be counted on {}: {e}", args.node)))
-            })?;
+            if let Err(e) = st.cluster.allocate(placement.assignment.clone()) {
+                Self::restore_reservation(st, &args.pod_uid, &args.node);
+                return Err((
+                    BindOutcome::NoFit,
+                    prefixed(&format!("pod {key} cannot be counted on {}: {e}", args.node)),
+                ));
+            }
+            st.groups.slot_taken(&args.pod_uid, &args.node);
             st.last_seq.insert(args.node.clone(), seq);
             let text = annotation.to_json();
             d.chosen = chosen_of(&text);
@@ -1366,6 +1411,10 @@ impl Extender {
         }
         if st.cluster.assignment(&key).is_some_and(|a| a.node == args.node) {
             let _ = st.cluster.release(&key);
+        }
+        // a group member's slot is held for it again: the other members keep what they hold
+        if let Some(res) = st.groups.slot_returned(&args.pod_uid) {
+            let _ = st.cluster.allocate(res);
         }
     }
 
@@ -1491,7 +1540,13 @@ impl Extender {
     pub fn render_metrics(&self) -> String {
         let observed = self.mix_observed();
         let st = self.read();
-        let bound = st.cluster.nodes().iter().map(|n| n.pods().count()).sum();
+        let bound = st
+            .cluster
+            .nodes()
+            .iter()
+            .map(|n| n.pods().filter(|a| !crate::extender::groups::is_reservation(&a.pod)).count())
+            .sum();
+        self.metrics.set_groups(&st.groups.stats(&st.cluster, Instant::now()));
         self.metrics.set_signed_with_old_key(self.signed_with_old_key(&st));
         self.metrics.set_mix(observed, st.engine.mix.entries.len() as u64);
         let reserve = st.engine.reserve_view(&st.cluster);
@@ -1507,6 +1562,7 @@ impl Extender {
         let mut report =
             crate::extender::inspect::InspectReport::build(&st.cluster, node, self.is_ready(), now_unix_ms())?;
         report.mix = Some(mix);
+        report.groups = st.groups.report(&st.cluster, Instant::now());
         Some(report)
     }
 
@@ -1516,6 +1572,7 @@ impl Extender {
     }
 }
 
+mod groups;
 mod learning;
 mod observe;
 mod trust;

@@ -596,7 +596,7 @@ mod tests {
         // cap 2: `a` was least recently used and is gone
         assert!(!Arc::ptr_eq(&sa, &cache.shape(&a).unwrap()), "evicted");
         let mut grouped = a.clone();
-        grouped.group = Some(GroupSpec { key: "ns/job".into(), size: 2 });
+        grouped.group = Some(GroupSpec::labelled("ns/job", 2));
         assert!(cache.shape(&grouped).is_none(), "a group's pods are never cached");
         assert!(ShapeCache::new(0).shape(&a).is_none());
     }

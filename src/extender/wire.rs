@@ -343,6 +343,17 @@ pub struct PodSpec {
     /// Resolved from the PriorityClass by admission; victims are chosen lowest first.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority: Option<i32>,
+    /// `schedulingGroup`: the kube-scheduler PodGroup (gang) the pod belongs to.
+    #[serde(default, deserialize_with = "null_as_default", skip_serializing_if = "Option::is_none")]
+    pub scheduling_group: Option<SchedulingGroup>,
+}
+
+/// `spec.schedulingGroup` of a pod (core/v1 `PodSchedulingGroup`, Kubernetes 1.36).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SchedulingGroup {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_group_name: Option<String>,
 }
 
 /// One container's name and resources.

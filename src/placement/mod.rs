@@ -4,6 +4,7 @@ pub mod compact;
 pub mod engine;
 pub mod feasibility;
 pub mod gpu_select;
+pub mod group_plan;
 pub mod mix_learner;
 pub mod profile;
 pub mod scorer;

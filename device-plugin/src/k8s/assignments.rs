@@ -83,6 +83,7 @@ pub fn spec_view(pod: &Pod) -> PodSpecView {
             .and_then(|s| s.init_containers.as_ref())
             .map(|v| v.iter().map(resources).collect())
             .unwrap_or_default(),
+        pod_group: spec.and_then(|s| s.scheduling_group.as_ref()).and_then(|g| g.pod_group_name.clone()),
     }
 }
 

@@ -168,11 +168,14 @@ impl Extender {
         st.util_sources.remove(name);
         let node = st.cluster.remove_node(name)?;
         st.gpu_memory_mib.store(super::UNKNOWN_GPU_MEMORY, std::sync::atomic::Ordering::Relaxed);
-        let pods: Vec<_> = node.pods().cloned().collect();
+        let pods: Vec<_> = node.pods().filter(|a| !crate::extender::groups::is_reservation(&a.pod)).cloned().collect();
         let n = pods.len();
         if n > 0 {
             st.parked.entry(name.to_string()).or_default().extend(pods);
         }
+        let events = Self::groups_after_node_change(&mut st);
+        drop(st);
+        self.group_events(events);
         tracing::info!(node = %name, parked = n, "node removed");
         Some(n)
     }
@@ -275,6 +278,7 @@ impl Extender {
             },
         );
         st.refused.remove(&pod.uid);
+        st.groups.member_bound(&pod.uid, &pod.key, request, node);
         tracing::info!(pod = %pod.key, node, "assignment counted from the pod");
         PodOutcome::Counted
     }
@@ -282,6 +286,7 @@ impl Extender {
     /// Gives back what a pod holds (deleted or finished). Returns whether it held a record.
     pub fn release_pod(&self, uid: &str) -> bool {
         self.rejections().forget(uid);
+        self.forget_group_member(uid);
         self.metrics.pod_settled(uid);
         {
             let st = self.read();

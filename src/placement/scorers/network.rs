@@ -133,7 +133,7 @@ mod tests {
 
     fn member(gpus: u32, size: u32) -> PodRequest {
         let mut r = PodRequest::single("ns/job-x", GpuDemand::Whole { gpus });
-        r.group = Some(GroupSpec { key: "ns/job".into(), size });
+        r.group = Some(GroupSpec::labelled("ns/job", size));
         r
     }
 

@@ -1,0 +1,217 @@
+//! Filter and bind for members of a group (`extender::groups` holds the plans and reservations):
+//! each member goes to its planned node only; a group with no plan has every member turned away.
+//!
+//! How a group with no plan is turned away depends on who schedules it. A plain group's members are
+//! single pods to kube-scheduler, so every node gets the group's reason (`FailedAndUnresolvableNodes`:
+//! evicting pods from one node cannot place a whole group) and kube-scheduler backs each pod off as
+//! usual. A gang (PodGroup) is answered with the filter's `Error` instead: kube-scheduler v1.36 sends
+//! a gang member that a filter rejected back after back-off, but pops its back-off queue early
+//! whenever its active queue is empty (`SchedulerPopFromBackoffQ`, on by default) and pulls every
+//! sibling into the same cycle, so a rejected gang is retried at once, without end (docs/resources.md,
+//! "Gangs and kube-scheduler's back-off"). An error puts the members in the error back-off queue,
+//! which is never popped early (1, 2, 4, 8, then every 10 s). The error is answered only when no node
+//! anywhere could take the group; inside a plan, a topology domain kube-scheduler tries that is not
+//! the plan's gets plain node rejections, since an error would abort the whole group cycle.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::{Extender, Filtered, State};
+use crate::core::cluster::PodAssignment;
+use crate::core::resources::PodRequest;
+use crate::extender::groups::{Arrival, GroupEvent, PodGroupInfo, Verdict};
+use crate::extender::metrics::RejectClass;
+use crate::extender::placement_log::{Decision, PLACEMENT_LOG_VERSION};
+use crate::extender::reasons::prefixed;
+use crate::extender::shapes::{Answer, Candidates, Reason};
+
+impl Extender {
+    /// A kube-scheduler PodGroup seen or changed (`namespace/name`): its `minCount` and topology keys
+    /// apply to the group of that name.
+    pub fn observe_pod_group(&self, key: &str, info: PodGroupInfo) {
+        let known = self.read().groups.pod_group(key) == Some(&info);
+        if !known {
+            self.write().groups.observe_pod_group(key, info);
+        }
+    }
+
+    /// A PodGroup deleted: its group's reservations end.
+    pub fn forget_pod_group(&self, key: &str) {
+        let events = {
+            let mut st = self.write();
+            let st = &mut *st;
+            st.groups.forget_pod_group(&mut st.cluster, key)
+        };
+        self.group_events(events);
+    }
+
+    /// Filter's answer for a group member (`None`: judge it as a single pod).
+    pub(super) fn group_filter<'a>(
+        &self,
+        uid: &str,
+        req: &PodRequest,
+        names: &[&'a str],
+        verbatim: bool,
+        d: &mut Decision,
+    ) -> Option<Filtered<'a>> {
+        let group = req.group.as_ref()?;
+        let arrival = Arrival { uid, request: req };
+        let now = Instant::now();
+        let settled = {
+            let st = self.read();
+            st.groups.settled(&st.cluster, &arrival, now)
+        };
+        let verdict = match settled {
+            Some(v) => v,
+            None => {
+                let mut events = Vec::new();
+                let mut v = self.admit(&arrival, now, &mut events);
+                if let Verdict::Planned { node } = &v {
+                    // a plain group's member is offered every node kube-scheduler found feasible: one
+                    // missing from the list will not be taken, so the group is planned without it
+                    if !group.pod_group && !names.is_empty() && !names.contains(&node.as_str()) {
+                        {
+                            let mut guard = self.write();
+                            let st = &mut *guard;
+                            events.extend(st.groups.planned_node_refused(&mut st.cluster, uid, node));
+                        }
+                        v = self.admit(&arrival, now, &mut events);
+                    }
+                }
+                self.group_events(events);
+                v
+            }
+        };
+        d.group = Some(group.key.clone());
+        let (answers, text) = match verdict {
+            Verdict::Single => return None,
+            Verdict::NoPlan { reason } if group.pod_group => {
+                let text = prefixed(&reason);
+                d.error = Some(text.clone());
+                d.rejection_classes.insert(RejectClass::Unresolvable.name().into(), names.len());
+                self.metrics.rejection(RejectClass::Unresolvable, names.len() as u64);
+                self.metrics.pod_filtered(uid, Some(RejectClass::Unresolvable), Instant::now());
+                return Some(Filtered::Error(text));
+            }
+            Verdict::NoPlan { reason } => {
+                let r = Arc::new(Reason::new(RejectClass::Unresolvable, prefixed(&reason)));
+                (names.iter().map(|_| Answer::No(r.clone())).collect::<Vec<_>>(), r.text.clone())
+            }
+            Verdict::Planned { node } => {
+                let r = Arc::new(Reason::new(
+                    RejectClass::Unresolvable,
+                    prefixed(&format!("group {} holds a place for this pod on another node", short(&group.key))),
+                ));
+                d.planned_node = Some(node.clone());
+                let answers = names.iter().map(|n| if *n == node { Answer::Fits(10) } else { Answer::No(r.clone()) });
+                (answers.collect(), r.text.clone())
+            }
+        };
+        let c = Candidates::unresolved(names.to_vec(), verbatim);
+        let mut feasible = 0;
+        let mut rejected = 0;
+        for p in c.unique() {
+            match &answers[p] {
+                Answer::Fits(_) => feasible += 1,
+                Answer::No(_) => rejected += 1,
+            }
+        }
+        d.feasible = feasible;
+        if rejected > 0 {
+            self.metrics.rejection(RejectClass::Unresolvable, rejected as u64);
+            d.rejections.insert(text, rejected);
+            d.rejection_classes.insert(RejectClass::Unresolvable.name().into(), rejected);
+        }
+        self.metrics.pod_filtered(uid, (feasible == 0).then_some(RejectClass::Unresolvable), Instant::now());
+        Some(Filtered::Judged(c, answers))
+    }
+
+    fn admit(&self, arrival: &Arrival<'_>, now: Instant, events: &mut Vec<GroupEvent>) -> Verdict {
+        let now_ms = self.now_ms();
+        let mut st = self.write();
+        let st = &mut *st;
+        let (v, ev) = st.groups.admit(&mut st.cluster, &st.engine, arrival, now, now_ms);
+        events.extend(ev);
+        v
+    }
+
+    /// Ends the reservations of plans past the time-out (cheap when none is).
+    pub(super) fn expire_groups(&self) {
+        let now = Instant::now();
+        if !self.read().groups.any_expired(now) {
+            return;
+        }
+        let mut events = Vec::new();
+        {
+            let mut st = self.write();
+            let st = &mut *st;
+            st.groups.expire(&mut st.cluster, now, &mut events);
+        }
+        self.group_events(events);
+    }
+
+    /// Writes what happened to groups to the log and the placement log.
+    pub(super) fn group_events(&self, events: Vec<GroupEvent>) {
+        for e in events {
+            tracing::info!(group = %e.group, event = %e.event, domain = ?e.domain, nodes = ?e.nodes, reason = ?e.reason, "group");
+            if self.log.is_some() {
+                let d = Decision {
+                    v: PLACEMENT_LOG_VERSION,
+                    ts_unix_ms: super::now_unix_ms(),
+                    verb: "group".into(),
+                    pod: String::new(),
+                    group: Some(e.group.clone()),
+                    group_event: Some(e),
+                    ..Decision::default()
+                };
+                self.log(d);
+            }
+        }
+    }
+
+    /// Bind of a group member: the reservation its slot holds on `node`, released so that the member's
+    /// own allocation (the same GPUs, under its key) takes its place. A member bound elsewhere gives
+    /// its slot up.
+    pub(super) fn take_reservation(st: &mut State, uid: &str, key: &str, node: &str) -> Option<PodAssignment> {
+        let res = st.groups.reservation_for_bind(uid, node)?;
+        st.cluster.release(&res.pod).ok()?;
+        let mut a = res;
+        a.pod = key.to_string();
+        Some(a)
+    }
+
+    /// A member's allocation could not be counted after its reservation was released: the
+    /// reservation goes back.
+    pub(super) fn restore_reservation(st: &mut State, uid: &str, node: &str) {
+        if let Some(res) = st.groups.reservation_for_bind(uid, node) {
+            let _ = st.cluster.allocate(res);
+        }
+    }
+
+    /// A member deleted or finished: forgotten by its group.
+    pub(super) fn forget_group_member(&self, uid: &str) {
+        if !self.read().groups.is_member(uid) {
+            return;
+        }
+        let events = {
+            let mut st = self.write();
+            let st = &mut *st;
+            st.groups.forget_member(&mut st.cluster, uid)
+        };
+        self.group_events(events);
+    }
+
+    /// After nodes changed: plans whose reservations no longer stand are dropped, and no reservation
+    /// stays parked with a removed node.
+    pub(super) fn groups_after_node_change(st: &mut State) -> Vec<GroupEvent> {
+        for parked in st.parked.values_mut() {
+            parked.retain(|a| !crate::extender::groups::is_reservation(&a.pod));
+        }
+        st.parked.retain(|_, v| !v.is_empty());
+        st.groups.nodes_changed(&mut st.cluster)
+    }
+}
+
+fn short(key: &str) -> &str {
+    key.split_once('/').map_or(key, |(_, n)| n)
+}

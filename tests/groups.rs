@@ -1,0 +1,295 @@
+//! Groups placed whole, through the extender's verbs in static mode: plans, reservations, the
+//! all-or-nothing answer, binds that take their reservation, bind failures, time-outs, a planned node
+//! that leaves, PodGroups (gangs answered with an error when no plan exists), fractional trials, and a
+//! restart that never double-books.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpuplace::core::cluster::{Cluster, DEFAULT_NETWORK_LEVELS};
+use gpuplace::core::inventory::Board;
+use gpuplace::extender::binder::{BindError, BindFuture, BindRequest, Binder, RecordingBinder};
+use gpuplace::extender::groups::PodGroupInfo;
+use gpuplace::extender::service::{Extender, ServiceOptions};
+use gpuplace::extender::wire::ExtenderFilterResult;
+use gpuplace::placement::engine::Engine;
+use gpuplace::placement::profile::Profile;
+use gpuplace::placement::scorers::fragmentation::WorkloadMix;
+use serde_json::{json, Value};
+
+const TOR: &str = "network.gpuplace.io/tor";
+
+/// `n` nodes of 8 H100s, 4 per ToR, 8 per spine.
+fn cluster(n: usize) -> Cluster {
+    let board = Board::Flat { gpus: 8, model: "H100".into(), memory_mib: 81920 }.resolve(Path::new(".")).unwrap();
+    let nodes = (0..n)
+        .map(|i| {
+            let labels: BTreeMap<String, String> = DEFAULT_NETWORK_LEVELS
+                .iter()
+                .zip([format!("spine-{}", i / 8), format!("tor-{}", i / 4)])
+                .map(|(k, v)| (k.to_string(), v))
+                .collect();
+            board.node(&format!("gpu-{i:02}"), labels, 0, 0)
+        })
+        .collect();
+    Cluster::new(nodes)
+}
+
+fn extender_with(c: Cluster, binder: Arc<dyn Binder>, timeout: Duration) -> Extender {
+    let engine = Engine::new(Profile::default(), WorkloadMix::default());
+    Extender::new(c, engine, binder, ServiceOptions { group_timeout: timeout, ..ServiceOptions::default() })
+}
+
+fn extender(c: Cluster) -> Extender {
+    extender_with(c, Arc::new(RecordingBinder::new()), Duration::from_secs(300))
+}
+
+fn names(c: &Extender) -> Vec<String> {
+    c.cluster().nodes().iter().map(|n| n.name.clone()).collect()
+}
+
+/// A member of a `gpuplace.io/group` job of `size` pods, each asking `limits`.
+fn member(job: &str, i: usize, size: usize, limits: Value) -> Value {
+    json!({
+        "metadata": { "name": format!("{job}-{i}"), "namespace": "ml", "uid": format!("uid-{job}-{i}"),
+                      "labels": { "gpuplace.io/group": job },
+                      "annotations": { "gpuplace.io/group-size": size.to_string() } },
+        "spec": { "containers": [ { "name": "main", "resources": { "limits": limits } } ] }
+    })
+}
+
+/// A member of the PodGroup `pg` (kube-scheduler's gang).
+fn gang_member(pg: &str, i: usize, limits: Value) -> Value {
+    json!({
+        "metadata": { "name": format!("{pg}-{i}"), "namespace": "ml", "uid": format!("uid-{pg}-{i}") },
+        "spec": { "schedulingGroup": { "podGroupName": pg },
+                  "containers": [ { "name": "main", "resources": { "limits": limits } } ] }
+    })
+}
+
+fn single(name: &str, gpus: u32) -> Value {
+    json!({
+        "metadata": { "name": name, "namespace": "ml", "uid": format!("uid-{name}") },
+        "spec": { "containers": [ { "name": "main", "resources": { "limits": { "gpuplace.io/gpu": gpus.to_string() } } } ] }
+    })
+}
+
+fn whole(n: u32) -> Value {
+    json!({ "gpuplace.io/gpu": n.to_string() })
+}
+
+fn filter(e: &Extender, pod: &Value) -> ExtenderFilterResult {
+    let body = json!({ "Pod": pod, "Nodes": null, "NodeNames": names(e) });
+    e.filter(body.to_string().as_bytes()).unwrap()
+}
+
+/// The nodes filter passed.
+fn passed(r: &ExtenderFilterResult) -> Vec<String> {
+    r.node_names.clone().unwrap_or_default()
+}
+
+fn bind(e: &Extender, pod: &Value, node: &str) -> String {
+    let m = &pod["metadata"];
+    let body = json!({ "PodName": m["name"], "PodNamespace": m["namespace"], "PodUID": m["uid"], "Node": node });
+    actix_web::rt::System::new().block_on(e.bind(body.to_string().as_bytes())).unwrap().error
+}
+
+/// Filter then bind to the one node passed; the node.
+fn place(e: &Extender, pod: &Value) -> String {
+    let r = filter(e, pod);
+    let p = passed(&r);
+    assert_eq!(p.len(), 1, "{} should go to exactly one node: {r:?}", pod["metadata"]["name"]);
+    let err = bind(e, pod, &p[0]);
+    assert!(err.is_empty(), "bind: {err}");
+    p[0].clone()
+}
+
+fn tor_of(e: &Extender, node: &str) -> String {
+    e.cluster().node(node).unwrap().labels[TOR].clone()
+}
+
+/// Fills `gpus` GPUs of `node` with a single pod.
+fn fill(e: &Extender, name: &str, node: &str, gpus: u32) {
+    let pod = single(name, gpus);
+    assert!(passed(&filter(e, &pod)).contains(&node.to_string()));
+    assert_eq!(bind(e, &pod, node), "");
+}
+
+fn reserved_gpus(e: &Extender) -> f64 {
+    e.inspect(None).unwrap().groups.iter().flat_map(|g| g.reserved.iter()).map(|r| r.gpu_share).sum()
+}
+
+/// Pods (not reservations) holding GPUs.
+fn real_pods(e: &Extender) -> usize {
+    e.cluster().nodes().iter().flat_map(|n| n.pods()).filter(|a| !a.pod.contains('#')).count()
+}
+
+#[test]
+fn a_job_is_planned_whole_under_one_tor_and_each_member_goes_to_its_own_node() {
+    let e = extender(cluster(16));
+    let job: Vec<Value> = (0..4).map(|i| member("job", i, 4, whole(8))).collect();
+    // the first member's filter plans all four and reserves 32 GPUs
+    let first = passed(&filter(&e, &job[0]));
+    assert_eq!(first.len(), 1);
+    assert_eq!(reserved_gpus(&e), 32.0);
+    // a single pod cannot take the reserved GPUs
+    let s = filter(&e, &single("s", 1));
+    let reserved_nodes: BTreeSet<String> =
+        e.inspect(None).unwrap().groups[0].reserved.iter().map(|r| r.node.clone()).collect();
+    assert_eq!(reserved_nodes.len(), 4);
+    for n in &reserved_nodes {
+        assert!(!passed(&s).contains(n), "a single was offered reserved node {n}");
+    }
+    let nodes: Vec<String> = job.iter().map(|p| place(&e, p)).collect();
+    let distinct: BTreeSet<&String> = nodes.iter().collect();
+    assert_eq!(distinct.len(), 4, "{nodes:?}");
+    let tors: BTreeSet<String> = nodes.iter().map(|n| tor_of(&e, n)).collect();
+    assert_eq!(tors.len(), 1, "{nodes:?}");
+    assert_eq!(reserved_gpus(&e), 0.0);
+    let report = e.inspect(None).unwrap();
+    assert_eq!(report.groups[0].members_bound, 4);
+    assert!(report.groups[0].domain.is_none());
+}
+
+#[test]
+fn five_jobs_on_three_free_tors_give_three_whole_jobs_and_two_empty_ones() {
+    let e = extender(cluster(16));
+    // tor-3 has one node in use: exactly 3 ToRs are wholly free
+    fill(&e, "filler", "gpu-15", 1);
+    let jobs: Vec<Vec<Value>> =
+        (0..5).map(|j| (0..4).map(|i| member(&format!("job-{j}"), i, 4, whole(8))).collect()).collect();
+    let mut whole_jobs = 0;
+    let mut empty_jobs = 0;
+    for job in &jobs {
+        let r = filter(&e, &job[0]);
+        if passed(&r).is_empty() {
+            // every member is turned away with the same one reason, and none is bound
+            let reasons: BTreeSet<&String> =
+                r.failed_and_unresolvable_nodes.values().chain(r.failed_nodes.values()).collect();
+            assert_eq!(reasons.len(), 1, "{r:?}");
+            let reason = reasons.into_iter().next().unwrap();
+            assert!(reason.contains("needs 4 pods of 8 GPUs"), "{reason}");
+            assert!(!reason.contains('%'));
+            for m in &job[1..] {
+                assert!(passed(&filter(&e, m)).is_empty());
+            }
+            empty_jobs += 1;
+            continue;
+        }
+        let nodes: Vec<String> = job.iter().map(|p| place(&e, p)).collect();
+        let tors: BTreeSet<String> = nodes.iter().map(|n| tor_of(&e, n)).collect();
+        assert_eq!(tors.len(), 1, "{nodes:?}");
+        whole_jobs += 1;
+    }
+    assert_eq!((whole_jobs, empty_jobs), (3, 2));
+    assert_eq!(real_pods(&e), 1 + 12);
+    assert_eq!(reserved_gpus(&e), 0.0);
+    let waiting = e.inspect(None).unwrap().groups.iter().filter(|g| g.waiting.is_some()).count();
+    assert_eq!(waiting, 2);
+    assert!(e.render_metrics().contains("gpuplace_groups{state=\"waiting\"} 2"));
+}
+
+#[test]
+fn a_gang_with_no_plan_is_answered_with_an_error_and_a_planned_one_with_one_node() {
+    let e = extender(cluster(8));
+    fill(&e, "f0", "gpu-00", 1);
+    fill(&e, "f1", "gpu-04", 1);
+    e.observe_pod_group("ml/pg", PodGroupInfo { min_count: Some(4), topology_keys: vec![TOR.into()] });
+    let r = filter(&e, &gang_member("pg", 0, whole(8)));
+    assert_eq!(r.error, "gpuplace: group pg needs 4 pods of 8 GPUs under one tor; best tor holds 3", "{r:?}");
+    assert!(passed(&r).is_empty());
+    // a smaller gang fits under one ToR
+    e.observe_pod_group("ml/small", PodGroupInfo { min_count: Some(3), topology_keys: vec![TOR.into()] });
+    let nodes: Vec<String> = (0..3).map(|i| place(&e, &gang_member("small", i, whole(8)))).collect();
+    assert_eq!(nodes.iter().map(|n| tor_of(&e, n)).collect::<BTreeSet<_>>().len(), 1);
+    // a gang whose PodGroup gpuplace has not seen yet waits (an error: kube-scheduler backs it off)
+    let r = filter(&e, &gang_member("unknown", 0, whole(1)));
+    assert!(r.error.contains("not known to gpuplace yet"), "{r:?}");
+}
+
+/// A binder whose Bindings fail.
+#[derive(Debug)]
+struct Failing;
+impl Binder for Failing {
+    fn bind<'a>(&'a self, _: &'a BindRequest) -> BindFuture<'a> {
+        Box::pin(async {
+            Err(BindError::Api { call: "Binding", pod: "p".into(), status: Some(500), message: "injected".into() })
+        })
+    }
+}
+
+#[test]
+fn a_member_whose_binding_fails_gets_its_slot_back_and_takes_nothing_from_the_others() {
+    let e = extender_with(cluster(8), Arc::new(Failing), Duration::from_secs(300));
+    let job: Vec<Value> = (0..2).map(|i| member("job", i, 2, whole(4))).collect();
+    let node = passed(&filter(&e, &job[0]))[0].clone();
+    let before = reserved_gpus(&e);
+    assert_eq!(before, 8.0);
+    let err = bind(&e, &job[0], &node);
+    assert!(err.contains("binding failed"), "{err}");
+    assert_eq!(reserved_gpus(&e), 8.0, "the slot is reserved again");
+    assert_eq!(real_pods(&e), 0);
+    // the same member is sent to the same node again
+    assert_eq!(passed(&filter(&e, &job[0])), vec![node]);
+}
+
+#[test]
+fn a_plan_past_the_time_out_gives_its_gpus_back_and_waits_for_every_member() {
+    let e = extender_with(cluster(8), Arc::new(RecordingBinder::new()), Duration::from_millis(50));
+    let m0 = member("job", 0, 3, whole(8));
+    assert_eq!(passed(&filter(&e, &m0)).len(), 1);
+    assert_eq!(reserved_gpus(&e), 24.0);
+    std::thread::sleep(Duration::from_millis(80));
+    // the time-out ends the reservation; with 1 of 3 members seen, no new plan is made
+    let r = filter(&e, &m0);
+    assert!(passed(&r).is_empty(), "{r:?}");
+    assert_eq!(reserved_gpus(&e), 0.0);
+    assert!(r.failed_and_unresolvable_nodes.values().all(|v| v.contains("waits for all 3 pods")), "{r:?}");
+    // once all three exist it is planned again
+    filter(&e, &member("job", 1, 3, whole(8)));
+    let r = filter(&e, &member("job", 2, 3, whole(8)));
+    assert_eq!(passed(&r).len(), 1, "{r:?}");
+}
+
+#[test]
+fn a_planned_node_that_leaves_has_its_group_planned_again() {
+    let e = extender(cluster(8));
+    let job: Vec<Value> = (0..2).map(|i| member("job", i, 2, whole(8))).collect();
+    let first = place(&e, &job[0]);
+    let second = passed(&filter(&e, &job[1]))[0].clone();
+    assert_ne!(first, second);
+    e.remove_node(&second);
+    assert_eq!(reserved_gpus(&e), 0.0);
+    let again = passed(&filter(&e, &job[1]));
+    assert_eq!(again.len(), 1);
+    assert_ne!(again[0], second);
+    assert_eq!(tor_of(&e, &again[0]), tor_of(&e, &first), "the new plan stays beside the bound member");
+    assert_eq!(bind(&e, &job[1], &again[0]), "");
+}
+
+#[test]
+fn fractional_trials_are_packed_on_few_gpus_of_one_node() {
+    let e = extender(cluster(4));
+    let quarter = json!({ "gpuplace.io/gpu": "1", "gpuplace.io/gpu-core": "25" });
+    let nodes: Vec<String> = (0..8).map(|i| place(&e, &member("trials", i, 8, quarter.clone()))).collect();
+    assert_eq!(nodes.iter().collect::<BTreeSet<_>>().len(), 1, "{nodes:?}");
+    let c = e.cluster();
+    let gpus: BTreeSet<u32> = c.nodes().iter().flat_map(|n| n.pods()).flat_map(|a| a.gpus()).collect();
+    assert_eq!(gpus.len(), 2, "8 quarter shares fill 2 GPUs");
+}
+
+#[test]
+fn every_member_deleted_ends_the_reservation() {
+    let e = extender(cluster(8));
+    let job: Vec<Value> = (0..2).map(|i| member("job", i, 2, whole(8))).collect();
+    filter(&e, &job[0]);
+    filter(&e, &job[1]);
+    assert_eq!(reserved_gpus(&e), 16.0);
+    e.release_pod("uid-job-0");
+    assert_eq!(reserved_gpus(&e), 16.0, "a deleted member's slot waits for its replacement");
+    e.release_pod("uid-job-1");
+    assert_eq!(reserved_gpus(&e), 0.0);
+    assert!(e.cluster().nodes().iter().all(|n| n.pods().count() == 0));
+}
