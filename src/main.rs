@@ -101,6 +101,10 @@ struct ServeArgs {
     /// upgrade from a version that did not sign; drop it once gpuplace_assignments_signed_with_old_key is 0.
     #[arg(long, conflicts_with = "cluster")]
     accept_unsigned_assignments: bool,
+    /// How long a group's plan holds GPUs for members not bound yet, in seconds (kube-scheduler
+    /// v1.36 gives a gang 300 s at Permit; docs/resources.md, "Groups").
+    #[arg(long, value_name = "SECONDS", default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    group_timeout: u64,
     /// API-server mode: elect a leader through a Lease (run two replicas); `false` for one replica.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     leader_elect: bool,
@@ -364,9 +368,10 @@ fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
         max_body_bytes: args.max_body_bytes,
         max_request_nodes: args.max_request_nodes,
     };
+    let group_timeout = std::time::Duration::from_secs(args.group_timeout);
     let kube = gpuplace::apiserver::run::spawn_thread(source, opts, move |bind_client, leadership| {
         let binder = Arc::new(KubeBinder::new(bind_client.client, leadership).run_calls_on(bind_client.runtime));
-        let options = ServiceOptions { ready: false, accept_unsigned, ..ServiceOptions::default() };
+        let options = ServiceOptions { ready: false, accept_unsigned, group_timeout, ..ServiceOptions::default() };
         let mut ext = Extender::new(Cluster::default(), engine, binder, options);
         if let Some(log) = log {
             ext = ext.with_placement_log(log);
@@ -410,7 +415,11 @@ fn serve(args: &ServeArgs) -> Result<(), String> {
     let cluster = load_cluster(cluster_file).map_err(|e| e.to_string())?;
     let (engine, learner) = engine_of(args)?;
     let nodes = cluster.nodes().len();
-    let mut ext = Extender::new(cluster, engine, Arc::new(RecordingBinder::new()), ServiceOptions::default());
+    let options = ServiceOptions {
+        group_timeout: std::time::Duration::from_secs(args.group_timeout),
+        ..ServiceOptions::default()
+    };
+    let mut ext = Extender::new(cluster, engine, Arc::new(RecordingBinder::new()), options);
     if let Some(log) = placement_log_of(args)? {
         ext = ext.with_placement_log(log);
     }

@@ -1,7 +1,7 @@
 //! The Kubernetes API: building a client ([`connect()`]), an in-process fake API server for tests and
 //! demos ([`fake`]), and the extender's API-server mode as thin adapters around
 //! [`Extender`], one concern each: [`binder`] (one Binding
-//! that carries the assignment annotation), [`nodes`], [`pods`] and [`utilization`] (watchers), [`leader`] (Lease election),
+//! that carries the assignment annotation), [`nodes`], [`pods`], [`utilization`] and [`pod_groups`] (watchers), [`leader`] (Lease election),
 //! [`events`] (Kubernetes Events), [`keys`] (the assignment key Secret), [`resign`] (re-signing after
 //! a key rotation), [`stale`] (assignments left on unbound pods), [`requeue`] (pending pods sent back
 //! to kube-scheduler's queue when GPUs are freed), [`run`] (wiring and readiness).
@@ -14,6 +14,7 @@ pub mod fake;
 pub mod keys;
 pub mod leader;
 pub mod nodes;
+pub mod pod_groups;
 pub mod pods;
 pub mod requeue;
 pub mod resign;

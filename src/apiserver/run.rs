@@ -38,7 +38,7 @@ use crate::apiserver::events::EventSink;
 use crate::apiserver::keys::{self, KeyOptions, KeyStatus};
 use crate::apiserver::leader::{self, LeaderConfig, Leadership};
 use crate::apiserver::stale;
-use crate::apiserver::{nodes, pods, requeue, resign, utilization};
+use crate::apiserver::{nodes, pod_groups, pods, requeue, resign, utilization};
 use crate::extender::forward::{Role, Route};
 use crate::extender::service::Extender;
 
@@ -227,6 +227,8 @@ pub fn start(client: Client, ext: Arc<Extender>, leadership: Arc<Leadership>, op
         let api = Api::<ConfigMap>::namespaced(client.clone(), ns);
         tasks.push(tokio::spawn(utilization::watch_utilization(api, ext.clone())));
     }
+    // optional too: kube-scheduler's PodGroups, where the API server serves them
+    tasks.push(tokio::spawn(pod_groups::watch_pod_groups(client.clone(), ext.clone())));
     tasks.push(tokio::spawn(resign::run(
         client.clone(),
         ext.clone(),

@@ -396,6 +396,29 @@ impl Groups {
         }
     }
 
+    /// A member's bind goes to a node its plan did not choose (kube-scheduler did not follow the
+    /// plan): a plan it holds a slot in is dropped, so that it is placed like a single pod and its
+    /// siblings are planned again around it at their next filter.
+    pub fn leave_plan(&mut self, cluster: &mut Cluster, uid: &str, node: &str) -> Vec<GroupEvent> {
+        let Some(g) = self.member_of.get(uid).and_then(|k| self.groups.get_mut(k)) else { return Vec::new() };
+        let held = g.members.get(uid).is_some_and(|m| m.slot.is_some()) && g.plan.is_some();
+        if !held {
+            return Vec::new();
+        }
+        drop_plan(cluster, g);
+        let mut ev = GroupEvent::new(&g.key, "replanned");
+        ev.reason = Some(format!("a member is bound to {node}, not where the plan put it"));
+        vec![ev]
+    }
+
+    /// A member bound without a slot of a plan.
+    pub fn mark_bound(&mut self, uid: &str, node: &str) {
+        let Some(g) = self.member_of.get(uid).and_then(|k| self.groups.get_mut(k)) else { return };
+        if let Some(m) = g.members.get_mut(uid) {
+            m.bound = Some(node.to_string());
+        }
+    }
+
     /// A member's Binding failed after [`Groups::slot_taken`]: its slot is reserved again, as it was
     /// (`Some(reservation)` for the caller to count), so the other members keep what they hold.
     pub fn slot_returned(&mut self, uid: &str) -> Option<PodAssignment> {

@@ -169,16 +169,19 @@ pub enum Watched {
     Pods,
     /// The device plugins' utilization ConfigMaps (optional: readiness does not wait on them).
     UtilizationConfigMaps,
+    /// kube-scheduler's PodGroups (optional: served only with the alpha API enabled).
+    PodGroups,
 }
 
 impl Watched {
-    pub const ALL: [Watched; 3] = [Watched::Nodes, Watched::Pods, Watched::UtilizationConfigMaps];
+    pub const ALL: [Watched; 4] = [Watched::Nodes, Watched::Pods, Watched::UtilizationConfigMaps, Watched::PodGroups];
 
     pub fn name(self) -> &'static str {
         match self {
             Watched::Nodes => "nodes",
             Watched::Pods => "pods",
             Watched::UtilizationConfigMaps => "configmaps",
+            Watched::PodGroups => "podgroups",
         }
     }
 

@@ -1153,6 +1153,10 @@ impl Extender {
         if let Some(list) = &args.nodes {
             self.learn_nodes(&list.items);
         }
+        if let Some(scores) = self.group_priorities(&args.pod.metadata.uid, &req, &names) {
+            d.feasible = scores.iter().filter(|&&s| s > 0).count();
+            return Ok(self.finish(d, started, (names, scores)));
+        }
         let st = self.read();
         let c = self.names.resolve(&st.cluster, names, args.names_verbatim());
         let now = self.now_ms();
@@ -1331,6 +1335,11 @@ impl Extender {
         if !req.is_gpu_free() {
             // a group member binding where its plan put it takes its reservation's GPUs
             let reserved = Self::take_reservation(st, &args.pod_uid, &key, &args.node);
+            let elsewhere = reserved.is_none();
+            if elsewhere {
+                let events = st.groups.leave_plan(&mut st.cluster, &args.pod_uid, &args.node);
+                self.group_events(events);
+            }
             let placement = match reserved {
                 Some(assignment) => crate::placement::feasibility::Placement { assignment, set_scores: Vec::new() },
                 None => match st.engine.place(&st.cluster, &req, index) {
@@ -1370,7 +1379,11 @@ impl Extender {
                     prefixed(&format!("pod {key} cannot be counted on {}: {e}", args.node)),
                 ));
             }
-            st.groups.slot_taken(&args.pod_uid, &args.node);
+            if elsewhere {
+                st.groups.mark_bound(&args.pod_uid, &args.node);
+            } else {
+                st.groups.slot_taken(&args.pod_uid, &args.node);
+            }
             st.last_seq.insert(args.node.clone(), seq);
             let text = annotation.to_json();
             d.chosen = chosen_of(&text);

@@ -204,6 +204,8 @@ impl Audit {
                 let mut h: Vec<_> = g
                     .holders
                     .iter()
+                    // group reservations (`namespace/group#slot`) hold GPUs for pods not bound yet
+                    .filter(|h| !h.pod.contains('#'))
                     .map(|h| (h.pod.clone(), h.container.clone(), h.memory_mib, h.core_percent))
                     .collect();
                 h.sort();

@@ -253,16 +253,33 @@ pub struct ControlPlane {
     /// API call with its latency, and each wait in its client's rate limiter).
     pub scheduler_verbosity: String,
     pub url: String,
+    /// `--feature-gates` of kube-scheduler (the API server's, for gangs: [`ControlPlane::start_with_gangs`]).
+    pub feature_gates: Option<String>,
     pub scheduler: Option<Proc>,
     pub apiserver: Proc,
     pub etcd: Proc,
     bin: PathBuf,
 }
 
+/// kube-scheduler 1.36's gangs (shared/kube/README.md).
+pub const GANG_GATES: &str = "GenericWorkload=true,GangScheduling=true,TopologyAwareWorkloadScheduling=true";
+pub const GANG_API: &str = "scheduling.k8s.io/v1alpha2";
+
 impl ControlPlane {
     /// Starts etcd and the API server in a fresh folder `target/tmp/e2e/<name>` and waits until the
     /// API server is ready.
     pub async fn start(name: &str) -> ControlPlane {
+        Self::start_gated(name, None).await
+    }
+
+    /// [`ControlPlane::start`] with kube-scheduler 1.36's gangs: the alpha PodGroup API
+    /// (scheduling.k8s.io/v1alpha2) and the `GenericWorkload`, `GangScheduling` and
+    /// `TopologyAwareWorkloadScheduling` gates on the API server and on kube-scheduler.
+    pub async fn start_with_gangs(name: &str) -> ControlPlane {
+        Self::start_gated(name, Some(GANG_GATES)).await
+    }
+
+    async fn start_gated(name: &str, gates: Option<&str>) -> ControlPlane {
         let bin = kube_bin_dir();
         let dir = scratch().join("e2e").join(name);
         let _ = fs::remove_dir_all(&dir);
@@ -307,6 +324,12 @@ impl ControlPlane {
                 .arg("--service-account-issuer=https://kubernetes.default.svc")
                 .arg("--service-cluster-ip-range=10.96.0.0/16")
                 .arg("--enable-priority-and-fairness=false")
+                .args(
+                    gates
+                        .map(|g| [format!("--feature-gates={g}"), format!("--runtime-config={GANG_API}=true")])
+                        .into_iter()
+                        .flatten(),
+                )
                 .arg(
                     std::env::var("GPUPLACE_E2E_APISERVER_V")
                         .map(|v| format!("-v={v}"))
@@ -316,7 +339,9 @@ impl ControlPlane {
         );
         let url = format!("https://127.0.0.1:{secure_port}");
         let scheduler_verbosity = std::env::var("GPUPLACE_E2E_SCHEDULER_V").unwrap_or_else(|_| "2".into());
-        let mut cp = ControlPlane { dir, url, scheduler_verbosity, scheduler: None, apiserver, etcd, bin };
+        let feature_gates = gates.map(str::to_string);
+        let mut cp =
+            ControlPlane { dir, url, feature_gates, scheduler_verbosity, scheduler: None, apiserver, etcd, bin };
         for u in User::ALL {
             cp.write_kubeconfig(u);
         }
@@ -393,6 +418,7 @@ impl ControlPlane {
             Command::new(self.bin.join("kube-scheduler"))
                 .arg(format!("--config={}", path.display()))
                 .arg("--secure-port=0")
+                .args(self.feature_gates.iter().map(|g| format!("--feature-gates={g}")))
                 .arg(format!("-v={}", self.scheduler_verbosity)),
             self.dir.join("kube-scheduler.log"),
         ));

@@ -43,11 +43,16 @@ fn gpus_on(board: &str) -> u32 {
 /// Creates `n` Node objects (4 per ToR, 8 per spine), Ready, untainted, with kubelet's
 /// `gpuplace.io/gpu` capacity (K slots per GPU), and starts one device plugin per node.
 pub async fn start_nodes(cp: &ControlPlane, n: usize) -> Vec<GpuNode> {
+    start_nodes_of(cp, n, &BOARDS).await
+}
+
+/// [`start_nodes`] with the boards cycling through `boards`.
+pub async fn start_nodes_of(cp: &ControlPlane, n: usize, boards: &[&'static str]) -> Vec<GpuNode> {
     let admin = cp.client(User::Admin).await;
     let nodes: Api<Node> = Api::all(admin.clone());
     let mut out = Vec::with_capacity(n);
     for i in 0..n {
-        let board = BOARDS[i % BOARDS.len()];
+        let board = boards[i % boards.len()];
         let gpus = gpus_on(board);
         let name = format!("gpu-{i:02}");
         let node: Node = serde_json::from_value(json!({

@@ -10,6 +10,7 @@
 mod audit;
 mod cluster;
 mod fleet;
+mod groups;
 #[path = "../support/tls.rs"]
 mod tls;
 #[path = "../support/yaml_files.rs"]

@@ -126,6 +126,19 @@ impl Extender {
         Some(Filtered::Judged(c, answers))
     }
 
+    /// Prioritize for a group member whose plan holds a slot: 10 on its planned node, 0 elsewhere
+    /// (the only node filter passed; its own reservation keeps the engine from scoring it). `None`:
+    /// scored as any pod.
+    pub(super) fn group_priorities(&self, uid: &str, req: &PodRequest, names: &[&str]) -> Option<Vec<u8>> {
+        req.group.as_ref()?;
+        let st = self.read();
+        match st.groups.settled(&st.cluster, &Arrival { uid, request: req }, Instant::now())? {
+            Verdict::Planned { node } => Some(names.iter().map(|n| if *n == node { 10 } else { 0 }).collect()),
+            Verdict::NoPlan { .. } => Some(vec![0; names.len()]),
+            Verdict::Single => None,
+        }
+    }
+
     fn admit(&self, arrival: &Arrival<'_>, now: Instant, events: &mut Vec<GroupEvent>) -> Verdict {
         let now_ms = self.now_ms();
         let mut st = self.write();

@@ -1,0 +1,368 @@
+//! Groups placed whole on the real control plane: kube-scheduler 1.36's gangs (PodGroup with
+//! `minCount` and a ToR topology key) and gpuplace's own group labels, on 16 nodes of 8 H100s (4 per
+//! ToR) with exactly 3 ToRs wholly free; a cluster fragmented by share pods with jobs and fractional
+//! trial groups; a planned node deleted and the extender killed (SIGKILL) while a plan waits for its
+//! last members. Each prints its figures as `e2e figure: groups: …` lines.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{Node, Pod, PodSchedulingGroup};
+use k8s_openapi::api::scheduling::v1alpha2::PodGroup;
+use kube::api::{DeleteParams, PostParams};
+use kube::{Api, Client, ResourceExt};
+use serde_json::{json, Value};
+
+use crate::audit::{node_name, snapshot, Audit, Snapshot};
+use crate::cluster::{figure, ControlPlane, User};
+use crate::fleet::{start_nodes_of, wait_inventories, Extender, Shape};
+use crate::{install, log_lines, scheduler_config, Stage, NS, SERIAL};
+
+const H100: &str = "hgx-h100-8";
+const TOR: &str = "network.gpuplace.io/tor";
+
+/// 16 nodes of 8 H100s (4 per ToR), the extender ready, kube-scheduler with the project's config;
+/// `gangs`: the control plane serves PodGroups and kube-scheduler runs its gang plugins.
+async fn h100_stage(name: &str, gangs: bool) -> (Stage, Extender) {
+    let mut cp = if gangs { ControlPlane::start_with_gangs(name).await } else { ControlPlane::start(name).await };
+    let admin = cp.client(User::Admin).await;
+    install(&admin).await;
+    let mut nodes = start_nodes_of(&cp, 16, &[H100]).await;
+    wait_inventories(&cp, &mut nodes).await;
+    let mut ext = Extender::start(&cp, "replica-a", 0, &[]);
+    ext.wait_ready(Duration::from_secs(60)).await;
+    cp.start_scheduler(&scheduler_config(), Some(&ext.url()));
+    (Stage { cp, admin, nodes }, ext)
+}
+
+fn whole(gpus: &'static str) -> Shape {
+    Shape { gpu: Some(gpus), kind: "group", ..Shape::default() }
+}
+
+/// The pods of one job: `gpuplace.io/group` and its size, plus `spec.schedulingGroup` when the job
+/// is a PodGroup.
+fn job_pods(job: &str, n: usize, shape: &Shape, pod_group: bool) -> Vec<Pod> {
+    (0..n)
+        .map(|i| {
+            let mut s = shape.clone();
+            s.labels.push(("gpuplace.io/group", job.to_string()));
+            s.annotations.push(("gpuplace.io/group-size", n.to_string()));
+            let mut pod = s.pod(&format!("{job}-{i}"));
+            if pod_group {
+                if let Some(spec) = pod.spec.as_mut() {
+                    spec.scheduling_group = Some(PodSchedulingGroup { pod_group_name: Some(job.to_string()) });
+                }
+            }
+            pod
+        })
+        .collect()
+}
+
+async fn create(client: &Client, pods: Vec<Pod>) {
+    let api: Api<Pod> = Api::namespaced(client.clone(), NS);
+    for p in pods {
+        let name = p.name_any();
+        api.create(&PostParams::default(), &p).await.unwrap_or_else(|e| panic!("create pod {name}: {e}"));
+    }
+}
+
+async fn create_pod_group(client: &Client, name: &str, min_count: usize, topology: Option<&str>) {
+    let mut spec = json!({ "schedulingPolicy": { "gang": { "minCount": min_count } } });
+    if let Some(key) = topology {
+        spec["schedulingConstraints"] = json!({ "topology": [ { "key": key } ] });
+    }
+    let pg: PodGroup = serde_json::from_value(json!({
+        "apiVersion": "scheduling.k8s.io/v1alpha2", "kind": "PodGroup",
+        "metadata": { "name": name, "namespace": NS }, "spec": spec,
+    }))
+    .expect("a PodGroup");
+    Api::<PodGroup>::namespaced(client.clone(), NS)
+        .create(&PostParams::default(), &pg)
+        .await
+        .unwrap_or_else(|e| panic!("create PodGroup {name}: {e}"));
+}
+
+/// One single pod pinned to `node` by a node selector (kube-scheduler offers the extender that node
+/// alone), bound before the function returns.
+async fn pin(client: &Client, name: &str, node: &str, shape: Shape) {
+    let mut pod = shape.pod(name);
+    if let Some(spec) = pod.spec.as_mut() {
+        spec.node_selector = Some(BTreeMap::from([("kubernetes.io/hostname".to_string(), node.to_string())]));
+    }
+    create(client, vec![pod]).await;
+    let api: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let until = Instant::now() + Duration::from_secs(60);
+    while api.get(name).await.ok().and_then(|p| p.spec.and_then(|s| s.node_name)).is_none() {
+        assert!(Instant::now() < until, "{name} not bound to {node} in 60 s");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Polls until the number of bound pods of the namespace reaches `min` and then stays the same for
+/// `quiet`; returns it.
+async fn wait_stable(client: &Client, min: usize, quiet: Duration, limit: Duration) -> usize {
+    let api: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let until = Instant::now() + limit;
+    let (mut last, mut since) = (usize::MAX, Instant::now());
+    loop {
+        let bound = api
+            .list(&Default::default())
+            .await
+            .expect("list pods")
+            .items
+            .iter()
+            .filter(|p| node_name(p).is_some())
+            .count();
+        if bound != last {
+            (last, since) = (bound, Instant::now());
+        }
+        if bound >= min && since.elapsed() >= quiet {
+            return bound;
+        }
+        assert!(Instant::now() < until, "only {bound} pods bound (wanted {min} and a quiet {quiet:?})");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// Per job (the `gpuplace.io/group` label): pods, pods bound, ToRs of the bound ones, GPUs they hold.
+#[derive(Debug, Default)]
+struct Job {
+    pods: usize,
+    bound: usize,
+    tors: BTreeSet<String>,
+    nodes: BTreeSet<String>,
+    gpus: f64,
+}
+
+fn jobs(s: &Snapshot) -> BTreeMap<String, Job> {
+    let tor: BTreeMap<String, String> =
+        s.nodes.iter().map(|n| (n.name_any(), n.labels().get(TOR).cloned().unwrap_or_default())).collect();
+    let mut out: BTreeMap<String, Job> = BTreeMap::new();
+    for p in &s.pods {
+        let Some(job) = p.labels().get("gpuplace.io/group") else { continue };
+        let j = out.entry(job.clone()).or_default();
+        j.pods += 1;
+        if let Some(node) = node_name(p) {
+            j.bound += 1;
+            j.tors.insert(tor.get(node).cloned().unwrap_or_default());
+            j.nodes.insert(node.to_string());
+            j.gpus += gpus_of(p);
+        }
+    }
+    out
+}
+
+/// GPUs' worth a pod asks for (a share by its compute percent).
+fn gpus_of(p: &Pod) -> f64 {
+    let limits = p.spec.as_ref().and_then(|s| s.containers.first()).and_then(|c| c.resources.as_ref()?.limits.clone());
+    let get = |k: &str| limits.as_ref().and_then(|l| l.get(k)).and_then(|q| q.0.parse::<f64>().ok());
+    let n = get("gpuplace.io/gpu").unwrap_or(0.0);
+    get("gpuplace.io/gpu-core").map_or(n, |c| n * c / 100.0)
+}
+
+/// Filter calls per second for the pods of `pods` (placement log lines of pods whose name starts
+/// with one of the prefixes) over the last `window`.
+fn filter_rate(ext: &Extender, prefixes: &[String], from_ms: f64, to_ms: f64) -> f64 {
+    let n = log_lines(&ext.placement_log, "filter")
+        .iter()
+        .filter(|d| d["ts_unix_ms"].as_f64().is_some_and(|t| t >= from_ms && t < to_ms))
+        .filter(|d| {
+            let pod = d["pod"].as_str().unwrap_or("");
+            let name = pod.split_once('/').map_or(pod, |(_, n)| n);
+            prefixes.iter().any(|p| name.starts_with(p.as_str()))
+        })
+        .count();
+    n as f64 / ((to_ms - from_ms) / 1000.0)
+}
+
+/// Binds refused (placement log `bind` lines with an error) for pods of a group.
+fn group_bind_refusals(ext: &Extender) -> Vec<Value> {
+    log_lines(&ext.placement_log, "bind")
+        .into_iter()
+        .filter(|d| d["error"].is_string() && d["group"].is_string())
+        .collect()
+}
+
+fn unix_ms() -> f64 {
+    crate::unix_ms()
+}
+
+/// The checks every scenario makes: no over-commit, no incomplete group holding GPUs, and the
+/// extender's records equal to the annotations.
+fn sound(name: &str, s: &Snapshot, ext: &Extender) -> BTreeMap<String, Job> {
+    let audit = Audit::of(s);
+    let js = jobs(s);
+    let partial: Vec<(&String, &Job)> = js.iter().filter(|(_, j)| j.bound > 0 && j.bound < j.pods).collect();
+    let held: f64 = partial.iter().map(|(_, j)| j.gpus).sum::<f64>() + 0.0;
+    let refusals = group_bind_refusals(ext);
+    let diffs = audit.compare_inspect(&crate::inspect(ext));
+    figure(&format!(
+        "groups: {name}: over-commits {}, jobs partly bound {}, GPUs held by incomplete groups {held}, \
+         bind refusals of group members {}, /inspect differences {}",
+        audit.over_commits.len(),
+        partial.len(),
+        refusals.len(),
+        diffs.len()
+    ));
+    for (job, j) in &js {
+        figure(&format!("groups: {name}: {job}: {} of {} bound on ToR(s) {:?}", j.bound, j.pods, j.tors));
+    }
+    assert!(audit.over_commits.is_empty(), "{name}: over-commits {:#?}", audit.over_commits);
+    assert!(partial.is_empty(), "{name}: partly bound jobs {partial:#?}");
+    assert!(refusals.is_empty(), "{name}: group members' binds refused: {refusals:#?}");
+    assert!(diffs.is_empty(), "{name}: /inspect differs from the annotations: {diffs:#?}");
+    js
+}
+
+/// Measures the filter calls of the waiting jobs and of one single pod that fits nowhere, over 15 s.
+async fn retry_rates(name: &str, st: &Stage, ext: &Extender, waiting: &[String]) {
+    let lonely = Shape {
+        gpu: Some("1"),
+        annotations: vec![("gpuplace.io/gpu-model", "NoSuchGPU".into())],
+        kind: "lonely",
+        ..Shape::default()
+    };
+    create(&st.admin, vec![lonely.pod("lonely")]).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let from = unix_ms();
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    let to = unix_ms();
+    let per_group = if waiting.is_empty() {
+        0.0
+    } else {
+        filter_rate(ext, &waiting.iter().map(|j| format!("{j}-")).collect::<Vec<_>>(), from, to) / waiting.len() as f64
+    };
+    let single = filter_rate(ext, &["lonely".to_string()], from, to);
+    figure(&format!(
+        "groups: {name}: filter calls per second per waiting group {per_group:.2} ({} groups waiting), \
+         for one single pod that fits nowhere {single:.2} (15 s window)",
+        waiting.len()
+    ));
+    // a waiting group costs about what a pending single pod costs (kube-scheduler backs both off)
+    assert!(per_group < 20.0, "{name}: a waiting group drew {per_group:.1} filter calls a second");
+}
+
+/// 5 jobs of 4 pods x 8 GPUs on a cluster with exactly 3 free ToRs: 3 jobs whole (one ToR each) and
+/// 2 with no pod bound.
+async fn five_jobs_on_three_free_tors(name: &str, pod_groups: bool) {
+    let (st, ext) = h100_stage(name, pod_groups).await;
+    // one GPU in use on tor-3: exactly 3 ToRs stay wholly free
+    pin(&st.admin, "filler", "gpu-15", whole("1")).await;
+    let names: Vec<String> = (0..5).map(|j| format!("job-{j}")).collect();
+    let started = Instant::now();
+    for job in &names {
+        if pod_groups {
+            create_pod_group(&st.admin, job, 4, Some(TOR)).await;
+        }
+        create(&st.admin, job_pods(job, 4, &whole("8"), pod_groups)).await;
+    }
+    let bound = wait_stable(&st.admin, 13, Duration::from_secs(8), Duration::from_secs(180)).await;
+    figure(&format!("groups: {name}: {bound} pods bound, stable after {:.1} s", started.elapsed().as_secs_f64()));
+    let js = sound(name, &snapshot(&st.admin, NS).await, &ext);
+    let whole_jobs: Vec<&Job> = js.values().filter(|j| j.bound == j.pods).collect();
+    let empty = js.values().filter(|j| j.bound == 0).count();
+    figure(&format!("groups: {name}: {} jobs whole, {empty} with no pod bound", whole_jobs.len()));
+    assert_eq!(whole_jobs.len(), 3, "{js:#?}");
+    assert_eq!(empty, 2, "{js:#?}");
+    assert!(whole_jobs.iter().all(|j| j.tors.len() == 1 && j.nodes.len() == 4), "{js:#?}");
+    let waiting: Vec<String> = js.iter().filter(|(_, j)| j.bound == 0).map(|(k, _)| k.clone()).collect();
+    retry_rates(name, &st, &ext, &waiting).await;
+    let m = ext.metrics();
+    figure(&format!(
+        "groups: {name}: metrics: {}",
+        m.lines().filter(|l| l.starts_with("gpuplace_group")).collect::<Vec<_>>().join("; ")
+    ));
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn gangs_of_pod_groups_on_three_free_tors() {
+    let _serial = SERIAL.lock().await;
+    five_jobs_on_three_free_tors("podgroups", true).await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn groups_by_label_on_three_free_tors() {
+    let _serial = SERIAL.lock().await;
+    five_jobs_on_three_free_tors("labels", false).await;
+}
+
+/// Share pods first, then jobs of 4 x 4 GPUs and two groups of 8 trials of a quarter GPU: no job
+/// partly bound, each job that fits under one ToR placed under one, each trial group on one node.
+#[tokio::test(flavor = "current_thread")]
+async fn jobs_and_fractional_trials_on_a_cluster_fragmented_by_shares() {
+    let _serial = SERIAL.lock().await;
+    let (st, ext) = h100_stage("fragmented", false).await;
+    let share = Shape { gpu: Some("1"), core: Some("30"), kind: "share", ..Shape::default() };
+    let shares: Vec<Pod> = (0..24).map(|i| share.pod(&format!("share-{i}"))).collect();
+    create(&st.admin, shares).await;
+    wait_stable(&st.admin, 24, Duration::from_secs(3), Duration::from_secs(120)).await;
+    let quarter = Shape { gpu: Some("1"), core: Some("25"), kind: "trial", ..Shape::default() };
+    for j in 0..3 {
+        create(&st.admin, job_pods(&format!("job-{j}"), 4, &whole("4"), false)).await;
+    }
+    for t in 0..2 {
+        create(&st.admin, job_pods(&format!("trials-{t}"), 8, &quarter, false)).await;
+    }
+    let bound = wait_stable(&st.admin, 24 + 12 + 16, Duration::from_secs(6), Duration::from_secs(180)).await;
+    figure(&format!("groups: fragmented: {bound} pods bound"));
+    let js = sound("fragmented", &snapshot(&st.admin, NS).await, &ext);
+    for (name, j) in &js {
+        assert_eq!(j.bound, j.pods, "{name}: {js:#?}");
+        if name.starts_with("trials") {
+            assert_eq!(j.nodes.len(), 1, "{name} spread over {:?}", j.nodes);
+        } else {
+            assert_eq!(j.tors.len(), 1, "{name} spread over {:?}", j.tors);
+        }
+    }
+}
+
+/// A job of 4 x 8 GPUs whose last two pods come late: its plan holds two nodes for them. One of
+/// those nodes is deleted (the plan is made again), then the extender is killed (SIGKILL) and
+/// restarted (plans are in memory: rebuilt from the bound members); the last two pods then arrive.
+/// The job ends whole, nothing is over-committed, and a single pod never takes a reserved GPU.
+#[tokio::test(flavor = "current_thread")]
+async fn a_planned_node_deleted_and_the_extender_killed_while_a_plan_waits() {
+    let _serial = SERIAL.lock().await;
+    let (mut st, mut ext) = h100_stage("replan", false).await;
+    let mut first = job_pods("job", 4, &whole("8"), false);
+    let last = first.split_off(2);
+    create(&st.admin, first).await;
+    wait_stable(&st.admin, 2, Duration::from_secs(2), Duration::from_secs(60)).await;
+    let report = crate::inspect(&ext);
+    let g = report.groups.iter().find(|g| g.group == format!("{NS}/job")).expect("the job in /inspect");
+    let reserved: Vec<String> = g.reserved.iter().map(|r| r.node.clone()).collect();
+    figure(&format!(
+        "groups: replan: 2 of 4 bound, {} GPUs reserved on {reserved:?} in {:?}",
+        g.reserved.len() * 8,
+        g.domain
+    ));
+    assert_eq!(reserved.len(), 2);
+    // a node deleted under the plan: its plugin stops with it
+    let gone = reserved[0].clone();
+    if let Some(n) = st.nodes.iter_mut().find(|n| n.name == gone) {
+        if let Some(mut p) = n.plugin.take() {
+            p.kill();
+        }
+    }
+    Api::<Node>::all(st.admin.clone()).delete(&gone, &DeleteParams::default()).await.expect("delete the node");
+    let until = Instant::now() + Duration::from_secs(20);
+    while crate::inspect(&ext).groups.iter().any(|g| g.reserved.iter().any(|r| r.node == gone)) {
+        assert!(Instant::now() < until, "the plan still holds the deleted node {gone}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // killed and restarted while the job waits
+    ext.proc.kill();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut ext2 = Extender::start(&st.cp, "replica-a", ext.port, &[]);
+    ext2.wait_ready(Duration::from_secs(60)).await;
+    create(&st.admin, last).await;
+    let bound = wait_stable(&st.admin, 4, Duration::from_secs(4), Duration::from_secs(120)).await;
+    let s = snapshot(&st.admin, NS).await;
+    let js = sound("replan", &s, &ext2);
+    figure(&format!(
+        "groups: replan: after the node deletion and the SIGKILL, {bound} bound; job on {:?}",
+        js["job"].nodes
+    ));
+    assert_eq!(js["job"].bound, 4);
+    assert!(!js["job"].nodes.contains(&gone));
+}
