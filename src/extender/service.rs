@@ -1311,6 +1311,7 @@ impl Extender {
             Err(reason) => return fail(BindOutcome::Refused, reason.clone()),
         };
         d.requests = Some(requests_of(&req));
+        d.group = req.group.as_ref().map(|g| g.key.clone());
         let Some(index) = st.cluster.node_index(&args.node) else {
             return fail(BindOutcome::UnknownNode, format!("node {} is not in gpuplace's node cache", args.node));
         };
