@@ -102,3 +102,28 @@ fn the_advance_knowledge_mix_is_a_labelled_what_if() {
     assert_eq!(fgd[0].policy, "fgd");
     assert_eq!(learned[0].pods_per_seed, what_if[0].pods_per_seed);
 }
+
+/// A workload with groups (`+gangs=P`): gpuplace's plans start groups whole or not at all (no GPU
+/// held by a partly placed group), the baselines place members one by one; every policy reports its
+/// group figures, deterministically.
+#[test]
+fn groups_start_whole_or_not_at_all_under_gpuplace() {
+    let dir = root().join("examples/traces/demo");
+    let mut c = cfg(vec![PolicyKind::Fgd, PolicyKind::Gpuplace], vec![1, 2, 3]);
+    c.workload = "default+gangs=30".into();
+    let a = simulate(&dir, &c).unwrap();
+    let b = simulate(&dir, &c).unwrap();
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!(x.groups, y.groups, "{}", x.policy);
+        let g = x.groups.as_ref().unwrap_or_else(|| panic!("{}: no group figures", x.policy));
+        assert!(g.groups > 0.0, "{}: {g:?}", x.policy);
+        assert!(g.started_whole + g.partial <= g.groups, "{}: {g:?}", x.policy);
+        assert!(g.tors_per_group_mean >= 1.0 || g.started_whole == 0.0, "{}: {g:?}", x.policy);
+    }
+    let gpuplace = a.iter().find(|r| r.policy == "gpuplace").and_then(|r| r.groups.clone()).unwrap();
+    assert_eq!(gpuplace.partial, 0.0, "{gpuplace:?}");
+    assert_eq!(gpuplace.gpus_held_by_incomplete_groups, 0.0, "{gpuplace:?}");
+    // a workload without groups reports none
+    let plain = simulate(&dir, &cfg(vec![PolicyKind::Gpuplace], vec![1])).unwrap();
+    assert!(plain[0].groups.is_none());
+}

@@ -77,11 +77,29 @@ pub struct GroupEvent {
     pub nodes: Vec<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
+    /// Every group's totals right after the event.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub totals: Option<GroupTotals>,
+}
+
+/// Groups waiting (members to place, no plan) and GPUs reserved, cluster-wide: on the placement
+/// log's `group` lines and group members' bind lines, for `gpuplace report`.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, serde::Deserialize)]
+pub struct GroupTotals {
+    pub waiting: usize,
+    pub reserved_gpus: f64,
 }
 
 impl GroupEvent {
     fn new(group: &str, event: &'static str) -> Self {
-        Self { group: group.to_string(), event: event.to_string(), domain: None, nodes: Vec::new(), reason: None }
+        Self {
+            group: group.to_string(),
+            event: event.to_string(),
+            domain: None,
+            nodes: Vec::new(),
+            reason: None,
+            totals: None,
+        }
     }
 }
 
@@ -561,6 +579,23 @@ impl Groups {
                 m.slot = None;
             }
         }
+    }
+
+    /// Every group's totals now.
+    pub fn totals(&self, cluster: &Cluster) -> GroupTotals {
+        let s = self.stats(cluster, Instant::now());
+        GroupTotals { waiting: s.waiting, reserved_gpus: (s.gpus_reserved * 1000.0).round() / 1000.0 }
+    }
+
+    /// `events` with the totals after them.
+    pub fn stamped(&self, cluster: &Cluster, mut events: Vec<GroupEvent>) -> Vec<GroupEvent> {
+        if !events.is_empty() {
+            let t = self.totals(cluster);
+            for e in &mut events {
+                e.totals = Some(t);
+            }
+        }
+        events
     }
 
     pub fn stats(&self, cluster: &Cluster, now: Instant) -> GroupStats {

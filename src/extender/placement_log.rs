@@ -77,6 +77,9 @@ pub struct Decision {
     /// `group` lines: what happened to the group (planned, no_plan, expired, replanned, bound, deleted).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub group_event: Option<crate::extender::groups::GroupEvent>,
+    /// Bind of a group member: every group's totals right after it (groups waiting, GPUs reserved).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group_totals: Option<crate::extender::groups::GroupTotals>,
 }
 
 /// The longest line written: a request that would make a longer one (thousands of distinct

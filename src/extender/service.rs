@@ -635,7 +635,7 @@ impl Extender {
         }
         // a planned node that changed may no longer hold its group's reservations
         let events = Self::groups_after_node_change(st);
-        self.group_events(events);
+        self.group_events(st.groups.stamped(&st.cluster, events));
     }
 
     /// Rebuilds every allocation from pod assignment annotations (after a restart). Each annotation
@@ -1231,9 +1231,10 @@ impl Extender {
                             b.confirmed = true;
                             st.bound_at.insert(args.pod_uid.clone(), Instant::now());
                         }
-                        let done = st.groups.settle(&args.pod_uid);
+                        let done = st.groups.settle(&args.pod_uid).into_iter().collect();
+                        let done = st.groups.stamped(&st.cluster, done);
                         drop(st);
-                        self.group_events(done.into_iter().collect());
+                        self.group_events(done);
                     }
                     // counted here if this replica never filtered it (the filter went to another
                     // leader, or the pod watcher remembered it)
@@ -1264,7 +1265,11 @@ impl Extender {
         }
         if self.log.is_some() {
             // the cluster after this bind, for capacity reports (docs/placement-log.md)
-            d.cluster = Some(CapacitySummary::of(&self.read().cluster, &args.node));
+            let st = self.read();
+            d.cluster = Some(CapacitySummary::of(&st.cluster, &args.node));
+            if d.group.is_some() {
+                d.group_totals = Some(st.groups.totals(&st.cluster));
+            }
         }
         let out = match error {
             None => ExtenderBindingResult::ok(),
@@ -1339,7 +1344,7 @@ impl Extender {
             let elsewhere = reserved.is_none();
             if elsewhere {
                 let events = st.groups.leave_plan(&mut st.cluster, &args.pod_uid, &args.node);
-                self.group_events(events);
+                self.group_events(st.groups.stamped(&st.cluster, events));
             }
             let placement = match reserved {
                 Some(assignment) => crate::placement::feasibility::Placement { assignment, set_scores: Vec::new() },

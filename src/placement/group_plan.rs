@@ -15,7 +15,9 @@
 //! used. Within the tightest scope that can hold the group, the domain with the least free capacity
 //! that holds it wins (best fit), so that larger free domains stay whole for larger groups.
 //!
-//! Pure: the caller's cluster is not changed (trial allocations go to a copy).
+//! No I/O. Trial allocations are made on the caller's cluster and taken back before
+//! [`plan_group`] returns: its allocations are as they were (the nodes' generation stamps move on).
+//! A copy of a cluster of thousands of nodes and pods cost more than the whole plan.
 
 use std::collections::BTreeMap;
 
@@ -127,6 +129,38 @@ fn room(node: &Node) -> (u64, u64) {
     (whole, milli)
 }
 
+/// A quick necessary test before the engine's: host CPU and memory (where the node tracks them),
+/// the GPU model, and room by [`need`]'s bound.
+fn could_host(node: &Node, req: &PodRequest) -> bool {
+    if (node.cpu_milli > 0 && node.cpu_free() < req.cpu_milli)
+        || (node.memory_mib > 0 && node.mem_free() < req.memory_mib)
+    {
+        return false;
+    }
+    let (whole, _) = need(req);
+    // a share's thousandths are at least its compute percent's
+    let smallest_share = req
+        .containers
+        .iter()
+        .filter_map(|c| match c.demand {
+            GpuDemand::Shared { core_pct, .. } => Some(core_pct * 10),
+            GpuDemand::Whole { .. } => None,
+        })
+        .min();
+    let mut idle = 0u64;
+    let mut widest = 0u32;
+    for (g, gpu) in node.gpus.iter().enumerate() {
+        if !gpu.healthy || !req.allows_model(&gpu.model) {
+            continue;
+        }
+        if node.is_gpu_free(g) {
+            idle += 1;
+        }
+        widest = widest.max(node.free_milli(g));
+    }
+    idle >= whole && smallest_share.is_none_or(|m| widest >= m.min(1000))
+}
+
 /// One domain: its name and member nodes (indices, in cluster order).
 struct Domain {
     name: String,
@@ -137,7 +171,7 @@ struct Domain {
 /// Plans the whole group, or says why it cannot be placed now.
 pub fn plan_group(
     engine: &Engine,
-    cluster: &Cluster,
+    cluster: &mut Cluster,
     ask: &GroupAsk<'_>,
     now_unix_ms: i64,
 ) -> Result<GroupPlan, NoPlan> {
@@ -166,16 +200,16 @@ pub fn plan_group(
     scopes.extend((0..levels).rev().map(Scope::Level));
     scopes.push(Scope::Cluster);
 
-    let mut scratch = cluster.clone();
+    let scratch = cluster;
     let mut loosest_best = 0usize;
     for scope in &scopes {
-        let mut domains = domains_of(cluster, ask, scope);
+        let mut domains = domains_of(scratch, ask, scope);
         // best fit: the domain with the least free capacity that could hold the group goes first
         domains.retain(|d| d.room.0 >= total_need.0 && d.room.1 >= total_need.0 * 1000 + total_need.1);
         domains.sort_by(|a, b| (a.room.1, a.room.0, &a.name).cmp(&(b.room.1, b.room.0, &b.name)));
         let mut scope_best = 0usize;
         for d in &domains {
-            match try_domain(engine, &mut scratch, ask, &members, &d.nodes, now_unix_ms) {
+            match try_domain(engine, scratch, ask, &members, &d.nodes, now_unix_ms) {
                 Ok(slots) => {
                     return Ok(GroupPlan { scope: scope.clone(), domain: d.name.clone(), slots });
                 }
@@ -184,7 +218,7 @@ pub fn plan_group(
         }
         if domains.is_empty() {
             // no domain passed the bound: count what the largest would hold, for the reason
-            scope_best = largest_partial(engine, &mut scratch, ask, &members, cluster, scope, now_unix_ms);
+            scope_best = largest_partial(engine, scratch, ask, &members, scope, now_unix_ms);
         }
         loosest_best = scope_best;
     }
@@ -197,11 +231,10 @@ fn largest_partial(
     scratch: &mut Cluster,
     ask: &GroupAsk<'_>,
     members: &[(usize, PodRequest)],
-    cluster: &Cluster,
     scope: &Scope,
     now_unix_ms: i64,
 ) -> usize {
-    let domains = domains_of(cluster, ask, scope);
+    let domains = domains_of(scratch, ask, scope);
     let Some(d) = domains.iter().max_by(|a, b| (a.room.0, a.room.1, &b.name).cmp(&(b.room.0, b.room.1, &a.name)))
     else {
         return 0;
@@ -282,8 +315,14 @@ fn domains_of(cluster: &Cluster, ask: &GroupAsk<'_>, scope: &Scope) -> Vec<Domai
         .collect()
 }
 
-/// Places every member inside `nodes` on `scratch`, best node per member by the engine's score.
-/// `Ok(slots)` in the caller's member order, or `Err(how many fitted)`. `scratch` is left as found.
+/// Places every member inside `nodes` on `scratch`. `Ok(slots)` in the caller's member order, or
+/// `Err(how many fitted)`. `scratch` is left as found.
+///
+/// First a cheap test: members go best fit (the node with the least free capacity that takes
+/// them, no scoring). Only a domain that passes it is placed again with the engine's scores (best
+/// node per member, as a single pod would be placed); should that greedy pass end short where the
+/// best-fit one did not, the best-fit slots stand. Scoring every candidate domain cost a cluster-wide
+/// evaluation per member per domain.
 fn try_domain(
     engine: &Engine,
     scratch: &mut Cluster,
@@ -292,11 +331,35 @@ fn try_domain(
     nodes: &[usize],
     now_unix_ms: i64,
 ) -> Result<Vec<PodAssignment>, usize> {
+    let fitted = place_members(scratch, ask, members, |scratch, req| {
+        let mut order: Vec<(u64, usize)> = nodes.iter().map(|&n| (room(&scratch.nodes()[n]).1, n)).collect();
+        order.sort_unstable();
+        order
+            .into_iter()
+            .filter(|&(_, n)| could_host(&scratch.nodes()[n], req))
+            .find_map(|(_, n)| engine.place(scratch, req, n).ok().map(|p| p.assignment))
+    })?;
+    if nodes.len() == 1 {
+        return Ok(fitted);
+    }
+    Ok(place_members(scratch, ask, members, |scratch, req| {
+        let ev = engine.evaluate(scratch, req, nodes, now_unix_ms);
+        ev.ranked.first().and_then(|c| c.placement(scratch, req)).map(|p| p.assignment)
+    })
+    .unwrap_or(fitted))
+}
+
+/// Places the members one by one on `scratch` where `choose` says, then takes them all back.
+fn place_members(
+    scratch: &mut Cluster,
+    ask: &GroupAsk<'_>,
+    members: &[(usize, PodRequest)],
+    mut choose: impl FnMut(&Cluster, &PodRequest) -> Option<PodAssignment>,
+) -> Result<Vec<PodAssignment>, usize> {
     let mut placed: Vec<(usize, PodAssignment)> = Vec::with_capacity(members.len());
     let mut failed = false;
     for (i, req) in members {
-        let ev = engine.evaluate(scratch, req, nodes, now_unix_ms);
-        let Some(mut a) = ev.ranked.first().and_then(|c| c.placement(scratch, req)).map(|p| p.assignment) else {
+        let Some(mut a) = choose(scratch, req) else {
             failed = true;
             break;
         };
@@ -368,9 +431,9 @@ mod tests {
 
     #[test]
     fn a_job_of_four_whole_nodes_goes_under_one_tor() {
-        let c = cluster(16);
+        let mut c = cluster(16);
         let m = members("ns/job", 4, GpuDemand::Whole { gpus: 8 });
-        let plan = plan_group(&engine(), &c, &ask("ns/job", &m, &[]), 0).unwrap();
+        let plan = plan_group(&engine(), &mut c, &ask("ns/job", &m, &[]), 0).unwrap();
         assert_eq!(plan.scope, Scope::Level(1));
         assert_eq!(plan.nodes().len(), 4);
         let tors: std::collections::BTreeSet<_> =
@@ -389,7 +452,7 @@ mod tests {
         // tor-0 has one node half used; a job of 2 x 8 GPUs fits in both ToRs
         fill(&mut c, "gpu-00", 4);
         let m = members("ns/job", 2, GpuDemand::Whole { gpus: 8 });
-        let plan = plan_group(&engine(), &c, &ask("ns/job", &m, &[]), 0).unwrap();
+        let plan = plan_group(&engine(), &mut c, &ask("ns/job", &m, &[]), 0).unwrap();
         assert_eq!(plan.domain, "tor tor-0", "{plan:?}");
     }
 
@@ -400,20 +463,20 @@ mod tests {
         fill(&mut c, "gpu-04", 1);
         let m = members("ns/job-7", 4, GpuDemand::Whole { gpus: 8 });
         let req = ["network.gpuplace.io/tor".to_string()];
-        let err = plan_group(&engine(), &c, &ask("ns/job-7", &m, &req), 0).unwrap_err();
+        let err = plan_group(&engine(), &mut c, &ask("ns/job-7", &m, &req), 0).unwrap_err();
         assert_eq!(err.reason, "group job-7 needs 4 pods of 8 GPUs under one tor; best tor holds 3");
         assert!(!err.reason.contains('%'));
         // without the requirement, the cluster holds it across ToRs
-        let plan = plan_group(&engine(), &c, &ask("ns/job-7", &m, &[]), 0).unwrap();
+        let plan = plan_group(&engine(), &mut c, &ask("ns/job-7", &m, &[]), 0).unwrap();
         assert_eq!(plan.scope, Scope::Level(0), "{plan:?}");
     }
 
     #[test]
     fn fractional_trials_share_few_gpus_on_one_node() {
-        let c = cluster(4);
+        let mut c = cluster(4);
         let share = GpuDemand::Shared { gpus: 1, memory: MemoryDemand::ProportionalToCore, core_pct: 25 };
         let m = members("ns/trials", 8, share);
-        let plan = plan_group(&engine(), &c, &ask("ns/trials", &m, &[]), 0).unwrap();
+        let plan = plan_group(&engine(), &mut c, &ask("ns/trials", &m, &[]), 0).unwrap();
         assert_eq!(plan.scope, Scope::Node);
         let gpus: std::collections::BTreeSet<u32> = plan.slots.iter().flat_map(|s| s.gpus()).collect();
         assert_eq!(gpus.len(), 2, "8 quarter shares fill two GPUs: {plan:?}");
@@ -426,27 +489,28 @@ mod tests {
         let m = members("ns/job", 2, GpuDemand::Whole { gpus: 8 });
         let placed = [c.node_index("gpu-09").unwrap()];
         let a = GroupAsk { key: "ns/job", members: &m, placed_nodes: &placed, required_keys: &[], excluded: &[] };
-        let plan = plan_group(&engine(), &c, &a, 0).unwrap();
+        let plan = plan_group(&engine(), &mut c, &a, 0).unwrap();
         assert_eq!(plan.domain, "tor tor-2", "{plan:?}");
         assert!(!plan.nodes().contains(&"gpu-09"), "{plan:?}");
     }
 
     #[test]
     fn excluded_nodes_are_not_planned_on() {
-        let c = cluster(4);
+        let mut c = cluster(4);
         let m = members("ns/job", 4, GpuDemand::Whole { gpus: 8 });
         let ex = [0usize];
         let a = GroupAsk { key: "ns/job", members: &m, placed_nodes: &[], required_keys: &[], excluded: &ex };
-        let err = plan_group(&engine(), &c, &a, 0).unwrap_err();
+        let err = plan_group(&engine(), &mut c, &a, 0).unwrap_err();
         assert_eq!(err.best, 3);
     }
 
     #[test]
-    fn the_callers_cluster_is_untouched() {
-        let c = cluster(8);
+    fn the_callers_allocations_are_as_they_were() {
+        let mut c = cluster(8);
+        fill(&mut c, "gpu-03", 3);
         let before = c.clone();
         let m = members("ns/job", 3, GpuDemand::Whole { gpus: 8 });
-        plan_group(&engine(), &c, &ask("ns/job", &m, &[]), 0).unwrap();
+        plan_group(&engine(), &mut c, &ask("ns/job", &m, &[]), 0).unwrap();
         assert_eq!(c, before);
     }
 }

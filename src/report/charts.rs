@@ -7,7 +7,7 @@ use plotters::coord::ranged1d::SegmentValue;
 use plotters::prelude::*;
 
 use crate::extender::placement_log::ModelCapacity;
-use crate::report::model::{curve, CapacitySample, NodeTrack, SimModel, TurnedAway};
+use crate::report::model::{curve, CapacitySample, GroupSample, NodeTrack, SimModel, TurnedAway};
 
 /// Why a chart could not be drawn (plotters' own error, which cannot happen on a string backend
 /// short of a bug, but is reported rather than unwrapped).
@@ -255,6 +255,55 @@ pub fn fragmentation(samples: &[CapacitySample], axis: &TimeAxis) -> Result<Stri
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], FRAGMENTED.stroke_width(2)));
         if series.len() <= 200 {
             c.draw_series(series.iter().map(|&p| Circle::new(p, 3, FRAGMENTED.filled()))).map_err(&e)?;
+        }
+        legend_box(&mut c, SeriesLabelPosition::UpperRight).map_err(&e)?;
+        root.present().map_err(&e)?;
+    }
+    Ok(svg)
+}
+
+/// One line of the groups chart: its value at a sample.
+type GroupLine = fn(&GroupSample) -> f64;
+
+/// Groups waiting for room and GPUs held for groups' members not bound yet, over time.
+pub fn groups(samples: &[GroupSample], axis: &TimeAxis) -> Result<String> {
+    let title = "Groups over time: groups waiting for room, GPUs reserved for their members";
+    let e = err(title);
+    let top = samples.iter().map(|s| (s.waiting as f64).max(s.reserved_gpus)).fold(1.0, f64::max) * 1.15;
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (WIDTH, HEIGHT)).into_drawing_area();
+        root.fill(&WHITE).map_err(&e)?;
+        let axes = Axes {
+            x: 0.0..axis.end,
+            y: 0.0..top,
+            x_label: &|v| axis_number(*v, axis.end),
+            y_label: &|v| axis_number(*v, top),
+            x_desc: &axis.label(),
+            y_desc: "groups waiting; GPUs reserved",
+        };
+        let mut c = xy_chart(&root, title, axes).map_err(&e)?;
+        let lines: [(&str, RGBColor, GroupLine); 2] = [
+            ("groups waiting (members to place, no plan)", FRAGMENTED, |s| s.waiting as f64),
+            ("GPUs reserved by plans", ALLOCATED, |s| s.reserved_gpus),
+        ];
+        for (name, color, value) in lines {
+            // a step line: each figure holds until the next line, the last one to the log's end
+            let mut pts: Vec<(f64, f64)> = Vec::with_capacity(samples.len() * 2 + 1);
+            for s in samples {
+                let x = axis.at(s.ts_unix_ms);
+                if let Some(&(_, y)) = pts.last() {
+                    pts.push((x, y));
+                }
+                pts.push((x, value(s)));
+            }
+            if let Some(&(_, y)) = pts.last() {
+                pts.push((axis.end, y));
+            }
+            c.draw_series(LineSeries::new(pts, color.stroke_width(2)))
+                .map_err(&e)?
+                .label(name)
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
         }
         legend_box(&mut c, SeriesLabelPosition::UpperRight).map_err(&e)?;
         root.present().map_err(&e)?;

@@ -122,6 +122,15 @@ fn log_section(p: &mut Page, m: &LogModel) -> Result<(), ChartError> {
         p.row(&format!("bind-{outcome}"), &format!("Binds {outcome}"), &n.to_string());
     }
     p.row("pods-bound", "Pods bound (distinct)", &m.pods_bound.to_string());
+    for (event, n) in &m.group_events {
+        p.row(&format!("group-{event}"), &format!("Group events {event}"), &n.to_string());
+    }
+    if let Some(peak) = m.groups.iter().map(|g| g.reserved_gpus).reduce(f64::max) {
+        p.row("group-reserved-peak", "Peak GPUs reserved by group plans", &num(peak));
+    }
+    if let Some(last) = m.groups.last() {
+        p.row("group-waiting-last", "Groups waiting at the last group line", &last.waiting.to_string());
+    }
     let t = m.turned_away();
     p.row("turned-away", "Pods turned away (distinct)", &t.total().to_string());
     p.row("still-pending", "… still pending at the end of the log", &t.pending.to_string());
@@ -159,6 +168,13 @@ fn log_section(p: &mut Page, m: &LogModel) -> Result<(), ChartError> {
             "Fragmented GPUs as a share of all free GPU capacity (fragmented plus idle): capacity that a pod asking for a whole GPU cannot use.",
         );
         p.figure("chart-models", &charts::models(&m.models)?, "Per GPU model, from the last bind's cluster summary.");
+    }
+    if !m.groups.is_empty() {
+        p.figure(
+            "chart-groups",
+            &charts::groups(&m.groups, &axis)?,
+            "Groups placed whole (docs/resources.md, Groups): after each group event and each bind of a group member, the groups whose members wait with no plan possible, and the GPUs held by plans for members not bound yet.",
+        );
     }
     let class_rows = sorted_rows(&m.by_class, 12);
     let shape_rows = sorted_rows(&m.by_shape, 12);

@@ -32,6 +32,17 @@ impl CapacitySample {
     }
 }
 
+/// One point of the groups chart: every group's totals right after a `group` line or a group
+/// member's bind.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GroupSample {
+    pub ts_unix_ms: i64,
+    /// Groups with members to place and no plan.
+    pub waiting: usize,
+    /// GPUs held by plans for members not bound yet.
+    pub reserved_gpus: f64,
+}
+
 /// A node's allocation as the binds to it showed it.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct NodeTrack {
@@ -88,6 +99,11 @@ pub struct LogModel {
     /// The same pods by request shape.
     pub by_shape: BTreeMap<String, TurnedAway>,
     pub latency: BTreeMap<String, Latency>,
+    /// Groups waiting and GPUs reserved over time (placement logs written since groups are placed
+    /// whole; empty before, or with no group).
+    pub groups: Vec<GroupSample>,
+    /// `group` lines by event (`planned`, `no_plan`, `expired`, …).
+    pub group_events: BTreeMap<String, usize>,
 }
 
 /// The reason class of a filter that found no node: the class most nodes gave (ties: the first by
@@ -155,6 +171,17 @@ impl LogModel {
                 *m.verbs.entry(d.verb.clone()).or_default() += 1;
                 latencies.entry(d.verb.clone()).or_default().push(d.latency_us);
                 let key = if d.uid.is_empty() { d.pod.clone() } else { d.uid.clone() };
+                let totals = d.group_event.as_ref().and_then(|e| e.totals).or(d.group_totals);
+                if let Some(t) = totals {
+                    m.groups.push(GroupSample {
+                        ts_unix_ms: d.ts_unix_ms,
+                        waiting: t.waiting,
+                        reserved_gpus: t.reserved_gpus,
+                    });
+                }
+                if let Some(e) = &d.group_event {
+                    *m.group_events.entry(e.event.clone()).or_default() += 1;
+                }
                 match d.verb.as_str() {
                     "filter" if d.feasible == 0 => {
                         turned.insert(key, (class_of(&d), shape_of(d.requests.as_ref()), false));

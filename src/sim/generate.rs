@@ -16,6 +16,14 @@
 //!   pods unchanged, drawn with replacement from the base's sharing and non-sharing GPU pods. (The
 //!   published `gpushare40..100` set the same share.)
 //!
+//! - `gangs=P`: groups of pods that must start together make up P percent of the GPU request (in
+//!   GPUs), with the total GPU request unchanged: random GPU pods are dropped until P percent is
+//!   freed, and groups are added in their place until as many GPUs are back, half of them (in GPUs)
+//!   as training jobs of 2 or 4 pods x 8 whole GPUs, half as hyperparameter-search trials of 8 pods
+//!   x a quarter of one GPU. Each member takes the host CPU and memory of a base pod of its shape
+//!   (an 8-GPU pod, a pod sharing one GPU). The replay keeps each group's pods together: they
+//!   arrive at once, where the group's first pod falls in the seed's order (`sim::protocol`).
+//!
 //! CPU-only pods are kept as they are.
 
 use std::collections::BTreeMap;
@@ -35,6 +43,7 @@ pub enum Variation {
     MultiGpu(f64),
     GpuSpec(f64),
     Sharing(f64),
+    Gangs(f64),
 }
 
 /// Splits `default+multigpu=30+gpuspec=20` into the base workload and its steps.
@@ -56,7 +65,8 @@ pub fn parse_workload(name: &str) -> Result<(String, Vec<Variation>), TraceError
             "multigpu" => Variation::MultiGpu(pct),
             "gpuspec" => Variation::GpuSpec(pct),
             "sharing" => Variation::Sharing(pct),
-            other => return Err(bad(&format!("unknown kind {other:?}; choose multigpu, gpuspec or sharing"))),
+            "gangs" => Variation::Gangs(pct),
+            other => return Err(bad(&format!("unknown kind {other:?}; choose multigpu, gpuspec, sharing or gangs"))),
         });
     }
     Ok((base, steps))
@@ -72,6 +82,7 @@ pub fn generate(pods: &[TracePod], nodes: &[TraceNode], steps: &[Variation]) -> 
             Variation::MultiGpu(p) => multigpu(&out, p / 100.0, &tag, &mut rng)?,
             Variation::GpuSpec(p) => gpuspec(&out, nodes, p / 100.0, &mut rng)?,
             Variation::Sharing(p) => sharing(&out, p / 100.0, &tag, &mut rng)?,
+            Variation::Gangs(p) => gangs(&out, p / 100.0, &tag, &mut rng)?,
         };
     }
     Ok(out)
@@ -102,6 +113,68 @@ fn draw(
         out.push(copy);
     }
     out
+}
+
+/// Pods per training job (each of 8 whole GPUs), drawn uniformly.
+const JOB_SIZES: [usize; 2] = [2, 4];
+/// Pods per trial group, and each trial's share of one GPU in thousandths.
+const TRIALS: usize = 8;
+const TRIAL_MILLI: u32 = 250;
+
+fn gangs(pods: &[TracePod], share: f64, tag: &str, rng: &mut ChaCha8Rng) -> Result<Vec<TracePod>, TraceError> {
+    let eight: Vec<&TracePod> =
+        pods.iter().filter(|p| p.group.is_none() && p.num_gpu == 8 && p.milli() >= 1000).collect();
+    let shared: Vec<&TracePod> =
+        pods.iter().filter(|p| p.group.is_none() && p.num_gpu == 1 && is_gpu(p) && p.milli() < 1000).collect();
+    if share > 0.0 && (eight.is_empty() || shared.is_empty()) {
+        return Err(TraceError::Invalid("gangs: the base has no 8-GPU pods or no pods sharing a GPU".into()));
+    }
+    let total: f64 = pods.iter().map(gpus_of).sum();
+    let target = share * total;
+    // drop random GPU pods (never members of groups already there) until `target` GPUs are freed
+    let mut candidates: Vec<usize> = (0..pods.len()).filter(|&i| is_gpu(&pods[i]) && pods[i].group.is_none()).collect();
+    let mut dropped = vec![false; pods.len()];
+    let mut freed = 0.0;
+    while freed < target && !candidates.is_empty() {
+        let k = rng.random_range(0..candidates.len());
+        let i = candidates.swap_remove(k);
+        dropped[i] = true;
+        freed += gpus_of(&pods[i]);
+    }
+    let mut out: Vec<TracePod> = pods.iter().zip(&dropped).filter(|(_, d)| !**d).map(|(p, _)| p.clone()).collect();
+    let (mut jobs, mut trials, mut added) = (0.0, 0.0, 0.0);
+    let mut n = 0usize;
+    while added < freed {
+        let group = format!("{tag}-gang-{n}");
+        let members: Vec<TracePod> = if jobs <= trials {
+            let size = *JOB_SIZES.choose(rng).unwrap_or(&2);
+            let base = eight.choose(rng).copied().ok_or_else(|| TraceError::Invalid("gangs: no 8-GPU pod".into()))?;
+            (0..size)
+                .map(|i| TracePod { name: format!("{group}-{i}"), group: Some(group.clone()), ..base.clone() })
+                .collect()
+        } else {
+            let base = shared.choose(rng).copied().ok_or_else(|| TraceError::Invalid("gangs: no shared pod".into()))?;
+            (0..TRIALS)
+                .map(|i| TracePod {
+                    name: format!("{group}-{i}"),
+                    group: Some(group.clone()),
+                    gpu_milli: TRIAL_MILLI,
+                    gpu_spec: String::new(),
+                    ..base.clone()
+                })
+                .collect()
+        };
+        let gpus: f64 = members.iter().map(gpus_of).sum();
+        if members[0].num_gpu == 8 {
+            jobs += gpus;
+        } else {
+            trials += gpus;
+        }
+        added += gpus;
+        out.extend(members);
+        n += 1;
+    }
+    Ok(out)
 }
 
 fn multigpu(pods: &[TracePod], share: f64, tag: &str, rng: &mut ChaCha8Rng) -> Result<Vec<TracePod>, TraceError> {
@@ -245,6 +318,35 @@ mod tests {
             assert!(p.gpu_spec == "G2" || (p.gpu_spec == "T4" && p.num_gpu <= 2), "{p:?}");
         }
         assert!(constrained.iter().any(|p| p.gpu_spec == "T4") && constrained.iter().any(|p| p.gpu_spec == "G2"));
+    }
+
+    #[test]
+    fn gangs_take_their_share_of_gpus_in_whole_groups() {
+        let mut pods = base();
+        pods.extend((0..10).map(|i| pod(&format!("e{i}"), 8, 1000)));
+        let total: f64 = pods.iter().map(gpus_of).sum();
+        let out = generate(&pods, &nodes(), &[Variation::Gangs(20.0)]).unwrap();
+        let grouped: f64 = out.iter().filter(|p| p.group.is_some()).map(gpus_of).sum();
+        // the last group added may overshoot by one group (at most 4 x 8 GPUs), and the last pod
+        // dropped by one pod (at most 8 GPUs)
+        assert!(grouped >= 0.2 * total && grouped <= 0.2 * total + 40.0, "{grouped} of {total}");
+        let out_total: f64 = out.iter().map(gpus_of).sum();
+        assert!((out_total - total).abs() <= 40.0, "{out_total} vs {total}");
+        let mut groups: BTreeMap<&str, Vec<&TracePod>> = BTreeMap::new();
+        for p in out.iter().filter(|p| p.group.is_some()) {
+            groups.entry(p.group.as_deref().unwrap_or_default()).or_default().push(p);
+        }
+        let (mut jobs, mut trials) = (0.0, 0.0);
+        for members in groups.values() {
+            let whole = members.iter().all(|p| p.num_gpu == 8 && p.milli() == 1000);
+            let trial = members.iter().all(|p| p.num_gpu == 1 && p.milli() == TRIAL_MILLI);
+            assert!(whole && JOB_SIZES.contains(&members.len()) || trial && members.len() == TRIALS, "{members:?}");
+            *if whole { &mut jobs } else { &mut trials } += members.iter().map(|p| gpus_of(p)).sum::<f64>();
+        }
+        // about half and half in GPUs (each side within one group of the other)
+        assert!((jobs - trials).abs() <= 32.0, "jobs {jobs} trials {trials}");
+        assert_eq!(out, generate(&pods, &nodes(), &[Variation::Gangs(20.0)]).unwrap(), "deterministic");
+        assert!(generate(&base(), &nodes(), &[Variation::Gangs(20.0)]).is_err(), "no 8-GPU pod to copy");
     }
 
     #[test]

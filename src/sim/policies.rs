@@ -10,6 +10,7 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::placement::compact::KeyHasher;
 use crate::placement::engine::Engine;
+use crate::placement::group_plan::{plan_group, GroupAsk};
 use crate::placement::mix_learner::{typical_gpu_memory_mib, MixLearner};
 use crate::placement::profile::{Profile, ProfileConfig};
 use crate::sim::state::{SimNode, SimState};
@@ -247,20 +248,49 @@ impl Policy {
         pick.take()
     }
 
-    fn choose_gpuplace(&mut self, state: &SimState, pod: &TracePod, shape: u32, models: &[String]) -> Option<Choice> {
-        let req = pod.request(&pod.name);
-        // the pod has arrived: the learner counts it before it is placed, as the extender counts a
-        // pod at its first filter
+    /// The `gpuplace` policy's place for a whole group (the extender's plan, `placement::group_plan`):
+    /// one choice per member, in order, or `None` when no plan holds every member. Other policies
+    /// have no group plan (`None`): the replay places their members one by one.
+    pub fn plan_group(&mut self, state: &mut SimState, members: &[TracePod]) -> Option<Vec<Choice>> {
+        if self.kind != PolicyKind::Gpuplace {
+            return None;
+        }
+        let reqs: Vec<crate::core::resources::PodRequest> = members
+            .iter()
+            .map(|p| {
+                let req = p.request(&p.name);
+                self.observe(&req);
+                req
+            })
+            .collect();
+        let engine = self.engine.as_ref()?;
+        let key = members.first()?.group.clone().unwrap_or_default();
+        let ask = GroupAsk { key: &key, members: &reqs, placed_nodes: &[], required_keys: &[], excluded: &[] };
+        let plan = plan_group(engine, &mut state.cluster, &ask, 0).ok()?;
+        plan.slots
+            .iter()
+            .map(|a| Some((state.cluster.node_index(&a.node)?, a.gpus().into_iter().map(|g| g as usize).collect())))
+            .collect()
+    }
+
+    /// The learner counts an arrived pod before it is placed, as the extender counts a pod at its
+    /// first filter.
+    fn observe(&mut self, req: &crate::core::resources::PodRequest) {
         if let (Some((learner, gpu_memory)), Some(engine)) = (self.learner.as_mut(), self.engine.as_mut()) {
-            learner.observe_request(&req, *gpu_memory);
+            learner.observe_request(req, *gpu_memory);
             if let Some(mix) = learner.refreshed(&engine.mix) {
-                // a new reserve alone shows in the shared key below, when it can move a score
+                // a new reserve alone shows in the engine's shared key, when it can move a score
                 if mix.entries != engine.mix.entries {
                     self.cache.clear();
                 }
                 engine.mix = mix;
             }
         }
+    }
+
+    fn choose_gpuplace(&mut self, state: &SimState, pod: &TracePod, shape: u32, models: &[String]) -> Option<Choice> {
+        let req = pod.request(&pod.name);
+        self.observe(&req);
         let engine = self.engine.as_ref()?;
         // scores depend on the whole cluster too (the reserve's scarcity): a new key voids them all
         let key = engine.shared_key(&state.cluster);

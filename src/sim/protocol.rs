@@ -43,6 +43,9 @@ pub fn gpu_milli_total(p: &TracePod) -> u64 {
 /// and trimming removes random pods until the total is at or below it, as the FGD simulator does
 /// (its growth test compares the per-GPU share, which we keep so results stay comparable).
 pub fn arrival_order(pods: &[TracePod], capacity_milli: u64, tune: f64, rng: &mut ChaCha8Rng) -> Vec<TracePod> {
+    if pods.iter().any(|p| p.group.is_some()) {
+        return grouped_arrival_order(pods, capacity_milli, tune, rng);
+    }
     let mut sorted: Vec<TracePod> = pods.to_vec();
     sorted.sort_by(|a, b| a.name.cmp(&b.name));
     let mut order = sorted.clone();
@@ -72,6 +75,64 @@ pub fn arrival_order(pods: &[TracePod], capacity_milli: u64, tune: f64, rng: &mu
     order
 }
 
+/// [`arrival_order`] for a workload with groups: the same protocol over *units*, a unit being one
+/// pod or all the pods of one group, so that a group's pods arrive together (a job's controller
+/// creates them at once), are trimmed together, and are copied together (under a new group name)
+/// when the workload grows. (A workload without groups keeps the pod-by-pod protocol exactly.)
+fn grouped_arrival_order(pods: &[TracePod], capacity_milli: u64, tune: f64, rng: &mut ChaCha8Rng) -> Vec<TracePod> {
+    let mut sorted: Vec<TracePod> = pods.to_vec();
+    sorted.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut units: Vec<Vec<TracePod>> = Vec::new();
+    let mut at: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+    for p in sorted {
+        match p.group.clone() {
+            Some(g) => match at.get(&g) {
+                Some(&u) => units[u].push(p),
+                None => {
+                    at.insert(g, units.len());
+                    units.push(vec![p]);
+                }
+            },
+            None => units.push(vec![p]),
+        }
+    }
+    let milli = |u: &[TracePod]| u.iter().map(gpu_milli_total).sum::<u64>();
+    let originals = units.clone();
+    units.shuffle(rng);
+    let target = (tune * capacity_milli as f64) as u64;
+    let mut total: u64 = units.iter().map(|u| milli(u)).sum();
+    if total > target {
+        while total > target && !units.is_empty() {
+            let k = rng.random_range(0..units.len());
+            total -= milli(&units[k]);
+            units.remove(k);
+        }
+    } else if !originals.is_empty() {
+        let mut i = 0;
+        loop {
+            let u = &originals[rng.random_range(0..originals.len())];
+            // a single pod's growth test compares its per-GPU share, as the pod-by-pod protocol does
+            let step = if u.len() == 1 && u[0].group.is_none() { u64::from(u[0].milli()) } else { milli(u) };
+            if total + step > target {
+                break;
+            }
+            total += milli(u);
+            let copy = u
+                .iter()
+                .map(|p| {
+                    let mut c = p.clone();
+                    c.name = format!("{}-tuned-{i}", p.name);
+                    c.group = p.group.as_ref().map(|g| format!("{g}-tuned-{i}"));
+                    c
+                })
+                .collect();
+            units.push(copy);
+            i += 1;
+        }
+    }
+    units.into_iter().flatten().collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -86,6 +147,35 @@ mod tests {
         assert!(total <= 26_000 && total > 25_000, "{total}");
         assert_eq!(order, arrival_order(&pods, 20_000, 1.3, &mut ChaCha8Rng::seed_from_u64(42)));
         assert_ne!(order, arrival_order(&pods, 20_000, 1.3, &mut ChaCha8Rng::seed_from_u64(43)));
+    }
+
+    #[test]
+    fn a_groups_pods_arrive_together_and_are_trimmed_and_copied_whole() {
+        let member =
+            |g: usize, i: usize| TracePod { group: Some(format!("g{g}")), ..pod(&format!("g{g}-{i}"), 8, 1000) };
+        let mut pods: Vec<TracePod> = (0..40).map(|i| pod(&format!("p{i:02}"), 1, 500)).collect();
+        pods.extend((0..5).flat_map(|g| (0..4).map(move |i| member(g, i))));
+        let check = |order: &[TracePod]| {
+            let mut seen = std::collections::HashSet::new();
+            let mut at = 0;
+            while at < order.len() {
+                if let Some(g) = &order[at].group {
+                    assert!(seen.insert(g.clone()), "group {g} arrives in two pieces");
+                    let n = order[at..].iter().take_while(|p| p.group.as_ref() == Some(g)).count();
+                    assert_eq!(n, 4, "group {g}");
+                    at += n;
+                } else {
+                    at += 1;
+                }
+            }
+        };
+        // grown (copies of whole groups under new names) and trimmed (whole groups dropped)
+        for capacity in [400_000, 100_000, 30_000] {
+            let order = arrival_order(&pods, capacity, 1.3, &mut ChaCha8Rng::seed_from_u64(7));
+            check(&order);
+            let total: u64 = order.iter().map(gpu_milli_total).sum();
+            assert!(total <= (1.3 * capacity as f64) as u64, "{capacity}: {total}");
+        }
     }
 
     #[test]

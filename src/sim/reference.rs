@@ -71,6 +71,7 @@ pub fn offline_best_fit_decreasing(
         pods: batch.len(),
         failed_pods: failed,
         wall_s: start.elapsed().as_secs_f64(),
+        groups: Default::default(),
     }
 }
 

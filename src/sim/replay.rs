@@ -64,7 +64,15 @@ pub fn trace_pod(d: &Decision, gpu_memory_mib: u64) -> Result<TracePod, &'static
     if num_gpu == 0 || gpu_milli == 0 {
         return Err("asks for no GPU");
     }
-    Ok(TracePod { name: d.pod.clone(), cpu_milli: 0, memory_mib: 0, num_gpu, gpu_milli, gpu_spec: String::new() })
+    Ok(TracePod {
+        name: d.pod.clone(),
+        cpu_milli: 0,
+        memory_mib: 0,
+        num_gpu,
+        gpu_milli,
+        gpu_spec: String::new(),
+        group: None,
+    })
 }
 
 /// Every pod that asked for GPUs in `decisions` (filter and bind lines), once, in the order it first
@@ -288,6 +296,7 @@ mod tests {
                 num_gpu: 4,
                 gpu_milli: 1000,
                 gpu_spec: String::new(),
+                group: None,
             })
             .collect();
         let cfg = SimConfig {

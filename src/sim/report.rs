@@ -36,6 +36,26 @@ pub struct PolicyReport {
     /// The paper's mean unallocated GPU % at 100 % arrival, where `fgd-paper-results/` has it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub paper_unallocated_gpu_pct_at_100: Option<f64>,
+    /// How the workload's groups ended (`gangs=P` workloads only), means over seeds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub groups: Option<GroupsReport>,
+}
+
+/// Groups' figures of one policy, means over seeds. The replay has no departures, so GPUs held by a
+/// partly placed group are held to the end of the replay: wasted, since the job cannot start.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GroupsReport {
+    pub groups: f64,
+    /// Groups with every member placed.
+    pub started_whole: f64,
+    /// Groups with some members placed, not all.
+    pub partial: f64,
+    /// GPUs held by the placed members of partial groups.
+    pub gpus_held_by_incomplete_groups: f64,
+    /// Leaf switches spanned per whole group: mean, and the largest over all seeds.
+    pub tors_per_group_mean: f64,
+    pub tors_per_group_max: usize,
 }
 
 /// The map's own order is by string ("100" before "75"); readers of the JSON expect 75..130.
@@ -92,7 +112,28 @@ impl PolicyReport {
             wall_s,
             pods_per_s: if cpu_s > 0.0 { (pods as f64 / cpu_s).round() } else { 0.0 },
             paper_unallocated_gpu_pct_at_100: None,
+            groups: GroupsReport::of(results),
         }
+    }
+}
+
+impl GroupsReport {
+    /// `None` when the replay had no groups.
+    fn of(results: &[SeedResult]) -> Option<Self> {
+        if results.iter().all(|r| r.groups.groups == 0) {
+            return None;
+        }
+        let g = |f: fn(&crate::sim::run::GroupOutcome) -> f64| round2(mean(results.iter().map(|r| f(&r.groups))));
+        let whole: usize = results.iter().map(|r| r.groups.whole).sum();
+        let spanned: usize = results.iter().map(|r| r.groups.tors_spanned_sum).sum();
+        Some(Self {
+            groups: g(|o| o.groups as f64),
+            started_whole: g(|o| o.whole as f64),
+            partial: g(|o| o.partial as f64),
+            gpus_held_by_incomplete_groups: g(|o| o.gpus_held_by_incomplete),
+            tors_per_group_mean: if whole == 0 { 0.0 } else { round2(spanned as f64 / whole as f64) },
+            tors_per_group_max: results.iter().map(|r| r.groups.tors_spanned_max).max().unwrap_or(0),
+        })
     }
 }
 
@@ -126,6 +167,26 @@ pub fn table(reports: &[PolicyReport]) -> String {
             r.failed_pods, r.wall_s, r.pods_per_s
         ));
     }
+    if reports.iter().any(|r| r.groups.is_some()) {
+        out.push_str("\nGroups (pods that must start together), mean over seeds\n");
+        out.push_str(&format!(
+            "{:<pw$} {:>8} {:>13} {:>8} {:>22} {:>14} {:>13}\n",
+            "policy", "groups", "started whole", "partial", "GPUs held by partial", "ToRs/group", "max ToRs"
+        ));
+        for r in reports {
+            let Some(g) = &r.groups else { continue };
+            out.push_str(&format!(
+                "{:<pw$} {:>8.1} {:>13.1} {:>8.1} {:>22.2} {:>14.2} {:>13}\n",
+                r.policy,
+                g.groups,
+                g.started_whole,
+                g.partial,
+                g.gpus_held_by_incomplete_groups,
+                g.tors_per_group_mean,
+                g.tors_per_group_max
+            ));
+        }
+    }
     out
 }
 
@@ -146,6 +207,7 @@ mod tests {
             wall_s: 0.1,
             pods_per_s: 100.0,
             paper_unallocated_gpu_pct_at_100: None,
+            groups: None,
         }
     }
 

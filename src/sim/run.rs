@@ -8,7 +8,7 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::placement::profile::ProfileConfig;
 use crate::placement::scorers::fragmentation::WorkloadMix;
-use crate::sim::policies::{MixSource, Policy, PolicyKind};
+use crate::sim::policies::{Choice, MixSource, Policy, PolicyKind};
 use crate::sim::protocol::{arrival_order, gpu_milli_total};
 use crate::sim::state::SimState;
 use crate::sim::trace::{TraceNode, TracePod};
@@ -36,6 +36,23 @@ pub struct SeedResult {
     pub pods: usize,
     pub failed_pods: usize,
     pub wall_s: f64,
+    /// Groups of the replay (none without `gangs=P`).
+    pub groups: GroupOutcome,
+}
+
+/// How a replay's groups ended (no departures: a group partly placed holds its GPUs to the end).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct GroupOutcome {
+    pub groups: usize,
+    /// Every member placed.
+    pub whole: usize,
+    /// Some members placed, not all.
+    pub partial: usize,
+    /// GPUs (a share as its fraction) held by the placed members of partial groups.
+    pub gpus_held_by_incomplete: f64,
+    /// Sum and maximum, over whole groups, of the leaf switches their members span.
+    pub tors_spanned_sum: usize,
+    pub tors_spanned_max: usize,
 }
 
 fn round2(x: f64) -> f64 {
@@ -96,11 +113,43 @@ fn place_in_order(
     let mut events = Vec::with_capacity(order.len());
     let mut arrived = 0u64;
     let mut failed = 0usize;
-    for pod in order {
+    let mut groups = GroupOutcome::default();
+    // a group's members arrive together: its plan (if the policy makes one) is made at the first
+    let mut planned: Vec<Option<Choice>> = Vec::new();
+    let mut member = 0usize;
+    let mut group_end = 0usize;
+    let mut group_placed: Vec<usize> = Vec::new();
+    for (at, pod) in order.iter().enumerate() {
         arrived += gpu_milli_total(pod);
-        let placed = match policy.choose(&state, pod, &mut rng) {
+        if at >= group_end {
+            if let Some(g) = &pod.group {
+                let members = order[at..].iter().take_while(|p| p.group.as_ref() == Some(g)).count();
+                group_end = at + members;
+                planned = match policy.plan_group(&mut state, &order[at..group_end]) {
+                    Some(choices) => choices.into_iter().map(Some).collect(),
+                    None if kind == PolicyKind::Gpuplace => vec![None; members],
+                    // no plan from this policy: its members are placed one by one as they come
+                    None => Vec::new(),
+                };
+                member = 0;
+                group_placed.clear();
+                groups.groups += 1;
+            }
+        }
+        let in_group = at < group_end;
+        let choice = if in_group && !planned.is_empty() {
+            planned.get(member).cloned().flatten()
+        } else {
+            policy.choose(&state, pod, &mut rng)
+        };
+        let placed = match choice {
             Some((node, gpus)) => match state.apply(node, pod, &gpus) {
-                Ok(()) => true,
+                Ok(()) => {
+                    if in_group {
+                        group_placed.push(node);
+                    }
+                    true
+                }
                 Err(e) => {
                     // a policy bug, never a silent over-commit: count it and say so
                     tracing::error!(policy = %kind, pod = %pod.name, error = %e, "placement refused by the cluster model");
@@ -109,6 +158,12 @@ fn place_in_order(
             },
             None => false,
         };
+        if in_group {
+            member += 1;
+            if at + 1 == group_end {
+                groups.record(&state, &order[group_end - member..group_end], &group_placed);
+            }
+        }
         failed += usize::from(!placed);
         if !placed {
             // which pods a policy turns away, and how full the cluster was (RUST_LOG=gpuplace::sim=debug)
@@ -142,6 +197,31 @@ fn place_in_order(
         pods: order.len(),
         failed_pods: failed,
         wall_s: start.elapsed().as_secs_f64(),
+        groups,
+    }
+}
+
+impl GroupOutcome {
+    /// Counts one group whose members (in order) were placed on `nodes` (one per placed member).
+    fn record(&mut self, state: &SimState, members: &[TracePod], nodes: &[usize]) {
+        if nodes.len() == members.len() {
+            self.whole += 1;
+            let tor = crate::core::cluster::DEFAULT_NETWORK_LEVELS[1];
+            let tors: std::collections::BTreeSet<&str> = nodes
+                .iter()
+                .filter_map(|&n| state.cluster.nodes().get(n)?.labels.get(tor).map(String::as_str))
+                .collect();
+            self.tors_spanned_sum += tors.len();
+            self.tors_spanned_max = self.tors_spanned_max.max(tors.len());
+        } else if !nodes.is_empty() {
+            self.partial += 1;
+            // placed members come first in `nodes`' order, but any member may be the one left out
+            self.gpus_held_by_incomplete += members
+                .iter()
+                .filter(|p| state.cluster.assignment(&p.name).is_some())
+                .map(|p| gpu_milli_total(p) as f64 / 1000.0)
+                .sum::<f64>();
+        }
     }
 }
 

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use crate::core::cluster::{Cluster, ContainerAssignment, Gpu, GpuSlice, Node, PodAssignment};
+use crate::core::cluster::{Cluster, ContainerAssignment, Gpu, GpuSlice, Node, PodAssignment, DEFAULT_NETWORK_LEVELS};
 use crate::core::inventory::synthetic_uuid;
 use crate::core::topology::GpuTopology;
 use crate::placement::scorers::fragmentation::WorkloadMix;
@@ -71,6 +71,12 @@ impl SimNode {
     }
 }
 
+/// Nodes per leaf switch and per spine in the simulated network: the trace has no network, so nodes
+/// are put under switches in node-list order (16 per ToR, 8 ToRs per spine). Only groups' plans
+/// and their closeness figures read it.
+pub const SYNTHETIC_TOR: usize = 16;
+pub const SYNTHETIC_SPINE: usize = 128;
+
 /// The cluster under simulation.
 #[derive(Debug, Clone)]
 pub struct SimState {
@@ -104,7 +110,13 @@ impl SimState {
                     healthy: true,
                 })
                 .collect();
-            nodes.push(Node::new(t.name.clone(), BTreeMap::new(), gpus, topo, t.cpu_milli, t.memory_mib));
+            // the trace has no network: a synthetic one, in node-list order (see `SYNTHETIC_TOR`)
+            let i = nodes.len();
+            let labels = BTreeMap::from([
+                (DEFAULT_NETWORK_LEVELS[0].to_string(), format!("spine-{}", i / SYNTHETIC_SPINE)),
+                (DEFAULT_NETWORK_LEVELS[1].to_string(), format!("tor-{}", i / SYNTHETIC_TOR)),
+            ]);
+            nodes.push(Node::new(t.name.clone(), labels, gpus, topo, t.cpu_milli, t.memory_mib));
             sim.push(SimNode {
                 model: t.model.clone(),
                 cpu_left: t.cpu_milli,
@@ -164,7 +176,7 @@ impl SimState {
             containers,
             cpu_milli: pod.cpu_milli,
             memory_mib: pod.memory_mib,
-            group: None,
+            group: pod.group.clone(),
         })?;
         let s = &mut self.nodes[node];
         s.cpu_left -= pod.cpu_milli;

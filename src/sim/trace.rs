@@ -43,6 +43,10 @@ pub struct TracePod {
     pub gpu_milli: u32,
     #[serde(default)]
     pub gpu_spec: String,
+    /// The group (a job of several pods that start together) the pod belongs to: set by the
+    /// `gangs=P` generator (`sim::generate`); the trace's CSVs have none.
+    #[serde(default)]
+    pub group: Option<String>,
 }
 
 impl TracePod {
@@ -125,6 +129,7 @@ pub(crate) mod tests {
     /// A pod of 1 CPU and 1 GiB asking for `num` GPUs of `milli` thousandths each, for unit tests.
     pub(crate) fn pod(name: &str, num: u32, milli: u32) -> TracePod {
         TracePod {
+            group: None,
             name: name.into(),
             cpu_milli: 1000,
             memory_mib: 1024,

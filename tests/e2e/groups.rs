@@ -197,7 +197,10 @@ fn sound(name: &str, s: &Snapshot, ext: &Extender) -> BTreeMap<String, Job> {
     let refusals = group_bind_refusals(ext);
     let member_binds = log_lines(&ext.placement_log, "bind").iter().filter(|d| d["group"].is_string()).count();
     let bound_members: usize = js.values().map(|j| j.bound).sum();
-    assert!(member_binds >= bound_members, "{name}: {member_binds} bind lines of group members for {bound_members} bound");
+    assert!(
+        member_binds >= bound_members,
+        "{name}: {member_binds} bind lines of group members for {bound_members} bound"
+    );
     let diffs = audit.compare_inspect(&crate::inspect(ext));
     figure(&format!(
         "groups: {name}: over-commits {}, jobs partly bound {}, GPUs held by incomplete groups {held}, \

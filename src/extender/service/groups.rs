@@ -40,7 +40,8 @@ impl Extender {
         let events = {
             let mut st = self.write();
             let st = &mut *st;
-            st.groups.forget_pod_group(&mut st.cluster, key)
+            let events = st.groups.forget_pod_group(&mut st.cluster, key);
+            st.groups.stamped(&st.cluster, events)
         };
         self.group_events(events);
     }
@@ -78,6 +79,10 @@ impl Extender {
                         v = self.admit(&arrival, now, &mut events);
                     }
                 }
+                let events = {
+                    let st = self.read();
+                    st.groups.stamped(&st.cluster, events)
+                };
                 self.group_events(events);
                 v
             }
@@ -159,6 +164,7 @@ impl Extender {
             let mut st = self.write();
             let st = &mut *st;
             st.groups.expire(&mut st.cluster, now, &mut events);
+            events = st.groups.stamped(&st.cluster, events);
         }
         self.group_events(events);
     }
@@ -209,7 +215,8 @@ impl Extender {
         let events = {
             let mut st = self.write();
             let st = &mut *st;
-            st.groups.forget_member(&mut st.cluster, uid)
+            let events = st.groups.forget_member(&mut st.cluster, uid);
+            st.groups.stamped(&st.cluster, events)
         };
         self.group_events(events);
     }
