@@ -12,6 +12,7 @@ use gpuplace::core::cluster::{Cluster, DEFAULT_NETWORK_LEVELS};
 use gpuplace::core::inventory::Board;
 use gpuplace::extender::binder::{BindError, BindFuture, BindRequest, Binder, RecordingBinder};
 use gpuplace::extender::groups::PodGroupInfo;
+use gpuplace::extender::placement_log::PlacementLog;
 use gpuplace::extender::service::{Extender, ServiceOptions};
 use gpuplace::extender::wire::ExtenderFilterResult;
 use gpuplace::placement::engine::Engine;
@@ -270,6 +271,24 @@ fn a_planned_node_that_leaves_has_its_group_planned_again() {
 }
 
 #[test]
+fn a_planned_gpu_that_turns_unhealthy_has_its_group_planned_again() {
+    let e = extender(cluster(8));
+    let job: Vec<Value> = (0..2).map(|i| member("job", i, 2, whole(8))).collect();
+    let planned = passed(&filter(&e, &job[0]))[0].clone();
+    assert_eq!(reserved_gpus(&e), 16.0);
+    // the device plugin marks one GPU of the planned node unhealthy: the node's new inventory
+    let mut sick = e.cluster().node(&planned).unwrap().clone();
+    sick.gpus[3].healthy = false;
+    e.upsert_node(sick);
+    let report = e.inspect(None).unwrap();
+    assert!(report.groups[0].reserved.is_empty(), "the plan on {planned} was dropped: {report:?}");
+    let again = passed(&filter(&e, &job[0]));
+    assert_eq!(again.len(), 1);
+    assert_ne!(again[0], planned, "a node with 7 healthy GPUs cannot take 8");
+    assert_eq!(bind(&e, &job[0], &again[0]), "");
+}
+
+#[test]
 fn fractional_trials_are_packed_on_few_gpus_of_one_node() {
     let e = extender(cluster(4));
     let quarter = json!({ "gpuplace.io/gpu": "1", "gpuplace.io/gpu-core": "25" });
@@ -292,4 +311,166 @@ fn every_member_deleted_ends_the_reservation() {
     e.release_pod("uid-job-1");
     assert_eq!(reserved_gpus(&e), 0.0);
     assert!(e.cluster().nodes().iter().all(|n| n.pods().count() == 0));
+}
+
+/// The placement log records each plan, each group turned away and the totals after each member's
+/// bind, and `gpuplace report` draws groups waiting and GPUs reserved over time from it.
+#[test]
+fn the_placement_log_and_the_report_show_groups_over_time() {
+    let dir = std::env::temp_dir().join(format!("gpuplace-groups-report-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let log_path = dir.join("placement.jsonl");
+    let log = PlacementLog::open(log_path.to_str().unwrap(), 1 << 20).unwrap();
+    let e = extender(cluster(8)).with_placement_log(log);
+    // one job fits (tor-0 or tor-1), the second waits: 2 x 4 x 8 GPUs on 8 nodes, one GPU taken
+    fill(&e, "filler", "gpu-07", 1);
+    for i in 0..4 {
+        place(&e, &member("fits", i, 4, whole(8)));
+    }
+    assert!(passed(&filter(&e, &member("waits", 0, 4, whole(8)))).is_empty());
+    let lines: Vec<Value> =
+        std::fs::read_to_string(&log_path).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let events: Vec<&str> =
+        lines.iter().filter(|d| d["verb"] == "group").filter_map(|d| d["group_event"]["event"].as_str()).collect();
+    assert_eq!(events, ["planned", "bound", "no_plan"], "{lines:#?}");
+    let planned = lines.iter().find(|d| d["group_event"]["event"] == "planned").unwrap();
+    assert_eq!(planned["group_event"]["totals"]["reserved_gpus"], 32.0);
+    assert_eq!(planned["group_event"]["domain"], "tor tor-0");
+    let member_binds: Vec<&Value> = lines.iter().filter(|d| d["verb"] == "bind" && d["group"] == "ml/fits").collect();
+    assert_eq!(member_binds.len(), 4);
+    // each bind takes its slot's 8 GPUs out of the reservation
+    let reserved: Vec<f64> =
+        member_binds.iter().map(|d| d["group_totals"]["reserved_gpus"].as_f64().unwrap()).collect();
+    assert_eq!(reserved, [24.0, 16.0, 8.0, 0.0]);
+    let filters = lines.iter().filter(|d| d["verb"] == "filter" && d["group"] == "ml/fits").count();
+    assert_eq!(filters, 4);
+    let no_plan = lines.iter().find(|d| d["group_event"]["event"] == "no_plan").unwrap();
+    assert_eq!(no_plan["group_event"]["totals"]["waiting"], 1);
+
+    let html = dir.join("report.html");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpuplace"))
+        .args(["report", "--placement-log", log_path.to_str().unwrap(), "-o", html.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let page = std::fs::read_to_string(&html).unwrap();
+    assert!(page.contains("<figure id=\"chart-groups\">"), "no groups chart");
+    assert!(page.contains("GPUs reserved by plans"), "the chart's legend");
+    assert!(page.contains("id=\"group-reserved-peak\">32.00<"), "peak reserved row");
+    assert!(page.contains("id=\"group-waiting-last\">1<"), "groups waiting at the end");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// Filter (and, with `bind`, bind to the one node passed) member `i` of job `job`.
+    Member { job: usize, i: usize, bind: bool },
+    /// A single pod of `gpus` whole GPUs, bound to the first node passed.
+    Single { gpus: u32 },
+    /// A member deleted.
+    Delete { job: usize, i: usize },
+    /// A node leaves, or comes back.
+    Node { n: usize, back: bool },
+}
+
+/// (name, pods, each pod's limits)
+fn job(j: usize) -> (&'static str, usize, Value) {
+    match j {
+        0 => ("big", 2, whole(8)),
+        1 => ("mid", 3, whole(4)),
+        _ => ("trials", 4, json!({ "gpuplace.io/gpu": "1", "gpuplace.io/gpu-core": "50" })),
+    }
+}
+
+fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+    use proptest::prelude::*;
+    prop_oneof![
+        4 => (0usize..3, 0usize..4, any::<bool>()).prop_map(|(job, i, bind)| Op::Member { job, i, bind }),
+        2 => prop::sample::select(vec![1u32, 2, 4, 8]).prop_map(|gpus| Op::Single { gpus }),
+        1 => (0usize..3, 0usize..4).prop_map(|(job, i)| Op::Delete { job, i }),
+        1 => (0usize..8, any::<bool>()).prop_map(|(n, back)| Op::Node { n, back }),
+    ]
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 96, ..Default::default() })]
+
+    /// Whatever members, singles, deletions and node changes come, in any order: the GPUs reserved in
+    /// the cluster are exactly the unbound slots of live plans, a plan never holds more slots than its
+    /// group has members to place, a member passes at most one node, and a single pod is never offered
+    /// a node whose GPUs a plan holds all of.
+    #[test]
+    fn reservations_are_exactly_the_unbound_slots_of_live_plans(ops in proptest::collection::vec(op(), 1..40)) {
+        let all = cluster(8);
+        let e = extender(all.clone());
+        let mut singles = 0;
+        // members bound (kube-scheduler filters a pod again only while it is pending)
+        let mut bound: BTreeSet<(usize, usize)> = BTreeSet::new();
+        for op in ops {
+            match op {
+                Op::Member { job: j, i, bind: b } => {
+                    let (name, size, limits) = job(j);
+                    if i >= size || bound.contains(&(j, i)) {
+                        continue;
+                    }
+                    let pod = member(name, i, size, limits);
+                    let p = passed(&filter(&e, &pod));
+                    let planned = e.inspect(None).unwrap().groups.iter().any(|g| g.group == format!("ml/{name}") && g.domain.is_some());
+                    proptest::prop_assert!(p.len() <= 1 || !planned, "a member with a plan passed {p:?}");
+                    if b && p.len() == 1 && bind(&e, &pod, &p[0]).is_empty() {
+                        bound.insert((j, i));
+                    }
+                }
+                Op::Single { gpus } => {
+                    let pod = single(&format!("s{singles}"), gpus);
+                    singles += 1;
+                    let p = passed(&filter(&e, &pod));
+                    let report = e.inspect(None).unwrap();
+                    for n in &p {
+                        let node = report.nodes.iter().find(|x| &x.name == n).unwrap();
+                        let all_reserved = node.gpus.iter().all(|g| g.holders.iter().any(|h| h.pod.contains('#')));
+                        proptest::prop_assert!(!all_reserved, "single offered fully reserved node {n}");
+                    }
+                    if let Some(n) = p.first() {
+                        bind(&e, &pod, n);
+                    }
+                }
+                Op::Delete { job: j, i } => {
+                    let (name, _, _) = job(j);
+                    e.release_pod(&format!("uid-{name}-{i}"));
+                    bound.remove(&(j, i));
+                }
+                Op::Node { n, back } => {
+                    let name = format!("gpu-{n:02}");
+                    if back {
+                        if !e.has_node(&name) {
+                            e.upsert_node(all.node(&name).unwrap().clone());
+                        }
+                    } else {
+                        e.remove_node(&name);
+                    }
+                }
+            }
+            let report = e.inspect(None).unwrap();
+            let mut held: BTreeMap<String, usize> = BTreeMap::new();
+            for n in &report.nodes {
+                let pods: BTreeSet<&str> =
+                    n.gpus.iter().flat_map(|g| g.holders.iter()).map(|h| h.pod.as_str()).filter(|p| p.contains('#')).collect();
+                held.insert(n.name.clone(), pods.len());
+            }
+            let mut planned: BTreeMap<String, usize> = BTreeMap::new();
+            for g in &report.groups {
+                proptest::prop_assert!(g.reserved.len() + g.members_bound <= g.size.max(g.members_seen), "{g:?}");
+                if g.domain.is_none() {
+                    proptest::prop_assert!(g.reserved.is_empty(), "{g:?}");
+                }
+                for r in &g.reserved {
+                    *planned.entry(r.node.clone()).or_default() += 1;
+                }
+            }
+            held.retain(|_, v| *v > 0);
+            proptest::prop_assert_eq!(&held, &planned);
+        }
+    }
 }

@@ -70,12 +70,12 @@ pub struct GroupEvent {
     /// (every slot bound), `deleted` (every member gone).
     pub event: String,
     /// The plan's domain (`tor tor-2`), for `planned`.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub domain: Option<String>,
     /// Node of each slot, for `planned`.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub nodes: Vec<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
     /// Every group's totals right after the event.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -489,24 +489,45 @@ impl Groups {
         None
     }
 
-    /// A member deleted (or finished). Its slot stays reserved for a replacement until the time-out;
-    /// a group with no member left is dropped with its reservations.
+    /// A member deleted (or finished), after its own GPUs were released. Its slot stays reserved for
+    /// a replacement until the time-out (a bound member's slot is reserved again on the same GPUs; if
+    /// they are gone, the plan is dropped and made again at the next filter); a group with no member
+    /// left is dropped with its reservations.
     pub fn forget_member(&mut self, cluster: &mut Cluster, uid: &str) -> Vec<GroupEvent> {
         let Some(key) = self.member_of.remove(uid) else { return Vec::new() };
         let Some(g) = self.groups.get_mut(&key) else { return Vec::new() };
         free_holder(g, uid);
+        let mut events = Vec::new();
+        let taken = g.members.get(uid).and_then(|m| m.slot).filter(|_| g.plan.is_some());
+        let bound_outside = g.members.get(uid).is_some_and(|m| m.bound.is_some() && m.slot.is_none());
+        if bound_outside && g.plan.is_some() {
+            // the plan was made around it: its replacement needs a slot the plan does not have
+            drop_plan(cluster, g);
+            let mut ev = GroupEvent::new(&g.key, "replanned");
+            ev.reason = Some("a bound member the plan was made around is gone".into());
+            events.push(ev);
+        }
+        if let (Some(i), Some(plan)) = (taken, g.plan.as_mut()) {
+            if let Some(slot) = plan.slots.get_mut(i).filter(|s| s.taken) {
+                if cluster.allocate(slot.reservation.clone()).is_ok() {
+                    slot.taken = false;
+                    slot.holder = None;
+                } else {
+                    drop_plan(cluster, g);
+                }
+            }
+        }
         g.members.remove(uid);
         if !g.members.is_empty() {
-            return Vec::new();
+            return events;
         }
-        let mut g = self.groups.remove(&key).expect("present");
+        let Some(mut g) = self.groups.remove(&key) else { return events };
         let had_plan = g.plan.is_some();
         drop_plan(cluster, &mut g);
         if had_plan {
-            vec![GroupEvent::new(&key, "deleted")]
-        } else {
-            Vec::new()
+            events.push(GroupEvent::new(&key, "deleted"));
         }
+        events
     }
 
     /// Whether the pod (by UID) is a known member of some group.

@@ -110,7 +110,7 @@ impl Decision {
 }
 
 /// Every field a line may carry, for readers that refuse what they do not know.
-pub const FIELDS: [&str; 20] = [
+pub const FIELDS: [&str; 24] = [
     "v",
     "ts_unix_ms",
     "verb",
@@ -131,6 +131,10 @@ pub const FIELDS: [&str; 20] = [
     "latency_us",
     "cluster",
     "truncated",
+    "group",
+    "planned_node",
+    "group_event",
+    "group_totals",
 ];
 
 /// The pod's GPU containers.
@@ -420,8 +424,16 @@ mod tests {
 
     #[test]
     fn fields_name_every_field_a_line_has() {
-        // `truncated` is written only when true
-        let v = serde_json::to_value(Decision { truncated: true, ..Decision::default() }).unwrap();
+        // `truncated` is written only when true, the group fields only for groups
+        let v = serde_json::to_value(Decision {
+            truncated: true,
+            group: Some("ns/job".into()),
+            planned_node: Some("n".into()),
+            group_event: Some(crate::extender::groups::GroupEvent::default()),
+            group_totals: Some(crate::extender::groups::GroupTotals::default()),
+            ..Decision::default()
+        })
+        .unwrap();
         let mut keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
         let mut fields = FIELDS.to_vec();
         keys.sort_unstable();
@@ -429,8 +441,9 @@ mod tests {
         assert_eq!(keys, fields);
         // a line from before `cluster` was added still reads
         let mut old = v.clone();
-        old.as_object_mut().unwrap().remove("cluster");
-        old.as_object_mut().unwrap().remove("truncated");
+        for later in ["cluster", "truncated", "group", "planned_node", "group_event", "group_totals"] {
+            old.as_object_mut().unwrap().remove(later);
+        }
         assert_eq!(serde_json::from_value::<Decision>(old).unwrap(), Decision::default());
     }
 

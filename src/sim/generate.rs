@@ -21,7 +21,7 @@
 //!   freed, and groups are added in their place until as many GPUs are back, half of them (in GPUs)
 //!   as training jobs of 2 or 4 pods x 8 whole GPUs, half as hyperparameter-search trials of 8 pods
 //!   x a quarter of one GPU. Each member takes the host CPU and memory of a base pod of its shape
-//!   (an 8-GPU pod, a pod sharing one GPU). The replay keeps each group's pods together: they
+//!   (an 8-GPU pod, with its model constraint if it has one; a pod sharing one GPU, without). The replay keeps each group's pods together: they
 //!   arrive at once, where the group's first pod falls in the seed's order (`sim::protocol`).
 //!
 //! CPU-only pods are kept as they are.

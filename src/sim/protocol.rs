@@ -42,44 +42,13 @@ pub fn gpu_milli_total(p: &TracePod) -> u64 {
 /// Growing appends random copies of the original pods until the next copy would pass the target,
 /// and trimming removes random pods until the total is at or below it, as the FGD simulator does
 /// (its growth test compares the per-GPU share, which we keep so results stay comparable).
+///
+/// The protocol runs over *units*, a unit being one pod or all the pods of one group
+/// (`TracePod::group`), so that a group's pods arrive together (a job's controller creates them at
+/// once), are trimmed together, and are copied together (under a new group name) when the workload
+/// grows. With every unit a single pod this is the paper's pod-by-pod protocol draw for draw: the
+/// shuffle and the random picks depend only on the number of units.
 pub fn arrival_order(pods: &[TracePod], capacity_milli: u64, tune: f64, rng: &mut ChaCha8Rng) -> Vec<TracePod> {
-    if pods.iter().any(|p| p.group.is_some()) {
-        return grouped_arrival_order(pods, capacity_milli, tune, rng);
-    }
-    let mut sorted: Vec<TracePod> = pods.to_vec();
-    sorted.sort_by(|a, b| a.name.cmp(&b.name));
-    let mut order = sorted.clone();
-    order.shuffle(rng);
-    let target = (tune * capacity_milli as f64) as u64;
-    let mut total: u64 = order.iter().map(gpu_milli_total).sum();
-    if total > target {
-        while total > target && !order.is_empty() {
-            let k = rng.random_range(0..order.len());
-            total -= gpu_milli_total(&order[k]);
-            order.remove(k);
-        }
-    } else if !sorted.is_empty() {
-        let mut i = 0;
-        loop {
-            let s = &sorted[rng.random_range(0..sorted.len())];
-            if total + u64::from(s.milli()) > target {
-                break;
-            }
-            total += gpu_milli_total(s);
-            let mut copy = s.clone();
-            copy.name = format!("{}-tuned-{i}", s.name);
-            order.push(copy);
-            i += 1;
-        }
-    }
-    order
-}
-
-/// [`arrival_order`] for a workload with groups: the same protocol over *units*, a unit being one
-/// pod or all the pods of one group, so that a group's pods arrive together (a job's controller
-/// creates them at once), are trimmed together, and are copied together (under a new group name)
-/// when the workload grows. (A workload without groups keeps the pod-by-pod protocol exactly.)
-fn grouped_arrival_order(pods: &[TracePod], capacity_milli: u64, tune: f64, rng: &mut ChaCha8Rng) -> Vec<TracePod> {
     let mut sorted: Vec<TracePod> = pods.to_vec();
     sorted.sort_by(|a, b| a.name.cmp(&b.name));
     let mut units: Vec<Vec<TracePod>> = Vec::new();

@@ -292,22 +292,31 @@ async fn groups_by_label_on_three_free_tors() {
     five_jobs_on_three_free_tors("labels", false).await;
 }
 
-/// Share pods first, then jobs of 4 x 4 GPUs and two groups of 8 trials of a quarter GPU: no job
-/// partly bound, each job that fits under one ToR placed under one, each trial group on one node.
+/// Share pods first, then jobs of 4 x 4 GPUs and two groups of 8 trials of a quarter GPU, through
+/// both front doors at once (job-0, job-2 and trials-0 are PodGroups, the others labels only): no
+/// job partly bound, each job that fits under one ToR placed under one, each trial group on one node.
 #[tokio::test(flavor = "current_thread")]
 async fn jobs_and_fractional_trials_on_a_cluster_fragmented_by_shares() {
     let _serial = SERIAL.lock().await;
-    let (st, ext) = h100_stage("fragmented", false).await;
+    let (st, ext) = h100_stage("fragmented", true).await;
     let share = Shape { gpu: Some("1"), core: Some("30"), kind: "share", ..Shape::default() };
     let shares: Vec<Pod> = (0..24).map(|i| share.pod(&format!("share-{i}"))).collect();
     create(&st.admin, shares).await;
     wait_stable(&st.admin, 24, Duration::from_secs(3), Duration::from_secs(120)).await;
     let quarter = Shape { gpu: Some("1"), core: Some("25"), kind: "trial", ..Shape::default() };
     for j in 0..3 {
-        create(&st.admin, job_pods(&format!("job-{j}"), 4, &whole("4"), false)).await;
+        let (name, pod_group) = (format!("job-{j}"), j % 2 == 0);
+        if pod_group {
+            create_pod_group(&st.admin, &name, 4, Some(TOR)).await;
+        }
+        create(&st.admin, job_pods(&name, 4, &whole("4"), pod_group)).await;
     }
     for t in 0..2 {
-        create(&st.admin, job_pods(&format!("trials-{t}"), 8, &quarter, false)).await;
+        let (name, pod_group) = (format!("trials-{t}"), t == 0);
+        if pod_group {
+            create_pod_group(&st.admin, &name, 8, None).await;
+        }
+        create(&st.admin, job_pods(&name, 8, &quarter, pod_group)).await;
     }
     let bound = wait_stable(&st.admin, 24 + 12 + 16, Duration::from_secs(6), Duration::from_secs(180)).await;
     figure(&format!("groups: fragmented: {bound} pods bound"));

@@ -287,8 +287,14 @@ impl Extender {
     /// Gives back what a pod holds (deleted or finished). Returns whether it held a record.
     pub fn release_pod(&self, uid: &str) -> bool {
         self.rejections().forget(uid);
-        self.forget_group_member(uid);
         self.metrics.pod_settled(uid);
+        let released = self.release_record(uid);
+        // after its GPUs are back: a bound member's slot is reserved again for its replacement
+        self.forget_group_member(uid);
+        released
+    }
+
+    fn release_record(&self, uid: &str) -> bool {
         {
             let st = self.read();
             if !st.bound.contains_key(uid) && !st.refused.contains_key(uid) && !st.withdrawn.contains_key(uid) {
