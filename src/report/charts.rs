@@ -269,7 +269,8 @@ type GroupLine = fn(&GroupSample) -> f64;
 pub fn groups(samples: &[GroupSample], axis: &TimeAxis) -> Result<String> {
     let title = "Groups over time: groups waiting for room, GPUs reserved for their members";
     let e = err(title);
-    let top = samples.iter().map(|s| (s.waiting as f64).max(s.reserved_gpus)).fold(1.0, f64::max) * 1.15;
+    // headroom above the highest figure for the legend
+    let top = samples.iter().map(|s| (s.waiting as f64).max(s.reserved_gpus)).fold(1.0, f64::max) * 1.6;
     let mut svg = String::new();
     {
         let root = SVGBackend::with_string(&mut svg, (WIDTH, HEIGHT)).into_drawing_area();
