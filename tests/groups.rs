@@ -210,6 +210,30 @@ fn a_gang_with_no_plan_is_answered_with_an_error_and_a_planned_one_with_one_node
     assert!(r.error.contains("not known to gpuplace yet"), "{r:?}");
 }
 
+#[test]
+fn a_label_group_can_require_one_tor_and_a_bad_key_is_refused() {
+    let e = extender(cluster(8));
+    fill(&e, "f0", "gpu-00", 1);
+    fill(&e, "f1", "gpu-04", 1);
+    let pod = |i: usize, topology: &str| {
+        let mut p = member("job", i, 4, whole(8));
+        p["metadata"]["annotations"]["gpuplace.io/group-topology"] = json!(topology);
+        p
+    };
+    // preference only: placed across the two ToRs; required: turned away with the ToR reason
+    let r = filter(&e, &pod(0, TOR));
+    assert!(passed(&r).is_empty(), "{r:?}");
+    let reasons: BTreeSet<&String> = r.failed_and_unresolvable_nodes.values().collect();
+    assert_eq!(
+        reasons.into_iter().collect::<Vec<_>>(),
+        ["gpuplace: group job needs 4 pods of 8 GPUs under one tor; best tor holds 3"]
+    );
+    let r = filter(&e, &member("other", 0, 4, whole(8)));
+    assert_eq!(passed(&r).len(), 1, "without the requirement the job spans the ToRs: {r:?}");
+    let r = filter(&e, &pod(1, "network.gpuplace.io/tor = x"));
+    assert!(r.failed_and_unresolvable_nodes.values().all(|v| v.contains("gpuplace.io/group-topology")), "{r:?}");
+}
+
 /// A binder whose Bindings fail.
 #[derive(Debug)]
 struct Failing;
