@@ -327,15 +327,18 @@ impl Extender {
             .collect();
         let mut keys = Vec::with_capacity(gone.len());
         let mut freed = HashSet::new();
-        for uid in gone {
-            if let Some(b) = st.bound.get(&uid) {
+        for uid in &gone {
+            if let Some(b) = st.bound.get(uid) {
                 keys.push(b.key.clone());
             }
-            freed.extend(Self::release_locked(st, &uid));
+            freed.extend(Self::release_locked(st, uid));
         }
         st.refused.retain(|uid, _| listed.contains(uid));
         st.withdrawn.retain(|uid, _| listed.contains(uid));
         drop(guard);
+        for uid in &gone {
+            self.forget_group_member(uid);
+        }
         for node in &freed {
             self.note_freed(node);
         }
