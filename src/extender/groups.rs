@@ -30,7 +30,7 @@ use serde::Serialize;
 use crate::core::cluster::{Cluster, PodAssignment};
 use crate::core::resources::{GroupSpec, PodRequest};
 use crate::placement::engine::Engine;
-use crate::placement::group_plan::{plan_group, GroupAsk, GroupPlan};
+use crate::placement::group_plan::{group_name, plan_group, GroupAsk, GroupPlan};
 
 /// kube-scheduler v1.36's gang time-out (GangScheduling's Permit wait).
 pub const DEFAULT_GROUP_TIMEOUT: Duration = Duration::from_secs(300);
@@ -129,7 +129,6 @@ struct Plan {
     domain: String,
     slots: Vec<Slot>,
     made: Instant,
-    made_unix_ms: i64,
 }
 
 #[derive(Debug, Clone)]
@@ -155,6 +154,24 @@ struct Group {
     expired: bool,
     /// Nodes kube-scheduler would not place a member on.
     excluded: BTreeSet<String>,
+}
+
+impl Group {
+    /// A group first seen through one of its pods (its size and keys are settled at its members'
+    /// filters, with the PodGroup's).
+    fn new(spec: &GroupSpec) -> Self {
+        Self {
+            key: spec.key.clone(),
+            gang: spec.pod_group,
+            size: spec.size as usize,
+            required: spec.required.clone(),
+            members: BTreeMap::new(),
+            plan: None,
+            failure: None,
+            expired: false,
+            excluded: BTreeSet::new(),
+        }
+    }
 }
 
 /// One group as `/inspect` shows it.
@@ -239,10 +256,6 @@ impl Groups {
         Self { groups: HashMap::new(), member_of: HashMap::new(), pod_groups: HashMap::new(), timeout }
     }
 
-    pub fn timeout(&self) -> Duration {
-        self.timeout
-    }
-
     /// A PodGroup seen (or changed) on the API server, by `namespace/name`.
     pub fn observe_pod_group(&mut self, key: &str, info: PodGroupInfo) {
         if let Some(g) = self.groups.get_mut(key) {
@@ -308,17 +321,7 @@ impl Groups {
         let Some(spec) = arrival.request.group.clone() else { return (Verdict::Single, events) };
         self.expire(cluster, now, &mut events);
         let info = self.pod_groups.get(&spec.key).cloned();
-        let g = self.groups.entry(spec.key.clone()).or_insert_with(|| Group {
-            key: spec.key.clone(),
-            gang: spec.pod_group,
-            size: 0,
-            required: Vec::new(),
-            members: BTreeMap::new(),
-            plan: None,
-            failure: None,
-            expired: false,
-            excluded: BTreeSet::new(),
-        });
+        let g = self.groups.entry(spec.key.clone()).or_insert_with(|| Group::new(&spec));
         g.gang |= spec.pod_group;
         g.size = group_size(&spec, info.as_ref()).max(g.size);
         g.required = required_keys(&spec, info.as_ref());
@@ -363,7 +366,7 @@ impl Groups {
         if g.expired && g.members.len() < g.size {
             let reason = format!(
                 "group {} waits for all {} pods ({} exist) after its reservation timed out",
-                short(&g.key),
+                group_name(&g.key),
                 g.size,
                 g.members.len()
             );
@@ -454,17 +457,7 @@ impl Groups {
     /// A member counted as bound from the API server (a restart, or another replica's bind).
     pub fn member_bound(&mut self, uid: &str, key: &str, request: &PodRequest, node: &str) {
         let Some(spec) = &request.group else { return };
-        let g = self.groups.entry(spec.key.clone()).or_insert_with(|| Group {
-            key: spec.key.clone(),
-            gang: spec.pod_group,
-            size: spec.size as usize,
-            required: spec.required.clone(),
-            members: BTreeMap::new(),
-            plan: None,
-            failure: None,
-            expired: false,
-            excluded: BTreeSet::new(),
-        });
+        let g = self.groups.entry(spec.key.clone()).or_insert_with(|| Group::new(spec));
         let m = g.members.entry(uid.to_string()).or_insert_with(|| Member {
             key: key.to_string(),
             request: request.clone(),
@@ -533,11 +526,6 @@ impl Groups {
     /// Whether the pod (by UID) is a known member of some group.
     pub fn is_member(&self, uid: &str) -> bool {
         self.member_of.contains_key(uid)
-    }
-
-    /// Whether any plan holds reservations (cheap check before [`Groups::expire`]).
-    pub fn holds_reservations(&self) -> bool {
-        self.groups.values().any(|g| g.plan.is_some())
     }
 
     /// Whether some plan is past the time-out.
@@ -674,11 +662,6 @@ impl Groups {
         out
     }
 
-    /// The plan's made-at time in Unix ms (for logs), by group.
-    pub fn plan_made_unix_ms(&self, group: &str) -> Option<i64> {
-        self.groups.get(group)?.plan.as_ref().map(|p| p.made_unix_ms)
-    }
-
     /// A node kube-scheduler would not place the member on (not among its candidates): excluded from
     /// the group's next plan, and the current plan dropped. Only for plain groups: a gang's cycle
     /// offers one topology domain at a time, so a planned node missing from one call says nothing.
@@ -693,10 +676,6 @@ impl Groups {
         ev.reason = Some(format!("kube-scheduler did not offer planned node {node}"));
         vec![ev]
     }
-}
-
-fn short(key: &str) -> &str {
-    key.split_once('/').map_or(key, |(_, n)| n)
 }
 
 fn group_size(spec: &GroupSpec, info: Option<&PodGroupInfo>) -> usize {
@@ -787,12 +766,13 @@ fn make_plan(
     };
     let to_place = g.size.saturating_sub(bound.len());
     if to_place == 0 {
-        return Err(format!("group {} has every pod bound", short(&g.key)));
+        return Err(format!("group {} has every pod bound", group_name(&g.key)));
     }
     // the known unbound members' requests, then the first one's shape for members not seen yet
     let mut requests: Vec<PodRequest> =
         g.members.values().filter(|m| m.bound.is_none()).map(|m| m.request.clone()).take(to_place).collect();
-    let template = requests.first().cloned().ok_or_else(|| format!("group {} has no pod to plan", short(&g.key)))?;
+    let template =
+        requests.first().cloned().ok_or_else(|| format!("group {} has no pod to plan", group_name(&g.key)))?;
     while requests.len() < to_place {
         requests.push(template.clone());
     }
@@ -814,7 +794,7 @@ fn make_plan(
             for k in &counted {
                 let _ = cluster.release(k);
             }
-            return Err(format!("group {} plan could not be reserved: {e}", short(&g.key)));
+            return Err(format!("group {} plan could not be reserved: {e}", group_name(&g.key)));
         }
         counted.push(s.pod.clone());
     }
@@ -830,7 +810,6 @@ fn make_plan(
             .map(|(reservation, request)| Slot { reservation, request, holder: None, taken: false })
             .collect(),
         made: now,
-        made_unix_ms: now_unix_ms,
     });
     g.expired = false;
     Ok(ev)

@@ -635,7 +635,7 @@ impl Extender {
         }
         // a planned node that changed may no longer hold its group's reservations
         let events = Self::groups_after_node_change(st);
-        self.group_events(st.groups.stamped(&st.cluster, events));
+        self.group_events(events);
     }
 
     /// Rebuilds every allocation from pod assignment annotations (after a restart). Each annotation

@@ -81,6 +81,11 @@ pub struct NoPlan {
     pub needed: usize,
 }
 
+/// A group's name without its namespace (`ml/job-7` → `job-7`), as reasons name it.
+pub fn group_name(key: &str) -> &str {
+    key.split_once('/').map_or(key, |(_, n)| n)
+}
+
 /// The short name of a label key (`network.gpuplace.io/tor` → `tor`).
 pub fn level_name(key: &str) -> &str {
     key.rsplit('/').next().unwrap_or(key)
@@ -202,7 +207,7 @@ pub fn plan_group(
 
     let scratch = cluster;
     let mut loosest_best = 0usize;
-    for scope in &scopes {
+    for (s, scope) in scopes.iter().enumerate() {
         let mut domains = domains_of(scratch, ask, scope);
         // best fit: the domain with the least free capacity that could hold the group goes first
         domains.retain(|d| d.room.0 >= total_need.0 && d.room.1 >= total_need.0 * 1000 + total_need.1);
@@ -216,8 +221,9 @@ pub fn plan_group(
                 Err(placed) => scope_best = scope_best.max(placed),
             }
         }
-        if domains.is_empty() {
-            // no domain passed the bound: count what the largest would hold, for the reason
+        // the reason names the loosest scope only: what its largest domain holds when none passed the
+        // bound (tried only for it, as a failing group is tried again and again)
+        if domains.is_empty() && s + 1 == scopes.len() {
             scope_best = largest_partial(engine, scratch, ask, &members, scope, now_unix_ms);
         }
         loosest_best = scope_best;
@@ -243,15 +249,11 @@ fn largest_partial(
 }
 
 fn no_plan(ask: &GroupAsk<'_>, members: &[(usize, PodRequest)], needed: usize, best: usize) -> NoPlan {
-    let name = ask.key.split_once('/').map_or(ask.key, |(_, n)| n);
+    let name = group_name(ask.key);
     let shape = members.first().map_or_else(|| "GPUs".to_string(), |(_, r)| shape_words(r));
-    let mut under = String::new();
-    let where_ = if let Some(key) = ask.required_keys.last() {
-        let l = level_name(key);
-        under = format!(" under one {l}");
-        format!("best {l} holds {best}")
-    } else {
-        "the cluster holds".to_string() + &format!(" {best} now")
+    let (under, where_) = match ask.required_keys.last().map(|k| level_name(k)) {
+        Some(l) => (format!(" under one {l}"), format!("best {l} holds {best}")),
+        None => (String::new(), format!("the cluster holds {best} now")),
     };
     let pods = if needed == 1 { "pod" } else { "pods" };
     NoPlan { reason: format!("group {name} needs {needed} {pods} of {shape}{under}; {where_}"), best, needed }

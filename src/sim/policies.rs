@@ -248,11 +248,17 @@ impl Policy {
         pick.take()
     }
 
+    /// Whether the policy places a group whole ([`Policy::plan_group`]): only `gpuplace`, as the
+    /// extender does. The others place a group's members one by one, as kube-scheduler would.
+    pub fn plans_groups(&self) -> bool {
+        self.kind == PolicyKind::Gpuplace
+    }
+
     /// The `gpuplace` policy's place for a whole group (the extender's plan, `placement::group_plan`):
-    /// one choice per member, in order, or `None` when no plan holds every member. Other policies
-    /// have no group plan (`None`): the replay places their members one by one.
+    /// one choice per member, in order, or `None` when no plan holds every member (or the policy
+    /// makes no plans, see [`Policy::plans_groups`]).
     pub fn plan_group(&mut self, state: &mut SimState, members: &[TracePod]) -> Option<Vec<Choice>> {
-        if self.kind != PolicyKind::Gpuplace {
+        if !self.plans_groups() {
             return None;
         }
         let reqs: Vec<crate::core::resources::PodRequest> = members

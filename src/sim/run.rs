@@ -114,31 +114,32 @@ fn place_in_order(
     let mut arrived = 0u64;
     let mut failed = 0usize;
     let mut groups = GroupOutcome::default();
-    // a group's members arrive together: its plan (if the policy makes one) is made at the first
+    // a group's members arrive together (`order[group_start..group_end]`): its plan, if the policy
+    // makes plans, is made at the first; otherwise its members are placed one by one as they come
     let mut planned: Vec<Option<Choice>> = Vec::new();
-    let mut member = 0usize;
-    let mut group_end = 0usize;
+    let (mut group_start, mut group_end) = (0usize, 0usize);
     let mut group_placed: Vec<usize> = Vec::new();
     for (at, pod) in order.iter().enumerate() {
         arrived += gpu_milli_total(pod);
         if at >= group_end {
             if let Some(g) = &pod.group {
                 let members = order[at..].iter().take_while(|p| p.group.as_ref() == Some(g)).count();
-                group_end = at + members;
-                planned = match policy.plan_group(&mut state, &order[at..group_end]) {
-                    Some(choices) => choices.into_iter().map(Some).collect(),
-                    None if kind == PolicyKind::Gpuplace => vec![None; members],
-                    // no plan from this policy: its members are placed one by one as they come
-                    None => Vec::new(),
+                (group_start, group_end) = (at, at + members);
+                planned = if policy.plans_groups() {
+                    // no plan: no member is placed
+                    policy
+                        .plan_group(&mut state, &order[at..group_end])
+                        .map_or_else(|| vec![None; members], |choices| choices.into_iter().map(Some).collect())
+                } else {
+                    Vec::new()
                 };
-                member = 0;
                 group_placed.clear();
                 groups.groups += 1;
             }
         }
         let in_group = at < group_end;
         let choice = if in_group && !planned.is_empty() {
-            planned.get(member).cloned().flatten()
+            planned.get(at - group_start).cloned().flatten()
         } else {
             policy.choose(&state, pod, &mut rng)
         };
@@ -158,11 +159,8 @@ fn place_in_order(
             },
             None => false,
         };
-        if in_group {
-            member += 1;
-            if at + 1 == group_end {
-                groups.record(&state, &order[group_end - member..group_end], &group_placed);
-            }
+        if in_group && at + 1 == group_end {
+            groups.record(&state, &order[group_start..group_end], &group_placed);
         }
         failed += usize::from(!placed);
         if !placed {
@@ -215,7 +213,7 @@ impl GroupOutcome {
             self.tors_spanned_max = self.tors_spanned_max.max(tors.len());
         } else if !nodes.is_empty() {
             self.partial += 1;
-            // placed members come first in `nodes`' order, but any member may be the one left out
+            // the members that were placed (any of them may be the one left out)
             self.gpus_held_by_incomplete += members
                 .iter()
                 .filter(|p| state.cluster.assignment(&p.name).is_some())

@@ -24,6 +24,7 @@ use crate::extender::metrics::RejectClass;
 use crate::extender::placement_log::{Decision, PLACEMENT_LOG_VERSION};
 use crate::extender::reasons::prefixed;
 use crate::extender::shapes::{Answer, Candidates, Reason};
+use crate::placement::group_plan::group_name;
 
 impl Extender {
     /// A kube-scheduler PodGroup seen or changed (`namespace/name`): its `minCount` and topology keys
@@ -37,13 +38,20 @@ impl Extender {
 
     /// A PodGroup deleted: its group's reservations end.
     pub fn forget_pod_group(&self, key: &str) {
-        let events = {
-            let mut st = self.write();
-            let st = &mut *st;
-            let events = st.groups.forget_pod_group(&mut st.cluster, key);
-            st.groups.stamped(&st.cluster, events)
+        self.change_groups(|st| ((), st.groups.forget_pod_group(&mut st.cluster, key)));
+    }
+
+    /// Changes the groups under the state's write lock, then logs what happened, each event with
+    /// every group's totals right after the change.
+    fn change_groups<T>(&self, change: impl FnOnce(&mut State) -> (T, Vec<GroupEvent>)) -> T {
+        let (out, events) = {
+            let mut guard = self.write();
+            let st = &mut *guard;
+            let (out, events) = change(st);
+            (out, st.groups.stamped(&st.cluster, events))
         };
         self.group_events(events);
+        out
     }
 
     /// Filter's answer for a group member (`None`: judge it as a single pod).
@@ -65,25 +73,15 @@ impl Extender {
         let verdict = match settled {
             Some(v) => v,
             None => {
-                let mut events = Vec::new();
-                let mut v = self.admit(&arrival, now, &mut events);
+                let mut v = self.admit(&arrival, now);
                 if let Verdict::Planned { node } = &v {
                     // a plain group's member is offered every node kube-scheduler found feasible: one
                     // missing from the list will not be taken, so the group is planned without it
                     if !group.pod_group && !names.is_empty() && !names.contains(&node.as_str()) {
-                        {
-                            let mut guard = self.write();
-                            let st = &mut *guard;
-                            events.extend(st.groups.planned_node_refused(&mut st.cluster, uid, node));
-                        }
-                        v = self.admit(&arrival, now, &mut events);
+                        self.change_groups(|st| ((), st.groups.planned_node_refused(&mut st.cluster, uid, node)));
+                        v = self.admit(&arrival, now);
                     }
                 }
-                let events = {
-                    let st = self.read();
-                    st.groups.stamped(&st.cluster, events)
-                };
-                self.group_events(events);
                 v
             }
         };
@@ -105,7 +103,7 @@ impl Extender {
             Verdict::Planned { node } => {
                 let r = Arc::new(Reason::new(
                     RejectClass::Unresolvable,
-                    prefixed(&format!("group {} holds a place for this pod on another node", short(&group.key))),
+                    prefixed(&format!("group {} holds a place for this pod on another node", group_name(&group.key))),
                 ));
                 d.planned_node = Some(node.clone());
                 let answers = names.iter().map(|n| if *n == node { Answer::Fits(10) } else { Answer::No(r.clone()) });
@@ -144,13 +142,9 @@ impl Extender {
         }
     }
 
-    fn admit(&self, arrival: &Arrival<'_>, now: Instant, events: &mut Vec<GroupEvent>) -> Verdict {
+    fn admit(&self, arrival: &Arrival<'_>, now: Instant) -> Verdict {
         let now_ms = self.now_ms();
-        let mut st = self.write();
-        let st = &mut *st;
-        let (v, ev) = st.groups.admit(&mut st.cluster, &st.engine, arrival, now, now_ms);
-        events.extend(ev);
-        v
+        self.change_groups(|st| st.groups.admit(&mut st.cluster, &st.engine, arrival, now, now_ms))
     }
 
     /// Ends the reservations of plans past the time-out (cheap when none is).
@@ -159,14 +153,11 @@ impl Extender {
         if !self.read().groups.any_expired(now) {
             return;
         }
-        let mut events = Vec::new();
-        {
-            let mut st = self.write();
-            let st = &mut *st;
+        self.change_groups(|st| {
+            let mut events = Vec::new();
             st.groups.expire(&mut st.cluster, now, &mut events);
-            events = st.groups.stamped(&st.cluster, events);
-        }
-        self.group_events(events);
+            ((), events)
+        });
     }
 
     /// Writes what happened to groups to the log and the placement log.
@@ -212,26 +203,13 @@ impl Extender {
         if !self.read().groups.is_member(uid) {
             return;
         }
-        let events = {
-            let mut st = self.write();
-            let st = &mut *st;
-            let events = st.groups.forget_member(&mut st.cluster, uid);
-            st.groups.stamped(&st.cluster, events)
-        };
-        self.group_events(events);
+        self.change_groups(|st| ((), st.groups.forget_member(&mut st.cluster, uid)));
     }
 
-    /// After nodes changed: plans whose reservations no longer stand are dropped, and no reservation
-    /// stays parked with a removed node.
+    /// After nodes changed (the caller holds the write lock): plans whose reservations no longer
+    /// stand are dropped; the events, with the totals after them, for [`Extender::group_events`].
     pub(super) fn groups_after_node_change(st: &mut State) -> Vec<GroupEvent> {
-        for parked in st.parked.values_mut() {
-            parked.retain(|a| !crate::extender::groups::is_reservation(&a.pod));
-        }
-        st.parked.retain(|_, v| !v.is_empty());
-        st.groups.nodes_changed(&mut st.cluster)
+        let events = st.groups.nodes_changed(&mut st.cluster);
+        st.groups.stamped(&st.cluster, events)
     }
-}
-
-fn short(key: &str) -> &str {
-    key.split_once('/').map_or(key, |(_, n)| n)
 }

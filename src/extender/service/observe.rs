@@ -174,7 +174,6 @@ impl Extender {
             st.parked.entry(name.to_string()).or_default().extend(pods);
         }
         let events = Self::groups_after_node_change(&mut st);
-        let events = st.groups.stamped(&st.cluster, events);
         drop(st);
         self.group_events(events);
         tracing::info!(node = %name, parked = n, "node removed");
