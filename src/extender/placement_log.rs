@@ -3,9 +3,14 @@
 //!
 //! Lines go to stdout or to a file that rotates by size (the full file is renamed to `PATH.1`,
 //! replacing the previous one). Each line is flushed as it is written, so `tail -f` and a crash both
-//! see every decision; a write error is counted in metrics and never fails the request.
+//! see every line written; a write error is counted in metrics and never fails the request.
+//!
+//! A filter that repeats the pod's last written verdict (kube-scheduler's retries of a pending pod)
+//! is counted, not written, unless every call is asked for ([`compact`]).
 
-use std::collections::BTreeMap;
+pub mod compact;
+
+use std::collections::{BTreeMap, HashSet};
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
@@ -15,6 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::core::cluster::Cluster;
 use crate::core::resources::ContainerDemand;
+pub use compact::{CompactOptions, Compactor, Repeats};
 
 /// Schema version of a line (`"v"`); bumped on incompatible changes, fields may be added.
 pub const PLACEMENT_LOG_VERSION: u32 = 1;
@@ -80,6 +86,10 @@ pub struct Decision {
     /// Bind of a group member: every group's totals right after it (groups waiting, GPUs reserved).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub group_totals: Option<crate::extender::groups::GroupTotals>,
+    /// Filter calls of this pod since its previous filter line that gave the same verdict as that
+    /// line and were not written (see [`compact`]); on a filter or bind line.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repeats: Option<Repeats>,
 }
 
 /// The longest line written: a request that would make a longer one (thousands of distinct
@@ -110,7 +120,7 @@ impl Decision {
 }
 
 /// Every field a line may carry, for readers that refuse what they do not know.
-pub const FIELDS: [&str; 24] = [
+pub const FIELDS: [&str; 25] = [
     "v",
     "ts_unix_ms",
     "verb",
@@ -135,6 +145,7 @@ pub const FIELDS: [&str; 24] = [
     "planned_node",
     "group_event",
     "group_totals",
+    "repeats",
 ];
 
 /// The pod's GPU containers.
@@ -285,11 +296,23 @@ impl CapacitySummary {
     }
 }
 
-/// Where lines go.
+/// Where lines go, and which (the [`Compactor`], under the same lock, so that a pod's held
+/// repeats are written before its next line and lines of one pod never cross).
 #[derive(Debug)]
-pub enum PlacementLog {
+pub struct PlacementLog {
+    inner: Mutex<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    sink: Sink,
+    compactor: Compactor,
+}
+
+#[derive(Debug)]
+enum Sink {
     Stdout,
-    File(Mutex<RotatingFile>),
+    File(RotatingFile),
 }
 
 /// A file rotated to `PATH.1` when the next line would take it past `max_bytes`.
@@ -321,31 +344,98 @@ impl RotatingFile {
     }
 }
 
-impl PlacementLog {
-    /// `-` for stdout, else a file path (created or appended to).
-    pub fn open(target: &str, max_bytes: u64) -> io::Result<Self> {
-        if target == "-" {
-            return Ok(Self::Stdout);
+/// `d` as one line, cut to [`MAX_LINE_BYTES`] if need be, with its newline.
+pub fn line_of(d: &Decision) -> io::Result<Vec<u8>> {
+    let mut line = serde_json::to_vec(d).map_err(io::Error::other)?;
+    if line.len() > MAX_LINE_BYTES {
+        line = serde_json::to_vec(&d.cut()).map_err(io::Error::other)?;
+    }
+    line.push(b'\n');
+    Ok(line)
+}
+
+impl Inner {
+    /// Writes every line; the first error, after trying them all.
+    fn write(&mut self, lines: Vec<Decision>) -> io::Result<()> {
+        let mut first = Ok(());
+        for d in &lines {
+            let done = line_of(d).and_then(|line| match &mut self.sink {
+                Sink::Stdout => {
+                    let mut out = io::stdout().lock();
+                    out.write_all(&line)?;
+                    out.flush()
+                }
+                Sink::File(f) => f.write_line(&line),
+            });
+            if first.is_ok() {
+                first = done;
+            }
         }
-        let path = PathBuf::from(target);
-        let (file, size) = RotatingFile::open(&path)?;
-        Ok(Self::File(Mutex::new(RotatingFile { path, max_bytes: max_bytes.max(1), file, size })))
+        first
+    }
+}
+
+impl PlacementLog {
+    /// `-` for stdout, else a file path (created or appended to). Repeats are counted, not written
+    /// ([`CompactOptions::default`]); [`PlacementLog::with_options`] changes that.
+    pub fn open(target: &str, max_bytes: u64) -> io::Result<Self> {
+        let sink = if target == "-" {
+            Sink::Stdout
+        } else {
+            let path = PathBuf::from(target);
+            let (file, size) = RotatingFile::open(&path)?;
+            Sink::File(RotatingFile { path, max_bytes: max_bytes.max(1), file, size })
+        };
+        let inner = Inner { sink, compactor: Compactor::new(CompactOptions::default()) };
+        Ok(Self { inner: Mutex::new(inner) })
     }
 
-    /// Writes one line.
-    pub fn write(&self, d: &Decision) -> io::Result<()> {
-        let mut line = serde_json::to_vec(d).map_err(io::Error::other)?;
-        if line.len() > MAX_LINE_BYTES {
-            line = serde_json::to_vec(&d.cut()).map_err(io::Error::other)?;
-        }
-        line.push(b'\n');
-        match self {
-            Self::Stdout => {
-                let mut out = io::stdout().lock();
-                out.write_all(&line)?;
-                out.flush()
-            }
-            Self::File(f) => f.lock().unwrap_or_else(|e| e.into_inner()).write_line(&line),
+    pub fn with_options(mut self, opts: CompactOptions) -> Self {
+        self.inner.get_mut().unwrap_or_else(|e| e.into_inner()).compactor = Compactor::new(opts);
+        self
+    }
+
+    // A poisoned lock means a panic while writing: the next line is still worth writing.
+    fn inner(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records one decision: the lines it makes are written (none for a repeat that is held).
+    pub fn write(&self, d: Decision) -> io::Result<()> {
+        let mut inner = self.inner();
+        let lines = inner.compactor.push(d);
+        inner.write(lines)
+    }
+
+    /// The pod (its UID, or `namespace/name`) is gone: its held repeats are written.
+    pub fn forget(&self, key: &str) -> io::Result<()> {
+        let mut inner = self.inner();
+        let line = inner.compactor.forget(key);
+        inner.write(line.into_iter().collect())
+    }
+
+    /// After a re-list: the held repeats of pods not listed (by UID) are written.
+    pub fn forget_unlisted(&self, listed: &HashSet<String>) -> io::Result<()> {
+        let mut inner = self.inner();
+        let lines = inner.compactor.forget_unlisted(listed);
+        inner.write(lines)
+    }
+
+    /// Every held repeat written (at shutdown; dropping the log does it too).
+    pub fn finish(&self) -> io::Result<()> {
+        let mut inner = self.inner();
+        let lines = inner.compactor.finish();
+        inner.write(lines)
+    }
+}
+
+impl Drop for PlacementLog {
+    fn drop(&mut self) {
+        // counts held for pods with no next line would otherwise be lost at a clean exit
+        let inner = self.inner.get_mut().unwrap_or_else(|e| e.into_inner());
+        let lines = inner.compactor.finish();
+        if let Err(e) = inner.write(lines) {
+            tracing::warn!(error = %e, "placement log: held repeats not written at exit");
         }
     }
 }
@@ -367,8 +457,8 @@ mod tests {
             d.rejection_details.insert(format!("node-{i}"), "figures ".repeat(4));
         }
         d.rejection_classes.insert("unresolvable".into(), 60_000);
-        log.write(&d).unwrap();
-        log.write(&Decision { verb: "bind".into(), ..Decision::default() }).unwrap();
+        log.write(d).unwrap();
+        log.write(Decision { verb: "bind".into(), ..Decision::default() }).unwrap();
         let text = std::fs::read_to_string(&path).unwrap();
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines.len(), 2);
@@ -424,13 +514,15 @@ mod tests {
 
     #[test]
     fn fields_name_every_field_a_line_has() {
-        // `truncated` is written only when true, the group fields only for groups
+        // `truncated` is written only when true, the group fields only for groups, `repeats` only
+        // after held repeats
         let v = serde_json::to_value(Decision {
             truncated: true,
             group: Some("ns/job".into()),
             planned_node: Some("n".into()),
             group_event: Some(crate::extender::groups::GroupEvent::default()),
             group_totals: Some(crate::extender::groups::GroupTotals::default()),
+            repeats: Some(Repeats::default()),
             ..Decision::default()
         })
         .unwrap();
@@ -441,7 +533,7 @@ mod tests {
         assert_eq!(keys, fields);
         // a line from before `cluster` was added still reads
         let mut old = v.clone();
-        for later in ["cluster", "truncated", "group", "planned_node", "group_event", "group_totals"] {
+        for later in ["cluster", "truncated", "group", "planned_node", "group_event", "group_totals", "repeats"] {
             old.as_object_mut().unwrap().remove(later);
         }
         assert_eq!(serde_json::from_value::<Decision>(old).unwrap(), Decision::default());
@@ -453,10 +545,11 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("p.jsonl");
-        let log = PlacementLog::open(path.to_str().unwrap(), 600).unwrap();
+        let every_call = CompactOptions { every_call: true, ..CompactOptions::default() };
+        let log = PlacementLog::open(path.to_str().unwrap(), 600).unwrap().with_options(every_call);
         let d = Decision { v: 1, verb: "filter".into(), pod: "ns/p".into(), ..Decision::default() };
         for _ in 0..5 {
-            log.write(&d).unwrap();
+            log.write(d.clone()).unwrap();
         }
         let current = std::fs::read_to_string(&path).unwrap();
         let rotated = std::fs::read_to_string(dir.join("p.jsonl.1")).unwrap();

@@ -564,12 +564,21 @@ impl Extender {
     }
 
     fn log(&self, d: Decision) {
+        self.log_with(|log| log.write(d));
+    }
+
+    fn log_with(&self, f: impl FnOnce(&PlacementLog) -> std::io::Result<()>) {
         if let Some(log) = &self.log {
-            if let Err(e) = log.write(&d) {
+            if let Err(e) = f(log) {
                 self.metrics.placement_log_error();
                 tracing::warn!(error = %e, "placement log line not written");
             }
         }
+    }
+
+    /// Writes the filter repeats the placement log still holds (at shutdown).
+    pub fn finish_placement_log(&self) {
+        self.log_with(PlacementLog::finish);
     }
 
     fn decision(&self, verb: &str, pod: &Pod, started: Instant) -> Decision {

@@ -70,10 +70,32 @@ impl TurnedAway {
 /// Latency of one verb, microseconds.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Latency {
+    /// Calls: lines, and the filter calls their `repeats` counted.
     pub count: usize,
+    /// Lines written (p50 and p99 are of these alone: a `repeats` summary keeps no percentiles).
+    pub lines: usize,
     pub p50_us: u64,
     pub p99_us: u64,
+    /// Mean and max of every call, repeats included.
+    pub mean_us: u64,
     pub max_us: u64,
+}
+
+/// Latencies of one verb as read.
+#[derive(Default)]
+struct LatencyAcc {
+    lines: Vec<u64>,
+    calls: usize,
+    sum: u64,
+    max: u64,
+}
+
+impl LatencyAcc {
+    fn add(&mut self, calls: usize, sum: u64, max: u64) {
+        self.calls += calls;
+        self.sum = self.sum.saturating_add(sum);
+        self.max = self.max.max(max);
+    }
 }
 
 /// Everything the report reads from placement logs.
@@ -81,8 +103,11 @@ pub struct Latency {
 pub struct LogModel {
     pub files: Vec<PathBuf>,
     pub lines: usize,
+    /// The first and last call (a line's, or the first and last of its `repeats`).
     pub first_ts_unix_ms: i64,
     pub last_ts_unix_ms: i64,
+    /// Calls per verb: lines, and for `filter` the calls counted in `repeats` (on filter and bind
+    /// lines), so that a log written with and without `--placement-log-every-call` agree.
     pub verbs: BTreeMap<String, usize>,
     /// Bind lines by outcome.
     pub bind_outcomes: BTreeMap<String, usize>,
@@ -158,7 +183,7 @@ impl LogModel {
     /// Builds the model from the files' lines, in the order given (a rotated `PATH.1` first).
     pub fn build(files: Vec<(PathBuf, Vec<LogLine>)>) -> Self {
         let mut m = LogModel { first_ts_unix_ms: i64::MAX, last_ts_unix_ms: i64::MIN, ..Self::default() };
-        let mut latencies: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+        let mut latencies: BTreeMap<String, LatencyAcc> = BTreeMap::new();
         let mut bound: BTreeSet<String> = BTreeSet::new();
         // pod UID → (class, shape) of its last turn-away, and whether a bind succeeded after it
         let mut turned: BTreeMap<String, (String, String, bool)> = BTreeMap::new();
@@ -169,7 +194,17 @@ impl LogModel {
                 m.first_ts_unix_ms = m.first_ts_unix_ms.min(d.ts_unix_ms);
                 m.last_ts_unix_ms = m.last_ts_unix_ms.max(d.ts_unix_ms);
                 *m.verbs.entry(d.verb.clone()).or_default() += 1;
-                latencies.entry(d.verb.clone()).or_default().push(d.latency_us);
+                let acc = latencies.entry(d.verb.clone()).or_default();
+                acc.lines.push(d.latency_us);
+                acc.add(1, d.latency_us, d.latency_us);
+                if let Some(r) = d.repeats.filter(|r| r.count > 0) {
+                    // filter calls that repeated the pod's verdict, counted instead of written
+                    m.first_ts_unix_ms = m.first_ts_unix_ms.min(r.first_ts_unix_ms);
+                    m.last_ts_unix_ms = m.last_ts_unix_ms.max(r.last_ts_unix_ms);
+                    let calls = usize::try_from(r.count).unwrap_or(usize::MAX);
+                    *m.verbs.entry("filter".into()).or_default() += calls;
+                    latencies.entry("filter".into()).or_default().add(calls, r.latency_us_sum, r.latency_us_max);
+                }
                 let key = if d.uid.is_empty() { d.pod.clone() } else { d.uid.clone() };
                 let totals = d.group_event.as_ref().and_then(|e| e.totals).or(d.group_totals);
                 if let Some(t) = totals {
@@ -230,13 +265,15 @@ impl LogModel {
                 }
             }
         }
-        for (verb, mut l) in latencies {
-            l.sort_unstable();
+        for (verb, mut acc) in latencies {
+            acc.lines.sort_unstable();
             let lat = Latency {
-                count: l.len(),
-                p50_us: percentile(&l, 0.5),
-                p99_us: percentile(&l, 0.99),
-                max_us: l.last().copied().unwrap_or(0),
+                count: acc.calls,
+                lines: acc.lines.len(),
+                p50_us: percentile(&acc.lines, 0.5),
+                p99_us: percentile(&acc.lines, 0.99),
+                mean_us: acc.sum / acc.calls.max(1) as u64,
+                max_us: acc.max,
             };
             m.latency.insert(verb, lat);
         }
@@ -386,6 +423,92 @@ mod tests {
         assert_eq!(m.nodes["n1"].points, [(10, 4.0), (20, 8.5), (30, 8.5)]);
         assert_eq!(m.bind_outcomes["no_fit"], 1);
         assert_eq!((m.first_ts_unix_ms, m.last_ts_unix_ms), (0, 30));
+    }
+
+    /// A log as `--placement-log-every-call` writes it: pods retried by kube-scheduler (runs of the
+    /// same verdict, now and then a new one), binds of every outcome with the cluster after them,
+    /// prioritize and group lines, and pods still waiting at the end.
+    fn full_log(seed: u64) -> Vec<Decision> {
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let mut next = move |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        let mut out = Vec::new();
+        let mut ts = 1_700_000_000_000;
+        let mut allocated = 0.0;
+        // each pod's current verdict, which a retry mostly repeats
+        let mut verdicts = [0u64; 12];
+        for _ in 0..600 {
+            ts += next(5_000) as i64;
+            let pod = next(12) as usize;
+            let uid = format!("p{pod}");
+            if next(8) == 0 {
+                verdicts[pod] = next(10);
+            }
+            let latency_us = 30 + next(900);
+            let d = match next(40) {
+                0 => {
+                    allocated = (allocated + 0.5f64).min(16.0);
+                    let outcome = ["bound", "bound", "no_fit", "conflict"][next(4) as usize];
+                    bind(&uid, outcome, ts, allocated)
+                }
+                1 => Decision { verb: "prioritize".into(), ..filter(&uid, 2, &[]) },
+                2 => Decision {
+                    v: 1,
+                    verb: "group".into(),
+                    group_event: Some(crate::extender::groups::GroupEvent {
+                        event: "no_plan".into(),
+                        ..Default::default()
+                    }),
+                    ..Decision::default()
+                },
+                _ => match verdicts[pod] {
+                    0..=5 => filter(&uid, 0, &[("preemptable", 3), ("unresolvable", 1)]),
+                    6 | 7 => filter(&uid, 0, &[("unresolvable", 4)]),
+                    8 => Decision { refused: Some("bad".into()), requests: None, ..filter(&uid, 0, &[]) },
+                    _ => filter(&uid, 2, &[("preemptable", 2)]),
+                },
+            };
+            out.push(Decision { ts_unix_ms: ts, latency_us, ..d });
+        }
+        out
+    }
+
+    #[test]
+    fn a_log_and_its_compaction_give_the_same_figures() {
+        use crate::extender::placement_log::{CompactOptions, Compactor};
+        for seed in 1..=20 {
+            let full = full_log(seed);
+            let mut c = Compactor::new(CompactOptions::default());
+            let mut compact: Vec<Decision> = full.iter().cloned().flat_map(|d| c.push(d)).collect();
+            compact.extend(c.finish());
+            assert!(compact.len() * 2 < full.len(), "seed {seed}: {} of {} lines", compact.len(), full.len());
+            assert!(compact.iter().any(|d| d.verb == "bind" && d.repeats.is_some()), "seed {seed}");
+            let model = |lines: &[Decision]| {
+                LogModel::build(vec![(PathBuf::from("p"), lines.iter().cloned().map(line).collect())])
+            };
+            let (a, mut b) = (model(&full), model(&compact));
+            assert_eq!(a.verbs["filter"], full.iter().filter(|d| d.verb == "filter").count(), "calls, not lines");
+            assert!(b.lines < a.lines);
+            // what a summary cannot keep: the lines, and percentiles of every call
+            b.lines = a.lines;
+            for (verb, l) in &mut b.latency {
+                let full = a.latency[verb];
+                assert_eq!(
+                    (l.count, l.mean_us, l.max_us),
+                    (full.count, full.mean_us, full.max_us),
+                    "seed {seed} {verb}"
+                );
+                (l.lines, l.p50_us, l.p99_us) = (full.lines, full.p50_us, full.p99_us);
+            }
+            assert_eq!(a, b, "seed {seed}");
+            // simulate --from-placement-log reads the same pods, in the same order, bound alike
+            let w = |lines: &[Decision]| crate::sim::replay::workload(lines.iter().cloned(), 81559);
+            assert_eq!(w(&full), w(&compact), "seed {seed}");
+        }
     }
 
     #[test]

@@ -286,6 +286,8 @@ impl Extender {
     /// Gives back what a pod holds (deleted or finished). Returns whether it held a record.
     pub fn release_pod(&self, uid: &str) -> bool {
         self.rejections().forget(uid);
+        // its filter repeats the placement log holds go out now: no later line of it will carry them
+        self.log_with(|log| log.forget(uid));
         self.metrics.pod_settled(uid);
         let released = self.release_record(uid);
         // after its GPUs are back: a bound member's slot is reserved again for its replacement
@@ -335,6 +337,8 @@ impl Extender {
         st.refused.retain(|uid, _| listed.contains(uid));
         st.withdrawn.retain(|uid, _| listed.contains(uid));
         drop(guard);
+        // pending pods deleted while the watch was broken too (a pod listed late only gets a line early)
+        self.log_with(|log| log.forget_unlisted(listed));
         for uid in &gone {
             self.forget_group_member(uid);
         }
