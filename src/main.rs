@@ -17,7 +17,7 @@ use gpuplace::extender::http::{
 };
 use gpuplace::extender::inspect::InspectReport;
 use gpuplace::extender::mix::{load_learner, MixSaver, SAVE_EVERY};
-use gpuplace::extender::placement_log::PlacementLog;
+use gpuplace::extender::placement_log::{CompactOptions, PlacementLog};
 use gpuplace::extender::service::{Extender, ServiceOptions};
 use gpuplace::logging::LogFormat;
 use gpuplace::placement::engine::Engine;
@@ -54,6 +54,55 @@ enum Command {
     /// Write one self-contained HTML report (SVG charts) of placement logs, `simulate --json`
     /// results, or both, and print a summary (docs/placement-log.md, "Reports").
     Report(ReportArgs),
+    /// Rewrite a placement log written with `serve --placement-log-every-call` as the default would
+    /// have written it: filter repeats counted in `repeats`, not written.
+    CompactLog(CompactLogArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct CompactLogArgs {
+    /// A placement log; repeat for rotated files, oldest first (as for `report`).
+    #[arg(long, value_name = "FILE", required = true)]
+    placement_log: Vec<PathBuf>,
+    /// Where to write the compacted log (one file, not rotated).
+    #[arg(short, long, value_name = "FILE")]
+    output: PathBuf,
+    /// As `serve --placement-log-restate-s`.
+    #[arg(long, value_name = "SECONDS", default_value_t = 600)]
+    restate_s: u64,
+}
+
+/// Reads the logs in order, compacts them and writes the result; returns the summary line.
+fn compact_log(args: &CompactLogArgs) -> Result<String, String> {
+    use gpuplace::extender::placement_log::{line_of, Compactor};
+    use std::io::Write;
+    let same = |p: &PathBuf| p.canonicalize().ok().is_some_and(|p| args.output.canonicalize().is_ok_and(|o| o == p));
+    if let Some(p) = args.placement_log.iter().find(|p| same(p)) {
+        return Err(format!("--output {} is an input: it would be emptied before it is read", p.display()));
+    }
+    let restate_ms = i64::try_from(args.restate_s.saturating_mul(1000)).unwrap_or(i64::MAX);
+    let mut compactor = Compactor::new(CompactOptions { restate_ms, ..CompactOptions::default() });
+    let failed = |e: std::io::Error| format!("{}: {e}", args.output.display());
+    let mut out = std::io::BufWriter::new(std::fs::File::create(&args.output).map_err(failed)?);
+    let (mut read, mut written) = (0usize, 0usize);
+    // one file at a time, oldest first; the pods still held at the end go out last
+    let files = args.placement_log.iter().map(Some).chain([None]);
+    for path in files {
+        let lines = match path {
+            Some(path) => {
+                let lines = gpuplace::report::input::read_placement_log(path).map_err(|e| e.to_string())?;
+                read += lines.len();
+                lines.into_iter().flat_map(|l| compactor.push(l.decision)).collect()
+            }
+            None => compactor.finish(),
+        };
+        for d in &lines {
+            out.write_all(&line_of(d).map_err(failed)?).map_err(failed)?;
+        }
+        written += lines.len();
+    }
+    out.flush().map_err(failed)?;
+    Ok(format!("{read} lines read, {written} written to {}", args.output.display()))
 }
 
 #[derive(clap::Args, Debug)]
@@ -139,12 +188,22 @@ struct ServeArgs {
     /// (kube-scheduler never sends more nodes than the cluster has).
     #[arg(long, default_value_t = DEFAULT_MAX_REQUEST_NODES, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     max_request_nodes: usize,
-    /// Write one JSON line per decision to this file (rotated by size) or to stdout (`-`).
+    /// Write one JSON line per decision to this file (rotated by size) or to stdout (`-`). A filter
+    /// that repeats the pod's last written verdict (kube-scheduler's retries) is counted in the
+    /// pod's next line (`repeats`) instead (docs/placement-log.md).
     #[arg(long)]
     placement_log: Option<String>,
     /// Rotate the placement log file beyond this size (the old one is kept as PATH.1).
     #[arg(long, default_value_t = 100)]
     placement_log_max_mib: u64,
+    /// Write a placement log line for every filter call, repeats included (`gpuplace compact-log`
+    /// turns such a log into what the default writes).
+    #[arg(long, requires = "placement_log")]
+    placement_log_every_call: bool,
+    /// A pod whose filter keeps repeating its verdict gets a line again (with the repeats counted
+    /// since) when its last line is this many seconds old.
+    #[arg(long, value_name = "SECONDS", default_value_t = 600, conflicts_with = "placement_log_every_call")]
+    placement_log_restate_s: u64,
     /// Profile (YAML, as for simulate); default: the built-in profile.
     #[arg(long)]
     profile: Option<PathBuf>,
@@ -253,7 +312,13 @@ fn placement_log_of(args: &ServeArgs) -> Result<Option<PlacementLog>, String> {
     args.placement_log
         .as_ref()
         .map(|target| {
+            let opts = CompactOptions {
+                every_call: args.placement_log_every_call,
+                restate_ms: i64::try_from(args.placement_log_restate_s.saturating_mul(1000)).unwrap_or(i64::MAX),
+                ..CompactOptions::default()
+            };
             PlacementLog::open(target, args.placement_log_max_mib.saturating_mul(1 << 20))
+                .map(|log| log.with_options(opts))
                 .map_err(|e| format!("placement log {target}: {e}"))
         })
         .transpose()
@@ -401,7 +466,9 @@ fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
     let served =
         gpuplace::extender::http::serve_forever_with(kube.ext.clone(), http, &args.listen, args.workers, front);
     // SIGTERM: the HTTP server has drained its requests (binds included); hand the Lease back
+    let ext = kube.ext.clone();
     kube.shutdown(std::time::Duration::from_secs(3));
+    ext.finish_placement_log();
     if let Some(saver) = saver {
         saver.finish();
     }
@@ -444,7 +511,8 @@ fn serve(args: &ServeArgs) -> Result<(), String> {
     );
     gpuplace::logging::say(tracing::Level::INFO, "gpuplace", &banner);
     let front = Frontend { tls, forward: None };
-    let served = gpuplace::extender::http::serve_forever_with(ext, opts, &args.listen, args.workers, front);
+    let served = gpuplace::extender::http::serve_forever_with(ext.clone(), opts, &args.listen, args.workers, front);
+    ext.finish_placement_log();
     if let Some(saver) = saver {
         saver.finish();
     }
@@ -620,6 +688,16 @@ fn main() -> ExitCode {
         Command::Report(args) => match report(&args) {
             Ok(out) => {
                 println!("{}", out.trim_end());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::CompactLog(args) => match compact_log(&args) {
+            Ok(out) => {
+                println!("{out}");
                 ExitCode::SUCCESS
             }
             Err(e) => {

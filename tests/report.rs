@@ -106,12 +106,18 @@ struct Traffic {
 /// three 30 % shares, an 8-GPU pod that no node can take any more, and the fixtures' invalid
 /// memory-only pod, which the contract refuses.
 fn placement_log(dir: &Path) -> Traffic {
-    let log = dir.join("placement.jsonl");
+    serve_traffic(&dir.join("placement.jsonl"), &[], 1)
+}
+
+/// [`placement_log`] into `log`, with `flags` added to `serve` and each pod filtered `filters` times
+/// (kube-scheduler's retries) before its bind; the server is stopped with SIGTERM, as kubelet does.
+fn serve_traffic(log: &Path, flags: &[&str], filters: usize) -> Traffic {
     let listen = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
-    let _server = Reap(
+    let mut server = Reap(
         Command::new(env!("CARGO_BIN_EXE_gpuplace"))
             .args(["serve", "--cluster", cluster_file().to_str().unwrap(), "--listen", &listen, "--workers", "1"])
             .args(["--placement-log", log.to_str().unwrap()])
+            .args(flags)
             .env_remove("RUST_LOG")
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -131,8 +137,11 @@ fn placement_log(dir: &Path) -> Traffic {
     let mut pods: Vec<TestPod> = (0..7).map(|i| TestPod::whole(&format!("w4-{i}"), 4)).collect();
     pods.extend((0..3).map(|i| TestPod::frac(&format!("frac-{i}"))));
     pods.push(TestPod::whole("big-8", 8));
-    let mut traffic = Traffic { log: log.clone(), bound: 0, allocated_gpus: 0.0 };
+    let mut traffic = Traffic { log: log.to_path_buf(), bound: 0, allocated_gpus: 0.0 };
     for pod in &pods {
+        for _ in 1..filters {
+            post("filter", &pod.filter_body());
+        }
         let answer = post("filter", &pod.filter_body());
         let passed: Vec<String> = answer["NodeNames"]
             .as_array()
@@ -158,6 +167,9 @@ fn placement_log(dir: &Path) -> Traffic {
             || answer["NodeNames"].as_array().is_none_or(|a| a.is_empty()),
         "{answer}"
     );
+    let pid = server.0.id().to_string();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    assert!(server.0.wait().unwrap().success(), "a clean exit on SIGTERM");
     traffic
 }
 
@@ -405,5 +417,74 @@ fn simulate_replays_a_placement_log_on_the_same_and_a_larger_cluster() {
     assert!(std::fs::read_to_string(&html_path).unwrap().contains("<figure id=\"chart-unallocated\">"));
     // no cluster: refused, saying why
     assert_refused(&["simulate", "--from-placement-log", log], &["--cluster"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `serve --placement-log-every-call` writes every retry; without it a retry that repeats the pod's
+/// verdict is counted on the pod's next line; `gpuplace compact-log` turns the first log into the
+/// second, and the report and the replay of either agree, but for the lines written and the latency
+/// percentiles (of the lines).
+#[test]
+fn an_every_call_log_compacts_to_the_default_and_reports_the_same() {
+    let dir = scratch("compact");
+    let every = serve_traffic(&dir.join("every.jsonl"), &["--placement-log-every-call"], 3).log;
+    let default = serve_traffic(&dir.join("default.jsonl"), &[], 3).log;
+    let read = |p: &Path| -> Vec<Value> {
+        std::fs::read_to_string(p).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    };
+    let filter_lines = |l: &[Value]| l.iter().filter(|d| d["verb"] == "filter").count();
+    let repeated = |l: &[Value]| l.iter().filter_map(|d| d["repeats"]["count"].as_u64()).sum::<u64>() as usize;
+    let (every_lines, default_lines) = (read(&every), read(&default));
+    // 11 pods filtered 3 times, the refused one once
+    assert_eq!(filter_lines(&every_lines), 34);
+    assert!(every_lines.iter().all(|d| d.get("repeats").is_none()));
+    // one line per pod, and the 8-GPU pod's last retry, written at SIGTERM with the one before it
+    assert_eq!(filter_lines(&default_lines), 13);
+    assert_eq!(filter_lines(&default_lines) + repeated(&default_lines), 34);
+    let bound_with_repeats = default_lines.iter().filter(|d| d["verb"] == "bind" && d["repeats"]["count"] == 2);
+    assert_eq!(bound_with_repeats.count(), 10);
+
+    let compact = dir.join("compact.jsonl");
+    let args = ["compact-log", "--placement-log", every.to_str().unwrap(), "--output", compact.to_str().unwrap()];
+    let said = ok(&gpuplace(&args));
+    assert!(said.contains(&format!("{} lines read, {} written", every_lines.len(), default_lines.len())), "{said}");
+    let shape = |l: &[Value]| -> Vec<(Value, Value, Value)> {
+        l.iter().map(|d| (d["verb"].clone(), d["pod"].clone(), d["repeats"]["count"].clone())).collect()
+    };
+    assert_eq!(shape(&read(&compact)), shape(&default_lines), "compact-log writes what serve writes");
+
+    // the report: every row but the lines and the percentiles, and every chart, the same
+    let page = |log: &Path| -> String {
+        let html = dir.join(format!("{}.html", log.file_name().unwrap().to_string_lossy()));
+        ok(&gpuplace(&["report", "--placement-log", log.to_str().unwrap(), "-o", html.to_str().unwrap()]));
+        let text = std::fs::read_to_string(&html).unwrap().replace(log.to_str().unwrap(), "LOG");
+        assert!(text.contains("id=\"verb-filter\">34<") && text.contains("id=\"latency-calls-filter\""), "{text}");
+        let varies = |l: &&str| l.contains("id=\"lines\"") || l.contains("id=\"latency-filter\"");
+        text.lines().filter(|l| !varies(l)).collect::<Vec<_>>().join("\n")
+    };
+    let (full, compacted) = (page(&every), page(&compact));
+    assert!(full.contains("<svg"), "charts compared too");
+    assert_eq!(full, compacted);
+
+    // the replay: the same pods, placed the same
+    let replay = |log: &Path| -> Vec<(Value, Value, Value)> {
+        let out = ok(&gpuplace(&[
+            "simulate",
+            "--from-placement-log",
+            log.to_str().unwrap(),
+            "--cluster",
+            cluster_file().to_str().unwrap(),
+            "--policy",
+            "bestfit,gpuplace",
+            "--json",
+        ]));
+        out.lines()
+            .map(|l| serde_json::from_str::<Value>(l).unwrap())
+            .map(|r| (r["pods_per_seed"].clone(), r["failed_pods"].clone(), r["unallocated_gpu_pct"].clone()))
+            .collect()
+    };
+    assert_eq!(replay(&every), replay(&compact));
+
+    assert_refused(&["serve", "--placement-log-every-call"], &["--placement-log"]);
     let _ = std::fs::remove_dir_all(&dir);
 }
