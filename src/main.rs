@@ -18,7 +18,7 @@ use gpuplace::extender::http::{
 use gpuplace::extender::inspect::InspectReport;
 use gpuplace::extender::mix::{load_learner, MixSaver, SAVE_EVERY};
 use gpuplace::extender::placement_log::{CompactOptions, PlacementLog};
-use gpuplace::extender::service::{Extender, ServiceOptions};
+use gpuplace::extender::service::{Extender, NodesToScore, ServiceOptions};
 use gpuplace::logging::LogFormat;
 use gpuplace::placement::engine::Engine;
 use gpuplace::placement::mix_learner::MixLearner;
@@ -154,6 +154,17 @@ struct ServeArgs {
     /// v1.36 gives a gang 300 s at Permit; docs/resources.md, "Groups").
     #[arg(long, value_name = "SECONDS", default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     group_timeout: u64,
+    /// How many of the nodes that fit a pod the filter answer names, the best first by gpuplace's
+    /// ranking (0: every one). kube-scheduler scores only those, and with one left it skips its
+    /// score plugins and the prioritize call: at 1,000 nodes they were most of a pod's scheduling
+    /// time (docs/performance.md, "Scale"). Pods with preferences kube-scheduler weighs get
+    /// --nodes-to-score-soft instead.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    nodes_to_score: usize,
+    /// --nodes-to-score for pods with preferred node or pod (anti-)affinity or a ScheduleAnyway
+    /// topology spread constraint, so that kube-scheduler can weigh them among the best nodes.
+    #[arg(long, value_name = "N", default_value_t = 16)]
+    nodes_to_score_soft: usize,
     /// API-server mode: elect a leader through a Lease (run two replicas); `false` for one replica.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     leader_elect: bool,
@@ -434,9 +445,16 @@ fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
         max_request_nodes: args.max_request_nodes,
     };
     let group_timeout = std::time::Duration::from_secs(args.group_timeout);
+    let nodes_to_score = nodes_to_score_of(args);
     let kube = gpuplace::apiserver::run::spawn_thread(source, opts, move |bind_client, leadership| {
         let binder = Arc::new(KubeBinder::new(bind_client.client, leadership).run_calls_on(bind_client.runtime));
-        let options = ServiceOptions { ready: false, accept_unsigned, group_timeout, ..ServiceOptions::default() };
+        let options = ServiceOptions {
+            ready: false,
+            accept_unsigned,
+            group_timeout,
+            nodes_to_score,
+            ..ServiceOptions::default()
+        };
         let mut ext = Extender::new(Cluster::default(), engine, binder, options);
         if let Some(log) = log {
             ext = ext.with_placement_log(log);
@@ -475,6 +493,10 @@ fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
     served.map_err(|e| format!("serving on {}: {e}", args.listen))
 }
 
+fn nodes_to_score_of(args: &ServeArgs) -> NodesToScore {
+    NodesToScore { plain: args.nodes_to_score, soft: args.nodes_to_score_soft }
+}
+
 fn serve(args: &ServeArgs) -> Result<(), String> {
     let Some(cluster_file) = &args.cluster else {
         return serve_apiserver(args);
@@ -484,6 +506,7 @@ fn serve(args: &ServeArgs) -> Result<(), String> {
     let nodes = cluster.nodes().len();
     let options = ServiceOptions {
         group_timeout: std::time::Duration::from_secs(args.group_timeout),
+        nodes_to_score: nodes_to_score_of(args),
         ..ServiceOptions::default()
     };
     let mut ext = Extender::new(cluster, engine, Arc::new(RecordingBinder::new()), options);

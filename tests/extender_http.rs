@@ -197,6 +197,17 @@ fn assert_all_fit(answer: &Value, rel: &str) {
     assert_eq!(answer["FailedAndUnresolvableNodes"], json!({}), "{rel}");
 }
 
+/// Every candidate fits, and the answer names one of them, the best, and no failed node
+/// (docs/extender-protocol.md, "The best nodes only").
+fn assert_best_named(answer: &Value, rel: &str) {
+    assert_eq!(answer["Error"], "", "{rel}");
+    let named = passing(answer);
+    assert_eq!(named.len(), 1, "{rel}: {answer}");
+    assert!(named.is_subset(&candidates(rel)), "{rel}: {answer}");
+    assert_eq!(answer["FailedNodes"], json!({}), "{rel}");
+    assert_eq!(answer["FailedAndUnresolvableNodes"], json!({}), "{rel}");
+}
+
 /// A member of a group (docs/resources.md, "Groups"): its plan passes one node, every other candidate
 /// is turned away with the group's reason.
 fn assert_planned(answer: &Value, rel: &str) {
@@ -1064,9 +1075,11 @@ fn gpuplace_serve_answers_fixtures() {
         serde_json::from_slice(&r.body).unwrap()
     };
     assert_refused_everywhere(&post("cache/filter-004"), "cache/filter-004");
-    assert_all_fit(&post("nocache/filter-002"), "nocache/filter-002");
+    // where every candidate fits, the binary names the best one only (`--nodes-to-score 1`, its
+    // default; the in-process service above names them all, the library's default)
+    assert_best_named(&post("nocache/filter-002"), "nocache/filter-002");
     bind_ok(&post("nocache/bind-002"), "nocache/bind-002");
-    assert_all_fit(&post("cache/filter-002"), "cache/filter-002");
+    assert_best_named(&post("cache/filter-002"), "cache/filter-002");
     let inspect = std::process::Command::new(env!("CARGO_BIN_EXE_gpuplace"))
         .args(["inspect", "--url", &format!("http://{host}"), "--node", "gpu-node-3"])
         .output()

@@ -90,6 +90,10 @@ pub struct Decision {
     /// line and were not written (see [`compact`]); on a filter or bind line.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub repeats: Option<Repeats>,
+    /// Filter: how many of the `feasible` nodes the answer named, when it named fewer (the best,
+    /// for kube-scheduler to score: `serve --nodes-to-score`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub offered: Option<usize>,
 }
 
 /// The longest line written: a request that would make a longer one (thousands of distinct
@@ -120,7 +124,7 @@ impl Decision {
 }
 
 /// Every field a line may carry, for readers that refuse what they do not know.
-pub const FIELDS: [&str; 25] = [
+pub const FIELDS: [&str; 26] = [
     "v",
     "ts_unix_ms",
     "verb",
@@ -146,6 +150,7 @@ pub const FIELDS: [&str; 25] = [
     "group_event",
     "group_totals",
     "repeats",
+    "offered",
 ];
 
 /// The pod's GPU containers.
@@ -407,6 +412,12 @@ impl PlacementLog {
         inner.write(lines)
     }
 
+    /// Whether `d` would be written now rather than counted as a repeat (so that what only a
+    /// written line carries, such as `rejection_details`, is worked out only then).
+    pub fn writes(&self, d: &Decision) -> bool {
+        self.inner().compactor.writes(d)
+    }
+
     /// The pod (its UID, or `namespace/name`) is gone: its held repeats are written.
     pub fn forget(&self, key: &str) -> io::Result<()> {
         let mut inner = self.inner();
@@ -523,6 +534,7 @@ mod tests {
             group_event: Some(crate::extender::groups::GroupEvent::default()),
             group_totals: Some(crate::extender::groups::GroupTotals::default()),
             repeats: Some(Repeats::default()),
+            offered: Some(1),
             ..Decision::default()
         })
         .unwrap();
@@ -533,7 +545,9 @@ mod tests {
         assert_eq!(keys, fields);
         // a line from before `cluster` was added still reads
         let mut old = v.clone();
-        for later in ["cluster", "truncated", "group", "planned_node", "group_event", "group_totals", "repeats"] {
+        for later in
+            ["cluster", "truncated", "group", "planned_node", "group_event", "group_totals", "repeats", "offered"]
+        {
             old.as_object_mut().unwrap().remove(later);
         }
         assert_eq!(serde_json::from_value::<Decision>(old).unwrap(), Decision::default());

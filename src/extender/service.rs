@@ -209,6 +209,20 @@ pub struct ServiceOptions {
     pub accept_unsigned: bool,
     /// How long a group's plan holds GPUs for members not bound yet (`extender::groups`).
     pub group_timeout: Duration,
+    /// How many of the nodes that fit filter offers to kube-scheduler's scoring.
+    pub nodes_to_score: NodesToScore,
+}
+
+/// How many of the nodes that fit a filter answer names, the best first by the engine's ranking (0:
+/// every one). kube-scheduler scores only the nodes an extender's filter passes, and skips scoring
+/// and prioritize altogether when one is left: at 1,000 nodes its scoring and the prioritize call
+/// were most of a pod's scheduling cycle (docs/performance.md, "Scale"). Pods whose preferences
+/// kube-scheduler weighs (preferred affinity, `ScheduleAnyway` spread) get `soft` nodes to choose
+/// from. The library's default is every node; `gpuplace serve` offers 1 and 16.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NodesToScore {
+    pub plain: usize,
+    pub soft: usize,
 }
 
 impl Default for ServiceOptions {
@@ -220,6 +234,7 @@ impl Default for ServiceOptions {
             ready: true,
             accept_unsigned: false,
             group_timeout: DEFAULT_GROUP_TIMEOUT,
+            nodes_to_score: NodesToScore::default(),
         }
     }
 }
@@ -271,6 +286,7 @@ pub struct Extender {
     /// (unset: nobody, as in static mode, where no watch lags).
     rejections: Mutex<RecentRejections>,
     requeuer: OnceLock<Arc<dyn Requeuer>>,
+    nodes_to_score: NodesToScore,
 }
 
 impl std::fmt::Debug for Extender {
@@ -285,6 +301,8 @@ struct Judged {
     scores: Vec<i8>,
     /// Why each rejected node (by index) was turned down (filter only).
     rejects: HashMap<usize, Arc<Reason>>,
+    /// The engine's total behind each score, by node index.
+    totals: HashMap<usize, f32>,
     evaluation: Evaluation,
 }
 
@@ -292,7 +310,7 @@ impl Judged {
     /// The verdict on node `i` (`None` when not judged, or rejected without a reason).
     fn answer(&self, i: usize) -> Option<Answer> {
         match self.scores.get(i).copied() {
-            Some(s) if s >= 0 => Some(Answer::Fits(s as u8)),
+            Some(s) if s >= 0 => Some(Answer::Fits(s as u8, self.totals.get(&i).copied().unwrap_or(0.0))),
             Some(REJECTED) => self.rejects.get(&i).map(|r| Answer::No(r.clone())),
             _ => None,
         }
@@ -443,6 +461,7 @@ impl Extender {
             accept_unsigned: opts.accept_unsigned,
             rejections: Mutex::new(RecentRejections::default()),
             requeuer: OnceLock::new(),
+            nodes_to_score: opts.nodes_to_score,
         }
     }
 
@@ -861,7 +880,8 @@ impl Extender {
             let nodes = cluster.nodes();
             let ev = st.engine.evaluate_in_order(cluster, req, &stale, now, false);
             for cand in &ev.ranked {
-                fresh.insert(cand.node, Answer::Fits(cand.score.clamp(0, MAX_EXTENDER_PRIORITY) as u8));
+                let score = cand.score.clamp(0, MAX_EXTENDER_PRIORITY) as u8;
+                fresh.insert(cand.node, Answer::Fits(score, cand.total as f32));
             }
             for r in &ev.rejected {
                 let key = Self::rejection(st, req, r);
@@ -890,8 +910,10 @@ impl Extender {
             scores[i] = REJECTED;
         }
         let evaluation = st.engine.evaluate_in_order(cluster, req, &indices, now, self.log.is_some());
+        let mut totals = HashMap::with_capacity(evaluation.ranked.len());
         for cand in &evaluation.ranked {
             scores[cand.node] = cand.score.clamp(0, MAX_EXTENDER_PRIORITY) as i8;
+            totals.insert(cand.node, cand.total as f32);
         }
         let mut rejects = HashMap::with_capacity(if reasons { evaluation.rejected.len() } else { 0 });
         // the engine filters without classifying rejections; only rejected nodes pay for it, and
@@ -905,7 +927,7 @@ impl Extender {
             });
             rejects.insert(r.node, reason.clone());
         }
-        Judged { scores, rejects, evaluation }
+        Judged { scores, rejects, totals, evaluation }
     }
 
     /// The first [`MAX_DETAILED_NODES`] rejected candidates, in the order sent, with the node's own
@@ -1013,7 +1035,7 @@ impl Extender {
         if req.is_gpu_free() {
             // not ours to judge: kube-scheduler only asks about it when no managedResources are set
             d.feasible = names.len();
-            let answers = vec![Answer::Fits(0); names.len()];
+            let answers = vec![Answer::Fits(0, 0.0); names.len()];
             return Ok(self.finish(
                 d,
                 started,
@@ -1075,32 +1097,16 @@ impl Extender {
                 top
             }
         };
-        // the reasons name no node's figures (kube-scheduler groups nodes by them): those go to the
-        // placement log and the debug log, written only for them
-        if self.log.is_some() || tracing::enabled!(tracing::Level::DEBUG) {
-            for (node, detail, reason) in Self::rejection_details(&st, &req, args, &c, &answers) {
-                tracing::debug!(pod = %d.pod, node = %node, reason = %reason.text, detail = %detail, "node rejected");
-                d.rejection_details.insert(node, detail);
-            }
-        }
-        drop(st);
         let mut class_counts = [0u64; 4];
         let mut feasible = 0;
         for p in c.unique() {
             match &answers[p] {
-                Answer::Fits(_) => feasible += 1,
+                Answer::Fits(..) => feasible += 1,
                 Answer::No(r) => class_counts[class_index(r.class)] += 1,
-            }
-        }
-        for (class, &n) in RejectClass::ALL.iter().zip(&class_counts) {
-            if n > 0 {
-                self.metrics.rejection(*class, n);
+                Answer::NotOffered => {}
             }
         }
         d.feasible = feasible;
-        let waits_on = if feasible > 0 { None } else { RejectClass::of_pending(&class_counts) };
-        self.metrics.pod_filtered(&args.pod.metadata.uid, waits_on, read_at);
-        self.note_verdict(&args.pod, &c, &answers, feasible, read_at);
         if self.log.is_some() {
             d.top = top;
             for (class, &n) in RejectClass::ALL.iter().zip(&class_counts) {
@@ -1114,7 +1120,56 @@ impl Extender {
                 }
             }
         }
+        // the reasons name no node's figures (kube-scheduler groups nodes by them): those go to the
+        // placement log and the debug log, written only for them, and not for a retry whose line
+        // the log only counts (its verdict is the pod's last one)
+        let logged = self.log.as_ref().is_some_and(|log| log.writes(&d));
+        if logged || tracing::enabled!(tracing::Level::DEBUG) {
+            for (node, detail, reason) in Self::rejection_details(&st, &req, args, &c, &answers) {
+                tracing::debug!(pod = %d.pod, node = %node, reason = %reason.text, detail = %detail, "node rejected");
+                d.rejection_details.insert(node, detail);
+            }
+        }
+        drop(st);
+        for (class, &n) in RejectClass::ALL.iter().zip(&class_counts) {
+            if n > 0 {
+                self.metrics.rejection(*class, n);
+            }
+        }
+        let waits_on = if feasible > 0 { None } else { RejectClass::of_pending(&class_counts) };
+        self.metrics.pod_filtered(&args.pod.metadata.uid, waits_on, read_at);
+        self.note_verdict(&args.pod, &c, &answers, feasible, read_at);
+        d.offered = self.offer(&args.pod, &c, &mut answers, feasible);
         Ok(self.finish(d, started, Filtered::Judged(c, answers)))
+    }
+
+    /// Narrows an answer where more nodes fit than kube-scheduler is to score ([`NodesToScore`]):
+    /// the best by score, then by the engine's total, ties in the order sent (kube-scheduler
+    /// rotates where its list starts); the others, and the nodes that do not fit, are left out of
+    /// the answer (kube-scheduler reads the failed nodes only when the pod fits nowhere). Returns
+    /// how many nodes the answer names, when it was narrowed.
+    fn offer(&self, pod: &Pod, c: &Candidates<'_>, answers: &mut [Answer], feasible: usize) -> Option<usize> {
+        let n = if pod.spec.has_soft_preferences() { self.nodes_to_score.soft } else { self.nodes_to_score.plain };
+        if n == 0 || feasible <= n {
+            return None;
+        }
+        let mut fits: Vec<(usize, u8, f32)> = c
+            .unique()
+            .filter_map(|p| match answers[p] {
+                Answer::Fits(s, t) => Some((p, s, t)),
+                _ => None,
+            })
+            .collect();
+        let best =
+            |a: &(usize, u8, f32), b: &(usize, u8, f32)| b.1.cmp(&a.1).then(b.2.total_cmp(&a.2)).then(a.0.cmp(&b.0));
+        fits.select_nth_unstable_by(n - 1, best);
+        let keep: HashSet<&str> = fits[..n].iter().map(|&(p, ..)| c.names[p]).collect();
+        for (a, name) in answers.iter_mut().zip(&c.names) {
+            if !matches!(a, Answer::Fits(..)) || !keep.contains(name) {
+                *a = Answer::NotOffered;
+            }
+        }
+        Some(n)
     }
 
     fn finish<T>(&self, mut d: Decision, started: Instant, out: T) -> T {
@@ -1175,7 +1230,7 @@ impl Extender {
                 let mut scores = Vec::with_capacity(c.at.len());
                 self.with_cached(&st, &shape, &req, &c, now, |_, a| {
                     scores.push(match a {
-                        Some(Answer::Fits(s)) => *s as i8,
+                        Some(Answer::Fits(s, _)) => *s as i8,
                         _ => REJECTED,
                     })
                 });

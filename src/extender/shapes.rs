@@ -77,9 +77,13 @@ impl Reason {
 /// One candidate's verdict.
 #[derive(Debug, Clone)]
 pub(crate) enum Answer {
-    /// Fits, with its score (0..=10).
-    Fits(u8),
+    /// Fits, with its score (0..=10) and the engine's total behind it (0..=1), which ranks nodes of
+    /// equal score when the answer offers only the best (`Extender::with_nodes_to_score`).
+    Fits(u8, f32),
     No(Arc<Reason>),
+    /// Fits, but not among the nodes offered: named in neither list of the answer, so that
+    /// kube-scheduler drops it from the nodes it scores, as it drops nodes it does not sample.
+    NotOffered,
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -448,7 +452,7 @@ pub(crate) fn filter_json(args: &ExtenderArgsRef<'_>, c: &Candidates<'_>, answer
     let mut sep = false;
     for (p, (name, a)) in c.names.iter().zip(answers).enumerate() {
         match a {
-            Answer::Fits(_) => {
+            Answer::Fits(..) => {
                 if std::mem::replace(&mut sep, true) {
                     out.push(b',');
                 }
@@ -461,7 +465,7 @@ pub(crate) fn filter_json(args: &ExtenderArgsRef<'_>, c: &Candidates<'_>, answer
                 failed_bytes += name.len() + r.json.len() + 4;
                 failed[usize::from(r.unresolvable())].push((name, r));
             }
-            Answer::No(_) => {}
+            Answer::No(_) | Answer::NotOffered => {}
         }
     }
     out.extend_from_slice(if items.is_some() { b"]},\"NodeNames\":null" } else { b"]" });
@@ -487,7 +491,7 @@ pub(crate) fn filter_result(
     c: &Candidates<'_>,
     answers: &[Answer],
 ) -> ExtenderFilterResult {
-    let fits = |p: usize| matches!(answers.get(p), Some(Answer::Fits(_)));
+    let fits = |p: usize| matches!(answers.get(p), Some(Answer::Fits(..)));
     let mut out = ExtenderFilterResult::default();
     match &args.nodes {
         Some(list) => {
@@ -624,11 +628,11 @@ mod tests {
         let no = Arc::new(Reason::new(RejectClass::Preemptable, "busy \"now\"".into()));
         let never = Arc::new(Reason::new(RejectClass::Unresolvable, "too small".into()));
         let answers = vec![
-            Answer::Fits(3),
+            Answer::Fits(3, 0.3),
             Answer::No(no.clone()),
-            Answer::Fits(3),
+            Answer::Fits(3, 0.3),
             Answer::No(never),
-            Answer::Fits(0),
+            Answer::Fits(0, 0.0),
             Answer::No(no),
         ];
         let json = filter_json(&args, &c, &answers);
@@ -645,7 +649,7 @@ mod tests {
         let plain = decode_args(br#"{"Pod":{},"NodeNames":["a","b"]}"#).unwrap();
         assert!(plain.names_verbatim());
         let c = Candidates::unresolved(plain.candidate_names().unwrap(), true);
-        let answers = [Answer::Fits(1), Answer::No(Arc::new(Reason::new(RejectClass::Preemptable, "x".into())))];
+        let answers = [Answer::Fits(1, 0.1), Answer::No(Arc::new(Reason::new(RejectClass::Preemptable, "x".into())))];
         let json = filter_json(&plain, &c, &answers);
         assert_eq!(
             String::from_utf8(json).unwrap(),

@@ -346,6 +346,33 @@ pub struct PodSpec {
     /// `schedulingGroup`: the kube-scheduler PodGroup (gang) the pod belongs to.
     #[serde(default, deserialize_with = "null_as_default", skip_serializing_if = "Option::is_none")]
     pub scheduling_group: Option<SchedulingGroup>,
+    /// `affinity`, kept only to see whether kube-scheduler's scoring has preferences to weigh
+    /// ([`PodSpec::has_soft_preferences`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub affinity: Option<serde_json::Value>,
+    #[serde(default, deserialize_with = "null_as_default", skip_serializing_if = "Vec::is_empty")]
+    pub topology_spread_constraints: Vec<serde_json::Value>,
+}
+
+impl PodSpec {
+    /// Whether the pod states preferences that kube-scheduler's score plugins weigh between nodes
+    /// that fit: preferred node affinity, preferred pod affinity or anti-affinity, or a topology
+    /// spread constraint that may be broken (`ScheduleAnyway`).
+    pub fn has_soft_preferences(&self) -> bool {
+        let preferred = |kind: &str| {
+            self.affinity
+                .as_ref()
+                .and_then(|a| a.get(kind)?.get("preferredDuringSchedulingIgnoredDuringExecution")?.as_array())
+                .is_some_and(|terms| !terms.is_empty())
+        };
+        preferred("nodeAffinity")
+            || preferred("podAffinity")
+            || preferred("podAntiAffinity")
+            || self
+                .topology_spread_constraints
+                .iter()
+                .any(|t| t.get("whenUnsatisfiable").and_then(|w| w.as_str()) == Some("ScheduleAnyway"))
+    }
 }
 
 /// `spec.schedulingGroup` of a pod (core/v1 `PodSchedulingGroup`, Kubernetes 1.36).

@@ -29,7 +29,8 @@ async fn h100_stage(name: &str, gangs: bool) -> (Stage, Extender) {
     install(&admin).await;
     let mut nodes = start_nodes_of(&cp, 16, &[H100]).await;
     wait_inventories(&cp, &mut nodes).await;
-    let mut ext = Extender::start(&cp, "replica-a", 0, &[]);
+    // a line per filter call: the figures count calls per second per waiting group from the log
+    let mut ext = Extender::start(&cp, "replica-a", 0, &["--placement-log-every-call"]);
     ext.wait_ready(Duration::from_secs(60)).await;
     cp.start_scheduler(&scheduler_config(), Some(&ext.url()));
     (Stage { cp, admin, nodes }, ext)
@@ -368,7 +369,7 @@ async fn a_planned_node_deleted_and_the_extender_killed_while_a_plan_waits() {
     // killed and restarted while the job waits
     ext.proc.kill();
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let mut ext2 = Extender::start(&st.cp, "replica-a", ext.port, &[]);
+    let mut ext2 = Extender::start(&st.cp, "replica-a", ext.port, &["--placement-log-every-call"]);
     ext2.wait_ready(Duration::from_secs(60)).await;
     create(&st.admin, last).await;
     let bound = wait_stable(&st.admin, 4, Duration::from_secs(4), Duration::from_secs(120)).await;

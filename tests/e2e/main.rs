@@ -11,6 +11,7 @@ mod audit;
 mod cluster;
 mod fleet;
 mod groups;
+mod scale;
 #[path = "../support/tls.rs"]
 mod tls;
 #[path = "../support/yaml_files.rs"]
@@ -69,10 +70,15 @@ struct Stage {
 }
 
 async fn stage(name: &str) -> Stage {
+    stage_of(name, NODES).await
+}
+
+/// [`stage`] with `n` nodes.
+async fn stage_of(name: &str, n: usize) -> Stage {
     let cp = ControlPlane::start(name).await;
     let admin = cp.client(User::Admin).await;
     install(&admin).await;
-    let mut nodes = start_nodes(&cp, NODES).await;
+    let mut nodes = start_nodes(&cp, n).await;
     wait_inventories(&cp, &mut nodes).await;
     Stage { cp, admin, nodes }
 }
@@ -162,22 +168,58 @@ fn inspect(ext: &Extender) -> InspectReport {
 
 #[tokio::test(flavor = "current_thread")]
 async fn storm_of_300_mixed_pods_on_16_nodes() {
+    storm("storm", 16, 300, false).await;
+}
+
+/// The storm of issue 20's first report: 700 pods on 32 nodes, one Node deleted mid-storm.
+#[tokio::test(flavor = "current_thread")]
+#[ignore = "a measurement for docs/performance.md"]
+async fn storm_of_700_mixed_pods_on_32_nodes_with_a_node_deleted() {
+    storm("storm-700", 32, 700, true).await;
+}
+
+/// `pods` mixed pods on `nodes` nodes; `delete_node`: one Node (and, as kube-controller-manager's
+/// pod garbage collector would, its pods) deleted when half the pods are created. The extender
+/// writes a line per call (`--placement-log-every-call`) so that the log can be compacted here as
+/// the default would write it, and both reported.
+async fn storm(name: &str, nodes: usize, pods: usize, delete_node: bool) {
     let _serial = SERIAL.lock().await;
-    let (mut st, ext) = stage_with_extender("storm").await;
+    let mut st = stage_of(name, nodes).await;
+    let mut ext = Extender::start(&st.cp, "replica-a", 0, &["--placement-log-every-call"]);
+    ext.wait_ready(Duration::from_secs(60)).await;
     st.cp.start_scheduler(&scheduler_config(), Some(&ext.url()));
 
     // created as a Job or ReplicaSet controller creates pods (the kill scenario creates its storm as
     // fast as the API server takes it; `binds_in_a_burst_of_creates...` measures binds in that burst)
-    let shapes = storm_shapes(300);
+    let shapes = storm_shapes(pods);
     let started = Instant::now();
-    create_pods_as_a_controller(&st.admin, NS, "storm", &shapes).await;
+    let creates = create_pods_as_a_controller(&st.admin, NS, "storm", &shapes);
+    let deletion = async {
+        if !delete_node {
+            return;
+        }
+        let half = pods as f64 / 2.0 / fleet::CONTROLLER_QPS;
+        tokio::time::sleep(Duration::from_secs_f64(half)).await;
+        let gone = "gpu-05";
+        Api::<k8s_openapi::api::core::v1::Node>::all(st.admin.clone())
+            .delete(gone, &DeleteParams::default())
+            .await
+            .expect("delete a node");
+        let api: Api<Pod> = Api::namespaced(st.admin.clone(), NS);
+        let on_it = api.list(&kube::api::ListParams::default().fields(&format!("spec.nodeName={gone}"))).await;
+        for p in on_it.expect("list its pods").items {
+            let _ = api.delete(&p.metadata.name.unwrap_or_default(), &DeleteParams::default().grace_period(0)).await;
+        }
+        figure(&format!("{name}: node {gone} deleted {:.1} s after the first create", started.elapsed().as_secs_f64()));
+    };
+    futures::join!(creates, deletion);
     let created_s = started.elapsed().as_secs_f64();
     let settled_s = settle(&st.admin, NS, Duration::from_secs(6), Duration::from_secs(300)).await;
 
     let snap = snapshot(&st.admin, NS).await;
     let audit = Audit::of(&snap);
     figure(&format!(
-        "storm: {} pods created in {created_s:.1} s (a controller's pace: {} a second after a burst of {}), \
+        "{name}: {} pods created in {created_s:.1} s (a controller's pace: {} a second after a burst of {}), \
          settled after {settled_s:.1} s: {} bound, {} pending",
         audit.pods,
         fleet::CONTROLLER_QPS,
@@ -187,21 +229,21 @@ async fn storm_of_300_mixed_pods_on_16_nodes() {
     ));
     let gpu_pods = snap.pods.iter().filter(|p| node_name(p).is_some() && audit::asks_gpuplace(p)).count();
     figure(&format!(
-        "storm: over-commits {} (memory, compute, exclusivity, slots over {} GPUs in use), bad assignments {}, \
+        "{name}: over-commits {} (memory, compute, exclusivity, slots over {} GPUs in use), bad assignments {}, \
          {gpu_pods} bound GPU pods",
         audit.over_commits.len(),
         audit.gpus.len(),
         audit.bad_assignments.len()
     ));
     figure(&format!(
-        "storm: pending without a FailedScheduling event {} of {}; {} distinct messages, longest {} chars",
+        "{name}: pending without a FailedScheduling event {} of {}; {} distinct messages, longest {} chars",
         audit.pending_without_event.len(),
         audit.pending,
         audit.pending_messages.len(),
         audit.longest_message
     ));
     for (m, n) in &audit.pending_messages {
-        figure(&format!("storm: {n} pending: {m}"));
+        figure(&format!("{name}: {n} pending: {m}"));
     }
     audit.assert_sound(true);
     assert!(
@@ -226,7 +268,7 @@ async fn storm_of_300_mixed_pods_on_16_nodes() {
         .filter_map(|p| node_name(p))
         .map(|n| n[4..].parse::<usize>().map(|i| i / 4).unwrap_or(99).to_string())
         .collect();
-    figure(&format!("storm: the 4-pod group landed on ToR(s) {tors:?}"));
+    figure(&format!("{name}: the 4-pod group landed on ToR(s) {tors:?}"));
     assert_eq!(tors.len(), 1, "the group spread over ToRs {tors:?}");
     // kube-scheduler may assume a pod on a node before the previous pod's bind there reaches
     // gpuplace; the bind then finds the GPUs gone. Rare for single pods; group members have plans.
@@ -240,14 +282,14 @@ async fn storm_of_300_mixed_pods_on_16_nodes() {
     };
     let (singles, members) = (no_longer_fits(false), no_longer_fits(true));
     figure(&format!(
-        "storm: binds refused with `no longer fits`: {singles} of single pods, {members} of group members, \
+        "{name}: binds refused with `no longer fits`: {singles} of single pods, {members} of group members, \
          among {} binds",
         binds.len()
     ));
     assert_eq!(members, 0, "a group member's bind found its planned GPUs gone");
 
     let diffs = audit.compare_inspect(&inspect(&ext));
-    figure(&format!("storm: /inspect differs from the annotations on {} GPUs", diffs.len()));
+    figure(&format!("{name}: /inspect differs from the annotations on {} GPUs", diffs.len()));
     assert!(diffs.is_empty(), "/inspect differs from the annotations: {diffs:#?}");
 
     // filter calls per minute per pending pod: with the device plugins publishing utilization to
@@ -273,7 +315,7 @@ async fn storm_of_300_mixed_pods_on_16_nodes() {
     let churn = (filters() - before) / started.elapsed().as_secs_f64() * 60.0;
     let pending = audit.pending.max(1) as f64;
     figure(&format!(
-        "storm: filter calls per minute per pending pod ({} pending): {:.2} with utilization in ConfigMaps (now), \
+        "{name}: filter calls per minute per pending pod ({} pending): {:.2} with utilization in ConfigMaps (now), \
          {:.2} with a Node write per node every 5 s (utilization on the Node, as before)",
         audit.pending,
         quiet / pending,
@@ -284,7 +326,58 @@ async fn storm_of_300_mixed_pods_on_16_nodes() {
         "pending pods are re-filtered without cause: {:.2} per minute each",
         quiet / pending
     );
-    latency_figure("storm", &ext.placement_log);
+    latency_figure(name, &ext.placement_log);
+    ext.proc.terminate(Duration::from_secs(10));
+    compaction_figure(name, &ext.placement_log);
+}
+
+/// The placement log written a line per call against what the default writes (the same log
+/// compacted by `gpuplace compact-log`): bytes, lines, and `gpuplace report`'s summary of both,
+/// which must agree on every figure but the lines and the per-line latency percentiles.
+fn compaction_figure(name: &str, full: &std::path::Path) {
+    let compact = full.with_extension("compact.jsonl");
+    let gpuplace = cluster::workspace_bin("gpuplace");
+    let out = std::process::Command::new(&gpuplace)
+        .arg("compact-log")
+        .arg("--placement-log")
+        .arg(full)
+        .arg("--output")
+        .arg(&compact)
+        .output()
+        .expect("run gpuplace compact-log");
+    assert!(out.status.success(), "compact-log: {}", String::from_utf8_lossy(&out.stderr));
+    let summary = |log: &std::path::Path| {
+        let html = log.with_extension("html");
+        let out = std::process::Command::new(&gpuplace)
+            .arg("report")
+            .arg("--placement-log")
+            .arg(log)
+            .arg("--output")
+            .arg(&html)
+            .output()
+            .expect("run gpuplace report");
+        assert!(out.status.success(), "report: {}", String::from_utf8_lossy(&out.stderr));
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        // the files' names, the line counts and the per-line percentiles differ by design
+        text.lines()
+            .filter(|l| !l.starts_with("placement log:") && !l.contains("per line") && !l.starts_with("report:"))
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    let (a, b) = (summary(full), summary(&compact));
+    let bytes = |p: &std::path::Path| std::fs::metadata(p).map_or(0, |m| m.len());
+    let lines = |p: &std::path::Path| std::fs::read_to_string(p).map_or(0, |t| t.lines().count());
+    let (full_bytes, compact_bytes) = (bytes(full), bytes(&compact));
+    figure(&format!(
+        "{name}: placement log {full_bytes} bytes / {} lines a line per call, {compact_bytes} bytes / {} lines \
+         as the default writes it ({:.1} percent of the bytes); report figures identical: {}",
+        lines(full),
+        lines(&compact),
+        compact_bytes as f64 * 100.0 / full_bytes.max(1) as f64,
+        a == b
+    ));
+    assert_eq!(a, b, "the report of the compacted log differs");
+    assert!(compact_bytes * 4 <= full_bytes, "the compacted log is over 25 percent of a line per call");
 }
 
 /// Polls until `n` pods of `ns` are bound; returns how many are.

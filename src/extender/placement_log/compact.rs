@@ -8,7 +8,7 @@
 //! Every line returned is a call that happened (a held repeat goes out as itself, never as a line
 //! made up from a summary), so a reader counts calls as lines plus `repeats.count`.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use serde::{Deserialize, Serialize};
 
@@ -82,36 +82,45 @@ impl Default for CompactOptions {
     }
 }
 
-/// What a filter line decided, for comparing with the pod's previous one: everything but when
-/// (`ts_unix_ms`), how fast (`latency_us`), the per-node figures (`rejection_details`) and the scores
-/// (`top`), which move with every change to the cluster without changing what the pod was told.
+/// What a filter line decided, for comparing with the pod's previous one: whether the pod fits,
+/// which reasons it was given and of which classes (the most common class too, which `gpuplace
+/// report` files a turned-away pod under), and what was asked. Not when (`ts_unix_ms`), how fast
+/// (`latency_us`), how many nodes were sent, fit or gave each reason (`candidates`, `feasible`, the
+/// counts), the per-node figures (`rejection_details`), the scores (`top`) or how many were named
+/// (`offered`): those move with every bind elsewhere in the cluster, and kube-scheduler retries
+/// every pending pod after each bind, without changing what the pod was told.
 #[derive(Debug, Clone, PartialEq)]
 struct Verdict {
-    feasible: usize,
-    rejections: BTreeMap<String, usize>,
-    rejection_classes: BTreeMap<String, usize>,
+    fits: bool,
+    reasons: BTreeSet<String>,
+    classes: BTreeSet<String>,
+    main_class: Option<String>,
     refused: Option<String>,
     error: Option<String>,
     requests: Option<Requests>,
     group: Option<String>,
     planned_node: Option<String>,
     mode: Option<String>,
-    candidates: usize,
 }
 
 impl Verdict {
     fn of(d: &Decision) -> Self {
         Self {
-            feasible: d.feasible,
-            rejections: d.rejections.clone(),
-            rejection_classes: d.rejection_classes.clone(),
+            fits: d.feasible > 0,
+            reasons: d.rejections.keys().cloned().collect(),
+            classes: d.rejection_classes.keys().cloned().collect(),
+            // as `report::model::class_of` picks it: the most nodes, then the first name
+            main_class: d
+                .rejection_classes
+                .iter()
+                .max_by(|a, b| a.1.cmp(b.1).then_with(|| b.0.cmp(a.0)))
+                .map(|(c, _)| c.clone()),
             refused: d.refused.clone(),
             error: d.error.clone(),
             requests: d.requests.clone(),
             group: d.group.clone(),
             planned_node: d.planned_node.clone(),
             mode: d.mode.clone(),
-            candidates: d.candidates,
         }
     }
 }
@@ -194,6 +203,19 @@ impl Compactor {
             }
             // prioritize, preempt and group lines are always written and leave held repeats alone
             _ => vec![d],
+        }
+    }
+
+    /// Whether [`Compactor::push`] would write `d` itself now (false: it would be held).
+    pub fn writes(&self, d: &Decision) -> bool {
+        if self.opts.every_call || d.verb != "filter" {
+            return true;
+        }
+        match self.pods.get(key_of(d)) {
+            None => true,
+            Some(st) => {
+                st.verdict != Verdict::of(d) || d.ts_unix_ms.saturating_sub(st.written_ms) >= self.opts.restate_ms
+            }
         }
     }
 

@@ -90,8 +90,14 @@ fn what_a_verdict_is() {
     let mut c = compactor();
     c.push(base.clone());
     assert!(c.push(busy).is_empty(), "time, latency, details and scores are not the verdict");
+    // nor the counts, which every bind elsewhere moves
+    let mut moved = filter("a", 2, 3, 10);
+    moved.candidates = 5;
+    moved.offered = Some(1);
+    moved.rejections.values_mut().for_each(|n| *n += 7);
+    assert!(c.push(moved).is_empty(), "counts of nodes are not the verdict");
     let changes: Vec<fn(&mut Decision)> = vec![
-        |d| d.feasible = 3,
+        |d| d.feasible = 0,
         |d| {
             d.rejections.insert("gpuplace: another reason".into(), 1);
         },
@@ -104,8 +110,15 @@ fn what_a_verdict_is() {
         |d| d.group = Some("ns/job".into()),
         |d| d.planned_node = Some("n1".into()),
         |d| d.mode = Some("nodes".into()),
-        |d| d.candidates = 5,
     ];
+    // the most common class, which the report files a turned-away pod under
+    let mut two = filter("a", 0, 0, 10);
+    two.rejection_classes = BTreeMap::from([("preemptable".into(), 3), ("unresolvable".into(), 1)]);
+    let mut flipped = two.clone();
+    flipped.rejection_classes = BTreeMap::from([("preemptable".into(), 1), ("unresolvable".into(), 3)]);
+    let mut c = compactor();
+    c.push(two);
+    assert_eq!(c.push(flipped).len(), 1, "another most common class is a new verdict");
     for (i, change) in changes.iter().enumerate() {
         let mut c = compactor();
         c.push(base.clone());

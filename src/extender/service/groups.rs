@@ -106,7 +106,8 @@ impl Extender {
                     prefixed(&format!("group {} holds a place for this pod on another node", group_name(&group.key))),
                 ));
                 d.planned_node = Some(node.clone());
-                let answers = names.iter().map(|n| if *n == node { Answer::Fits(10) } else { Answer::No(r.clone()) });
+                let answers =
+                    names.iter().map(|n| if *n == node { Answer::Fits(10, 1.0) } else { Answer::No(r.clone()) });
                 (answers.collect(), r.text.clone())
             }
         };
@@ -115,8 +116,9 @@ impl Extender {
         let mut rejected = 0;
         for p in c.unique() {
             match &answers[p] {
-                Answer::Fits(_) => feasible += 1,
+                Answer::Fits(..) => feasible += 1,
                 Answer::No(_) => rejected += 1,
+                Answer::NotOffered => {}
             }
         }
         d.feasible = feasible;
