@@ -248,12 +248,23 @@ impl CapacitySummary {
             idle: u32,
             fragmented: u64,
         }
+        impl Acc {
+            fn add(&mut self, o: &Acc) {
+                self.gpus += o.gpus;
+                self.allocated += o.allocated;
+                self.idle += o.idle;
+                self.fragmented += o.fragmented;
+            }
+        }
         let mut total = Acc::default();
         let mut unhealthy_gpus = 0;
         let mut models: BTreeMap<&str, Acc> = BTreeMap::new();
         let mut this = None;
         for n in cluster.nodes() {
             let mut node_allocated = 0u64;
+            // a node's GPUs are one model, nearly always: one model lookup per run of a model, not
+            // per GPU (this runs at every logged bind, over every GPU of the cluster)
+            let mut run: Option<(&str, Acc)> = None;
             for (i, used) in n.used_milli().enumerate() {
                 let used = u64::from(used);
                 let healthy = n.gpu_facts()[i].healthy;
@@ -261,12 +272,18 @@ impl CapacitySummary {
                 let fragmented = if healthy && !idle { 1000u64.saturating_sub(used) } else { 0 };
                 unhealthy_gpus += u32::from(!healthy);
                 node_allocated += used;
-                for acc in [&mut total, models.entry(n.gpus[i].model.as_str()).or_default()] {
-                    acc.gpus += 1;
-                    acc.allocated += used;
-                    acc.idle += u32::from(idle);
-                    acc.fragmented += fragmented;
+                let model = n.gpus[i].model.as_str();
+                if run.as_ref().is_some_and(|(m, _)| *m != model) {
+                    if let Some((m, acc)) = run.take() {
+                        models.entry(m).or_default().add(&acc);
+                    }
                 }
+                let one = Acc { gpus: 1, allocated: used, idle: u32::from(idle), fragmented };
+                total.add(&one);
+                run.get_or_insert_with(|| (model, Acc::default())).1.add(&one);
+            }
+            if let Some((m, acc)) = run {
+                models.entry(m).or_default().add(&acc);
             }
             if n.name == node {
                 this = Some(NodeCapacity {

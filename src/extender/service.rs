@@ -823,10 +823,22 @@ impl Extender {
     /// The shape cache entry for this pod, unless its verdicts are not cacheable (a group's pod) or
     /// a placement log wants every evaluation's top scores in full.
     fn cached_shape(&self, req: &PodRequest) -> Option<Arc<Shape>> {
-        if self.log.is_some() {
-            return None;
-        }
         self.shapes.shape(req)
+    }
+
+    /// The placement log's `top` where the verdicts came from the shape cache, which keeps no
+    /// scorer's part: the best [`TOP_NODES`] of `fits` (node index, score, total) by score, then
+    /// total, evaluated again in full. Only for a line that is written.
+    fn top_of_cached(st: &State, req: &PodRequest, mut fits: Vec<(usize, u8, f32)>, now: i64) -> Vec<TopScore> {
+        let best =
+            |a: &(usize, u8, f32), b: &(usize, u8, f32)| b.1.cmp(&a.1).then(b.2.total_cmp(&a.2)).then(a.0.cmp(&b.0));
+        if fits.len() > TOP_NODES {
+            fits.select_nth_unstable_by(TOP_NODES - 1, best);
+            fits.truncate(TOP_NODES);
+        }
+        let nodes: Vec<usize> = fits.iter().map(|f| f.0).collect();
+        let ev = st.engine.evaluate_in_order(&st.cluster, req, &nodes, now, true);
+        Self::top_scores(st, req, &ev, now)
     }
 
     /// When the scores of the judged nodes (`scores` by index) hold: the intersection of their windows.
@@ -1061,7 +1073,8 @@ impl Extender {
         let now = self.now_ms();
         let mut unknown = Unknown::new(args);
         let mut answers = Vec::with_capacity(c.names.len());
-        let top = match self.cached_shape(&req) {
+        let from_cache = self.cached_shape(&req);
+        let top = match from_cache.clone() {
             Some(shape) => {
                 self.with_cached(&st, &shape, &req, &c, now, |p, a| {
                     answers.push(match a {
@@ -1124,6 +1137,16 @@ impl Extender {
         // placement log and the debug log, written only for them, and not for a retry whose line
         // the log only counts (its verdict is the pod's last one)
         let logged = self.log.as_ref().is_some_and(|log| log.writes(&d));
+        if logged && from_cache.is_some() {
+            let fits = c
+                .unique()
+                .filter_map(|p| match (&answers[p], c.at[p]) {
+                    (Answer::Fits(s, t), Some(i)) => Some((i, *s, *t)),
+                    _ => None,
+                })
+                .collect();
+            d.top = Self::top_of_cached(&st, &req, fits, now);
+        }
         if logged || tracing::enabled!(tracing::Level::DEBUG) {
             for (node, detail, reason) in Self::rejection_details(&st, &req, args, &c, &answers) {
                 tracing::debug!(pod = %d.pod, node = %node, reason = %reason.text, detail = %detail, "node rejected");
@@ -1228,13 +1251,20 @@ impl Extender {
         let (scores, top): (Vec<i8>, Vec<TopScore>) = match self.cached_shape(&req) {
             Some(shape) => {
                 let mut scores = Vec::with_capacity(c.at.len());
-                self.with_cached(&st, &shape, &req, &c, now, |_, a| {
+                let mut fits = Vec::new();
+                self.with_cached(&st, &shape, &req, &c, now, |p, a| {
                     scores.push(match a {
-                        Some(Answer::Fits(s, _)) => *s as i8,
+                        Some(Answer::Fits(s, t)) => {
+                            if let (Some(i), true) = (c.at[p], c.first[p]) {
+                                fits.push((i, *s, *t));
+                            }
+                            *s as i8
+                        }
                         _ => REJECTED,
                     })
                 });
-                (scores, Vec::new())
+                let top = if self.log.is_some() { Self::top_of_cached(&st, &req, fits, now) } else { Vec::new() };
+                (scores, top)
             }
             None => {
                 let uid = &args.pod.metadata.uid;
