@@ -178,6 +178,9 @@ async fn storm_of_700_mixed_pods_on_32_nodes_with_a_node_deleted() {
     storm("storm-700", 32, 700, true).await;
 }
 
+/// The node a storm with `delete_node` deletes.
+const STORM_DELETED_NODE: &str = "gpu-05";
+
 /// `pods` mixed pods on `nodes` nodes; `delete_node`: one Node (and, as kube-controller-manager's
 /// pod garbage collector would, its pods) deleted when half the pods are created. The extender
 /// writes a line per call (`--placement-log-every-call`) so that the log can be compacted here as
@@ -200,7 +203,7 @@ async fn storm(name: &str, nodes: usize, pods: usize, delete_node: bool) {
         }
         let half = pods as f64 / 2.0 / fleet::CONTROLLER_QPS;
         tokio::time::sleep(Duration::from_secs_f64(half)).await;
-        let gone = "gpu-05";
+        let gone = STORM_DELETED_NODE;
         Api::<k8s_openapi::api::core::v1::Node>::all(st.admin.clone())
             .delete(gone, &DeleteParams::default())
             .await
@@ -305,7 +308,8 @@ async fn storm(name: &str, nodes: usize, pods: usize, delete_node: bool) {
     let started = Instant::now();
     let mut round = 0;
     while started.elapsed() < window {
-        for n in &st.nodes {
+        // (not the node the storm deleted, if it did)
+        for n in st.nodes.iter().filter(|n| !delete_node || n.name != STORM_DELETED_NODE) {
             let patch = json!({"metadata": {"annotations": {"e2e/utilization-as-before": round.to_string()}}});
             nodes_api.patch(&n.name, &Default::default(), &kube::api::Patch::Merge(&patch)).await.expect("node patch");
         }
