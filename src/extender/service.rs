@@ -820,8 +820,8 @@ impl Extender {
         self.shapes.stats()
     }
 
-    /// The shape cache entry for this pod, unless its verdicts are not cacheable (a group's pod) or
-    /// a placement log wants every evaluation's top scores in full.
+    /// The shape cache entry for this pod, unless its verdicts are not cacheable (a group's pod).
+    /// With a placement log too: the log's top scores come from [`Self::top_of_cached`].
     fn cached_shape(&self, req: &PodRequest) -> Option<Arc<Shape>> {
         self.shapes.shape(req)
     }
