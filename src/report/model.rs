@@ -429,13 +429,7 @@ mod tests {
     /// same verdict, now and then a new one), binds of every outcome with the cluster after them,
     /// prioritize and group lines, and pods still waiting at the end.
     fn full_log(seed: u64) -> Vec<Decision> {
-        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        let mut next = move |n: u64| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x % n
-        };
+        let mut next = crate::extender::placement_log::compact::draws(seed);
         let mut out = Vec::new();
         let mut ts = 1_700_000_000_000;
         let mut allocated = 0.0;

@@ -317,6 +317,19 @@ impl Compactor {
     }
 }
 
+/// Draws below `n` from a small xorshift generator seeded with `seed`, for the random logs of the
+/// compactor's and the report's tests.
+#[cfg(test)]
+pub(crate) fn draws(seed: u64) -> impl FnMut(u64) -> u64 {
+    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407) | 1;
+    move |n: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % n
+    }
+}
+
 #[cfg(test)]
 #[path = "compact_tests.rs"]
 mod tests;

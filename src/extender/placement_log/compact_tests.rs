@@ -274,13 +274,7 @@ fn other_verbs_pass_through() {
 /// A pseudo-random log of a few pods: runs of filters with a verdict now and then changing, binds
 /// of any outcome, prioritize lines.
 pub(crate) fn random_log(seed: u64, calls: usize) -> Vec<Decision> {
-    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    let mut next = move |n: u64| {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x % n
-    };
+    let mut next = draws(seed);
     let mut out = Vec::new();
     let mut ts = 1_000_000;
     for _ in 0..calls {
