@@ -72,6 +72,11 @@ struct CompactLogArgs {
     restate_s: u64,
 }
 
+/// `secs` in milliseconds, saturating (a re-statement interval).
+fn ms_of_secs(secs: u64) -> i64 {
+    i64::try_from(secs.saturating_mul(1000)).unwrap_or(i64::MAX)
+}
+
 /// Reads the logs in order, compacts them and writes the result; returns the summary line.
 fn compact_log(args: &CompactLogArgs) -> Result<String, String> {
     use gpuplace::extender::placement_log::{line_of, Compactor};
@@ -80,8 +85,8 @@ fn compact_log(args: &CompactLogArgs) -> Result<String, String> {
     if let Some(p) = args.placement_log.iter().find(|p| same(p)) {
         return Err(format!("--output {} is an input: it would be emptied before it is read", p.display()));
     }
-    let restate_ms = i64::try_from(args.restate_s.saturating_mul(1000)).unwrap_or(i64::MAX);
-    let mut compactor = Compactor::new(CompactOptions { restate_ms, ..CompactOptions::default() });
+    let mut compactor =
+        Compactor::new(CompactOptions { restate_ms: ms_of_secs(args.restate_s), ..CompactOptions::default() });
     let failed = |e: std::io::Error| format!("{}: {e}", args.output.display());
     let mut out = std::io::BufWriter::new(std::fs::File::create(&args.output).map_err(failed)?);
     let (mut read, mut written) = (0usize, 0usize);
@@ -325,7 +330,7 @@ fn placement_log_of(args: &ServeArgs) -> Result<Option<PlacementLog>, String> {
         .map(|target| {
             let opts = CompactOptions {
                 every_call: args.placement_log_every_call,
-                restate_ms: i64::try_from(args.placement_log_restate_s.saturating_mul(1000)).unwrap_or(i64::MAX),
+                restate_ms: ms_of_secs(args.placement_log_restate_s),
                 ..CompactOptions::default()
             };
             PlacementLog::open(target, args.placement_log_max_mib.saturating_mul(1 << 20))

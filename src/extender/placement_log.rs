@@ -103,6 +103,12 @@ pub const MAX_LINE_BYTES: usize = 1 << 20;
 pub const TRUNCATED_REJECTIONS: usize = 100;
 
 impl Decision {
+    /// The class most rejected nodes gave (ties: the first by name); none when no node was
+    /// rejected. What `gpuplace report` files a pod turned away under.
+    pub fn main_rejection_class(&self) -> Option<&str> {
+        self.rejection_classes.iter().max_by(|a, b| a.1.cmp(b.1).then_with(|| b.0.cmp(a.0))).map(|(c, _)| c.as_str())
+    }
+
     /// The line cut to what fits [`MAX_LINE_BYTES`] (the per-node details and all but the first
     /// reasons go; the counts by class stay whole).
     fn cut(&self) -> Decision {
@@ -395,6 +401,12 @@ impl Inner {
         }
         first
     }
+
+    /// Every held repeat written and every pod forgotten.
+    fn finish(&mut self) -> io::Result<()> {
+        let lines = self.compactor.finish();
+        self.write(lines)
+    }
 }
 
 impl PlacementLog {
@@ -451,18 +463,14 @@ impl PlacementLog {
 
     /// Every held repeat written (at shutdown; dropping the log does it too).
     pub fn finish(&self) -> io::Result<()> {
-        let mut inner = self.inner();
-        let lines = inner.compactor.finish();
-        inner.write(lines)
+        self.inner().finish()
     }
 }
 
 impl Drop for PlacementLog {
     fn drop(&mut self) {
         // counts held for pods with no next line would otherwise be lost at a clean exit
-        let inner = self.inner.get_mut().unwrap_or_else(|e| e.into_inner());
-        let lines = inner.compactor.finish();
-        if let Err(e) = inner.write(lines) {
+        if let Err(e) = self.inner.get_mut().unwrap_or_else(|e| e.into_inner()).finish() {
             tracing::warn!(error = %e, "placement log: held repeats not written at exit");
         }
     }

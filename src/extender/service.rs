@@ -66,6 +66,19 @@ pub const DEFAULT_POD_CACHE: usize = 10_000;
 /// Placement log lines name at most this many top nodes.
 const TOP_NODES: usize = 5;
 
+/// A node that fits, as the answer ranks it: (its position or index, score, the engine's total).
+type Ranked = (usize, u8, f32);
+
+/// Keeps the `n` best of `fits` (any order among them): by score, then total, then the first.
+fn keep_best(fits: &mut Vec<Ranked>, n: usize) {
+    if n == 0 || fits.len() <= n {
+        return;
+    }
+    let best = |a: &Ranked, b: &Ranked| b.1.cmp(&a.1).then(b.2.total_cmp(&a.2)).then(a.0.cmp(&b.0));
+    fits.select_nth_unstable_by(n - 1, best);
+    fits.truncate(n);
+}
+
 /// How many pods' filter evaluations are kept for the prioritize call that follows. kube-scheduler
 /// prioritizes a pod right after filtering it, one pod at a time per profile; this covers many in
 /// flight at once.
@@ -829,13 +842,8 @@ impl Extender {
     /// The placement log's `top` where the verdicts came from the shape cache, which keeps no
     /// scorer's part: the best [`TOP_NODES`] of `fits` (node index, score, total) by score, then
     /// total, evaluated again in full. Only for a line that is written.
-    fn top_of_cached(st: &State, req: &PodRequest, mut fits: Vec<(usize, u8, f32)>, now: i64) -> Vec<TopScore> {
-        let best =
-            |a: &(usize, u8, f32), b: &(usize, u8, f32)| b.1.cmp(&a.1).then(b.2.total_cmp(&a.2)).then(a.0.cmp(&b.0));
-        if fits.len() > TOP_NODES {
-            fits.select_nth_unstable_by(TOP_NODES - 1, best);
-            fits.truncate(TOP_NODES);
-        }
+    fn top_of_cached(st: &State, req: &PodRequest, mut fits: Vec<Ranked>, now: i64) -> Vec<TopScore> {
+        keep_best(&mut fits, TOP_NODES);
         let nodes: Vec<usize> = fits.iter().map(|f| f.0).collect();
         let ev = st.engine.evaluate_in_order(&st.cluster, req, &nodes, now, true);
         Self::top_scores(st, req, &ev, now)
@@ -1074,9 +1082,9 @@ impl Extender {
         let mut unknown = Unknown::new(args);
         let mut answers = Vec::with_capacity(c.names.len());
         let from_cache = self.cached_shape(&req);
-        let top = match from_cache.clone() {
+        let top = match &from_cache {
             Some(shape) => {
-                self.with_cached(&st, &shape, &req, &c, now, |p, a| {
+                self.with_cached(&st, shape, &req, &c, now, |p, a| {
                     answers.push(match a {
                         Some(a) => a.clone(),
                         None => unknown.answer(p),
@@ -1176,17 +1184,15 @@ impl Extender {
         if n == 0 || feasible <= n {
             return None;
         }
-        let mut fits: Vec<(usize, u8, f32)> = c
+        let mut fits: Vec<Ranked> = c
             .unique()
             .filter_map(|p| match answers[p] {
                 Answer::Fits(s, t) => Some((p, s, t)),
                 _ => None,
             })
             .collect();
-        let best =
-            |a: &(usize, u8, f32), b: &(usize, u8, f32)| b.1.cmp(&a.1).then(b.2.total_cmp(&a.2)).then(a.0.cmp(&b.0));
-        fits.select_nth_unstable_by(n - 1, best);
-        let keep: HashSet<&str> = fits[..n].iter().map(|&(p, ..)| c.names[p]).collect();
+        keep_best(&mut fits, n);
+        let keep: HashSet<&str> = fits.iter().map(|&(p, ..)| c.names[p]).collect();
         for (a, name) in answers.iter_mut().zip(&c.names) {
             if !matches!(a, Answer::Fits(..)) || !keep.contains(name) {
                 *a = Answer::NotOffered;
@@ -1251,11 +1257,13 @@ impl Extender {
         let (scores, top): (Vec<i8>, Vec<TopScore>) = match self.cached_shape(&req) {
             Some(shape) => {
                 let mut scores = Vec::with_capacity(c.at.len());
+                // the log's top scores are made from these; without a log nothing is kept
                 let mut fits = Vec::new();
+                let logged = self.log.is_some();
                 self.with_cached(&st, &shape, &req, &c, now, |p, a| {
                     scores.push(match a {
                         Some(Answer::Fits(s, t)) => {
-                            if let (Some(i), true) = (c.at[p], c.first[p]) {
+                            if let (true, Some(i), true) = (logged, c.at[p], c.first[p]) {
                                 fits.push((i, *s, *t));
                             }
                             *s as i8
@@ -1263,7 +1271,7 @@ impl Extender {
                         _ => REJECTED,
                     })
                 });
-                let top = if self.log.is_some() { Self::top_of_cached(&st, &req, fits, now) } else { Vec::new() };
+                let top = if logged { Self::top_of_cached(&st, &req, fits, now) } else { Vec::new() };
                 (scores, top)
             }
             None => {

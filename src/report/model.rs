@@ -137,10 +137,7 @@ pub fn class_of(d: &Decision) -> String {
     if d.refused.is_some() {
         return "contract".into();
     }
-    d.rejection_classes
-        .iter()
-        .max_by(|a, b| a.1.cmp(b.1).then_with(|| b.0.cmp(a.0)))
-        .map_or_else(|| "no_candidates".to_string(), |(c, _)| c.clone())
+    d.main_rejection_class().unwrap_or("no_candidates").to_string()
 }
 
 /// A request's shape as a short label: `4 GPU`, `1 × 30% GPU`, `1 × 30% GPU, 20480 MiB`; several

@@ -109,12 +109,7 @@ impl Verdict {
             fits: d.feasible > 0,
             reasons: d.rejections.keys().cloned().collect(),
             classes: d.rejection_classes.keys().cloned().collect(),
-            // as `report::model::class_of` picks it: the most nodes, then the first name
-            main_class: d
-                .rejection_classes
-                .iter()
-                .max_by(|a, b| a.1.cmp(b.1).then_with(|| b.0.cmp(a.0)))
-                .map(|(c, _)| c.clone()),
+            main_class: d.main_rejection_class().map(str::to_string),
             refused: d.refused.clone(),
             error: d.error.clone(),
             requests: d.requests.clone(),
@@ -122,6 +117,21 @@ impl Verdict {
             planned_node: d.planned_node.clone(),
             mode: d.mode.clone(),
         }
+    }
+
+    /// `Verdict::of(d) == *self`, without copying `d`'s fields (every filter of a pod with a
+    /// placement log asks, repeats above all).
+    fn matches(&self, d: &Decision) -> bool {
+        self.fits == (d.feasible > 0)
+            && self.reasons.iter().eq(d.rejections.keys())
+            && self.classes.iter().eq(d.rejection_classes.keys())
+            && self.main_class.as_deref() == d.main_rejection_class()
+            && self.refused == d.refused
+            && self.error == d.error
+            && self.requests == d.requests
+            && self.group == d.group
+            && self.planned_node == d.planned_node
+            && self.mode == d.mode
     }
 }
 
@@ -155,6 +165,13 @@ struct PodState {
     held: Option<Held>,
     /// Position in [`Compactor::order`].
     seen: u64,
+}
+
+impl PodState {
+    /// A repeat answered at `ts_unix_ms` is written again: the pod's last line is that old.
+    fn restate_due(&self, ts_unix_ms: i64, restate_ms: i64) -> bool {
+        ts_unix_ms.saturating_sub(self.written_ms) >= restate_ms
+    }
 }
 
 /// Decisions in, lines to write out (see the module documentation).
@@ -213,28 +230,26 @@ impl Compactor {
         }
         match self.pods.get(key_of(d)) {
             None => true,
-            Some(st) => {
-                st.verdict != Verdict::of(d) || d.ts_unix_ms.saturating_sub(st.written_ms) >= self.opts.restate_ms
-            }
+            Some(st) => !st.verdict.matches(d) || st.restate_due(d.ts_unix_ms, self.opts.restate_ms),
         }
     }
 
     fn filter(&mut self, mut d: Decision) -> Vec<Decision> {
+        let restate_ms = self.opts.restate_ms;
         let key = key_of(&d).to_string();
-        let verdict = Verdict::of(&d);
         let seen = self.touch(&key);
         let Some(st) = self.pods.get_mut(&key) else {
-            let written_ms = d.ts_unix_ms;
+            let (verdict, written_ms) = (Verdict::of(&d), d.ts_unix_ms);
             self.pods.insert(key, PodState { verdict, written_ms, held: None, seen });
             let mut out = self.overflow();
             out.push(d);
             return out;
         };
         st.seen = seen;
-        if st.verdict != verdict {
+        if !st.verdict.matches(&d) {
             // a new verdict: written, with the calls that repeated the old one
             d.repeats = merge(st.held.take().map(|h| h.summary()), d.repeats);
-            st.verdict = verdict;
+            st.verdict = Verdict::of(&d);
             st.written_ms = d.ts_unix_ms;
             return vec![d];
         }
@@ -243,7 +258,7 @@ impl Compactor {
             None => d.repeats.take(),
         };
         let held = Held { earlier, last: d };
-        if held.last.ts_unix_ms.saturating_sub(st.written_ms) >= self.opts.restate_ms {
+        if st.restate_due(held.last.ts_unix_ms, restate_ms) {
             st.written_ms = held.last.ts_unix_ms;
             return vec![held.into_line()];
         }
