@@ -100,6 +100,11 @@ fn traffic(e: &Extender) {
     }
 }
 
+/// A line as [`shape`] gives it: verb, pod of the `ml` namespace, repeats carried.
+fn line(verb: &str, pod: &str, repeats: u64) -> (String, String, u64) {
+    (verb.to_string(), format!("ml/{pod}"), repeats)
+}
+
 #[test]
 fn retries_are_counted_on_the_pods_next_line() {
     let dir = Scratch::new("default");
@@ -107,16 +112,15 @@ fn retries_are_counted_on_the_pods_next_line() {
     let e = extender(log);
     traffic(&e);
     let written = lines(&path);
-    let s = |v: &str, p: &str, n: u64| (v.to_string(), format!("ml/{p}"), n);
     // the bind carries fits' two repeats; never's deletion writes its last call with the two before
     assert_eq!(
         shape(&written),
         [
-            s("filter", "fits", 0),
-            s("bind", "fits", 2),
-            s("filter", "never", 0),
-            s("filter", "never", 2),
-            s("filter", "waits", 0)
+            line("filter", "fits", 0),
+            line("bind", "fits", 2),
+            line("filter", "never", 0),
+            line("filter", "never", 2),
+            line("filter", "waits", 0)
         ]
     );
     let r = written[3].repeats.unwrap();
@@ -126,7 +130,7 @@ fn retries_are_counted_on_the_pods_next_line() {
     // the process ends: waits' one held call goes out as itself
     drop(e);
     let at_exit = lines(&path);
-    assert_eq!(shape(&at_exit[5..]), [s("filter", "waits", 0)]);
+    assert_eq!(shape(&at_exit[5..]), [line("filter", "waits", 0)]);
     // and the report counts every call
     let read = gpuplace::report::input::read_placement_log(&path).unwrap();
     let m = LogModel::build(vec![(path.clone(), read)]);
@@ -149,16 +153,15 @@ fn every_call_mode_writes_a_line_per_call_and_compacts_to_the_default() {
     let mut c = gpuplace::extender::placement_log::Compactor::new(CompactOptions::default());
     let mut compact: Vec<Decision> = every.into_iter().flat_map(|d| c.push(d)).collect();
     compact.extend(c.finish());
-    let s = |v: &str, p: &str, n: u64| (v.to_string(), format!("ml/{p}"), n);
     assert_eq!(
         shape(&compact),
         [
-            s("filter", "fits", 0),
-            s("bind", "fits", 2),
-            s("filter", "never", 0),
-            s("filter", "waits", 0),
-            s("filter", "never", 2),
-            s("filter", "waits", 0)
+            line("filter", "fits", 0),
+            line("bind", "fits", 2),
+            line("filter", "never", 0),
+            line("filter", "waits", 0),
+            line("filter", "never", 2),
+            line("filter", "waits", 0)
         ]
     );
 }

@@ -49,35 +49,46 @@ pub async fn start_nodes(cp: &ControlPlane, n: usize) -> Vec<GpuNode> {
 /// [`start_nodes`] with the boards cycling through `boards`.
 pub async fn start_nodes_of(cp: &ControlPlane, n: usize, boards: &[&'static str]) -> Vec<GpuNode> {
     let admin = cp.client(User::Admin).await;
-    let nodes: Api<Node> = Api::all(admin.clone());
     let mut out = Vec::with_capacity(n);
     for i in 0..n {
         let board = boards[i % boards.len()];
         let gpus = gpus_on(board);
         let name = format!("gpu-{i:02}");
-        let node: Node = serde_json::from_value(json!({
-            "apiVersion": "v1", "kind": "Node",
-            "metadata": {"name": name, "labels": {
-                "kubernetes.io/hostname": name,
-                "gpuplace.io/gpu-node": "true",
-                "network.gpuplace.io/spine": format!("spine-{}", i / 8),
-                "network.gpuplace.io/tor": format!("tor-{}", i / 4),
-            }},
-        }))
-        .expect("a Node");
-        nodes.create(&PostParams::default(), &node).await.expect("create a Node");
-        // TaintNodesByCondition admission adds not-ready at creation; no node controller runs here
-        nodes
-            .patch(&name, &PatchParams::default(), &Patch::Merge(json!({"spec": {"taints": null}})))
-            .await
-            .expect("untaint");
-        set_kubelet_status(&admin, &name, gpus).await;
+        create_node(&admin, &name, gpu_node_labels(&name, i / 8, i / 4), Value::Null, gpus).await;
         out.push(GpuNode { name, board, gpus, plugin: None });
     }
     for node in &mut out {
         node.plugin = Some(start_plugin(cp, &node.name, node.board));
     }
     out
+}
+
+/// The labels of a GPU node: its hostname, `gpuplace.io/gpu-node`, and its spine and ToR.
+pub fn gpu_node_labels(name: &str, spine: usize, tor: usize) -> Value {
+    json!({
+        "kubernetes.io/hostname": name,
+        "gpuplace.io/gpu-node": "true",
+        "network.gpuplace.io/spine": format!("spine-{spine}"),
+        "network.gpuplace.io/tor": format!("tor-{tor}"),
+    })
+}
+
+/// Creates a Node as it stands once kubelet has registered it: `labels`, `annotations` (null for
+/// none), untainted, Ready, with kubelet's capacity for `gpus` GPUs ([`set_kubelet_status`]).
+pub async fn create_node(client: &Client, name: &str, labels: Value, annotations: Value, gpus: u32) {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let node: Node = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": name, "labels": labels, "annotations": annotations},
+    }))
+    .expect("a Node");
+    nodes.create(&PostParams::default(), &node).await.unwrap_or_else(|e| panic!("create {name}: {e}"));
+    // TaintNodesByCondition admission adds not-ready at creation; no node controller runs here
+    nodes
+        .patch(name, &PatchParams::default(), &Patch::Merge(json!({"spec": {"taints": null}})))
+        .await
+        .expect("untaint");
+    set_kubelet_status(client, name, gpus).await;
 }
 
 /// What kubelet would write: capacity (with the device plugin's K slots per GPU as

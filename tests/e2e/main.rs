@@ -85,8 +85,13 @@ async fn stage_of(name: &str, n: usize) -> Stage {
 
 /// [`stage`] with one extender replica, ready.
 async fn stage_with_extender(name: &str) -> (Stage, Extender) {
-    let st = stage(name).await;
-    let mut ext = Extender::start(&st.cp, "replica-a", 0, &[]);
+    stage_with_extender_of(name, NODES, &[]).await
+}
+
+/// [`stage_with_extender`] with `n` nodes and `extra` flags for the extender.
+async fn stage_with_extender_of(name: &str, n: usize, extra: &[&str]) -> (Stage, Extender) {
+    let st = stage_of(name, n).await;
+    let mut ext = Extender::start(&st.cp, "replica-a", 0, extra);
     ext.wait_ready(Duration::from_secs(60)).await;
     (st, ext)
 }
@@ -187,9 +192,7 @@ const STORM_DELETED_NODE: &str = "gpu-05";
 /// the default would write it, and both reported.
 async fn storm(name: &str, nodes: usize, pods: usize, delete_node: bool) {
     let _serial = SERIAL.lock().await;
-    let mut st = stage_of(name, nodes).await;
-    let mut ext = Extender::start(&st.cp, "replica-a", 0, &["--placement-log-every-call"]);
-    ext.wait_ready(Duration::from_secs(60)).await;
+    let (mut st, mut ext) = stage_with_extender_of(name, nodes, &["--placement-log-every-call"]).await;
     st.cp.start_scheduler(&scheduler_config(), Some(&ext.url()));
 
     // created as a Job or ReplicaSet controller creates pods (the kill scenario creates its storm as

@@ -24,16 +24,16 @@ use futures::StreamExt;
 use gpuplace::core::annotations::{NodeInventory, ANNOTATION_INVENTORY};
 use gpuplace::core::inventory::{load_topology_file, ResolvedBoard};
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use kube::api::{DeleteParams, Patch, PatchParams};
 use kube::runtime::watcher;
 use kube::{Api, Client};
-use serde_json::json;
+use serde_json::{json, Value};
 
 use crate::audit::{node_name, snapshot, Audit};
 use crate::cluster::{figure, repo, ControlPlane, User};
 use crate::fleet::{
-    create_pods, create_pods_as_a_controller, set_kubelet_status, start_plugin, topology_file, wait_inventories,
-    Extender, GpuNode, Shape, BOARDS, SLOTS_PER_GPU,
+    create_node, create_pods, create_pods_as_a_controller, gpu_node_labels, start_plugin, topology_file,
+    wait_inventories, Extender, GpuNode, Shape, BOARDS, SLOTS_PER_GPU,
 };
 use crate::{counter, inspect, install, scheduler_config, wait_scheduler_leading, NS, SERIAL};
 
@@ -71,38 +71,23 @@ async fn create_nodes(cp: &ControlPlane, admin: &Client, s: &Scale) -> (Vec<GpuN
             (*b, ResolvedBoard::from_file(&file).expect("a board"))
         })
         .collect();
-    let api: Api<Node> = Api::all(admin.clone());
     let creates = (0..s.nodes).map(|i| {
         let board = BOARDS[i % BOARDS.len()];
         let resolved = &boards[board];
-        let (api, admin) = (api.clone(), admin.clone());
         let with_plugin = i < s.plugins;
         async move {
             let name = node_name_of(i);
-            let labels = BTreeMap::from([
-                ("kubernetes.io/hostname".to_string(), name.clone()),
-                ("gpuplace.io/gpu-node".to_string(), "true".to_string()),
-                ("network.gpuplace.io/spine".to_string(), format!("spine-{}", i / 128)),
-                ("network.gpuplace.io/tor".to_string(), format!("tor-{}", i / 16)),
-            ]);
-            let mut annotations = BTreeMap::new();
-            if !with_plugin {
-                let mut inventory = NodeInventory::from_node(&resolved.node(&name, labels.clone(), 0, 0));
+            let labels = gpu_node_labels(&name, i / 128, i / 16);
+            let annotations = if with_plugin {
+                Value::Null
+            } else {
+                // the inventory the device plugin would write (the model's labels play no part in it)
+                let mut inventory = NodeInventory::from_node(&resolved.node(&name, BTreeMap::new(), 0, 0));
                 inventory.slots_per_gpu = Some(SLOTS_PER_GPU);
-                annotations.insert(ANNOTATION_INVENTORY.to_string(), inventory.to_json());
-            }
-            let node: Node = serde_json::from_value(json!({
-                "apiVersion": "v1", "kind": "Node",
-                "metadata": {"name": name, "labels": labels, "annotations": annotations},
-            }))
-            .expect("a Node");
-            api.create(&PostParams::default(), &node).await.unwrap_or_else(|e| panic!("create {name}: {e}"));
-            // TaintNodesByCondition admission adds not-ready at creation; no node controller runs here
-            api.patch(&name, &PatchParams::default(), &Patch::Merge(json!({"spec": {"taints": null}})))
-                .await
-                .expect("untaint");
+                json!({ ANNOTATION_INVENTORY: inventory.to_json() })
+            };
             let gpus = resolved.gpus.len() as u32;
-            set_kubelet_status(&admin, &name, gpus).await;
+            create_node(admin, &name, labels, annotations, gpus).await;
             GpuNode { name, board, gpus, plugin: None }
         }
     });
