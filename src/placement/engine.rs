@@ -190,12 +190,12 @@ impl Engine {
 
     /// The reserve in `cluster`: the mix's classes and the inventory's, and which are scarce.
     pub fn reserve_view(&self, cluster: &Cluster) -> ReserveView {
-        self.scarcity.view(cluster, &self.mix.reserve)
+        self.scarcity.view(cluster, &self.mix.reserve, &self.mix.bound)
     }
 
     /// [`Engine::reserve_view`] with each class's free hosts now (what `/inspect` shows).
     pub fn reserve_view_with_hosts(&self, cluster: &Cluster) -> (ReserveView, Vec<u32>) {
-        self.scarcity.view_with_hosts(cluster, &self.mix.reserve)
+        self.scarcity.view_with_hosts(cluster, &self.mix.reserve, &self.mix.bound)
     }
 
     /// How GPUs are picked for this pod (profile defaults after the pod's overrides).

@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::core::resources::PodRequest;
 use crate::placement::scorers::fragmentation::{MixEntry, WorkloadMix};
+use crate::placement::scorers::model_supply::{self, BoundDemand};
 use crate::placement::scorers::reserve::ReserveClass;
 
 /// How the learner weighs what it sees.
@@ -222,10 +223,14 @@ impl MixLearner {
             if mix_distance(&next, current) > MIX_CHANGE {
                 return Some(next);
             }
-            return (next.reserve != current.reserve).then(|| WorkloadMix::new(current.entries.clone(), next.reserve));
+            // the bound demand moves scores only through which lists are short (the engine's
+            // shared key), so a new one is taken at every refresh point without voiding caches
+            return (next.reserve != current.reserve || next.bound != current.bound)
+                .then(|| WorkloadMix::new(current.entries.clone(), next.reserve).with_bound(next.bound));
         }
         let reserve = self.reserve();
-        (reserve != current.reserve).then(|| WorkloadMix::new(current.entries.clone(), reserve))
+        (reserve != current.reserve)
+            .then(|| WorkloadMix::new(current.entries.clone(), reserve).with_bound(current.bound.clone()))
     }
 
     /// Counts one arriving request (`weight` on an entry is ignored).
@@ -379,7 +384,20 @@ impl MixLearner {
             .into_iter()
             .map(|(e, w)| MixEntry { weight: if covered > 0.0 { w / covered } else { 0.0 }, ..e })
             .collect();
-        WorkloadMix::new(entries, self.reserve())
+        WorkloadMix::new(entries, self.reserve()).with_bound(self.bound_demand())
+    }
+
+    /// The share of the recent GPU demand bound to each list of models (faded counts, as the
+    /// mix's; the prior is not demand): what `scorers::model_supply` keeps free GPUs for.
+    pub fn bound_demand(&self) -> Vec<BoundDemand> {
+        let newest = self.newest();
+        model_supply::bound_demand(self.types.iter().filter(|(k, _)| k.0 > 0).map(|(k, t)| model_supply::Demand {
+            models: &k.3,
+            count: t.weight / newest,
+            gpus: f64::from(k.0) * f64::from(k.1) / 1000.0,
+            cpu_milli: k.2 as f64,
+            memory_mib: lower_median(t.memory.iter().copied().collect()) as f64,
+        }))
     }
 
     /// What to save; [`MixLearner::restore`] takes it back.

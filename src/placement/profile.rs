@@ -5,8 +5,8 @@ use serde::{Deserialize, Serialize};
 use crate::core::resources::{NumaPolicy, PackingPolicy};
 use crate::placement::scorer::Scorer;
 use crate::placement::scorers::{
-    fragmentation::FragmentationScorer, network::NetworkScorer, packing::PackingScorer, reserve::ReserveScorer,
-    topology::TopologyScorer, utilization::UtilizationScorer,
+    fragmentation::FragmentationScorer, model_supply::ModelSupplyScorer, network::NetworkScorer,
+    packing::PackingScorer, reserve::ReserveScorer, topology::TopologyScorer, utilization::UtilizationScorer,
 };
 
 /// Scorer weights; a weight of 0 switches a scorer off.
@@ -26,11 +26,22 @@ pub struct Weights {
     /// Keeping back the last free hosts of the largest requests seen (`scorers::reserve`). It counts
     /// only for pods that would take one; high, so that such a pod goes elsewhere whenever it can.
     pub reserve: f64,
+    /// Keeping the GPUs of a model whose free GPUs run short for the pods bound to it
+    /// (`scorers::model_supply`). It counts only for pods that could run elsewhere.
+    pub model_supply: f64,
 }
 
 impl Default for Weights {
     fn default() -> Self {
-        Self { fragmentation: 6.0, packing: 0.01, topology: 2.0, network: 3.0, utilization: 1.0, reserve: 6.0 }
+        Self {
+            fragmentation: 6.0,
+            packing: 0.01,
+            topology: 2.0,
+            network: 3.0,
+            utilization: 1.0,
+            reserve: 6.0,
+            model_supply: 6.0,
+        }
     }
 }
 
@@ -90,6 +101,7 @@ impl Profile {
             (Box::new(NetworkScorer), w.network),
             (Box::new(UtilizationScorer), w.utilization),
             (Box::new(ReserveScorer), w.reserve),
+            (Box::new(ModelSupplyScorer), w.model_supply),
         ] {
             let is_packing = s.name() == PackingScorer.name();
             // packing stays (at its own weight, possibly 0) while pods may ask for a policy, so

@@ -11,7 +11,15 @@
 //! - `gpuspec=P`: P percent of GPU pods name the GPU models they may use (`gpu_spec`). The pods that
 //!   already do count toward it; others are picked at random and given one model present in the node
 //!   list on a node with enough GPUs for them, drawn in proportion to the model's GPUs. (The published
-//!   `gpuspec10..33` constrain the same share of pods.)
+//!   `gpuspec10..33` constrain the same share of pods, but differently: see the next one.)
+//! - `gpuspec-openb=P`: P percent of GPU pods name their models as the published `gpuspec05..33`
+//!   do ([`PUBLISHED_SPECS`]): a model list drawn by the pod's shape, mostly `T4` (about half),
+//!   then `G2`, `P100`, `V100M16|V100M32`, `P100|V100M16|V100M32`, `G3`, and a few lists of up to
+//!   all the models, some naming one twice (`V100M16|V100M32|V100M32`). Shares are bound to `T4` or
+//!   `P100` (rarely to five models), whole GPUs to any list, 8-GPU pods to `G2` or `G3`. A whole
+//!   single GPU is picked 1.4 times as often as a share (their weights 1.16 and 0.84), so about 60
+//!   percent of the constrained pods are whole GPUs. The pods that already name models count
+//!   toward P; a list that no node with enough GPUs offers is never drawn.
 //! - `sharing=P`: sharing pods (a part of one GPU) are P percent of GPU pods, with the number of GPU
 //!   pods unchanged, drawn with replacement from the base's sharing and non-sharing GPU pods. (The
 //!   published `gpushare40..100` set the same share.)
@@ -42,6 +50,7 @@ const GENERATOR_SEED: u64 = 2023;
 pub enum Variation {
     MultiGpu(f64),
     GpuSpec(f64),
+    GpuSpecOpenb(f64),
     Sharing(f64),
     Gangs(f64),
 }
@@ -64,9 +73,14 @@ pub fn parse_workload(name: &str) -> Result<(String, Vec<Variation>), TraceError
         steps.push(match kind.trim() {
             "multigpu" => Variation::MultiGpu(pct),
             "gpuspec" => Variation::GpuSpec(pct),
+            "gpuspec-openb" => Variation::GpuSpecOpenb(pct),
             "sharing" => Variation::Sharing(pct),
             "gangs" => Variation::Gangs(pct),
-            other => return Err(bad(&format!("unknown kind {other:?}; choose multigpu, gpuspec, sharing or gangs"))),
+            other => {
+                return Err(bad(&format!(
+                    "unknown kind {other:?}; choose multigpu, gpuspec, gpuspec-openb, sharing or gangs"
+                )))
+            }
         });
     }
     Ok((base, steps))
@@ -81,6 +95,7 @@ pub fn generate(pods: &[TracePod], nodes: &[TraceNode], steps: &[Variation]) -> 
         out = match *step {
             Variation::MultiGpu(p) => multigpu(&out, p / 100.0, &tag, &mut rng)?,
             Variation::GpuSpec(p) => gpuspec(&out, nodes, p / 100.0, &mut rng)?,
+            Variation::GpuSpecOpenb(p) => gpuspec_openb(&out, nodes, p / 100.0, &mut rng)?,
             Variation::Sharing(p) => sharing(&out, p / 100.0, &tag, &mut rng)?,
             Variation::Gangs(p) => gangs(&out, p / 100.0, &tag, &mut rng)?,
         };
@@ -233,6 +248,114 @@ fn gpuspec(
     Ok(out)
 }
 
+/// The model lists of the published `gpuspec05..33` pod lists, by the pod's shape, with how many
+/// constrained pods of that shape named each, over the five files (6,692 constrained pods). The
+/// files keep every pod of `default` as it is and add a `gpu_spec` to a share of the GPU pods,
+/// drawn afresh for each file (a pod bound in two files names the same list a third of the time).
+pub const PUBLISHED_SPECS: [(SpecShape, &[(&str, u32)]); 5] = [
+    (SpecShape::Share, &[("T4", 1609), ("P100", 839), ("G2|P100|T4|V100M16|V100M32", 45)]),
+    (
+        SpecShape::Whole(1),
+        &[
+            ("T4", 1865),
+            ("G2", 933),
+            ("V100M16|V100M32", 435),
+            ("P100|V100M16|V100M32", 268),
+            ("G3", 209),
+            ("P100|T4|V100M16|V100M32", 76),
+            ("G2|P100|T4|V100M16|V100M32", 74),
+            ("A10|G2|T4|V100M16|V100M32", 64),
+            ("V100M16|V100M32|V100M32", 63),
+            ("V100M32", 48),
+            ("P100|V100M16", 31),
+            ("A10|T4", 21),
+            ("V100M16", 17),
+            ("P100", 10),
+            ("A10|G2|P100|T4|V100M16|V100M32|V100M32", 10),
+            ("P100|T4", 1),
+            ("T4|V100M16|V100M32", 1),
+        ],
+    ),
+    (
+        SpecShape::Whole(2),
+        &[("P100|V100M16|V100M32", 6), ("T4|V100M16|V100M32", 3), ("V100M16|V100M32", 3), ("V100M32", 3)],
+    ),
+    (SpecShape::Whole(4), &[("G2", 12), ("V100M16|V100M32|V100M32", 7), ("V100M16|V100M32", 2)]),
+    (SpecShape::Whole(8), &[("G2", 21), ("G3", 16)]),
+];
+
+/// A pod's shape as [`PUBLISHED_SPECS`] reads it: a share of one GPU, or N whole GPUs (3 reads as
+/// 4, more than 4 as 8: the published files have 1, 2, 4 and 8).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpecShape {
+    Share,
+    Whole(u32),
+}
+
+impl SpecShape {
+    fn of(p: &TracePod) -> Self {
+        match (p.num_gpu, p.milli()) {
+            (1, m) if m < 1000 => Self::Share,
+            (n @ (1 | 2 | 4), _) => Self::Whole(n),
+            (3, _) => Self::Whole(4),
+            _ => Self::Whole(8),
+        }
+    }
+
+    /// How likely a pod of this shape is to be picked, against a pod picked uniformly (the
+    /// published files' constrained share of each shape over its share of the GPU pods).
+    fn pick_weight(self) -> f64 {
+        match self {
+            Self::Share => 0.84,
+            Self::Whole(1) => 1.16,
+            Self::Whole(_) => 1.0,
+        }
+    }
+}
+
+fn gpuspec_openb(
+    pods: &[TracePod],
+    nodes: &[TraceNode],
+    share: f64,
+    rng: &mut ChaCha8Rng,
+) -> Result<Vec<TracePod>, TraceError> {
+    let mut out = pods.to_vec();
+    let gpu_pods: Vec<usize> = (0..out.len()).filter(|&i| is_gpu(&out[i])).collect();
+    let want = (share * gpu_pods.len() as f64).round() as usize;
+    let have = gpu_pods.iter().filter(|&&i| !out[i].gpu_spec.is_empty()).count();
+    // weighted picks without replacement (Efraimidis-Spirakis): the largest u^(1/w) win
+    let mut keyed: Vec<(f64, usize)> = gpu_pods
+        .into_iter()
+        .filter(|&i| out[i].gpu_spec.is_empty())
+        .map(|i| (rng.random::<f64>().powf(1.0 / SpecShape::of(&out[i]).pick_weight()), i))
+        .collect();
+    keyed.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+    for &(_, pod) in keyed.iter().take(want.saturating_sub(have)) {
+        let shape = SpecShape::of(&out[pod]);
+        let table = PUBLISHED_SPECS.iter().find(|(s, _)| *s == shape).map_or(&[][..], |(_, t)| *t);
+        // only lists that some node with enough GPUs offers
+        let gpus = out[pod].num_gpu;
+        let offered = |list: &str| {
+            list.split('|').any(|m| nodes.iter().any(|n| n.gpu >= gpus && n.model.eq_ignore_ascii_case(m)))
+        };
+        let choices: Vec<&(&str, u32)> = table.iter().filter(|(list, _)| offered(list)).collect();
+        let total: u32 = choices.iter().map(|(_, w)| w).sum();
+        if total == 0 {
+            return Err(TraceError::Invalid(format!(
+                "gpuspec-openb: no published model list for a pod of {gpus} GPU(s) is on a node with that many"
+            )));
+        }
+        let mut pick = rng.random_range(0..total);
+        let list = choices.iter().find(|(_, w)| {
+            let hit = pick < *w;
+            pick = pick.saturating_sub(*w);
+            hit
+        });
+        out[pod].gpu_spec = list.map(|(l, _)| l.to_string()).unwrap_or_default();
+    }
+    Ok(out)
+}
+
 fn sharing(pods: &[TracePod], share: f64, tag: &str, rng: &mut ChaCha8Rng) -> Result<Vec<TracePod>, TraceError> {
     let (shared, whole): (Vec<&TracePod>, Vec<&TracePod>) =
         pods.iter().filter(|p| is_gpu(p)).partition(|p| p.milli() < 1000);
@@ -318,6 +441,60 @@ mod tests {
             assert!(p.gpu_spec == "G2" || (p.gpu_spec == "T4" && p.num_gpu <= 2), "{p:?}");
         }
         assert!(constrained.iter().any(|p| p.gpu_spec == "T4") && constrained.iter().any(|p| p.gpu_spec == "G2"));
+    }
+
+    #[test]
+    fn gpuspec_openb_names_the_published_lists_by_shape() {
+        let n = |name: &str, gpu: u32, model: &str| TraceNode {
+            name: name.into(),
+            cpu_milli: 96000,
+            memory_mib: 393216,
+            gpu,
+            model: model.into(),
+        };
+        let every_model = vec![
+            n("g2", 8, "G2"),
+            n("g3", 8, "G3"),
+            n("t4", 2, "T4"),
+            n("p100", 2, "P100"),
+            n("v16", 4, "V100M16"),
+            n("v32", 8, "V100M32"),
+            n("a10", 1, "A10"),
+        ];
+        let mut pods = base();
+        pods.extend((0..40).map(|i| pod(&format!("e{i}"), 8, 1000)));
+        let step = [Variation::GpuSpecOpenb(50.0)];
+        let out = generate(&pods, &every_model, &step).unwrap();
+        assert_eq!(out, generate(&pods, &every_model, &step).unwrap(), "deterministic");
+        let gpu: Vec<&TracePod> = out.iter().filter(|p| is_gpu(p)).collect();
+        let bound: Vec<&&TracePod> = gpu.iter().filter(|p| !p.gpu_spec.is_empty()).collect();
+        assert_eq!(bound.len(), (0.5 * gpu.len() as f64).round() as usize);
+        for p in &bound {
+            match SpecShape::of(p) {
+                SpecShape::Share => {
+                    assert!(["T4", "P100", "G2|P100|T4|V100M16|V100M32"].contains(&p.gpu_spec.as_str()))
+                }
+                SpecShape::Whole(8) => assert!(p.gpu_spec == "G2" || p.gpu_spec == "G3", "{p:?}"),
+                _ => {}
+            }
+        }
+        // whole single GPUs are picked more often than shares (400 of each in the base)
+        let (whole, shares) = (
+            bound.iter().filter(|p| SpecShape::of(p) == SpecShape::Whole(1)).count(),
+            bound.iter().filter(|p| SpecShape::of(p) == SpecShape::Share).count(),
+        );
+        assert!(whole > shares + 20, "{whole} whole, {shares} shares");
+        // T4 alone is the most named list, about half of all
+        let t4 = bound.iter().filter(|p| p.gpu_spec == "T4").count() as f64 / bound.len() as f64;
+        assert!((0.4..0.65).contains(&t4), "{t4}");
+        // a list that no node with enough GPUs offers is never drawn: 8-GPU pods on a cluster whose
+        // only 8-GPU nodes are G2 all name G2
+        let no_g3 = vec![n("g2", 8, "G2"), n("t4", 2, "T4")];
+        let out = generate(&pods, &no_g3, &[Variation::GpuSpecOpenb(100.0)]).unwrap();
+        assert!(out.iter().filter(|p| p.num_gpu == 8).all(|p| p.gpu_spec == "G2"));
+        let no_big = vec![n("t4", 2, "T4")];
+        let e = generate(&pods, &no_big, &[Variation::GpuSpecOpenb(100.0)]).unwrap_err().to_string();
+        assert!(e.contains("gpuspec-openb: no published model list"), "{e}");
     }
 
     #[test]

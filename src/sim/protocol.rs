@@ -6,6 +6,7 @@ use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
 use crate::placement::scorers::fragmentation::{MixEntry, WorkloadMix};
+use crate::placement::scorers::model_supply;
 use crate::sim::trace::TracePod;
 
 /// Share of requests the typical mix covers (FGD: 95 %).
@@ -18,7 +19,15 @@ pub fn typical_mix(pods: &[TracePod]) -> WorkloadMix {
 
 /// The request mix covering `coverage` (0..=1) of the pods.
 pub fn typical_mix_with(pods: &[TracePod], coverage: f64) -> WorkloadMix {
-    WorkloadMix::from_requests(
+    let models: Vec<Vec<String>> = pods.iter().map(TracePod::models).collect();
+    let bound = model_supply::bound_demand(pods.iter().zip(&models).map(|(p, m)| model_supply::Demand {
+        models: m,
+        count: 1.0,
+        gpus: gpu_milli_total(p) as f64 / 1000.0,
+        cpu_milli: p.cpu_milli as f64,
+        memory_mib: p.memory_mib as f64,
+    }));
+    let mix = WorkloadMix::from_requests(
         pods.iter().map(|p| MixEntry {
             gpus: if p.milli() == 0 { 0 } else { p.num_gpu },
             milli: p.milli(),
@@ -28,7 +37,8 @@ pub fn typical_mix_with(pods: &[TracePod], coverage: f64) -> WorkloadMix {
             weight: 0.0,
         }),
         coverage,
-    )
+    );
+    mix.with_bound(bound)
 }
 
 /// GPU request of a pod in thousandths of a GPU.

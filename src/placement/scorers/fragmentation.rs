@@ -24,6 +24,7 @@ use crate::core::cluster::Node;
 use crate::placement::feasibility::Placement;
 use crate::placement::gpu_select::FreeState;
 use crate::placement::scorer::{ScoreContext, Scorer};
+use crate::placement::scorers::model_supply::BoundDemand;
 use crate::placement::scorers::reserve::ReserveClass;
 
 /// One typical request of the workload.
@@ -53,6 +54,10 @@ pub struct WorkloadMix {
     /// none in a mix given without them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub reserve: Vec<ReserveClass>,
+    /// The share of the GPU demand bound to each list of GPU models (`scorers::model_supply`);
+    /// none in a mix given without it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub bound: Vec<BoundDemand>,
     /// The entries' [`MixEntry::gap_weight`]s, normalized, worked out on first use: the measure runs
     /// for every candidate GPU of every node, and the square roots were half its time. A mix is
     /// built, not edited; an entry added or removed later is noticed (the length differs) and the
@@ -64,14 +69,20 @@ pub struct WorkloadMix {
 /// Two mixes are equal when their entries and reserve are (the cached weights follow from them).
 impl PartialEq for WorkloadMix {
     fn eq(&self, other: &Self) -> bool {
-        self.entries == other.entries && self.reserve == other.reserve
+        self.entries == other.entries && self.reserve == other.reserve && self.bound == other.bound
     }
 }
 
 impl WorkloadMix {
     /// A mix of `entries` (their weights: popularity, summing to 1) and `reserve` classes.
     pub fn new(entries: Vec<MixEntry>, reserve: Vec<ReserveClass>) -> Self {
-        Self { entries, reserve, gap_weights: Default::default() }
+        Self { entries, reserve, bound: Vec::new(), gap_weights: Default::default() }
+    }
+
+    /// The same mix with `bound` as its demand bound to model lists.
+    pub fn with_bound(mut self, bound: Vec<BoundDemand>) -> Self {
+        self.bound = bound;
+        self
     }
 
     /// Each entry's `gap_weight`, normalized to sum to 1 (all 0 when they sum to 0).

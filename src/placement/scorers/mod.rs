@@ -1,6 +1,7 @@
 //! One file per scoring concern; each implements [`Scorer`](crate::placement::scorer::Scorer).
 
 pub mod fragmentation;
+pub mod model_supply;
 pub mod network;
 pub mod packing;
 pub mod reserve;

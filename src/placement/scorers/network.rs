@@ -194,8 +194,15 @@ mod tests {
     #[test]
     fn the_engine_ranks_by_locality() {
         let c = locality_cluster();
-        let weights =
-            Weights { fragmentation: 0.0, packing: 0.0, topology: 0.0, network: 1.0, utilization: 0.0, reserve: 0.0 };
+        let weights = Weights {
+            fragmentation: 0.0,
+            packing: 0.0,
+            topology: 0.0,
+            network: 1.0,
+            utilization: 0.0,
+            reserve: 0.0,
+            model_supply: 0.0,
+        };
         let engine =
             Engine::new(Profile::new(ProfileConfig { weights, ..ProfileConfig::default() }), WorkloadMix::default());
         let ev = engine.evaluate_all(&c, &member(2, 4), 0);

@@ -39,6 +39,7 @@ use crate::core::resources::PodRequest;
 use crate::placement::feasibility::Placement;
 use crate::placement::scorer::{ScoreContext, Scorer};
 use crate::placement::scorers::fragmentation::MixEntry;
+use crate::placement::scorers::model_supply::{self, BoundDemand, Supply};
 
 /// At most this many reserve classes are looked at (a bit each in the scarcity mask).
 pub const MAX_CLASSES: usize = 64;
@@ -174,6 +175,9 @@ pub struct ReserveView {
     /// ([`inventory_classes`]), at most [`MAX_CLASSES`].
     pub classes: Vec<ReserveClass>,
     pub scarce: ScarceMask,
+    /// The lists of GPU models whose free GPUs are short of what the pods bound to them need
+    /// ([`model_supply::short_lists`]).
+    pub short: Vec<Vec<String>>,
 }
 
 impl ReserveView {
@@ -181,14 +185,15 @@ impl ReserveView {
     /// class's `keep` only decides whether it is scarce).
     pub fn key(&self) -> u64 {
         use std::hash::{Hash, Hasher};
-        if self.scarce == 0 {
-            // nothing scarce: the scorer is left out, whatever the classes
+        if self.scarce == 0 && self.short.is_empty() {
+            // nothing scarce or short: both scorers are left out, whatever the classes
             return 0;
         }
         let mut h = std::collections::hash_map::DefaultHasher::new();
         for (k, c) in self.classes.iter().enumerate().filter(|(k, _)| (self.scarce >> k) & 1 == 1) {
             (k, c.gpus, c.milli, c.cpu_milli, c.memory_mib, &c.models).hash(&mut h);
         }
+        self.short.hash(&mut h);
         h.finish() | 1
     }
 }
@@ -234,6 +239,10 @@ pub struct ScarcityMemo {
 #[derive(Debug, Default)]
 struct MemoState {
     learned: Vec<ReserveClass>,
+    bound: Vec<BoundDemand>,
+    /// What the cluster has free for the bound lists (their shortness), and each node's part.
+    supply: Supply,
+    node_supply: Vec<Supply>,
     classes: Vec<ReserveClass>,
     layout: u64,
     stamps: Vec<u64>,
@@ -250,9 +259,15 @@ fn host_bits(classes: &[ReserveClass], node: &Node) -> u64 {
 }
 
 impl MemoState {
-    fn rebuild(&mut self, cluster: &Cluster, learned: &[ReserveClass]) {
+    fn rebuild(&mut self, cluster: &Cluster, learned: &[ReserveClass], bound: &[BoundDemand]) {
         let nodes = cluster.nodes();
         self.learned = learned.to_vec();
+        self.bound = bound.to_vec();
+        self.node_supply = nodes.iter().map(|n| Supply::of_node(bound, n)).collect();
+        self.supply = Supply::new(bound.len());
+        for part in &self.node_supply {
+            self.supply.add(part);
+        }
         self.classes = learned.iter().cloned().chain(inventory_classes(cluster)).take(MAX_CLASSES).collect();
         self.layout = cluster.layout();
         self.stamps = cluster.stamps().to_vec();
@@ -277,32 +292,44 @@ impl MemoState {
             .enumerate()
             .filter(|(_, (c, &n))| c.keep > 0 && n <= c.keep)
             .fold(0, |s, (k, _)| s | (1 << k));
-        ReserveView { classes: self.classes.clone(), scarce }
+        let short = model_supply::short_lists(&self.bound, &self.supply);
+        ReserveView { classes: self.classes.clone(), scarce, short }
     }
 }
 
 impl ScarcityMemo {
-    /// The reserve of `cluster` with the mix's `learned` classes.
-    pub fn view(&self, cluster: &Cluster, learned: &[ReserveClass]) -> ReserveView {
-        self.current(cluster, learned).view()
+    /// The reserve of `cluster` with the mix's `learned` classes and `bound` demand.
+    pub fn view(&self, cluster: &Cluster, learned: &[ReserveClass], bound: &[BoundDemand]) -> ReserveView {
+        self.current(cluster, learned, bound).view()
     }
 
     /// [`ScarcityMemo::view`], with each class's free hosts now (by class index, as in the view).
-    pub fn view_with_hosts(&self, cluster: &Cluster, learned: &[ReserveClass]) -> (ReserveView, Vec<u32>) {
-        let m = self.current(cluster, learned);
+    pub fn view_with_hosts(
+        &self,
+        cluster: &Cluster,
+        learned: &[ReserveClass],
+        bound: &[BoundDemand],
+    ) -> (ReserveView, Vec<u32>) {
+        let m = self.current(cluster, learned, bound);
         (m.view(), m.counts.clone())
     }
 
     /// The memo brought up to `cluster`'s state.
-    fn current(&self, cluster: &Cluster, learned: &[ReserveClass]) -> std::sync::MutexGuard<'_, MemoState> {
+    fn current(
+        &self,
+        cluster: &Cluster,
+        learned: &[ReserveClass],
+        bound: &[BoundDemand],
+    ) -> std::sync::MutexGuard<'_, MemoState> {
         let mut m = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let stamps = cluster.stamps();
         let nodes = cluster.nodes();
-        if m.learned != learned || m.layout != cluster.layout() || m.stamps.len() != stamps.len() {
-            m.rebuild(cluster, learned);
+        if m.learned != learned || m.bound != bound || m.layout != cluster.layout() || m.stamps.len() != stamps.len() {
+            m.rebuild(cluster, learned, bound);
         } else {
             let mut reshaped = false;
-            let MemoState { classes, stamps: seen, shapes, hosts, counts, .. } = &mut *m;
+            let MemoState { classes, bound: lists, stamps: seen, shapes, hosts, counts, supply, node_supply, .. } =
+                &mut *m;
             for (i, (old, &new)) in seen.iter_mut().zip(stamps).enumerate() {
                 if *old == new {
                     continue;
@@ -313,6 +340,10 @@ impl ScarcityMemo {
                     reshaped = true;
                     break;
                 }
+                let part = Supply::of_node(lists, node);
+                let was = std::mem::replace(&mut node_supply[i], part);
+                supply.remove(&was);
+                supply.add(&node_supply[i]);
                 let bits = host_bits(classes, node);
                 let was = std::mem::replace(&mut hosts[i], bits);
                 for (k, c) in counts.iter_mut().enumerate() {
@@ -321,7 +352,7 @@ impl ScarcityMemo {
             }
             if reshaped {
                 // a node's capacity changed: the inventory's classes may have too
-                m.rebuild(cluster, learned);
+                m.rebuild(cluster, learned, bound);
             }
         }
         m
@@ -448,16 +479,24 @@ mod tests {
         let mut c = cluster();
         let memo = ScarcityMemo::default();
         let classes = [large(2), large(3)];
+        // demand bound to the nodes' model: its usable GPUs are kept incrementally too
+        let bound = [BoundDemand {
+            models: vec!["G".into()],
+            share: 0.5,
+            gpus_per_pod: 1.0,
+            cpu_milli_per_pod: 4000.0,
+            memory_mib_per_pod: 0.0,
+        }];
         // the inventory adds its own class: 8 GPUs with more than 96 cores, 2 of 3 hosts kept
-        let view = memo.view(&c, &classes);
+        let view = memo.view(&c, &classes, &bound);
         assert_eq!(view.classes.len(), 3);
         assert_eq!((view.classes[2].gpus, view.classes[2].cpu_milli, view.classes[2].keep), (8, 96_001, 2));
         assert_eq!(view.scarce, 0b010, "3 free hosts: scarce only for a keep of 3");
-        let scarce = |c: &Cluster| memo.view(c, &classes).scarce;
+        let scarce = |c: &Cluster| memo.view(c, &classes, &bound).scarce;
         let e = engine(0);
         e.schedule(&mut c, &whole("ns/a", 1, 4000, 1024), 0).unwrap();
         // the incremental count equals a fresh one, whichever node took the pod
-        assert_eq!(memo.view(&c, &classes), ScarcityMemo::default().view(&c, &classes));
+        assert_eq!(memo.view(&c, &classes, &bound), ScarcityMemo::default().view(&c, &classes, &bound));
         let a = c.pod_node("ns/a").unwrap().name.clone();
         // on a big node it leaves 2 free hosts: scarce for keeps of 2 and 3, and for the inventory's 2
         assert_eq!(scarce(&c), if a.starts_with("big") { 0b111 } else { 0b010 }, "{a}");
@@ -473,9 +512,9 @@ mod tests {
             })
             .unwrap();
         }
-        assert_eq!(memo.view(&c, &classes), ScarcityMemo::default().view(&c, &classes));
+        assert_eq!(memo.view(&c, &classes, &bound), ScarcityMemo::default().view(&c, &classes, &bound));
         // its free-host counts are each class's hosts, counted afresh
-        let (view, hosts) = memo.view_with_hosts(&c, &classes);
+        let (view, hosts) = memo.view_with_hosts(&c, &classes, &bound);
         let recount: Vec<u32> =
             view.classes.iter().map(|k| c.nodes().iter().filter(|n| k.hosted_by(n)).count() as u32).collect();
         assert_eq!(hosts, recount);
@@ -483,7 +522,7 @@ mod tests {
         c.release("ns/b0").unwrap();
         c.release("ns/b1").unwrap();
         assert_eq!(scarce(&c), 0b010);
-        assert_eq!(memo.view(&c, &[large(0)]).scarce, 0, "keep 0 never protects; 3 of 3 inventory hosts free");
+        assert_eq!(memo.view(&c, &[large(0)], &[]).scarce, 0, "keep 0 never protects; 3 of 3 inventory hosts free");
     }
 
     #[test]
