@@ -249,6 +249,7 @@ fn engines(rng: &mut ChaCha8Rng) -> Vec<Engine> {
             network: 0.0,
             utilization: 0.0,
             reserve: 0.0,
+            model_supply: 0.0,
         },
         ..ProfileConfig::default()
     };
