@@ -127,3 +127,44 @@ fn groups_start_whole_or_not_at_all_under_gpuplace() {
     let plain = simulate(&dir, &cfg(vec![PolicyKind::Gpuplace], vec![1])).unwrap();
     assert!(plain[0].groups.is_none());
 }
+
+/// `gpuspec-openb=P` builds what the published `gpuspec05..33` are (their statistics, in the issue
+/// that asked for it): on `default`, P percent of the 7,064 GPU pods bound, T4 alone about half of
+/// them, then G2 and P100; about 60 percent whole GPUs; shares bound only to T4, P100 or five
+/// models; a few multi-GPU pods.
+#[test]
+fn the_published_gpuspec_construction_on_the_openb_trace() {
+    use gpuplace::sim::generate::{generate, parse_workload, SpecShape};
+    use gpuplace::sim::trace::{load_nodes, load_pods};
+    let dir = root().join("../shared/traces/alibaba-openb");
+    let nodes = load_nodes(&dir).unwrap();
+    let base = load_pods(&dir, "default").unwrap();
+    for (pct, bound_pods) in [(5.0, 353), (20.0, 1413)] {
+        let (_, steps) = parse_workload(&format!("default+gpuspec-openb={pct}")).unwrap();
+        let pods = generate(&base, &nodes, &steps).unwrap();
+        assert_eq!(pods.len(), base.len(), "the same pods, some of them bound");
+        let bound: Vec<_> = pods.iter().filter(|p| !p.gpu_spec.is_empty()).collect();
+        assert_eq!(bound.len(), bound_pods, "{pct}");
+        let share_of = |f: &dyn Fn(&&gpuplace::sim::trace::TracePod) -> bool| {
+            bound.iter().filter(|p| f(p)).count() as f64 / bound.len() as f64
+        };
+        let t4 = share_of(&|p| p.gpu_spec == "T4");
+        let g2 = share_of(&|p| p.gpu_spec == "G2");
+        let p100 = share_of(&|p| p.gpu_spec == "P100");
+        let lists = share_of(&|p| p.gpu_spec.contains('|'));
+        assert!(
+            (0.43..0.58).contains(&t4) && (0.10..0.20).contains(&g2) && (0.07..0.18).contains(&p100),
+            "{t4} {g2} {p100}"
+        );
+        assert!((0.12..0.25).contains(&lists), "{lists}");
+        let whole = share_of(&|p| p.num_gpu == 1 && p.milli() == 1000);
+        assert!((0.55..0.67).contains(&whole), "{whole}");
+        let multi = bound.iter().filter(|p| p.num_gpu > 1).count();
+        assert!(multi >= 1 && multi <= bound.len() / 40, "{multi}");
+        for p in &bound {
+            if SpecShape::of(p) == SpecShape::Share {
+                assert!(["T4", "P100", "G2|P100|T4|V100M16|V100M32"].contains(&p.gpu_spec.as_str()), "{p:?}");
+            }
+        }
+    }
+}

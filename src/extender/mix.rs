@@ -32,6 +32,7 @@ use crate::core::resources::PodRequest;
 use crate::extender::service::Extender;
 use crate::placement::mix_learner::{bundled_prior, LearnerConfig, MixLearner, MixLearnerState};
 use crate::placement::scorers::fragmentation::{MixEntry, WorkloadMix};
+use crate::placement::scorers::model_supply::BoundDemand;
 use crate::placement::scorers::reserve::ReserveClass;
 
 /// Pod UIDs remembered as counted; beyond it the oldest are forgotten (a forgotten pod that comes
@@ -151,6 +152,25 @@ pub struct MixReport {
     /// kept back, learned and from the node inventory, with how many hosts are free now.
     #[serde(default)]
     pub reserve: Vec<ReserveReport>,
+    /// The lists of GPU models whose GPUs are kept for the pods bound to them when they run short
+    /// (`placement::scorers::model_supply`): learned, and one per model of the node inventory.
+    #[serde(default)]
+    pub model_lists: Vec<ModelListReport>,
+}
+
+/// One list of GPU models as `/inspect` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelListReport {
+    /// models, share (of the GPU demand bound to the list), gpus_per_pod, cpu_milli_per_pod,
+    /// memory_mib_per_pod.
+    #[serde(flatten)]
+    pub demand: BoundDemand,
+    /// Whether the list is the node inventory's (no pod bound to the model alone seen yet).
+    pub inventory: bool,
+    /// Free GPUs of the list's models that their hosts can still feed, for pods of its size.
+    pub usable_gpus: f64,
+    /// Pods that could run elsewhere score 0 on the list's GPUs.
+    pub short: bool,
 }
 
 /// One reserve class as `/inspect` shows it.
@@ -195,7 +215,14 @@ impl MixReport {
             0 => String::new(),
             n => format!("; reserve: {n} class(es), {scarce} scarce"),
         };
-        format!("mix: {source}: {}{reserve}", parts.join(", "))
+        let short: Vec<String> =
+            self.model_lists.iter().filter(|l| l.short).map(|l| l.demand.models.join("|")).collect();
+        let lists = match (self.model_lists.len(), short.is_empty()) {
+            (0, _) => String::new(),
+            (n, true) => format!("; model lists: {n}, none short"),
+            (n, false) => format!("; model lists: {n}, short: {}", short.join(", ")),
+        };
+        format!("mix: {source}: {}{reserve}{lists}", parts.join(", "))
     }
 }
 
@@ -433,6 +460,7 @@ mod tests {
             half_life: Some(2000.0),
             entries: l.mix().entries,
             reserve: Vec::new(),
+            model_lists: Vec::new(),
         };
         let s = r.summary();
         assert!(s.starts_with("mix: learned from 0 pod(s): 1 GPU 30%, 1x0.5 GPU 20%"), "{s}");
@@ -448,6 +476,23 @@ mod tests {
             "{}",
             with_reserve.summary()
         );
+        let list = |models: &str, short: bool| ModelListReport {
+            demand: BoundDemand {
+                models: models.split('|').map(str::to_string).collect(),
+                share: 0.1,
+                gpus_per_pod: 1.0,
+                cpu_milli_per_pod: 8000.0,
+                memory_mib_per_pod: 0.0,
+            },
+            inventory: false,
+            usable_gpus: 12.0,
+            short,
+        };
+        let with_lists =
+            MixReport { model_lists: vec![list("T4", true), list("V100M16|V100M32", false)], ..with_reserve.clone() };
+        assert!(with_lists.summary().ends_with("1 scarce; model lists: 2, short: T4"), "{}", with_lists.summary());
+        let json = serde_json::to_value(&with_lists.model_lists[0]).unwrap();
+        assert_eq!((json["share"].as_f64(), json["short"].as_bool()), (Some(0.1), Some(true)));
         let json = serde_json::to_value(&with_reserve.reserve[0]).unwrap();
         assert_eq!(
             (json["gpus"].as_u64(), json["keep"].as_u64(), json["free_hosts"].as_u64()),
@@ -460,6 +505,7 @@ mod tests {
             half_life: None,
             entries: vec![],
             reserve: vec![],
+            model_lists: vec![],
         };
         assert!(fixed.summary().contains("fixed (--mix); empty"), "{}", fixed.summary());
     }

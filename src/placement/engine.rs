@@ -198,6 +198,15 @@ impl Engine {
         self.scarcity.view_with_hosts(cluster, &self.mix.reserve, &self.mix.bound)
     }
 
+    /// The model lists of `scorers::model_supply` in `cluster`, each with the GPUs its pods could
+    /// use now (thousandths) and whether it is short (what `/inspect` shows).
+    pub fn model_lists(
+        &self,
+        cluster: &Cluster,
+    ) -> Vec<(crate::placement::scorers::model_supply::BoundDemand, u64, bool)> {
+        self.scarcity.lists_with_supply(cluster, &self.mix.reserve, &self.mix.bound)
+    }
+
     /// How GPUs are picked for this pod (profile defaults after the pod's overrides).
     pub fn gpu_choice<'a>(&'a self, req: &PodRequest) -> GpuChoice<'a> {
         let cfg = &self.profile.config;

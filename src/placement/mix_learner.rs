@@ -467,6 +467,22 @@ mod tests {
         MixEntry { gpus, milli, cpu_milli, memory_mib: 1024, models: Vec::new(), weight: 0.0 }
     }
 
+    #[test]
+    fn the_demand_bound_to_model_lists_is_learned_with_the_mix() {
+        let mut l = MixLearner::new(LearnerConfig { half_life: 1e12, ..LearnerConfig::default() }, bundled_prior());
+        let t4 = MixEntry { models: vec!["T4".into()], ..entry(1, 500, 4000) };
+        for i in 0..100 {
+            l.observe(&if i % 5 == 0 { t4.clone() } else { entry(1, 1000, 8000) });
+        }
+        // 20 pods of half a T4 among 80 whole GPUs: 10 of 90 GPUs
+        let bound = l.bound_demand();
+        assert_eq!(bound.len(), 1);
+        assert_eq!(bound[0].models, vec!["T4".to_string()]);
+        assert!((bound[0].share - 10.0 / 90.0).abs() < 1e-9, "{bound:?}");
+        assert!((bound[0].gpus_per_pod - 0.5).abs() < 1e-9 && (bound[0].cpu_milli_per_pod - 4000.0).abs() < 1e-6);
+        assert_eq!(l.mix().bound, bound, "the mix carries it");
+    }
+
     fn weight_of(mix: &WorkloadMix, gpus: u32, milli: u32) -> f64 {
         mix.entries.iter().filter(|e| e.gpus == gpus && e.milli == milli).map(|e| e.weight).sum()
     }

@@ -293,7 +293,8 @@ pub enum SpecShape {
 }
 
 impl SpecShape {
-    fn of(p: &TracePod) -> Self {
+    /// The shape of `p`.
+    pub fn of(p: &TracePod) -> Self {
         match (p.num_gpu, p.milli()) {
             (1, m) if m < 1000 => Self::Share,
             (n @ (1 | 2 | 4), _) => Self::Whole(n),

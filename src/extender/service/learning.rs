@@ -6,7 +6,7 @@ use std::sync::MutexGuard;
 
 use super::{Extender, UNKNOWN_GPU_MEMORY};
 use crate::core::resources::PodRequest;
-use crate::extender::mix::{Learning, MixReport, MixSource, ReserveReport};
+use crate::extender::mix::{Learning, MixReport, MixSource, ModelListReport, ReserveReport};
 use crate::placement::mix_learner::{typical_gpu_memory_mib, MixLearnerState};
 use crate::placement::scorers::fragmentation::WorkloadMix;
 
@@ -102,7 +102,21 @@ impl Extender {
                 scarce: (view.scarce >> k) & 1 == 1,
             })
             .collect();
+        let learned_lists = st.engine.mix.bound.len();
+        let model_lists = st
+            .engine
+            .model_lists(&st.cluster)
+            .into_iter()
+            .enumerate()
+            .map(|(k, (demand, usable, short))| ModelListReport {
+                demand,
+                inventory: k >= learned_lists,
+                usable_gpus: usable as f64 / 1000.0,
+                short,
+            })
+            .collect();
         MixReport {
+            model_lists,
             source: if learned.is_some() { MixSource::Learned } else { MixSource::Fixed },
             observed: learned.map_or(0, |(n, _)| n),
             taken_at: st.mix_taken_at,

@@ -178,6 +178,8 @@ pub struct ReserveView {
     /// The lists of GPU models whose free GPUs are short of what the pods bound to them need
     /// ([`model_supply::short_lists`]).
     pub short: Vec<Vec<String>>,
+    /// The GPU models of the cluster's nodes (each node's first GPU's), each once.
+    pub models: Vec<String>,
 }
 
 impl ReserveView {
@@ -239,10 +241,16 @@ pub struct ScarcityMemo {
 #[derive(Debug, Default)]
 struct MemoState {
     learned: Vec<ReserveClass>,
-    bound: Vec<BoundDemand>,
+    /// The mix's bound demand, and the lists looked at: those and the inventory's.
+    learned_bound: Vec<BoundDemand>,
+    lists: Vec<BoundDemand>,
     /// What the cluster has free for the bound lists (their shortness), and each node's part.
     supply: Supply,
     node_supply: Vec<Supply>,
+    /// Per bound list (`short_models`), whether it was short at the last look.
+    short: Vec<bool>,
+    short_models: Vec<Vec<String>>,
+    models: Vec<String>,
     classes: Vec<ReserveClass>,
     layout: u64,
     stamps: Vec<u64>,
@@ -262,9 +270,21 @@ impl MemoState {
     fn rebuild(&mut self, cluster: &Cluster, learned: &[ReserveClass], bound: &[BoundDemand]) {
         let nodes = cluster.nodes();
         self.learned = learned.to_vec();
-        self.bound = bound.to_vec();
-        self.node_supply = nodes.iter().map(|n| Supply::of_node(bound, n)).collect();
-        self.supply = Supply::new(bound.len());
+        self.learned_bound = bound.to_vec();
+        self.models = Vec::new();
+        for m in nodes.iter().filter_map(|n| n.gpus.first()).map(|g| &g.model) {
+            if !self.models.contains(m) {
+                self.models.push(m.clone());
+            }
+        }
+        self.lists = bound.iter().cloned().chain(model_supply::inventory_lists(cluster, bound)).collect();
+        self.node_supply = nodes.iter().map(|n| Supply::of_node(&self.lists, n)).collect();
+        self.supply = Supply::new(self.lists.len());
+        // a list keeps its state through a new mix or reserve (they change often)
+        let was: Vec<(Vec<String>, bool)> =
+            std::mem::take(&mut self.short_models).into_iter().zip(std::mem::take(&mut self.short)).collect();
+        self.short = self.lists.iter().map(|b| was.iter().any(|(m, s)| *s && *m == b.models)).collect();
+        self.short_models = self.lists.iter().map(|b| b.models.clone()).collect();
         for part in &self.node_supply {
             self.supply.add(part);
         }
@@ -284,7 +304,7 @@ impl MemoState {
 
 impl MemoState {
     /// The classes, and which are scarce (free hosts at most their keep).
-    fn view(&self) -> ReserveView {
+    fn view(&mut self) -> ReserveView {
         let scarce = self
             .classes
             .iter()
@@ -292,8 +312,8 @@ impl MemoState {
             .enumerate()
             .filter(|(_, (c, &n))| c.keep > 0 && n <= c.keep)
             .fold(0, |s, (k, _)| s | (1 << k));
-        let short = model_supply::short_lists(&self.bound, &self.supply);
-        ReserveView { classes: self.classes.clone(), scarce, short }
+        let short = model_supply::short_lists(&self.lists, self.learned_bound.len(), &self.supply, &mut self.short);
+        ReserveView { classes: self.classes.clone(), scarce, short, models: self.models.clone() }
     }
 }
 
@@ -310,8 +330,22 @@ impl ScarcityMemo {
         learned: &[ReserveClass],
         bound: &[BoundDemand],
     ) -> (ReserveView, Vec<u32>) {
-        let m = self.current(cluster, learned, bound);
+        let mut m = self.current(cluster, learned, bound);
         (m.view(), m.counts.clone())
+    }
+
+    /// The model lists looked at (the mix's `bound` and the inventory's), each with the GPUs its
+    /// pods could use now (thousandths) and whether it is short.
+    pub fn lists_with_supply(
+        &self,
+        cluster: &Cluster,
+        learned: &[ReserveClass],
+        bound: &[BoundDemand],
+    ) -> Vec<(BoundDemand, u64, bool)> {
+        let mut m = self.current(cluster, learned, bound);
+        m.view();
+        let MemoState { lists, supply, short, .. } = &*m;
+        lists.iter().zip(&supply.within).zip(short).map(|((l, &w), &s)| (l.clone(), w, s)).collect()
     }
 
     /// The memo brought up to `cluster`'s state.
@@ -324,12 +358,15 @@ impl ScarcityMemo {
         let mut m = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let stamps = cluster.stamps();
         let nodes = cluster.nodes();
-        if m.learned != learned || m.bound != bound || m.layout != cluster.layout() || m.stamps.len() != stamps.len() {
+        if m.learned != learned
+            || m.learned_bound != bound
+            || m.layout != cluster.layout()
+            || m.stamps.len() != stamps.len()
+        {
             m.rebuild(cluster, learned, bound);
         } else {
             let mut reshaped = false;
-            let MemoState { classes, bound: lists, stamps: seen, shapes, hosts, counts, supply, node_supply, .. } =
-                &mut *m;
+            let MemoState { classes, lists, stamps: seen, shapes, hosts, counts, supply, node_supply, .. } = &mut *m;
             for (i, (old, &new)) in seen.iter_mut().zip(stamps).enumerate() {
                 if *old == new {
                     continue;
