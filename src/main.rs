@@ -582,8 +582,10 @@ struct SimulateArgs {
     trace: Option<PathBuf>,
     /// Pod list to replay: openb_pod_list_<WORKLOAD>.csv (default, cpu050, cpu100, ...), or a generated
     /// variant of one: BASE+multigpu=P (multi-GPU pods are P percent of the GPU request),
-    /// BASE+gpuspec=P (P percent of GPU pods constrain the model), BASE+sharing=P (P percent of GPU
-    /// pods share a GPU); steps may be chained, e.g. default+multigpu=30+gpuspec=20.
+    /// BASE+gpuspec=P (P percent of GPU pods constrain the model), BASE+gpuspec-openb=P (the same,
+    /// with model lists drawn by pod shape as the published gpuspec05..33), BASE+sharing=P (P percent of GPU
+    /// pods share a GPU), BASE+gangs=P (groups of pods that start together take P percent of the
+    /// GPU request); steps may be chained, e.g. default+multigpu=30+gpuspec=20.
     #[arg(long, default_value = "default")]
     workload: String,
     /// Comma-separated policies: random, dotprod, clustering, packing, bestfit, fgd, gpuplace.

@@ -147,6 +147,9 @@ fn block_on<F: std::future::Future>(f: F) -> F::Output {
 struct Mirror {
     profile: ProfileConfig,
     learner: MixLearner,
+    /// The engine that scores with `mix`, kept from pod to pod as the extender's is: which model
+    /// lists are short depends on the states it has seen (`placement::scorers::model_supply`).
+    engine: Engine,
     mix: WorkloadMix,
     /// The mix before the last refresh.
     previous: WorkloadMix,
@@ -159,21 +162,27 @@ impl Mirror {
     fn new(profile: ProfileConfig, learner: MixLearner, cluster: &Cluster) -> Self {
         let mix = learner.mix();
         let taken_at = learner.observed();
-        Self { profile, previous: mix.clone(), mix, learner, taken_at, gpu_memory: typical_gpu_memory_mib(cluster) }
+        let engine = Engine::new(Profile::new(profile.clone()), mix.clone());
+        let gpu_memory = typical_gpu_memory_mib(cluster);
+        Self { profile, engine, previous: mix.clone(), mix, learner, taken_at, gpu_memory }
     }
 
     fn arrive(&mut self, req: &PodRequest) {
         self.learner.observe_request(req, self.gpu_memory);
         if let Some(mix) = self.learner.refreshed(&self.mix) {
+            self.engine.mix = mix.clone();
             self.previous = std::mem::replace(&mut self.mix, mix);
             self.taken_at = self.learner.observed();
         }
     }
 
-    /// Per node, the 0..10 score of `Engine::new(Profile::new(profile), mix)`, the engine of the
-    /// simulator's gpuplace policy (0 where the pod does not fit).
+    /// Per node, the 0..10 score of a fresh `Engine::new(Profile::new(profile), mix)` (0 where the
+    /// pod does not fit).
     fn scores_with(&self, mix: &WorkloadMix, cluster: &Cluster, req: &PodRequest) -> BTreeMap<String, i64> {
-        let engine = Engine::new(Profile::new(self.profile.clone()), mix.clone());
+        Self::scores_of(&Engine::new(Profile::new(self.profile.clone()), mix.clone()), cluster, req)
+    }
+
+    fn scores_of(engine: &Engine, cluster: &Cluster, req: &PodRequest) -> BTreeMap<String, i64> {
         let all: Vec<usize> = (0..cluster.nodes().len()).collect();
         let ev = engine.evaluate(cluster, req, &all, NOW);
         let mut out: BTreeMap<String, i64> = cluster.nodes().iter().map(|n| (n.name.clone(), 0)).collect();
@@ -183,8 +192,9 @@ impl Mirror {
         out
     }
 
+    /// The scores of the engine of the simulator's gpuplace policy, kept with the learner's mix.
     fn scores(&self, cluster: &Cluster, req: &PodRequest) -> BTreeMap<String, i64> {
-        self.scores_with(&self.mix, cluster, req)
+        Self::scores_of(&self.engine, cluster, req)
     }
 }
 

@@ -214,6 +214,23 @@ fn multigpu(pods: &[TracePod], share: f64, tag: &str, rng: &mut ChaCha8Rng) -> R
     Ok(out)
 }
 
+/// One item drawn in proportion to its weight (`None` when they sum to 0).
+fn weighted_pick<'a, T>(items: &'a [(T, u32)], rng: &mut ChaCha8Rng) -> Option<&'a T> {
+    let total: u32 = items.iter().map(|(_, w)| w).sum();
+    if total == 0 {
+        return None;
+    }
+    let mut pick = rng.random_range(0..total);
+    items
+        .iter()
+        .find(|(_, w)| {
+            let hit = pick < *w;
+            pick = pick.saturating_sub(*w);
+            hit
+        })
+        .map(|(t, _)| t)
+}
+
 fn gpuspec(
     pods: &[TracePod],
     nodes: &[TraceNode],
@@ -232,17 +249,11 @@ fn gpuspec(
         for n in nodes.iter().filter(|n| n.gpu >= out[pod].num_gpu && !n.model.is_empty()) {
             *weight.entry(n.model.as_str()).or_default() += n.gpu;
         }
-        let total: u32 = weight.values().sum();
-        if total == 0 {
+        let weighted: Vec<(&str, u32)> = weight.into_iter().collect();
+        let Some(model) = weighted_pick(&weighted, rng) else {
             return Err(TraceError::Invalid(format!("gpuspec: no node has {} GPUs", out[pod].num_gpu)));
-        }
-        let mut pick = rng.random_range(0..total);
-        let model = weight.iter().find(|(_, w)| {
-            let hit = pick < **w;
-            pick = pick.saturating_sub(**w);
-            hit
-        });
-        out[pod].gpu_spec = model.map(|(m, _)| m.to_string()).unwrap_or_default();
+        };
+        out[pod].gpu_spec = model.to_string();
         have += 1;
     }
     Ok(out)
@@ -339,20 +350,13 @@ fn gpuspec_openb(
         let offered = |list: &str| {
             list.split('|').any(|m| nodes.iter().any(|n| n.gpu >= gpus && n.model.eq_ignore_ascii_case(m)))
         };
-        let choices: Vec<&(&str, u32)> = table.iter().filter(|(list, _)| offered(list)).collect();
-        let total: u32 = choices.iter().map(|(_, w)| w).sum();
-        if total == 0 {
+        let choices: Vec<(&str, u32)> = table.iter().copied().filter(|(list, _)| offered(list)).collect();
+        let Some(list) = weighted_pick(&choices, rng) else {
             return Err(TraceError::Invalid(format!(
                 "gpuspec-openb: no published model list for a pod of {gpus} GPU(s) is on a node with that many"
             )));
-        }
-        let mut pick = rng.random_range(0..total);
-        let list = choices.iter().find(|(_, w)| {
-            let hit = pick < *w;
-            pick = pick.saturating_sub(*w);
-            hit
-        });
-        out[pod].gpu_spec = list.map(|(l, _)| l.to_string()).unwrap_or_default();
+        };
+        out[pod].gpu_spec = list.to_string();
     }
     Ok(out)
 }

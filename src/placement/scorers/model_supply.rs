@@ -346,8 +346,13 @@ mod tests {
 
     /// 4 nodes of 2 T4 and 16 cores, 12 nodes of 8 G2 and 96 cores.
     fn cluster() -> Cluster {
+        cluster_of(12)
+    }
+
+    /// 4 nodes of 2 T4 and 16 cores, `g2` nodes of 8 G2 and 96 cores.
+    fn cluster_of(g2: usize) -> Cluster {
         let mut nodes = Vec::new();
-        for (model, gpus, count, cpu) in [("T4", 2, 4, 16_000), ("G2", 8, 12, 96_000)] {
+        for (model, gpus, count, cpu) in [("T4", 2, 4, 16_000), ("G2", 8, g2, 96_000)] {
             let board = Board::Flat { gpus, model: model.into(), memory_mib: 16384 }.resolve(Path::new(".")).unwrap();
             for i in 0..count {
                 nodes.push(board.node(&format!("{model}-{i}"), BTreeMap::new(), cpu, 0));
@@ -425,14 +430,7 @@ mod tests {
     /// 4 nodes of 2 T4 and 16 cores, 40 of 8 G2 and 96 cores; one T4 GPU taken, so packing alone
     /// would fill that node first.
     fn big_cluster() -> Cluster {
-        let mut nodes = Vec::new();
-        for (model, gpus, count, cpu) in [("T4", 2, 4, 16_000), ("G2", 8, 40, 96_000)] {
-            let board = Board::Flat { gpus, model: model.into(), memory_mib: 16384 }.resolve(Path::new(".")).unwrap();
-            for i in 0..count {
-                nodes.push(board.node(&format!("{model}-{i}"), BTreeMap::new(), cpu, 0));
-            }
-        }
-        let mut c = Cluster::new(nodes);
+        let mut c = cluster_of(40);
         engine(Vec::new()).schedule(&mut c, &pod("ns/first", &["T4"]), 0).unwrap();
         c
     }
