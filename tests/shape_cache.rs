@@ -340,10 +340,21 @@ fn later_pods_of_a_shape_are_answered_from_the_cache_and_a_bind_rejudges_one_nod
     // a policy annotation is another shape
     t.filter(&args(&pod(4, "c"), &all_nodes(), false));
     assert_eq!(t.cached.shape_cache_stats(), (14, 10));
-    let bind = json!({ "PodName": "a", "PodNamespace": "ns", "PodUID": "uid-a", "Node": "h100-0" }).to_string();
-    assert!(t.both("bind", |e| block_on(e.bind(bind.as_bytes())).unwrap()).error.is_empty());
+    let bind = |name: &str| {
+        let bind = json!({ "PodName": name, "PodNamespace": "ns", "PodUID": format!("uid-{name}"), "Node": "h100-0" });
+        assert!(t.both("bind", |e| block_on(e.bind(bind.to_string().as_bytes())).unwrap()).error.is_empty());
+    };
+    // the first bind leaves the H100s a smaller share of the free GPUs than of all GPUs: the
+    // inventory's H100 list turns short (`placement::scorers::model_supply`), a cluster-wide change
+    // that voids every verdict
+    bind("a");
     t.filter(&args(&pod(1, "d"), &all_nodes(), false));
-    assert_eq!(t.cached.shape_cache_stats(), (18, 11), "only the node of the bind is judged again");
+    assert_eq!(t.cached.shape_cache_stats(), (14, 15), "a list turning short: every node judged again");
+    // with nothing cluster-wide changing, only the node of the bind is judged again
+    t.filter(&args(&pod(1, "e"), &all_nodes(), false));
+    bind("e");
+    t.filter(&args(&pod(1, "f"), &all_nodes(), false));
+    assert_eq!(t.cached.shape_cache_stats(), (23, 16), "only the node of the bind is judged again");
 }
 
 #[test]
