@@ -231,6 +231,15 @@ fn weighted_pick<'a, T>(items: &'a [(T, u32)], rng: &mut ChaCha8Rng) -> Option<&
         .map(|(t, _)| t)
 }
 
+/// The GPU pods of `pods` that name no model yet, in order, and how many more must name one for
+/// `share` of the GPU pods to (those that already do count).
+fn to_bind(pods: &[TracePod], share: f64) -> (Vec<usize>, usize) {
+    let gpu_pods: Vec<usize> = (0..pods.len()).filter(|&i| is_gpu(&pods[i])).collect();
+    let want = (share * gpu_pods.len() as f64).round() as usize;
+    let (free, bound): (Vec<usize>, Vec<usize>) = gpu_pods.into_iter().partition(|&i| pods[i].gpu_spec.is_empty());
+    (free, want.saturating_sub(bound.len()))
+}
+
 fn gpuspec(
     pods: &[TracePod],
     nodes: &[TraceNode],
@@ -238,11 +247,9 @@ fn gpuspec(
     rng: &mut ChaCha8Rng,
 ) -> Result<Vec<TracePod>, TraceError> {
     let mut out = pods.to_vec();
-    let gpu_pods: Vec<usize> = (0..out.len()).filter(|&i| is_gpu(&out[i])).collect();
-    let want = (share * gpu_pods.len() as f64).round() as usize;
-    let mut have = gpu_pods.iter().filter(|&&i| !out[i].gpu_spec.is_empty()).count();
-    let mut free: Vec<usize> = gpu_pods.into_iter().filter(|&i| out[i].gpu_spec.is_empty()).collect();
-    while have < want && !free.is_empty() {
+    let (mut free, mut more) = to_bind(&out, share);
+    while more > 0 && !free.is_empty() {
+        more -= 1;
         let pod = free.swap_remove(rng.random_range(0..free.len()));
         // models on nodes big enough for this pod, weighted by their GPUs there
         let mut weight: BTreeMap<&str, u32> = BTreeMap::new();
@@ -254,7 +261,6 @@ fn gpuspec(
             return Err(TraceError::Invalid(format!("gpuspec: no node has {} GPUs", out[pod].num_gpu)));
         };
         out[pod].gpu_spec = model.to_string();
-        have += 1;
     }
     Ok(out)
 }
@@ -332,17 +338,12 @@ fn gpuspec_openb(
     rng: &mut ChaCha8Rng,
 ) -> Result<Vec<TracePod>, TraceError> {
     let mut out = pods.to_vec();
-    let gpu_pods: Vec<usize> = (0..out.len()).filter(|&i| is_gpu(&out[i])).collect();
-    let want = (share * gpu_pods.len() as f64).round() as usize;
-    let have = gpu_pods.iter().filter(|&&i| !out[i].gpu_spec.is_empty()).count();
+    let (free, more) = to_bind(&out, share);
     // weighted picks without replacement (Efraimidis-Spirakis): the largest u^(1/w) win
-    let mut keyed: Vec<(f64, usize)> = gpu_pods
-        .into_iter()
-        .filter(|&i| out[i].gpu_spec.is_empty())
-        .map(|i| (rng.random::<f64>().powf(1.0 / SpecShape::of(&out[i]).pick_weight()), i))
-        .collect();
+    let mut keyed: Vec<(f64, usize)> =
+        free.into_iter().map(|i| (rng.random::<f64>().powf(1.0 / SpecShape::of(&out[i]).pick_weight()), i)).collect();
     keyed.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-    for &(_, pod) in keyed.iter().take(want.saturating_sub(have)) {
+    for &(_, pod) in keyed.iter().take(more) {
         let shape = SpecShape::of(&out[pod]);
         let table = PUBLISHED_SPECS.iter().find(|(s, _)| *s == shape).map_or(&[][..], |(_, t)| *t);
         // only lists that some node with enough GPUs offers
