@@ -218,25 +218,44 @@ impl Supply {
     }
 }
 
+/// Per list of `bound`, what its limit is made of: the demand share it keeps (twice over,
+/// [`HEADROOM`]) of the GPUs usable anywhere, and a floor in thousandths of a GPU. The first
+/// `learned` lists are the mix's: their demand is that of the learned lists within them (the
+/// inventory's are a hedge, not demand) and they keep [`FLOOR_PODS`] of their pods; the others are
+/// the inventory's ([`inventory_lists`]), with their own share and no floor. It depends on the lists
+/// alone, so it is worked out once per set of lists, not at every look.
+pub fn limits(bound: &[BoundDemand], learned: usize) -> Vec<(f64, f64)> {
+    bound
+        .iter()
+        .enumerate()
+        .map(|(k, l)| {
+            if k < learned {
+                let demand: f64 =
+                    bound[..learned].iter().filter(|d| bound_within(&d.models, &l.models)).map(|d| d.share).sum();
+                (demand, FLOOR_PODS * l.gpus_per_pod * 1000.0)
+            } else {
+                (l.share, 0.0)
+            }
+        })
+        .collect()
+}
+
 /// The lists of `bound` whose usable free GPUs are short of what the pods bound within them need
-/// (module documentation), in `bound`'s order: the first `learned` are the mix's, the others the
-/// inventory's ([`inventory_lists`], which keep no floor of pods). `was` holds, per list, whether it was short at the
-/// last look, and is brought up to date: a short list stays short until its GPUs are
-/// [`RELEASE`] times the limit, so that a list near its limit does not flip with every pod (each
-/// flip voids every cached score).
-pub fn short_lists(bound: &[BoundDemand], learned: usize, supply: &Supply, was: &mut Vec<bool>) -> Vec<Vec<String>> {
+/// (module documentation), in `bound`'s order, with each list's [`limits`]. `was` holds, per list,
+/// whether it was short at the last look, and is brought up to date: a short list stays short
+/// until its GPUs are [`RELEASE`] times the limit, so that a list near its limit does not flip with
+/// every pod (each flip voids every cached score).
+pub fn short_lists(
+    bound: &[BoundDemand],
+    limits: &[(f64, f64)],
+    supply: &Supply,
+    was: &mut Vec<bool>,
+) -> Vec<Vec<String>> {
     was.resize(bound.len(), false);
     let mut out = Vec::new();
-    for (k, l) in bound.iter().enumerate() {
+    for (k, (l, &(demand, floor))) in bound.iter().zip(limits).enumerate() {
         let anywhere = supply.anywhere.get(k).copied().unwrap_or(0) as f64;
-        let limit = if k < learned {
-            // the learned lists within this one (the inventory's are a hedge, not demand)
-            let demand: f64 =
-                bound[..learned].iter().filter(|d| bound_within(&d.models, &l.models)).map(|d| d.share).sum();
-            HEADROOM * demand * anywhere + FLOOR_PODS * l.gpus_per_pod * 1000.0
-        } else {
-            HEADROOM * l.share * anywhere
-        };
+        let limit = HEADROOM * demand * anywhere + floor;
         let within = supply.within.get(k).copied().unwrap_or(0) as f64;
         was[k] = limit > 0.0 && within < if was[k] { limit * RELEASE } else { limit };
         if was[k] {
@@ -402,15 +421,16 @@ mod tests {
         let bound = vec![demand("T4", 0.03), demand("A10|T4", 0.01), demand("G2", 0.5)];
         let at = |t4: u64, a10_t4: u64, g2: u64| Supply { within: vec![t4, a10_t4, g2], anywhere: vec![100_000; 3] };
         let mut was = Vec::new();
+        let limits = limits(&bound, 2);
         // limits: T4 2 x 0.03 x 100 + 32 pods = 38 GPUs; A10|T4 (the T4 pods are bound within it
         // too) 2 x 0.04 x 100 + 32 = 40; G2 (the inventory's: no floor) 2 x 0.5 x 100 = 100
-        assert_eq!(short_lists(&bound, 2, &at(39_000, 39_500, 100_000), &mut was), vec![list("A10|T4")]);
-        assert_eq!(short_lists(&bound, 2, &at(37_000, 39_500, 99_000), &mut was).len(), 3);
+        assert_eq!(short_lists(&bound, &limits, &at(39_000, 39_500, 100_000), &mut was), vec![list("A10|T4")]);
+        assert_eq!(short_lists(&bound, &limits, &at(37_000, 39_500, 99_000), &mut was).len(), 3);
         // short until twice the limit
-        assert_eq!(short_lists(&bound, 2, &at(75_000, 79_000, 199_000), &mut was).len(), 3);
-        assert_eq!(short_lists(&bound, 2, &at(77_000, 80_000, 200_000), &mut was), Vec::<Vec<String>>::new());
+        assert_eq!(short_lists(&bound, &limits, &at(75_000, 79_000, 199_000), &mut was).len(), 3);
+        assert_eq!(short_lists(&bound, &limits, &at(77_000, 80_000, 200_000), &mut was), Vec::<Vec<String>>::new());
         // nothing free: nothing is short of anything but the floor
-        assert_eq!(short_lists(&bound, 2, &Supply::new(3), &mut Vec::new()), vec![list("T4"), list("A10|T4")]);
+        assert_eq!(short_lists(&bound, &limits, &Supply::new(3), &mut Vec::new()), vec![list("T4"), list("A10|T4")]);
     }
 
     fn engine(bound: Vec<BoundDemand>) -> crate::placement::engine::Engine {

@@ -244,6 +244,8 @@ struct MemoState {
     /// The mix's bound demand, and the lists looked at: those and the inventory's.
     learned_bound: Vec<BoundDemand>,
     lists: Vec<BoundDemand>,
+    /// Each list's [`model_supply::limits`].
+    limits: Vec<(f64, f64)>,
     /// What the cluster has free for the bound lists (their shortness), and each node's part.
     supply: Supply,
     node_supply: Vec<Supply>,
@@ -278,6 +280,7 @@ impl MemoState {
             }
         }
         self.lists = bound.iter().cloned().chain(model_supply::inventory_lists(cluster, bound)).collect();
+        self.limits = model_supply::limits(&self.lists, bound.len());
         self.node_supply = nodes.iter().map(|n| Supply::of_node(&self.lists, n)).collect();
         self.supply = Supply::new(self.lists.len());
         // a list keeps its state through a new mix or reserve (they change often)
@@ -312,7 +315,7 @@ impl MemoState {
             .enumerate()
             .filter(|(_, (c, &n))| c.keep > 0 && n <= c.keep)
             .fold(0, |s, (k, _)| s | (1 << k));
-        let short = model_supply::short_lists(&self.lists, self.learned_bound.len(), &self.supply, &mut self.short);
+        let short = model_supply::short_lists(&self.lists, &self.limits, &self.supply, &mut self.short);
         ReserveView { classes: self.classes.clone(), scarce, short, models: self.models.clone() }
     }
 }
