@@ -54,9 +54,13 @@ pub struct BoundDemand {
 /// (docs/performance.md, "Model-bound pods").
 pub const HEADROOM: f64 = 2.0;
 
-/// However small its share, a list keeps room for this many of its typical pods: a share learned
-/// from a few pods says little, and those pods differ in size (`gpuspec-openb=5`, seeds 42-51: the
-/// `P100` shares of 12 cores and 47 GiB failed with room left for the average `P100` pod).
+/// However small its share, a list keeps room for this many of its typical pods, each counted as
+/// at least one GPU: a share learned from a few pods says little, and those pods differ in size
+/// (`gpuspec-openb=5`, seeds 42-51: the `P100` shares of 12 cores and 47 GiB failed with room left
+/// for the average `P100` pod). Counted at their average size, the first `P100` pods of the
+/// published `gpuspec05` (seed 45: small shares, 0.22 GPU each) kept 7 GPUs, unbound pods took the
+/// `P100` nodes down to 11 usable GPUs by 13 percent arrival, and seven `P100` pods failed from 63
+/// percent on (docs/performance.md, "Model-bound pods").
 pub const FLOOR_PODS: f64 = 32.0;
 
 /// Each GPU model of the node inventory that no learned list names alone is a list of its own,
@@ -221,9 +225,9 @@ impl Supply {
 /// Per list of `bound`, what its limit is made of: the demand share it keeps (twice over,
 /// [`HEADROOM`]) of the GPUs usable anywhere, and a floor in thousandths of a GPU. The first
 /// `learned` lists are the mix's: their demand is that of the learned lists within them (the
-/// inventory's are a hedge, not demand) and they keep [`FLOOR_PODS`] of their pods; the others are
-/// the inventory's ([`inventory_lists`]), with their own share and no floor. It depends on the lists
-/// alone, so it is worked out once per set of lists, not at every look.
+/// inventory's are a hedge, not demand) and they keep [`FLOOR_PODS`] of their pods (at least a GPU
+/// each); the others are the inventory's ([`inventory_lists`]), with their own share and no floor.
+/// It depends on the lists alone, so it is worked out once per set of lists, not at every look.
 pub fn limits(bound: &[BoundDemand], learned: usize) -> Vec<(f64, f64)> {
     bound
         .iter()
@@ -232,7 +236,7 @@ pub fn limits(bound: &[BoundDemand], learned: usize) -> Vec<(f64, f64)> {
             if k < learned {
                 let demand: f64 =
                     bound[..learned].iter().filter(|d| bound_within(&d.models, &l.models)).map(|d| d.share).sum();
-                (demand, FLOOR_PODS * l.gpus_per_pod * 1000.0)
+                (demand, FLOOR_PODS * l.gpus_per_pod.max(1.0) * 1000.0)
             } else {
                 (l.share, 0.0)
             }
