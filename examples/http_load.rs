@@ -23,7 +23,7 @@
 //! target/release/examples/http_load --mode names --concurrency 1 --duration 10
 //! ```
 //!
-//! The client is gpuplace's own blocking HTTP/1.1 client (`extender::client`) on one thread per
+//! The client is gpuplace's own blocking HTTP/1.1 client (`extender::http_client`) on one thread per
 //! connection: no new dependency, and a thread per connection is what a closed loop needs.
 
 use std::collections::HashMap;
@@ -33,7 +33,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
-use gpuplace::extender::client::{split_url, Connection};
+use gpuplace::extender::http_client::{split_url, Connection};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Deserialize;

@@ -21,9 +21,9 @@ use gpuplace::extender::placement_log::{CompactOptions, PlacementLog};
 use gpuplace::extender::service::{Extender, NodesToScore, ServiceOptions};
 use gpuplace::logging::LogFormat;
 use gpuplace::placement::engine::Engine;
+use gpuplace::placement::mix::WorkloadMix;
 use gpuplace::placement::mix_learner::MixLearner;
 use gpuplace::placement::profile::{Profile, ProfileConfig};
-use gpuplace::placement::scorers::fragmentation::WorkloadMix;
 use gpuplace::sim::policies::PolicyKind;
 use gpuplace::sim::{simulate, SimConfig};
 
@@ -317,9 +317,16 @@ fn engine_of(args: &ServeArgs) -> Result<(Engine, Option<MixLearner>), String> {
 /// Saves the learned mix to `--mix-state`, if asked (and the mix is learned).
 fn mix_saver(args: &ServeArgs, ext: &Arc<Extender>) -> Result<Option<MixSaver>, String> {
     match (&args.mix_state, ext.mix_state()) {
-        (Some(path), Some(_)) => MixSaver::spawn(ext.clone(), path.clone(), SAVE_EVERY)
-            .map(Some)
-            .map_err(|e| format!("mix state saver: {e}")),
+        (Some(path), Some(_)) => MixSaver::spawn(
+            {
+                let ext = ext.clone();
+                move || ext.mix_state()
+            },
+            path.clone(),
+            SAVE_EVERY,
+        )
+        .map(Some)
+        .map_err(|e| format!("mix state saver: {e}")),
         _ => Ok(None),
     }
 }
@@ -551,7 +558,7 @@ fn inspect(args: &InspectArgs) -> Result<String, String> {
     let report: InspectReport = match &args.cluster {
         Some(path) => {
             let cluster = load_cluster(path).map_err(|e| e.to_string())?;
-            InspectReport::build(&cluster, args.node.as_deref(), true, gpuplace::extender::service::now_unix_ms())
+            InspectReport::build(&cluster, args.node.as_deref(), true, gpuplace::extender::clock::now_unix_ms())
                 .ok_or_else(|| format!("no GPU node named {:?}", args.node.as_deref().unwrap_or("")))?
         }
         None => {
@@ -560,8 +567,8 @@ fn inspect(args: &InspectArgs) -> Result<String, String> {
                 Some(n) => format!("{base}/inspect/{n}"),
                 None => format!("{base}/inspect"),
             };
-            let resp =
-                gpuplace::extender::client::get(&url, Duration::from_secs(30)).map_err(|e| format!("{url}: {e}"))?;
+            let resp = gpuplace::extender::http_client::get(&url, Duration::from_secs(30))
+                .map_err(|e| format!("{url}: {e}"))?;
             if resp.status != 200 {
                 return Err(format!("{url}: HTTP {}: {}", resp.status, resp.text().trim()));
             }

@@ -1,11 +1,11 @@
 //! A real `kube::Client` and `kube::runtime::watcher` against the fake API server
-//! (`gpuplace::apiserver::fake`): what the extender and the device plugin will rely on.
+//! (`gpuplace_testkit::apiserver`): what the extender and the device plugin will rely on.
 
 use std::time::Duration;
 
 use futures::StreamExt;
-use gpuplace::apiserver::fake::{FakeApiServer, Resource};
 use gpuplace::apiserver::{connect, Source};
+use gpuplace_testkit::apiserver::{FakeApiServer, Resource};
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::{Binding, Node, ObjectReference, Pod, PodSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;

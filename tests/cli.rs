@@ -229,7 +229,7 @@ async fn serve_in_apiserver_mode_hands_its_lease_back_on_sigterm() {
     use std::process::Stdio;
     use std::time::Duration;
 
-    use gpuplace::apiserver::fake::FakeApiServer;
+    use gpuplace_testkit::apiserver::FakeApiServer;
     use k8s_openapi::api::coordination::v1::Lease;
 
     let fake = FakeApiServer::start().await.unwrap();
@@ -284,7 +284,7 @@ fn serve_log(before: &[&str], after: &[&str]) -> String {
     let mut stderr = child.0.stderr.take().expect("stderr");
     let until = Instant::now() + Duration::from_secs(30);
     let url = format!("http://{listen}/healthz");
-    while !gpuplace::extender::client::get(&url, Duration::from_secs(2)).is_ok_and(|r| r.status == 200) {
+    while !gpuplace::extender::http_client::get(&url, Duration::from_secs(2)).is_ok_and(|r| r.status == 200) {
         assert!(Instant::now() < until, "gpuplace serve never answered /healthz");
         std::thread::sleep(Duration::from_millis(50));
     }

@@ -23,15 +23,15 @@ use gpuplace::core::annotations::{
 use gpuplace::core::cluster::Cluster;
 use gpuplace::core::inventory::{load_cluster, Board};
 use gpuplace::extender::binder::{BindError, BindFuture, BindRequest, Binder, RecordingBinder};
-use gpuplace::extender::client::{Connection, Response};
 use gpuplace::extender::http::{spawn, HttpOptions, Running};
+use gpuplace::extender::http_client::{Connection, Response};
 use gpuplace::extender::inspect::InspectReport;
 use gpuplace::extender::placement_log::{Decision, PlacementLog};
 use gpuplace::extender::service::{Extender, RestoredPod, ServiceOptions};
 use gpuplace::extender::wire::{decode, ExtenderArgs, ExtenderPreemptionArgs, Pod};
 use gpuplace::placement::engine::Engine;
+use gpuplace::placement::mix::WorkloadMix;
 use gpuplace::placement::profile::Profile;
-use gpuplace::placement::scorers::fragmentation::WorkloadMix;
 use proptest::prelude::*;
 use serde_json::{json, Value};
 

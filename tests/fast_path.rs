@@ -13,11 +13,12 @@ use gpuplace::core::resources::{
 };
 use gpuplace::placement::engine::Engine;
 use gpuplace::placement::feasibility::{place_on_node, Placement};
+use gpuplace::placement::mix::ReserveClass;
+use gpuplace::placement::mix::{HostFree, MixEntry, WorkloadMix};
 use gpuplace::placement::profile::{Profile, ProfileConfig, Weights};
-use gpuplace::placement::scorers::fragmentation::{fragmentation_delta, HostFree, MixEntry, WorkloadMix};
-use gpuplace::placement::scorers::network::GroupView;
+use gpuplace::placement::scorers::fragmentation::fragmentation_delta;
 use gpuplace::placement::scorers::packing::load_after;
-use gpuplace::placement::scorers::reserve::ReserveClass;
+use gpuplace::placement::views::GroupView;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;

@@ -16,8 +16,8 @@ use gpuplace::extender::placement_log::PlacementLog;
 use gpuplace::extender::service::{Extender, ServiceOptions};
 use gpuplace::extender::wire::ExtenderFilterResult;
 use gpuplace::placement::engine::Engine;
+use gpuplace::placement::mix::WorkloadMix;
 use gpuplace::placement::profile::Profile;
-use gpuplace::placement::scorers::fragmentation::WorkloadMix;
 use serde_json::{json, Value};
 
 const TOR: &str = "network.gpuplace.io/tor";

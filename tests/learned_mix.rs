@@ -18,18 +18,18 @@ use gpuplace::core::cluster::Cluster;
 use gpuplace::core::inventory::Board;
 use gpuplace::core::resources::PodRequest;
 use gpuplace::extender::binder::RecordingBinder;
-use gpuplace::extender::client::{self, Connection};
 use gpuplace::extender::http::{spawn, HttpOptions};
+use gpuplace::extender::http_client::{self, Connection};
 use gpuplace::extender::inspect::InspectReport;
 use gpuplace::extender::mix::MixSource;
 use gpuplace::extender::service::{Extender, ServiceOptions};
 use gpuplace::extender::wire::{decode, ExtenderBindingResult, ExtenderFilterResult, HostPriorityList, Pod};
 use gpuplace::placement::engine::Engine;
+use gpuplace::placement::mix::WorkloadMix;
 use gpuplace::placement::mix_learner::{
     bundled_prior, typical_gpu_memory_mib, LearnerConfig, MixLearner, MixLearnerState,
 };
 use gpuplace::placement::profile::{Profile, ProfileConfig, Weights};
-use gpuplace::placement::scorers::fragmentation::WorkloadMix;
 use serde_json::{json, Value};
 
 const NOW: i64 = 1_700_000_000_000;
@@ -435,7 +435,7 @@ fn a_fixed_mix_learns_nothing() {
     assert_eq!((report.source, report.observed, report.entries.len()), (MixSource::Fixed, 0, 0));
     assert!(ext.mix_state().is_none());
     let running = spawn(ext.clone(), HttpOptions::default(), "127.0.0.1:0", 1).unwrap();
-    let r = client::get(&format!("http://{}/mix", running.addr), TIMEOUT).unwrap();
+    let r = http_client::get(&format!("http://{}/mix", running.addr), TIMEOUT).unwrap();
     assert_eq!(r.status, 404);
     assert!(r.text().contains("the mix is fixed"), "{}", r.text());
     assert!(ext.render_metrics().contains("gpuplace_mix_observed_total 0\n"));
@@ -489,7 +489,7 @@ fn stop(mut child: Reap) -> String {
 }
 
 fn get_json(listen: &str, path: &str) -> Value {
-    let r = client::get(&format!("http://{listen}{path}"), TIMEOUT).unwrap();
+    let r = http_client::get(&format!("http://{listen}{path}"), TIMEOUT).unwrap();
     assert_eq!(r.status, 200, "{path}: {}", r.text());
     serde_json::from_slice(&r.body).unwrap()
 }

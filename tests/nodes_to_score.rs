@@ -13,8 +13,8 @@ use gpuplace::extender::placement_log::{Decision, PlacementLog};
 use gpuplace::extender::service::{Extender, NodesToScore, ServiceOptions};
 use gpuplace::extender::wire::ExtenderFilterResult;
 use gpuplace::placement::engine::Engine;
+use gpuplace::placement::mix::WorkloadMix;
 use gpuplace::placement::profile::Profile;
-use gpuplace::placement::scorers::fragmentation::WorkloadMix;
 use serde_json::{json, Value};
 
 /// 12 nodes of 8 H100s; node `gpu-k` has k of its GPUs held whole, so nodes differ in how well a

@@ -12,8 +12,8 @@ use gpuplace::extender::binder::RecordingBinder;
 use gpuplace::extender::placement_log::{CompactOptions, Decision, PlacementLog};
 use gpuplace::extender::service::{Extender, ServiceOptions};
 use gpuplace::placement::engine::Engine;
+use gpuplace::placement::mix::WorkloadMix;
 use gpuplace::placement::profile::Profile;
-use gpuplace::placement::scorers::fragmentation::WorkloadMix;
 use gpuplace::report::model::LogModel;
 use serde_json::{json, Value};
 

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use gpuplace::extender::client;
+use gpuplace::extender::http_client;
 use serde_json::{json, Value};
 
 const ALL_NODES: [&str; 4] = ["gpu-node-0", "gpu-node-1", "gpu-node-2", "gpu-node-3"];
@@ -125,12 +125,14 @@ fn serve_traffic(log: &Path, flags: &[&str], filters: usize) -> Traffic {
             .expect("run gpuplace serve"),
     );
     let until = Instant::now() + Duration::from_secs(30);
-    while !client::request(&listen, "GET", "/healthz", b"", Duration::from_secs(2)).is_ok_and(|r| r.status == 200) {
+    while !http_client::request(&listen, "GET", "/healthz", b"", Duration::from_secs(2)).is_ok_and(|r| r.status == 200)
+    {
         assert!(Instant::now() < until, "gpuplace serve never answered /healthz");
         std::thread::sleep(Duration::from_millis(50));
     }
     let post = |verb: &str, body: &[u8]| -> Value {
-        let r = client::request(&listen, "POST", &format!("/gpuplace/{verb}"), body, Duration::from_secs(10)).unwrap();
+        let r =
+            http_client::request(&listen, "POST", &format!("/gpuplace/{verb}"), body, Duration::from_secs(10)).unwrap();
         assert_eq!(r.status, 200, "{verb}: {}", r.text());
         serde_json::from_slice(&r.body).unwrap()
     };

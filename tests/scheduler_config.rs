@@ -12,12 +12,12 @@ use gpuplace::core::inventory::load_cluster;
 use gpuplace::core::resources::{RESOURCE_GPU, RESOURCE_GPU_CORE, RESOURCE_GPU_MEM};
 use gpuplace::core::DEFAULT_NAMESPACE;
 use gpuplace::extender::binder::RecordingBinder;
-use gpuplace::extender::client::Connection;
 use gpuplace::extender::http::{spawn, HttpOptions, DEFAULT_LISTEN, DEFAULT_PREFIX};
+use gpuplace::extender::http_client::Connection;
 use gpuplace::extender::service::{Extender, ServiceOptions};
 use gpuplace::placement::engine::Engine;
+use gpuplace::placement::mix::WorkloadMix;
 use gpuplace::placement::profile::Profile;
-use gpuplace::placement::scorers::fragmentation::WorkloadMix;
 use serde_norway::Value;
 use yaml_files::yaml_files;
 

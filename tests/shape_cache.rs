@@ -1,4 +1,4 @@
-//! The shape cache (`extender::shapes`) never changes an answer: a service with it and one without,
+//! The shape cache (`extender::verdict_cache`) never changes an answer: a service with it and one without,
 //! fed the same filters, prioritizes, binds, releases, node replacements, utilization samples and
 //! clock jumps, answer every request alike and end in the same state. Plus the cases it exists
 //! for (a later pod of the same shape is answered from the cache, a bind re-judges one node) and
@@ -15,9 +15,9 @@ use gpuplace::extender::binder::RecordingBinder;
 use gpuplace::extender::service::{Extender, RestoredPod, ServiceOptions};
 use gpuplace::extender::wire::{decode, ExtenderFilterResult, HostPriorityList, Pod};
 use gpuplace::placement::engine::Engine;
+use gpuplace::placement::mix::ReserveClass;
+use gpuplace::placement::mix::WorkloadMix;
 use gpuplace::placement::profile::{Profile, ProfileConfig, Weights};
-use gpuplace::placement::scorers::fragmentation::WorkloadMix;
-use gpuplace::placement::scorers::reserve::ReserveClass;
 use proptest::prelude::*;
 use serde_json::{json, Value};
 

@@ -15,16 +15,17 @@
 //! - [`publish`]: when to publish `gpuplace.io/utilization`, and the [`publish::UtilizationSink`] seam.
 //! - [`k8s`]: the API server: this node's pods and assignments, node status and annotations.
 //! - [`discover`]: the `discover` command's output.
-//! - [`api`]: the generated kubelet APIs.
-//! - [`testing`]: a fake kubelet (registration, pod-resources) for tests and demos.
+//! - [`kubelet_api`]: the kubelet gRPC APIs (device plugin v1beta1, pod-resources v1), generated from device-plugin/proto by build.rs.
+//!
+//! The test doubles (a fake kubelet and API server) live in the dev-only `gpuplace-testkit` crate.
 //!
 //! Design and failure modes: docs/device-plugin.md.
 
-pub mod api;
 pub mod assign;
 pub mod crosscheck;
 pub mod discover;
 pub mod k8s;
+pub mod kubelet_api;
 pub mod metrics;
 pub mod nvml;
 pub mod plugin;
@@ -33,4 +34,3 @@ pub mod publish;
 pub mod sampler;
 pub mod server;
 pub mod slots;
-pub mod testing;

@@ -14,16 +14,16 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
-use crate::api::v1beta1::device_plugin_server::DevicePlugin;
-use crate::api::v1beta1::{
+use crate::assign::{match_allocation, match_preference, AssignmentSource, Grant, MatchError, PodKey, SourceError};
+use crate::crosscheck::{check_grant, Mismatch, Verdict};
+use crate::kubelet_api::v1beta1::device_plugin_server::DevicePlugin;
+use crate::kubelet_api::v1beta1::{
     AllocateRequest, AllocateResponse, ContainerAllocateRequest, ContainerAllocateResponse,
     ContainerPreferredAllocationRequest, ContainerPreferredAllocationResponse, Device, DevicePluginOptions, Empty,
     ListAndWatchResponse, Mount, NumaNode, PreStartContainerRequest, PreStartContainerResponse,
     PreferredAllocationRequest, PreferredAllocationResponse, TopologyInfo,
 };
-use crate::api::{HEALTHY, UNHEALTHY};
-use crate::assign::{match_allocation, match_preference, AssignmentSource, Grant, MatchError, PodKey, SourceError};
-use crate::crosscheck::{check_grant, Mismatch, Verdict};
+use crate::kubelet_api::{HEALTHY, UNHEALTHY};
 use crate::nvml::{xid_is_critical, GpuBackend, GpuEvent, GpuEventKind, GpuInfo, Inventory};
 use crate::podresources::Attribution;
 use crate::slots::{Slot, SlotError, SlotTable, DEFAULT_SLOTS_PER_GPU};

@@ -9,8 +9,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::api::podresources::pod_resources_lister_client::PodResourcesListerClient;
-use crate::api::podresources::{ListPodResourcesRequest, ListPodResourcesResponse};
+use crate::kubelet_api::podresources::pod_resources_lister_client::PodResourcesListerClient;
+use crate::kubelet_api::podresources::{ListPodResourcesRequest, ListPodResourcesResponse};
 use crate::server::connect_unix;
 use crate::slots::SlotTable;
 
@@ -135,7 +135,7 @@ impl PodResourcesClient {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::podresources::{ContainerDevices, ContainerResources, PodResources};
+    use crate::kubelet_api::podresources::{ContainerDevices, ContainerResources, PodResources};
 
     fn container(name: &str, resource: &str, ids: &[&str]) -> ContainerResources {
         ContainerResources {

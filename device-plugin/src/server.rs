@@ -23,10 +23,10 @@ use tokio::sync::watch;
 use tokio_stream::wrappers::UnixListenerStream;
 use tonic::transport::{Channel, Endpoint, Server, Uri};
 
-use crate::api::v1beta1::device_plugin_server::DevicePluginServer;
-use crate::api::v1beta1::registration_client::RegistrationClient;
-use crate::api::v1beta1::RegisterRequest;
-use crate::api::{DEFAULT_DEVICE_PLUGIN_DIR, KUBELET_SOCKET, VERSION};
+use crate::kubelet_api::v1beta1::device_plugin_server::DevicePluginServer;
+use crate::kubelet_api::v1beta1::registration_client::RegistrationClient;
+use crate::kubelet_api::v1beta1::RegisterRequest;
+use crate::kubelet_api::{DEFAULT_DEVICE_PLUGIN_DIR, KUBELET_SOCKET, VERSION};
 use crate::plugin::{DevicePluginService, Plugin};
 
 /// Where and how to serve.

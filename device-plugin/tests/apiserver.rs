@@ -1,4 +1,4 @@
-//! The plugin's Kubernetes side against the in-process fake API server (`gpuplace::apiserver::fake`),
+//! The plugin's Kubernetes side against the in-process fake API server (`gpuplace_testkit::apiserver`),
 //! with the fake kubelet over real gRPC: node status and annotations, the utilization sink, and
 //! Allocate finding pods by the extender's assignments.
 
@@ -9,24 +9,23 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{allocate, topology, Harness, SlotIds, WAIT};
-use gpuplace::apiserver::fake::FakeApiServer;
 use gpuplace::core::annotations::{
     AllocatedAnnotation, AssignmentAnnotation, GpuUtilization, NodeInventory, UtilizationAnnotation,
     ANNOTATION_ALLOCATED, ANNOTATION_ASSIGNMENT, ANNOTATION_INVENTORY, ANNOTATION_UTILIZATION,
 };
 use gpuplace::core::cluster::{ContainerAssignment, GpuSlice, Node as ModelNode, PodAssignment};
 use gpuplace::core::utilization_configmap::{configmap_name, read, LABEL_UTILIZATION};
-use gpuplace_device_plugin::api::podresources::{
-    ContainerDevices, ContainerResources, ListPodResourcesResponse, PodResources,
-};
-use gpuplace_device_plugin::api::v1beta1::device_plugin_client::DevicePluginClient;
-use gpuplace_device_plugin::api::v1beta1::{ContainerPreferredAllocationRequest, PreferredAllocationRequest};
 use gpuplace_device_plugin::assign::{AssignmentSource, PendingPod};
 use gpuplace_device_plugin::k8s::assignments::KubeAssignments;
 use gpuplace_device_plugin::k8s::events::{PluginEvents, CONTROLLER, REASON_MISMATCH, REASON_SKIPPED};
 use gpuplace_device_plugin::k8s::inventory::cluster_node;
 use gpuplace_device_plugin::k8s::node::{NodeSync, Reconciled};
 use gpuplace_device_plugin::k8s::utilization::KubeUtilizationSink;
+use gpuplace_device_plugin::kubelet_api::podresources::{
+    ContainerDevices, ContainerResources, ListPodResourcesResponse, PodResources,
+};
+use gpuplace_device_plugin::kubelet_api::v1beta1::device_plugin_client::DevicePluginClient;
+use gpuplace_device_plugin::kubelet_api::v1beta1::{ContainerPreferredAllocationRequest, PreferredAllocationRequest};
 use gpuplace_device_plugin::nvml::fake::{FakeBackend, Fault};
 use gpuplace_device_plugin::nvml::{GpuBackend, Inventory};
 use gpuplace_device_plugin::plugin::PluginConfig;
@@ -34,7 +33,8 @@ use gpuplace_device_plugin::podresources::PodResourcesClient;
 use gpuplace_device_plugin::publish::{MemorySink, PublishPolicy, Publisher, UtilizationSink};
 use gpuplace_device_plugin::sampler::{Sampler, Telemetry};
 use gpuplace_device_plugin::slots::DEFAULT_SLOTS_PER_GPU;
-use gpuplace_device_plugin::testing::FakePodResources;
+use gpuplace_testkit::apiserver::FakeApiServer;
+use gpuplace_testkit::kubelet::FakePodResources;
 use k8s_openapi::api::core::v1::{
     Binding, ConfigMap, Container, Node, ObjectReference, Pod, PodSpec, PodStatus, ResourceRequirements,
 };
@@ -647,7 +647,7 @@ async fn corrupt_forged_and_mismatched_annotations_are_skipped_never_matched() {
         fake.get::<Pod>("bad", "foreign-marker").unwrap().uid().unwrap()
     );
     // and the plugin is still serving
-    assert!(c.get_device_plugin_options(gpuplace_device_plugin::api::v1beta1::Empty {}).await.is_ok());
+    assert!(c.get_device_plugin_options(gpuplace_device_plugin::kubelet_api::v1beta1::Empty {}).await.is_ok());
     h.shutdown().await;
 }
 

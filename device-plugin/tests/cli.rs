@@ -7,12 +7,12 @@ use std::time::Duration;
 
 use common::{topology, FakeKubelet};
 use gpuplace::core::topology::TopologyFile;
-use gpuplace_device_plugin::api::v1beta1::device_plugin_client::DevicePluginClient;
-use gpuplace_device_plugin::api::v1beta1::{
+use gpuplace_device_plugin::kubelet_api::v1beta1::device_plugin_client::DevicePluginClient;
+use gpuplace_device_plugin::kubelet_api::v1beta1::{
     AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest, Empty, PreferredAllocationRequest,
 };
 use gpuplace_device_plugin::server::connect_unix;
-use gpuplace_device_plugin::testing::http_get;
+use gpuplace_testkit::kubelet::http_get;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpuplace-device-plugin");
 
@@ -153,12 +153,12 @@ async fn binary_registers_with_the_test_kubelet_and_serves_allocations() {
 /// ConfigMap, and Allocate applies a pod's assignment and marks it.
 #[tokio::test]
 async fn binary_with_an_api_server_writes_the_node_and_applies_assignments() {
-    use gpuplace::apiserver::fake::FakeApiServer;
     use gpuplace::core::annotations::{AssignmentAnnotation, ANNOTATION_ALLOCATED, ANNOTATION_ASSIGNMENT};
     use gpuplace::core::cluster::{ContainerAssignment, GpuSlice, PodAssignment};
     use gpuplace_device_plugin::k8s::inventory::cluster_node;
     use gpuplace_device_plugin::nvml::fake::FakeBackend;
     use gpuplace_device_plugin::nvml::GpuBackend;
+    use gpuplace_testkit::apiserver::FakeApiServer;
     use k8s_openapi::api::core::v1::{Binding, Container, Node, ObjectReference, Pod, PodSpec, ResourceRequirements};
     use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;

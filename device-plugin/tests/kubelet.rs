@@ -8,9 +8,11 @@ use std::time::Duration;
 
 use common::{allocate, next_list, no_update_within, topology, Harness, SlotIds, WAIT};
 use gpuplace::core::inventory::load_topology_file;
-use gpuplace_device_plugin::api::v1beta1::device_plugin_client::DevicePluginClient;
-use gpuplace_device_plugin::api::v1beta1::{ContainerPreferredAllocationRequest, Empty, PreferredAllocationRequest};
 use gpuplace_device_plugin::assign::{pending_pod, share, whole, AssignmentSource, PodKey, StaticAssignments};
+use gpuplace_device_plugin::kubelet_api::v1beta1::device_plugin_client::DevicePluginClient;
+use gpuplace_device_plugin::kubelet_api::v1beta1::{
+    ContainerPreferredAllocationRequest, Empty, PreferredAllocationRequest,
+};
 use gpuplace_device_plugin::nvml::fake::Fault;
 use gpuplace_device_plugin::plugin::PluginConfig;
 use tonic::transport::Channel;
@@ -286,7 +288,7 @@ async fn unhealthy_gpus_are_streamed_once_and_avoided() {
     let node = SlotIds::of(&h);
     let mut stream = c.list_and_watch(Empty {}).await.unwrap().into_inner();
     assert!(next_list(&mut stream).await.iter().all(|d| d.health == "Healthy"));
-    let unhealthy = |devs: &[gpuplace_device_plugin::api::v1beta1::Device]| -> BTreeMap<u32, usize> {
+    let unhealthy = |devs: &[gpuplace_device_plugin::kubelet_api::v1beta1::Device]| -> BTreeMap<u32, usize> {
         let mut m = BTreeMap::new();
         for d in devs.iter().filter(|d| d.health == "Unhealthy") {
             *m.entry(node.gpu_of(&d.id)).or_default() += 1;

@@ -9,12 +9,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::topology;
-use gpuplace_device_plugin::api::podresources::{
-    ContainerDevices, ContainerResources, ListPodResourcesResponse, PodResources,
-};
-use gpuplace_device_plugin::api::v1beta1::ContainerAllocateRequest;
 use gpuplace_device_plugin::assign::{pending_pod, share, StaticAssignments};
 use gpuplace_device_plugin::crosscheck::{Mismatch, MismatchReporter};
+use gpuplace_device_plugin::kubelet_api::podresources::{
+    ContainerDevices, ContainerResources, ListPodResourcesResponse, PodResources,
+};
+use gpuplace_device_plugin::kubelet_api::v1beta1::ContainerAllocateRequest;
 use gpuplace_device_plugin::metrics::{self, MetricsSource, CONTENT_TYPE_TEXT};
 use gpuplace_device_plugin::nvml::fake::{FakeBackend, FakeReading, Fault};
 use gpuplace_device_plugin::nvml::GpuBackend;
@@ -23,7 +23,7 @@ use gpuplace_device_plugin::podresources::PodResourcesClient;
 use gpuplace_device_plugin::publish::{MemorySink, PublishPolicy, Publisher};
 use gpuplace_device_plugin::sampler::{Sampler, Telemetry};
 use gpuplace_device_plugin::slots::slot_id;
-use gpuplace_device_plugin::testing::{http_get, FakePodResources};
+use gpuplace_testkit::kubelet::{http_get, FakePodResources};
 use tokio::sync::oneshot;
 
 const H100_MIB: u64 = 81559;

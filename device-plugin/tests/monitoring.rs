@@ -18,15 +18,15 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::topology;
-use gpuplace::apiserver::fake::FakeApiServer;
-use gpuplace::extender::client;
-use gpuplace_device_plugin::api::podresources::{
+use gpuplace::extender::http_client;
+use gpuplace_device_plugin::kubelet_api::podresources::{
     ContainerDevices, ContainerResources, ListPodResourcesResponse, PodResources,
 };
 use gpuplace_device_plugin::nvml::fake::FakeBackend;
 use gpuplace_device_plugin::nvml::GpuBackend;
 use gpuplace_device_plugin::slots::slot_id;
-use gpuplace_device_plugin::testing::FakePodResources;
+use gpuplace_testkit::apiserver::FakeApiServer;
+use gpuplace_testkit::kubelet::FakePodResources;
 use promql_check::{check, check_label_values, dashboard, dashboard_exprs, rules, scan, variable_queries, Exported};
 
 #[path = "../../tests/support/promql_check.rs"]
@@ -86,7 +86,7 @@ fn scrape_when(addr: SocketAddr, what: &str, ready: impl Fn(&str) -> bool) -> St
     let until = Instant::now() + Duration::from_secs(60);
     let mut last = String::new();
     while Instant::now() < until {
-        if let Ok(r) = client::request(&addr.to_string(), "GET", "/metrics", b"", Duration::from_secs(5)) {
+        if let Ok(r) = http_client::request(&addr.to_string(), "GET", "/metrics", b"", Duration::from_secs(5)) {
             let page = r.text();
             if r.status == 200 && ready(&page) {
                 return page;
@@ -184,7 +184,7 @@ async fn scrape_all() -> Exported {
         let verb = rel.split(['/', '-']).nth(1).unwrap_or_default();
         let body = fixture(&format!("{rel}.request.json"));
         let path = format!("/gpuplace/{verb}");
-        let r = client::request(&static_addr.to_string(), "POST", &path, &body, Duration::from_secs(10))
+        let r = http_client::request(&static_addr.to_string(), "POST", &path, &body, Duration::from_secs(10))
             .unwrap_or_else(|e| panic!("{rel}: {e}"));
         assert_eq!(r.status, 200, "{rel}: {}", r.text());
     }

@@ -493,7 +493,7 @@ mod tests {
     /// namespace and what to do, and the round does not lead.
     #[tokio::test]
     async fn a_missing_lease_namespace_says_what_to_create() {
-        let fake = crate::apiserver::fake::FakeApiServer::start().await.unwrap();
+        let fake = gpuplace_testkit::FakeApiServer::start().await.unwrap();
         fake.fail_next("POST", "/apis/coordination.k8s.io/v1/namespaces/*/leases", 1, 404);
         let cfg = LeaderConfig::new("gpuplace-missing", "gpuplace-extender", "replica-a");
         let api = LeaseApi::new(fake.client().unwrap(), &cfg);

@@ -1,5 +1,4 @@
-//! The Kubernetes API: building a client ([`connect()`]), an in-process fake API server for tests and
-//! demos ([`fake`]), and the extender's API-server mode as thin adapters around
+//! The Kubernetes API: building a client ([`connect()`]) and the extender's API-server mode as thin adapters around
 //! [`Extender`], one concern each: [`binder`] (one Binding
 //! that carries the assignment annotation), [`nodes`], [`pods`], [`utilization`] and [`pod_groups`] (watchers), [`leader`] (Lease election),
 //! [`events`] (Kubernetes Events), [`keys`] (the assignment key Secret), [`resign`] (re-signing after
@@ -10,7 +9,6 @@
 pub mod binder;
 pub mod connect;
 pub mod events;
-pub mod fake;
 pub mod keys;
 pub mod leader;
 pub mod nodes;
@@ -26,12 +24,12 @@ use futures::stream::BoxStream;
 use futures::StreamExt;
 use kube::runtime::watcher::{self, Event};
 
+use crate::extender::clock::now_unix_ms;
 use crate::extender::metrics::Watched;
-use crate::extender::service::{now_unix_ms, Extender};
+use crate::extender::service::Extender;
 
 pub use binder::KubeBinder;
 pub use connect::{client_for_url, connect, ConnectArgs, ConnectError, Source};
-pub use fake::FakeApiServer;
 pub use leader::{LeaderConfig, Leadership};
 pub use run::{ApiOptions, Controller, DedicatedClient};
 

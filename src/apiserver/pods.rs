@@ -21,8 +21,9 @@ use tokio::time::Instant;
 use crate::apiserver::events::{EventSink, REASON_ASSIGNMENT};
 use crate::apiserver::keys::KeyStatus;
 use crate::apiserver::next_event;
+use crate::extender::clock::now_unix_ms;
 use crate::extender::metrics::Watched;
-use crate::extender::service::{now_unix_ms, Extender, ObservedPod, PodOutcome, RestoredPod};
+use crate::extender::service::{Extender, ObservedPod, PodOutcome, RestoredPod};
 use crate::extender::wire;
 
 /// The extender's view of a pod (`None`: not a pod the extender's decoder takes, never the case for

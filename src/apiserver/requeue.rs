@@ -19,8 +19,9 @@ use serde_json::json;
 use tokio::sync::mpsc;
 
 use crate::core::annotations::ANNOTATION_REQUEUED;
+use crate::extender::clock::now_unix_ms;
 use crate::extender::requeue::{RequeuePod, Requeuer};
-use crate::extender::service::{now_unix_ms, Extender};
+use crate::extender::service::Extender;
 
 /// The [`Requeuer`] of API-server mode: hands the pods to [`run`].
 #[derive(Debug, Clone)]

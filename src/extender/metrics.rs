@@ -674,7 +674,7 @@ fn escape(v: &str) -> Cow<'_, str> {
 impl Metrics {
     /// API-server mode's families: watch staleness and errors, leadership. Left out in static mode.
     fn render_apiserver(&self, out: &mut String) {
-        let now = crate::extender::service::now_unix_ms();
+        let now = crate::extender::clock::now_unix_ms();
         let started: Vec<Watched> =
             Watched::ALL.into_iter().filter(|&w| self.watch_staleness(w, now).is_some()).collect();
         if !started.is_empty() {

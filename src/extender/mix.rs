@@ -23,17 +23,15 @@ use std::collections::{HashSet, VecDeque};
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{self, RecvTimeoutError};
-use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
 use crate::core::resources::PodRequest;
-use crate::extender::service::Extender;
+use crate::placement::mix::BoundDemand;
+use crate::placement::mix::ReserveClass;
+use crate::placement::mix::{MixEntry, WorkloadMix};
 use crate::placement::mix_learner::{bundled_prior, LearnerConfig, MixLearner, MixLearnerState};
-use crate::placement::scorers::fragmentation::{MixEntry, WorkloadMix};
-use crate::placement::scorers::model_supply::BoundDemand;
-use crate::placement::scorers::reserve::ReserveClass;
 
 /// Pod UIDs remembered as counted; beyond it the oldest are forgotten (a forgotten pod that comes
 /// back to filter would count again, which needs 100,000 newer pods in between).
@@ -317,7 +315,8 @@ pub fn load_learner(state: Option<&Path>, half_life: Option<f64>) -> MixLearner 
     }
 }
 
-/// Writes the learner's state to `path` every `every` when it changed, and once more when finished.
+/// Writes the learner's state (what `state` reads, `Extender::mix_state` in `gpuplace serve`) to
+/// `path` every `every` when it changed, and once more when finished.
 #[derive(Debug)]
 pub struct MixSaver {
     stop: Option<mpsc::Sender<()>>,
@@ -325,18 +324,22 @@ pub struct MixSaver {
 }
 
 impl MixSaver {
-    pub fn spawn(ext: Arc<Extender>, path: PathBuf, every: Duration) -> std::io::Result<Self> {
+    pub fn spawn(
+        state: impl Fn() -> Option<MixLearnerState> + Send + 'static,
+        path: PathBuf,
+        every: Duration,
+    ) -> std::io::Result<Self> {
         let (stop, stopped) = mpsc::channel::<()>();
         let thread = std::thread::Builder::new().name("gpuplace-mix-state".into()).spawn(move || {
             // what the file holds: a restored learner's count is already there
-            let mut saved = ext.mix_state().map(|s| s.observed);
+            let mut saved = state().map(|s| s.observed);
             loop {
                 let last = match stopped.recv_timeout(every) {
                     Err(RecvTimeoutError::Timeout) => false,
                     // finished (or its owner is gone): a last save, then out
                     Ok(()) | Err(RecvTimeoutError::Disconnected) => true,
                 };
-                if let Some(state) = ext.mix_state().filter(|s| Some(s.observed) != saved) {
+                if let Some(state) = state().filter(|s| Some(s.observed) != saved) {
                     match write_state(&path, &state) {
                         Ok(()) => {
                             tracing::debug!(path = %path.display(), observed = state.observed, "mix state saved");

@@ -8,7 +8,7 @@
 //!   `nodeCacheCapable` modes.
 //! - [`service`]: the decisions of each verb over the engine, the node cache and the bind records.
 //! - [`binder`]: the seam to the API server for binds ([`binder::RecordingBinder`] in static mode).
-//! - [`http`]: actix-web routes, status codes, body limits; [`client`]: a small HTTP/1.1 client.
+//! - [`http`]: actix-web routes, status codes, body limits; [`http_client`]: a small blocking HTTP/1.1 client (inspect, tests, the load generator).
 //! - [`forward`]: a replica that does not lead passes the verbs to the leader; [`tls`]: HTTPS and
 //!   client certificates on the extender's port.
 //! - [`reasons`]: the texts kube-scheduler shows (reasons that group across nodes, never a `%`).
@@ -20,19 +20,20 @@
 //!   those GPUs are freed (its watch can be ahead of ours).
 
 pub mod adapt;
+pub mod args_decoder;
 pub mod binder;
-pub mod client;
+pub mod clock;
 pub mod forward;
 pub mod groups;
 pub mod http;
+pub mod http_client;
 pub mod inspect;
 pub mod metrics;
 pub mod mix;
 pub mod placement_log;
 pub mod reasons;
 pub mod requeue;
-mod scan;
 pub mod service;
-pub mod shapes;
 pub mod tls;
+pub mod verdict_cache;
 pub mod wire;

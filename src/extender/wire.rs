@@ -136,24 +136,6 @@ impl ExtenderArgsRef<'_> {
     }
 }
 
-/// Decodes a filter or prioritize body with borrowed names. Errors are exactly [`decode`]'s for
-/// [`ExtenderArgs`]: a body this fast decoder refuses is decoded again by that one, which names
-/// the field (and, should it accept the body after all, its answer is used).
-pub fn decode_args(body: &[u8]) -> Result<ExtenderArgsRef<'_>, WireError> {
-    if let Some(args) = crate::extender::scan::scan_args(body) {
-        return Ok(args);
-    }
-    NODE_LIMIT_HIT.set(false);
-    match serde_json::from_slice::<ExtenderArgsRef<'_>>(body) {
-        Ok(args) => Ok(args),
-        // over the limit: refused without decoding the body a second time
-        Err(_) if NODE_LIMIT_HIT.get() => {
-            Err(WireError::TooManyNodes { go_type: <ExtenderArgs as GoType>::GO_NAME, limit: node_limit() })
-        }
-        Err(_) => decode::<ExtenderArgs>(body).map(ExtenderArgsRef::from),
-    }
-}
-
 /// `ExtenderFilterResult`: the filter answer.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(remote = "Self")]
@@ -703,7 +685,7 @@ pub const DEFAULT_MAX_REQUEST_NODES: usize = 15_000;
 
 thread_local! {
     static NODE_LIMIT: Cell<usize> = const { Cell::new(DEFAULT_MAX_REQUEST_NODES) };
-    static NODE_LIMIT_HIT: Cell<bool> = const { Cell::new(false) };
+    pub(crate) static NODE_LIMIT_HIT: Cell<bool> = const { Cell::new(false) };
 }
 
 /// Runs `f` (decoding and deciding on this thread) with at most `max` nodes accepted in any one

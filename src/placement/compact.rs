@@ -20,7 +20,7 @@ use crate::core::resources::{GpuDemand, NumaPolicy, PackingPolicy, PodRequest};
 use crate::core::topology::GpuTopology;
 use crate::placement::feasibility::{container_order, GpuChoice, Placement};
 use crate::placement::gpu_select::{self, free_milli_of, FreeState, ShareChoice};
-use crate::placement::scorers::fragmentation::HostFree;
+use crate::placement::mix::HostFree;
 
 /// Nodes with at most this many GPUs take the compact path (a GPU set is one `u64`).
 pub const MAX_COMPACT_GPUS: usize = 64;

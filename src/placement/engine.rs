@@ -8,11 +8,12 @@ use crate::placement::feasibility::{
     place_on_node, reject_cause, reject_reason, Cause, GpuChoice, Infeasible, Placement, Why,
 };
 use crate::placement::gpu_select::ShareChoice;
+use crate::placement::mix::WorkloadMix;
 use crate::placement::profile::Profile;
+use crate::placement::scarcity::ScarcityMemo;
 use crate::placement::scorer::{ScoreContext, Scorer};
-use crate::placement::scorers::fragmentation::WorkloadMix;
-use crate::placement::scorers::network::GroupView;
-use crate::placement::scorers::reserve::{ReserveView, ScarcityMemo};
+use crate::placement::views::GroupView;
+use crate::placement::views::ReserveView;
 
 /// The extender protocol's score range is 0..=10.
 pub const MAX_NODE_SCORE: i64 = 10;
@@ -200,10 +201,7 @@ impl Engine {
 
     /// The model lists of `scorers::model_supply` in `cluster`, each with the GPUs its pods could
     /// use now (thousandths) and whether it is short (what `/inspect` shows).
-    pub fn model_lists(
-        &self,
-        cluster: &Cluster,
-    ) -> Vec<(crate::placement::scorers::model_supply::BoundDemand, u64, bool)> {
+    pub fn model_lists(&self, cluster: &Cluster) -> Vec<(crate::placement::mix::BoundDemand, u64, bool)> {
         self.scarcity.lists_with_supply(cluster, &self.mix.reserve, &self.mix.bound)
     }
 

@@ -13,7 +13,7 @@
 use crate::core::cluster::{share_milli, Node};
 use crate::core::resources::{GpuDemand, NumaPolicy, PackingPolicy};
 use crate::core::topology::GpuTopology;
-use crate::placement::scorers::fragmentation::HostFree;
+use crate::placement::mix::{HostFree, WorkloadMix};
 
 /// Free capacity of the GPUs of one node while a pod's containers are being placed.
 #[derive(Debug, Clone)]
@@ -105,7 +105,7 @@ pub enum ShareChoice<'a> {
     /// `host` is what the node's CPU and memory leave after this pod: it decides which GPUs the
     /// mix's requests could still be fed on.
     Fragmentation {
-        mix: &'a crate::placement::scorers::fragmentation::WorkloadMix,
+        mix: &'a WorkloadMix,
         host_cpu_milli: u64,
         host_memory_mib: u64,
     },
@@ -412,7 +412,7 @@ pub fn choose_one(
             for &g in cands {
                 let before = (trial.mem[g], trial.core[g], trial.idle[g], trial.slots[g]);
                 trial.take(node, g, demand);
-                let frag = mix.node_fragmentation(node, &trial, host);
+                let frag = node_fragmentation(mix, node, &trial, host);
                 (trial.mem[g], trial.core[g], trial.idle[g], trial.slots[g]) = before;
                 let key = (-frag, -connect(g), g);
                 if best.is_none_or(|(f, c, _)| (key.0, key.1) > (f, c)) {
@@ -422,4 +422,14 @@ pub fn choose_one(
             best.map(|(_, _, g)| g)
         }
     }
+}
+
+/// Fragmentation of a node in the given free GPU state with `host` free.
+fn node_fragmentation(mix: &WorkloadMix, node: &Node, state: &FreeState, host: HostFree) -> f64 {
+    let mut free = [0u32; 64];
+    let n = node.gpus.len().min(64);
+    for (g, slot) in free.iter_mut().enumerate().take(n) {
+        *slot = if node.gpus[g].healthy { state.free_milli(node, g) } else { 0 };
+    }
+    mix.fragmentation(&free[..n], host, node.gpus.first().map_or("", |g| g.model.as_str()))
 }

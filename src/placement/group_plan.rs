@@ -391,8 +391,8 @@ mod tests {
     use crate::core::cluster::DEFAULT_NETWORK_LEVELS;
     use crate::core::inventory::Board;
     use crate::core::resources::{GpuDemand, MemoryDemand};
+    use crate::placement::mix::WorkloadMix;
     use crate::placement::profile::Profile;
-    use crate::placement::scorers::fragmentation::WorkloadMix;
 
     /// `n` nodes of 8 GPUs, 4 per ToR, 8 per spine.
     fn cluster(n: usize) -> Cluster {

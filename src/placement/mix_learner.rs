@@ -14,9 +14,10 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use serde::{Deserialize, Serialize};
 
 use crate::core::resources::PodRequest;
-use crate::placement::scorers::fragmentation::{MixEntry, WorkloadMix};
-use crate::placement::scorers::model_supply::{self, BoundDemand};
-use crate::placement::scorers::reserve::ReserveClass;
+use crate::placement::mix::BoundDemand;
+use crate::placement::mix::ReserveClass;
+use crate::placement::mix::{MixEntry, WorkloadMix};
+use crate::placement::scorers::model_supply;
 
 /// How the learner weighs what it sees.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]

@@ -4,9 +4,9 @@
 use crate::core::cluster::{Cluster, Node};
 use crate::core::resources::{PackingPolicy, PodRequest};
 use crate::placement::feasibility::Placement;
-use crate::placement::scorers::fragmentation::WorkloadMix;
-use crate::placement::scorers::network::GroupView;
-use crate::placement::scorers::reserve::ReserveView;
+use crate::placement::mix::WorkloadMix;
+use crate::placement::views::GroupView;
+use crate::placement::views::ReserveView;
 
 /// What every scorer may look at besides the node itself.
 #[derive(Debug, Clone, Copy)]

@@ -2,7 +2,7 @@
 //! several policies with the FGD paper's protocol, and reports unallocated GPU capacity.
 
 pub mod generate;
-pub mod paper;
+pub mod paper_results;
 pub mod policies;
 pub mod protocol;
 pub mod reference;
@@ -87,7 +87,7 @@ pub fn simulate(trace_dir: &Path, cfg: &SimConfig) -> Result<Vec<PolicyReport>, 
     let (base, steps) = generate::parse_workload(&cfg.workload)?;
     let pods = generate::generate(&trace::load_pods(trace_dir, &base)?, &nodes, &steps)?;
     let mix = protocol::typical_mix(&pods);
-    let paper = paper::PaperResults::load(trace_dir).ok();
+    let paper = paper_results::PaperResults::load(trace_dir).ok();
     let mut reports = Vec::new();
     let runs = run_policies(cfg, |kind, setup, seed| run::run_seed(&nodes, &pods, &mix, kind, setup, seed, cfg.tune));
     for p in runs {

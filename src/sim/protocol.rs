@@ -5,7 +5,7 @@ use rand::seq::SliceRandom;
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
-use crate::placement::scorers::fragmentation::{MixEntry, WorkloadMix};
+use crate::placement::mix::{MixEntry, WorkloadMix};
 use crate::placement::scorers::model_supply;
 use crate::sim::trace::TracePod;
 

@@ -14,7 +14,7 @@ use std::time::Instant;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-use crate::placement::scorers::fragmentation::WorkloadMix;
+use crate::placement::mix::WorkloadMix;
 use crate::sim::protocol::{arrival_order, gpu_milli_total};
 use crate::sim::run::{SeedResult, MAX_COLUMN};
 use crate::sim::state::{SimNode, SimState};

@@ -6,8 +6,8 @@ use std::time::Instant;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
+use crate::placement::mix::WorkloadMix;
 use crate::placement::profile::ProfileConfig;
-use crate::placement::scorers::fragmentation::WorkloadMix;
 use crate::sim::policies::{Choice, MixSource, Policy, PolicyKind};
 use crate::sim::protocol::{arrival_order, gpu_milli_total};
 use crate::sim::state::SimState;

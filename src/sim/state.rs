@@ -7,7 +7,7 @@ use std::sync::Arc;
 use crate::core::cluster::{Cluster, ContainerAssignment, Gpu, GpuSlice, Node, PodAssignment, DEFAULT_NETWORK_LEVELS};
 use crate::core::inventory::synthetic_uuid;
 use crate::core::topology::GpuTopology;
-use crate::placement::scorers::fragmentation::WorkloadMix;
+use crate::placement::mix::WorkloadMix;
 use crate::sim::trace::{model_memory_mib, TraceNode, TracePod};
 
 /// A node as the FGD simulator sees it.

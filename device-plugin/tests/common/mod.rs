@@ -8,17 +8,17 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpuplace_device_plugin::api::v1beta1::device_plugin_client::DevicePluginClient;
-use gpuplace_device_plugin::api::v1beta1::{
+use gpuplace_device_plugin::assign::AssignmentSource;
+use gpuplace_device_plugin::kubelet_api::v1beta1::device_plugin_client::DevicePluginClient;
+use gpuplace_device_plugin::kubelet_api::v1beta1::{
     AllocateRequest, ContainerAllocateRequest, ContainerAllocateResponse, Device, ListAndWatchResponse, RegisterRequest,
 };
-use gpuplace_device_plugin::assign::AssignmentSource;
 use gpuplace_device_plugin::nvml::fake::FakeBackend;
 use gpuplace_device_plugin::nvml::GpuBackend;
 use gpuplace_device_plugin::plugin::{spawn_health_monitor, Plugin, PluginConfig};
 use gpuplace_device_plugin::server::{connect_unix, run, ServeConfig};
 use gpuplace_device_plugin::slots::slot_id;
-use gpuplace_device_plugin::testing;
+use gpuplace_testkit::kubelet as testing;
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
 use tonic::Streaming;

@@ -23,7 +23,7 @@ use crate::extender::groups::{Arrival, GroupEvent, PodGroupInfo, Verdict};
 use crate::extender::metrics::RejectClass;
 use crate::extender::placement_log::{Decision, PLACEMENT_LOG_VERSION};
 use crate::extender::reasons::prefixed;
-use crate::extender::shapes::{Answer, Candidates, Reason};
+use crate::extender::verdict_cache::{Answer, Candidates, Reason};
 use crate::placement::group_plan::group_name;
 
 impl Extender {
@@ -169,7 +169,7 @@ impl Extender {
             if self.log.is_some() {
                 let d = Decision {
                     v: PLACEMENT_LOG_VERSION,
-                    ts_unix_ms: super::now_unix_ms(),
+                    ts_unix_ms: crate::extender::clock::now_unix_ms(),
                     verb: "group".into(),
                     pod: String::new(),
                     group: Some(e.group.clone()),

@@ -7,8 +7,8 @@ use std::sync::MutexGuard;
 use super::{Extender, UNKNOWN_GPU_MEMORY};
 use crate::core::resources::PodRequest;
 use crate::extender::mix::{Learning, MixReport, MixSource, ModelListReport, ReserveReport};
+use crate::placement::mix::WorkloadMix;
 use crate::placement::mix_learner::{typical_gpu_memory_mib, MixLearnerState};
-use crate::placement::scorers::fragmentation::WorkloadMix;
 
 impl Extender {
     fn learning(&self) -> Option<MixGuard<'_>> {

@@ -27,27 +27,10 @@
 //! every short list, for CPU-only pods, and where every model the pod may use is short (it would
 //! score every node alike).
 
-use serde::{Deserialize, Serialize};
-
 use crate::core::cluster::{Cluster, Node};
 use crate::placement::feasibility::Placement;
+use crate::placement::mix::BoundDemand;
 use crate::placement::scorer::{ScoreContext, Scorer};
-
-/// A list of GPU models, the share of the arriving GPU demand bound to exactly that list, and the
-/// host those requests need per GPU.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct BoundDemand {
-    /// The models, sorted, each once.
-    pub models: Vec<String>,
-    /// GPUs requested by pods bound to this list, over the GPUs requested by all GPU pods (0..=1).
-    pub share: f64,
-    /// What one of those pods asks on average: GPUs (a share as its fraction), host CPU
-    /// (millicores) and memory (MiB). A node's free GPUs are of use to them only as far as its host
-    /// can still take such pods whole.
-    pub gpus_per_pod: f64,
-    pub cpu_milli_per_pod: f64,
-    pub memory_mib_per_pod: f64,
-}
 
 /// A list is short while the GPUs it could use are less than this many times what the pods bound
 /// within it would take of the cluster's free GPUs, plus [`FLOOR_PODS`] of its pods
@@ -438,8 +421,8 @@ mod tests {
     }
 
     fn engine(bound: Vec<BoundDemand>) -> crate::placement::engine::Engine {
+        use crate::placement::mix::WorkloadMix;
         use crate::placement::profile::Profile;
-        use crate::placement::scorers::fragmentation::WorkloadMix;
         crate::placement::engine::Engine::new(Profile::gpuplace(), WorkloadMix::default().with_bound(bound))
     }
 

@@ -1,58 +1,13 @@
 //! Network locality for jobs of several pods (`gpuplace.io/group`): the same ToR as the group's pods
 //! already placed, else the same spine, and room under that switch for the rest of the group.
 
-use std::collections::HashMap;
-
-use crate::core::cluster::{Cluster, Node};
-use crate::core::resources::GroupSpec;
+use crate::core::cluster::Node;
 use crate::placement::feasibility::Placement;
 use crate::placement::scorer::{ScoreContext, Scorer};
+use crate::placement::views::{idle_gpus, path_of};
 
 #[derive(Debug, Default, Clone, Copy)]
 pub struct NetworkScorer;
-
-/// A node's network path: its value for each configured level, coarse to fine.
-pub type NetPath = Vec<Option<String>>;
-
-/// Where a group stands, computed once per pod rather than once per node.
-#[derive(Debug, Clone, Default)]
-pub struct GroupView {
-    /// Network paths of the nodes holding the group's placed pods.
-    pub peer_paths: Vec<NetPath>,
-    pub placed: usize,
-    pub size: usize,
-    /// Idle healthy GPUs under each leaf switch (full path; nodes missing a label are left out).
-    pub idle_by_leaf: HashMap<NetPath, usize>,
-    pub levels: usize,
-}
-
-pub fn path_of(cluster: &Cluster, node: &Node) -> NetPath {
-    cluster.network_path(node).map(|v| v.map(str::to_string)).collect()
-}
-
-impl GroupView {
-    pub fn new(cluster: &Cluster, group: &GroupSpec) -> Self {
-        let mut v = Self { size: group.size as usize, levels: cluster.network_levels.len(), ..Self::default() };
-        for n in cluster.nodes() {
-            let path = path_of(cluster, n);
-            let holds = n.pods().filter(|p| p.group.as_deref() == Some(group.key.as_str())).count();
-            if holds > 0 {
-                v.placed += holds;
-                v.peer_paths.push(path.clone());
-            }
-            // a node missing a label is under no known leaf: pooling all such nodes would promise room
-            // near it that may be anywhere in the network
-            if path.iter().all(Option::is_some) {
-                *v.idle_by_leaf.entry(path).or_default() += idle_gpus(n);
-            }
-        }
-        v
-    }
-}
-
-fn idle_gpus(node: &Node) -> usize {
-    (0..node.gpus.len()).filter(|&g| node.is_gpu_free(g) && node.gpus[g].healthy).count()
-}
 
 /// How many levels (coarse to fine) two paths share before they differ or a label is missing.
 pub fn shared_levels(a: &[Option<String>], b: &[Option<String>]) -> usize {
@@ -100,12 +55,15 @@ mod tests {
     use std::path::Path;
 
     use super::*;
+    use crate::core::cluster::Cluster;
     use crate::core::cluster::{ContainerAssignment, GpuSlice, PodAssignment, DEFAULT_NETWORK_LEVELS};
     use crate::core::inventory::Board;
+    use crate::core::resources::GroupSpec;
     use crate::core::resources::{GpuDemand, PackingPolicy, PodRequest};
     use crate::placement::engine::Engine;
+    use crate::placement::mix::WorkloadMix;
     use crate::placement::profile::{Profile, ProfileConfig, Weights};
-    use crate::placement::scorers::fragmentation::WorkloadMix;
+    use crate::placement::views::GroupView;
 
     fn node(name: &str, gpus: u32, spine: Option<&str>, tor: Option<&str>) -> Node {
         let board = Board::Flat { gpus, model: "A100".into(), memory_mib: 40960 }.resolve(Path::new(".")).unwrap();

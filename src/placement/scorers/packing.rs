@@ -62,8 +62,8 @@ mod tests {
     use crate::core::inventory::Board;
     use crate::core::resources::{GpuDemand, PackingPolicy, PodRequest};
     use crate::placement::engine::Engine;
+    use crate::placement::mix::{MixEntry, WorkloadMix};
     use crate::placement::profile::Profile;
-    use crate::placement::scorers::fragmentation::{MixEntry, WorkloadMix};
 
     /// `busy` has 3 of 4 GPUs taken, `empty` none.
     fn cluster() -> Cluster {

@@ -8,7 +8,7 @@
 //! "Early failures").
 //!
 //! The mix therefore carries, besides its entries, a few *reserve classes*
-//! ([`WorkloadMix::reserve`](crate::placement::scorers::fragmentation::WorkloadMix::reserve)): the largest request types seen recently, each with how many free
+//! ([`WorkloadMix::reserve`](crate::placement::mix::WorkloadMix::reserve)): the largest request types seen recently, each with how many free
 //! hosts to keep back (`keep`: how many requests needing such a host were seen recently, see
 //! [`MixLearner::reserve`](crate::placement::mix_learner::MixLearner::reserve)). A node is a *free
 //! host* of a class when one request of it fits the node's free GPUs, CPU and memory right now. A
@@ -30,134 +30,11 @@
 //! stamp changed), and callers that cache per-node verdicts key them on it too
 //! ([`Engine::shared_key`](crate::placement::engine::Engine::shared_key)).
 
-use std::sync::Mutex;
-
-use serde::{Deserialize, Serialize};
-
 use crate::core::cluster::{Cluster, Node};
 use crate::core::resources::PodRequest;
 use crate::placement::feasibility::Placement;
+use crate::placement::mix::{MixEntry, ReserveClass};
 use crate::placement::scorer::{ScoreContext, Scorer};
-use crate::placement::scorers::fragmentation::MixEntry;
-use crate::placement::scorers::model_supply::{self, BoundDemand, Supply};
-
-/// At most this many reserve classes are looked at (a bit each in the scarcity mask).
-pub const MAX_CLASSES: usize = 64;
-
-/// A request type whose last free hosts are kept back.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct ReserveClass {
-    /// GPUs one request spans.
-    pub gpus: u32,
-    /// Share of each GPU, in thousandths.
-    pub milli: u32,
-    /// Host CPU, in millicores.
-    pub cpu_milli: u64,
-    /// Host memory, in MiB (the type's median).
-    pub memory_mib: u64,
-    /// Allowed GPU models; empty means any.
-    pub models: Vec<String>,
-    /// Free hosts kept back: the class is scarce while at most this many are left.
-    pub keep: u32,
-}
-
-impl ReserveClass {
-    /// The class of a mix entry (its weight dropped).
-    pub fn of(e: &MixEntry, keep: u32) -> Self {
-        Self {
-            gpus: e.gpus,
-            milli: e.milli,
-            cpu_milli: e.cpu_milli,
-            memory_mib: e.memory_mib,
-            models: e.models.clone(),
-            keep,
-        }
-    }
-
-    fn allows(&self, model: &str) -> bool {
-        self.models.is_empty() || self.models.iter().any(|m| m.eq_ignore_ascii_case(model))
-    }
-
-    /// Whether one request of this class fits GPUs with `free_milli` free (healthy ones; 0 for the
-    /// others), `cpu_free` and `mem_free` (`None`: not tracked, never a limit) on GPUs of `model`.
-    fn fits(
-        &self,
-        free_milli: impl Iterator<Item = u32>,
-        cpu_free: Option<u64>,
-        mem_free: Option<u64>,
-        model: &str,
-    ) -> bool {
-        cpu_free.is_none_or(|c| c >= self.cpu_milli)
-            && mem_free.is_none_or(|m| m >= self.memory_mib)
-            && self.allows(model)
-            && free_milli.filter(|&f| f >= self.milli).take(self.gpus as usize).count() >= self.gpus as usize
-    }
-
-    /// Whether a request `r` may only run on models this class keeps hosts of (always, for a class
-    /// that names no model).
-    fn covers_models_of(&self, r: &MixEntry) -> bool {
-        self.models.is_empty() || (!r.models.is_empty() && r.models.iter().all(|m| self.allows(m)))
-    }
-
-    /// Whether `node` is a free host of this class now.
-    pub fn hosted_by(&self, node: &Node) -> bool {
-        let n = node.gpus.len();
-        self.fits(
-            (0..n).map(|g| node.free_milli(g)),
-            (node.cpu_milli > 0).then(|| node.cpu_free()),
-            (node.memory_mib > 0).then(|| node.mem_free()),
-            node.gpus.first().map_or("", |g| g.model.as_str()),
-        )
-    }
-
-    /// Whether `node` would still be a free host after `placement`.
-    fn hosted_after(&self, node: &Node, placement: &Placement) -> bool {
-        let n = node.gpus.len().min(64);
-        let mut free = [0u32; 64];
-        for (g, slot) in free.iter_mut().enumerate().take(n) {
-            *slot = node.free_milli(g);
-        }
-        for c in placement.assignment.containers.iter().filter(|c| !c.init) {
-            for s in &c.slices {
-                let g = s.gpu as usize;
-                if g < n {
-                    free[g] = free[g].saturating_sub(s.milli_on(node.gpus[g].memory_mib));
-                }
-            }
-        }
-        let a = &placement.assignment;
-        self.fits(
-            free[..n].iter().copied(),
-            (node.cpu_milli > 0).then(|| node.cpu_free().saturating_sub(a.cpu_milli)),
-            (node.memory_mib > 0).then(|| node.mem_free().saturating_sub(a.memory_mib)),
-            node.gpus.first().map_or("", |g| g.model.as_str()),
-        )
-    }
-
-    /// Whether a request `r` is at least as large as this class in GPUs, share, CPU and memory: such
-    /// a request is what the reserve is kept for, so taking a reserved host is no loss.
-    /// A class that names GPU models is kept for requests bound to those models only.
-    pub fn is_consumed_by(&self, r: &MixEntry) -> bool {
-        let models = self.covers_models_of(r);
-        models
-            && r.gpus >= self.gpus
-            && r.milli >= self.milli
-            && r.cpu_milli >= self.cpu_milli
-            && r.memory_mib >= self.memory_mib
-    }
-
-    /// Whether a request `r` needs one of the hosts this class keeps back: it takes at least as
-    /// many GPUs, share and host CPU, on models among this class's. Host memory is left out: it is
-    /// a type's median, and two large types that differ only in it (120 cores with 720 or with 625
-    /// GiB) compete for the same nearly empty nodes.
-    pub fn needed_by(&self, r: &MixEntry) -> bool {
-        let models = self.covers_models_of(r);
-        r.gpus >= self.gpus && r.milli >= self.milli && r.cpu_milli >= self.cpu_milli && models
-    }
-}
-
-/// Bit `k` set: class `k` of a [`ReserveView`] is scarce (at most `keep` free hosts left).
-pub type ScarceMask = u64;
 
 /// Of the nodes that have the most host CPU of all nodes with as many GPUs or more, this share is
 /// kept back from the start (at least one), before any request that needs one has been seen.
@@ -167,38 +44,6 @@ pub type ScarceMask = u64;
 /// arrival on: 25.09 and 25.33 percent unallocated at 75 percent against FGD's 25.02 and 24.96.
 /// Half gave 25.02 and 24.96, and left `default` as it was (docs/performance.md).
 pub const INVENTORY_KEEP_SHARE: f64 = 0.5;
-
-/// The reserve classes that hold for a cluster state, and which of them are scarce.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
-pub struct ReserveView {
-    /// The mix's classes (learned from requests), then those of the node inventory
-    /// ([`inventory_classes`]), at most [`MAX_CLASSES`].
-    pub classes: Vec<ReserveClass>,
-    pub scarce: ScarceMask,
-    /// The lists of GPU models whose free GPUs are short of what the pods bound to them need
-    /// ([`model_supply::short_lists`]).
-    pub short: Vec<Vec<String>>,
-    /// The GPU models of the cluster's nodes (each node's first GPU's), each once.
-    pub models: Vec<String>,
-}
-
-impl ReserveView {
-    /// A key that differs whenever scores may: the scarce classes (what the scorer reads; a
-    /// class's `keep` only decides whether it is scarce).
-    pub fn key(&self) -> u64 {
-        use std::hash::{Hash, Hasher};
-        if self.scarce == 0 && self.short.is_empty() {
-            // nothing scarce or short: both scorers are left out, whatever the classes
-            return 0;
-        }
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        for (k, c) in self.classes.iter().enumerate().filter(|(k, _)| (self.scarce >> k) & 1 == 1) {
-            (k, c.gpus, c.milli, c.cpu_milli, c.memory_mib, &c.models).hash(&mut h);
-        }
-        self.short.hash(&mut h);
-        h.finish() | 1
-    }
-}
 
 /// Classes that only the nodes with the most host CPU can host, read from the node inventory alone
 /// (what any scheduler knows before the first pod): for nodes of `g` GPUs whose CPU no other node
@@ -230,175 +75,6 @@ pub fn inventory_classes(cluster: &Cluster) -> Vec<ReserveClass> {
     out
 }
 
-/// The reserve for one cluster state, kept up to date incrementally: a cluster state is known by
-/// its node stamps ([`Cluster::stamps`], process-wide unique) and node indexing
-/// ([`Cluster::layout`]), so only nodes whose stamp changed are looked at again.
-#[derive(Debug, Default)]
-pub struct ScarcityMemo {
-    state: Mutex<MemoState>,
-}
-
-#[derive(Debug, Default)]
-struct MemoState {
-    learned: Vec<ReserveClass>,
-    /// The mix's bound demand, and the lists looked at: those and the inventory's.
-    learned_bound: Vec<BoundDemand>,
-    lists: Vec<BoundDemand>,
-    /// Each list's [`model_supply::limits`].
-    limits: Vec<(f64, f64)>,
-    /// What the cluster has free for the bound lists (their shortness), and each node's part.
-    supply: Supply,
-    node_supply: Vec<Supply>,
-    /// Per bound list (`short_models`), whether it was short at the last look.
-    short: Vec<bool>,
-    short_models: Vec<Vec<String>>,
-    models: Vec<String>,
-    classes: Vec<ReserveClass>,
-    layout: u64,
-    stamps: Vec<u64>,
-    /// Per node, its GPUs and host CPU (what [`inventory_classes`] reads).
-    shapes: Vec<(usize, u64)>,
-    /// Per node, the classes it is a free host of.
-    hosts: Vec<u64>,
-    /// Per class, its free hosts.
-    counts: Vec<u32>,
-}
-
-fn host_bits(classes: &[ReserveClass], node: &Node) -> u64 {
-    classes.iter().enumerate().filter(|(_, c)| c.hosted_by(node)).fold(0, |m, (k, _)| m | (1 << k))
-}
-
-impl MemoState {
-    fn rebuild(&mut self, cluster: &Cluster, learned: &[ReserveClass], bound: &[BoundDemand]) {
-        let nodes = cluster.nodes();
-        self.learned = learned.to_vec();
-        self.learned_bound = bound.to_vec();
-        self.models = Vec::new();
-        for m in nodes.iter().filter_map(|n| n.gpus.first()).map(|g| &g.model) {
-            if !self.models.contains(m) {
-                self.models.push(m.clone());
-            }
-        }
-        self.lists = bound.iter().cloned().chain(model_supply::inventory_lists(cluster, bound)).collect();
-        self.limits = model_supply::limits(&self.lists, bound.len());
-        self.node_supply = nodes.iter().map(|n| Supply::of_node(&self.lists, n)).collect();
-        self.supply = Supply::new(self.lists.len());
-        // a list keeps its state through a new mix or reserve (they change often)
-        let was: Vec<(Vec<String>, bool)> =
-            std::mem::take(&mut self.short_models).into_iter().zip(std::mem::take(&mut self.short)).collect();
-        self.short = self.lists.iter().map(|b| was.iter().any(|(m, s)| *s && *m == b.models)).collect();
-        self.short_models = self.lists.iter().map(|b| b.models.clone()).collect();
-        for part in &self.node_supply {
-            self.supply.add(part);
-        }
-        self.classes = learned.iter().cloned().chain(inventory_classes(cluster)).take(MAX_CLASSES).collect();
-        self.layout = cluster.layout();
-        self.stamps = cluster.stamps().to_vec();
-        self.shapes = nodes.iter().map(|n| (n.gpus.len(), n.cpu_milli)).collect();
-        self.hosts = nodes.iter().map(|n| host_bits(&self.classes, n)).collect();
-        self.counts = vec![0; self.classes.len()];
-        for &h in &self.hosts {
-            for (k, c) in self.counts.iter_mut().enumerate() {
-                *c += ((h >> k) & 1) as u32;
-            }
-        }
-    }
-}
-
-impl MemoState {
-    /// The classes, and which are scarce (free hosts at most their keep).
-    fn view(&mut self) -> ReserveView {
-        let scarce = self
-            .classes
-            .iter()
-            .zip(&self.counts)
-            .enumerate()
-            .filter(|(_, (c, &n))| c.keep > 0 && n <= c.keep)
-            .fold(0, |s, (k, _)| s | (1 << k));
-        let short = model_supply::short_lists(&self.lists, &self.limits, &self.supply, &mut self.short);
-        ReserveView { classes: self.classes.clone(), scarce, short, models: self.models.clone() }
-    }
-}
-
-impl ScarcityMemo {
-    /// The reserve of `cluster` with the mix's `learned` classes and `bound` demand.
-    pub fn view(&self, cluster: &Cluster, learned: &[ReserveClass], bound: &[BoundDemand]) -> ReserveView {
-        self.current(cluster, learned, bound).view()
-    }
-
-    /// [`ScarcityMemo::view`], with each class's free hosts now (by class index, as in the view).
-    pub fn view_with_hosts(
-        &self,
-        cluster: &Cluster,
-        learned: &[ReserveClass],
-        bound: &[BoundDemand],
-    ) -> (ReserveView, Vec<u32>) {
-        let mut m = self.current(cluster, learned, bound);
-        (m.view(), m.counts.clone())
-    }
-
-    /// The model lists looked at (the mix's `bound` and the inventory's), each with the GPUs its
-    /// pods could use now (thousandths) and whether it is short.
-    pub fn lists_with_supply(
-        &self,
-        cluster: &Cluster,
-        learned: &[ReserveClass],
-        bound: &[BoundDemand],
-    ) -> Vec<(BoundDemand, u64, bool)> {
-        let mut m = self.current(cluster, learned, bound);
-        m.view();
-        let MemoState { lists, supply, short, .. } = &*m;
-        lists.iter().zip(&supply.within).zip(short).map(|((l, &w), &s)| (l.clone(), w, s)).collect()
-    }
-
-    /// The memo brought up to `cluster`'s state.
-    fn current(
-        &self,
-        cluster: &Cluster,
-        learned: &[ReserveClass],
-        bound: &[BoundDemand],
-    ) -> std::sync::MutexGuard<'_, MemoState> {
-        let mut m = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let stamps = cluster.stamps();
-        let nodes = cluster.nodes();
-        if m.learned != learned
-            || m.learned_bound != bound
-            || m.layout != cluster.layout()
-            || m.stamps.len() != stamps.len()
-        {
-            m.rebuild(cluster, learned, bound);
-        } else {
-            let mut reshaped = false;
-            let MemoState { classes, lists, stamps: seen, shapes, hosts, counts, supply, node_supply, .. } = &mut *m;
-            for (i, (old, &new)) in seen.iter_mut().zip(stamps).enumerate() {
-                if *old == new {
-                    continue;
-                }
-                *old = new;
-                let node = &nodes[i];
-                if shapes[i] != (node.gpus.len(), node.cpu_milli) {
-                    reshaped = true;
-                    break;
-                }
-                let part = Supply::of_node(lists, node);
-                let was = std::mem::replace(&mut node_supply[i], part);
-                supply.remove(&was);
-                supply.add(&node_supply[i]);
-                let bits = host_bits(classes, node);
-                let was = std::mem::replace(&mut hosts[i], bits);
-                for (k, c) in counts.iter_mut().enumerate() {
-                    *c = *c + ((bits >> k) & 1) as u32 - ((was >> k) & 1) as u32;
-                }
-            }
-            if reshaped {
-                // a node's capacity changed: the inventory's classes may have too
-                m.rebuild(cluster, learned, bound);
-            }
-        }
-        m
-    }
-}
-
 /// Keeps back the last free hosts of the reserve's scarce classes (module documentation).
 #[derive(Debug, Default, Clone, Copy)]
 pub struct ReserveScorer;
@@ -425,6 +101,30 @@ fn guarded<'a>(ctx: &'a ScoreContext<'_>) -> impl Iterator<Item = &'a ReserveCla
         .map(|(_, c)| c)
 }
 
+/// Whether `node` would still be a free host of `class` after `placement`.
+fn hosted_after(class: &ReserveClass, node: &Node, placement: &Placement) -> bool {
+    let n = node.gpus.len().min(64);
+    let mut free = [0u32; 64];
+    for (g, slot) in free.iter_mut().enumerate().take(n) {
+        *slot = node.free_milli(g);
+    }
+    for c in placement.assignment.containers.iter().filter(|c| !c.init) {
+        for s in &c.slices {
+            let g = s.gpu as usize;
+            if g < n {
+                free[g] = free[g].saturating_sub(s.milli_on(node.gpus[g].memory_mib));
+            }
+        }
+    }
+    let a = &placement.assignment;
+    class.fits(
+        free[..n].iter().copied(),
+        (node.cpu_milli > 0).then(|| node.cpu_free().saturating_sub(a.cpu_milli)),
+        (node.memory_mib > 0).then(|| node.mem_free().saturating_sub(a.memory_mib)),
+        node.gpus.first().map_or("", |g| g.model.as_str()),
+    )
+}
+
 impl Scorer for ReserveScorer {
     fn name(&self) -> &'static str {
         "reserve"
@@ -438,7 +138,7 @@ impl Scorer for ReserveScorer {
         if ctx.reserve.scarce == 0 {
             return 1.0;
         }
-        let taken = guarded(ctx).any(|c| c.hosted_by(node) && !c.hosted_after(node, placement));
+        let taken = guarded(ctx).any(|c| c.hosted_by(node) && !hosted_after(c, node, placement));
         if taken {
             0.0
         } else {
@@ -456,8 +156,9 @@ mod tests {
     use crate::core::inventory::Board;
     use crate::core::resources::{GpuDemand, PodRequest};
     use crate::placement::engine::Engine;
+    use crate::placement::mix::{BoundDemand, WorkloadMix};
     use crate::placement::profile::Profile;
-    use crate::placement::scorers::fragmentation::WorkloadMix;
+    use crate::placement::scarcity::ScarcityMemo;
 
     /// `big-0..big-2`: 8 GPUs, 128 cores, 768 GiB (the only hosts of the large class); `small-0..3`:
     /// 8 GPUs, 96 cores, 384 GiB.

@@ -82,8 +82,8 @@ mod tests {
     use crate::core::inventory::Board;
     use crate::core::resources::{GpuDemand, PackingPolicy, PodRequest};
     use crate::placement::engine::Engine;
+    use crate::placement::mix::WorkloadMix;
     use crate::placement::profile::{Profile, ProfileConfig, Weights};
-    use crate::placement::scorers::fragmentation::WorkloadMix;
 
     const MEM: u64 = 16000;
     const NOW: i64 = 1_700_000_000_000;

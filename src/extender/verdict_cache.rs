@@ -542,7 +542,7 @@ pub(crate) fn priorities(names: &[&str], scores: &[u8]) -> HostPriorityList {
 mod tests {
     use super::*;
     use crate::core::resources::{GpuDemand, GroupSpec, PackingPolicy};
-    use crate::extender::wire::decode_args;
+    use crate::extender::args_decoder::decode_args;
 
     #[test]
     fn name_guesses_never_outlive_a_node_removal() {

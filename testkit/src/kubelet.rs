@@ -1,9 +1,9 @@
-//! A fake kubelet for tests and demos: kubelet's `Registration` service on `<dir>/kubelet.sock`
+//! A fake kubelet for tests: kubelet's `Registration` service on `<dir>/kubelet.sock`
 //! ([`FakeKubelet`]), its pod-resources `List` ([`FakePodResources`]), and a bare HTTP GET for
 //! scraping `/metrics` ([`http_get`]).
 //!
-//! It lives in the library rather than in `tests/` so its gRPC servers are compiled once, not once per
-//! test crate.
+//! It lives in this crate rather than in each `tests/` file so its gRPC servers are compiled once,
+//! not once per test crate.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -17,14 +17,16 @@ use tokio_stream::wrappers::UnixListenerStream;
 use tonic::transport::Server;
 use tonic::{Request, Response, Status};
 
-use crate::api::podresources::pod_resources_lister_server::{PodResourcesLister, PodResourcesListerServer};
-use crate::api::podresources::{
+use gpuplace_device_plugin::kubelet_api::podresources::pod_resources_lister_server::{
+    PodResourcesLister, PodResourcesListerServer,
+};
+use gpuplace_device_plugin::kubelet_api::podresources::{
     AllocatableResourcesRequest, AllocatableResourcesResponse, GetPodResourcesRequest, GetPodResourcesResponse,
     ListPodResourcesRequest, ListPodResourcesResponse,
 };
-use crate::api::v1beta1::registration_server::{Registration, RegistrationServer};
-use crate::api::v1beta1::{Empty, RegisterRequest};
-use crate::api::KUBELET_SOCKET;
+use gpuplace_device_plugin::kubelet_api::v1beta1::registration_server::{Registration, RegistrationServer};
+use gpuplace_device_plugin::kubelet_api::v1beta1::{Empty, RegisterRequest};
+use gpuplace_device_plugin::kubelet_api::KUBELET_SOCKET;
 
 struct Kubelet {
     registrations: mpsc::UnboundedSender<RegisterRequest>,

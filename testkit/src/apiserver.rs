@@ -1,10 +1,10 @@
-//! An in-process fake Kubernetes API server for tests and demos: plain HTTP/1.1 on 127.0.0.1, with
+//! An in-process fake Kubernetes API server for tests: plain HTTP/1.1 on 127.0.0.1, with
 //! the Pod, Node, Lease, Event, ConfigMap and Secret endpoints a kube-rs client and
 //! `kube::runtime::watcher` use, and a test-side handle to seed objects, read what was written, and inject faults.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-//! use gpuplace::apiserver::fake::FakeApiServer;
+//! use gpuplace_testkit::apiserver::FakeApiServer;
 //! use k8s_openapi::api::core::v1::Pod;
 //! let fake = FakeApiServer::start().await?;
 //! let client = fake.client()?;
@@ -37,7 +37,6 @@ use serde_json::Value;
 use tokio::net::TcpListener;
 use tokio::task::{JoinHandle, JoinSet};
 
-use super::connect::{client_for_url, ConnectError};
 use store::Store;
 
 /// Requests kept in the log; older ones are dropped.
@@ -298,9 +297,13 @@ impl FakeApiServer {
         format!("http://{}", self.addr)
     }
 
-    /// A kube client for this server (as `--apiserver URL` builds it). Call inside a tokio runtime.
-    pub fn client(&self) -> Result<kube::Client, ConnectError> {
-        client_for_url(&self.url())
+    /// A kube client for this server: plain HTTP, no credentials (what gpuplace's `--apiserver URL`
+    /// builds). Call inside a tokio runtime.
+    pub fn client(&self) -> Result<kube::Client, kube::Error> {
+        let uri: http::Uri = self.url().parse().map_err(|e: http::uri::InvalidUri| {
+            kube::Error::Service(format!("fake apiserver URL {}: {e}", self.url()).into())
+        })?;
+        kube::Client::try_from(kube::Config::new(uri))
     }
 
     /// A kubeconfig (YAML) whose current context points at this server, for `--kubeconfig` tests.

@@ -1,4 +1,5 @@
-//! A fast path for decoding filter and prioritize bodies as kube-scheduler writes them: the top
+//! Decoding filter and prioritize bodies ([`decode_args`]), with a fast path for bodies as
+//! kube-scheduler writes them: the top
 //! object's three fields are found by a small scanner, the Pod (and a full-Nodes list) are decoded
 //! by serde_json from their own byte ranges, and the `NodeNames` strings are taken as slices of the
 //! body. serde_json spent about 370 instructions per name (string parsing, UTF-8 validation per
@@ -14,7 +15,27 @@
 
 use std::borrow::Cow;
 
-use crate::extender::wire::{ExtenderArgsRef, NodeList, NodeName, Pod};
+use crate::extender::wire::{
+    decode, node_limit, ExtenderArgs, ExtenderArgsRef, GoType, NodeList, NodeName, Pod, WireError, NODE_LIMIT_HIT,
+};
+
+/// Decodes a filter or prioritize body with borrowed names. Errors are exactly [`decode`]'s for
+/// [`ExtenderArgs`]: a body this fast decoder refuses is decoded again by that one, which names
+/// the field (and, should it accept the body after all, its answer is used).
+pub fn decode_args(body: &[u8]) -> Result<ExtenderArgsRef<'_>, WireError> {
+    if let Some(args) = scan_args(body) {
+        return Ok(args);
+    }
+    NODE_LIMIT_HIT.set(false);
+    match serde_json::from_slice::<ExtenderArgsRef<'_>>(body) {
+        Ok(args) => Ok(args),
+        // over the limit: refused without decoding the body a second time
+        Err(_) if NODE_LIMIT_HIT.get() => {
+            Err(WireError::TooManyNodes { go_type: <ExtenderArgs as GoType>::GO_NAME, limit: node_limit() })
+        }
+        Err(_) => decode::<ExtenderArgs>(body).map(ExtenderArgsRef::from),
+    }
+}
 
 const ONES: u64 = u64::MAX / 255;
 /// Deeper values go to serde_json, whose nesting limit (128) counts from the body's top.
@@ -207,7 +228,7 @@ fn name_list<'a>(s: &mut Scanner<'a>) -> Option<Vec<NodeName<'a>>> {
     }
     // names run about 16 bytes with their quotes and comma; never more than the node limit, past
     // which serde_json's decoder refuses the body with the limit's error
-    let max = crate::extender::wire::node_limit();
+    let max = node_limit();
     let mut out = Vec::with_capacity(((s.b.len() - s.i) / 16 + 1).min(max));
     s.ws();
     if s.eat(b']') {

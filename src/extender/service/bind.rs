@@ -1,0 +1,266 @@
+//! Bind: re-check and count the allocation under the write lock, run the [`Binder`] without it, then
+//! confirm or roll back; the assignment annotation the Binding carries.
+
+use super::*;
+
+impl Extender {
+    /// The bind verb. `Err` only for a body that cannot be used; every bind failure is an answer
+    /// with `Error` set, after the allocation is rolled back.
+    pub async fn bind(&self, body: &[u8]) -> Result<ExtenderBindingResult, WireError> {
+        let started = Instant::now();
+        let args: ExtenderBindingArgs = decode(body)?;
+        let mut d = Decision {
+            v: PLACEMENT_LOG_VERSION,
+            verb: "bind".into(),
+            pod: args.pod_key(),
+            uid: args.pod_uid.clone(),
+            candidates: 1,
+            ..Decision::default()
+        };
+        let prepared = if self.is_ready() {
+            self.prepare_bind(&args, &mut d)
+        } else {
+            Err((BindOutcome::NotReady, NOT_READY.into()))
+        };
+        let (outcome, error) = match prepared {
+            Err((outcome, message)) => (outcome, Some(message)),
+            Ok(None) => (BindOutcome::Repeated, None),
+            Ok(Some(request)) => match self.binder.bind(&request).await {
+                Ok(()) => {
+                    {
+                        let mut st = self.write();
+                        if let Some(b) = st.bound.get_mut(&args.pod_uid) {
+                            b.confirmed = true;
+                            st.bound_at.insert(args.pod_uid.clone(), Instant::now());
+                        }
+                        let done = st.groups.settle(&args.pod_uid).into_iter().collect();
+                        let done = st.groups.stamped(&st.cluster, done);
+                        drop(st);
+                        self.group_events(done);
+                    }
+                    // counted here if this replica never filtered it (the filter went to another
+                    // leader, or the pod watcher remembered it)
+                    if let Some(SeenPod { request: Ok(req), .. }) = self.seen_pod(&args.pod_uid) {
+                        self.observe_arrival(&args.pod_uid, &req);
+                    }
+                    (BindOutcome::Bound, None)
+                }
+                Err(e) => {
+                    self.rollback(&args);
+                    tracing::warn!(pod = %args.pod_key(), node = %args.node, error = %e, "Binding failed; allocation rolled back");
+                    (BindOutcome::BinderFailed, Some(prefixed(&format!("binding failed, GPUs released: {e}"))))
+                }
+            },
+        };
+        self.metrics.bind(outcome);
+        if outcome.is_success() {
+            self.metrics.pod_settled(&args.pod_uid);
+        }
+        d.outcome = Some(outcome.name().into());
+        d.feasible = usize::from(outcome.is_success());
+        d.ts_unix_ms = now_unix_ms();
+        d.error = error.clone();
+        if outcome.is_success() {
+            tracing::debug!(pod = %args.pod_key(), node = %args.node, outcome = outcome.name(), "bound");
+        } else {
+            d.chosen = None;
+        }
+        if self.log.is_some() {
+            // the cluster after this bind, for capacity reports (docs/placement-log.md)
+            let st = self.read();
+            d.cluster = Some(CapacitySummary::of(&st.cluster, &args.node));
+            if d.group.is_some() {
+                d.group_totals = Some(st.groups.totals(&st.cluster));
+            }
+        }
+        let out = match error {
+            None => ExtenderBindingResult::ok(),
+            Some(e) => ExtenderBindingResult::error(e),
+        };
+        Ok(self.finish(d, started, out))
+    }
+
+    /// Re-checks and counts the allocation. `Ok(None)`: a retry of a bind already done.
+    pub(super) fn prepare_bind(
+        &self,
+        args: &ExtenderBindingArgs,
+        d: &mut Decision,
+    ) -> Result<Option<BindRequest>, (BindOutcome, String)> {
+        let key = args.pod_key();
+        let fail = |o: BindOutcome, m: String| Err((o, prefixed(&m)));
+        let seen = self.seen_pod(&args.pod_uid);
+        let mut st = self.write();
+        let st = &mut *st;
+        if let Some(b) = st.bound.get(&args.pod_uid) {
+            return if b.node != args.node {
+                fail(BindOutcome::Conflict, format!("pod {key} is already bound to {}", b.node))
+            } else if !b.confirmed {
+                fail(BindOutcome::Conflict, format!("a bind of pod {key} to {} is in flight; retry", b.node))
+            } else {
+                d.chosen = b.annotation.as_deref().and_then(chosen_of);
+                Ok(None)
+            };
+        }
+        let Some(seen) = seen else {
+            return fail(
+                BindOutcome::UnknownPod,
+                format!("pod {key} (UID {}) was not seen in a filter request, so its GPU request is unknown; it will be scheduled again", args.pod_uid),
+            );
+        };
+        if seen.key != key {
+            return fail(
+                BindOutcome::UnknownPod,
+                format!("UID {} belongs to pod {}, not {key}", args.pod_uid, seen.key),
+            );
+        }
+        let req = match &seen.request {
+            Ok(r) => r.clone(),
+            Err(reason) => return fail(BindOutcome::Refused, reason.clone()),
+        };
+        d.requests = Some(requests_of(&req));
+        d.group = req.group.as_ref().map(|g| g.key.clone());
+        let Some(index) = st.cluster.node_index(&args.node) else {
+            return fail(BindOutcome::UnknownNode, format!("node {} is not in gpuplace's node cache", args.node));
+        };
+        if let Some(old) = st.uid_of.get(&key).cloned() {
+            // two live pods cannot share a name: the old UID's pod is gone and its release was missed
+            self.metrics.conflict(ConflictKind::StaleUid);
+            tracing::warn!(pod = %key, old_uid = %old, new_uid = %args.pod_uid, "pod name bound again under a new UID; releasing the old record");
+            let _ = st.cluster.release(&key);
+            st.bound.remove(&old);
+            st.uid_of.remove(&key);
+        }
+        let mut record = BoundPod {
+            key: key.clone(),
+            uid: args.pod_uid.clone(),
+            node: args.node.clone(),
+            bind_seq: 0,
+            annotation: None,
+            confirmed: false,
+            signed_by: None,
+        };
+        let mut annotations = BTreeMap::new();
+        if !req.is_gpu_free() {
+            // a group member binding where its plan put it takes its reservation's GPUs
+            let reserved = Self::take_reservation(st, &args.pod_uid, &key, &args.node);
+            let elsewhere = reserved.is_none();
+            if elsewhere {
+                let events = st.groups.leave_plan(&mut st.cluster, &args.pod_uid, &args.node);
+                self.group_events(st.groups.stamped(&st.cluster, events));
+            }
+            let placement = match reserved {
+                Some(assignment) => crate::placement::feasibility::Placement { assignment, set_scores: Vec::new() },
+                None => match st.engine.place(&st.cluster, &req, index) {
+                    Ok(p) => p,
+                    Err(why) => {
+                        // the event gets the cause; the node's figures go to the logs
+                        tracing::debug!(pod = %key, node = %args.node, detail = %why.detail(), "pod no longer fits on the chosen node");
+                        d.rejection_details.insert(args.node.clone(), why.detail().to_string());
+                        return fail(
+                            BindOutcome::NoFit,
+                            format!("pod {key} no longer fits on {}: {}", args.node, why.cause()),
+                        );
+                    }
+                },
+            };
+            let seq = st.last_seq.get(&args.node).copied().unwrap_or(0) + 1;
+            let node = &st.cluster.nodes()[index];
+            let annotation =
+                match AssignmentAnnotation::from_assignment(&placement.assignment, &args.pod_uid, node, seq) {
+                    Ok(a) => a,
+                    Err(e) => {
+                        Self::restore_reservation(st, &args.pod_uid, &args.node);
+                        return Err((BindOutcome::NoFit, prefixed(&e.to_string())));
+                    }
+                };
+            // signed, so that a restarted replica (or the standby) can tell it from a forgery
+            let Some(keys) = self.key_ring() else {
+                Self::restore_reservation(st, &args.pod_uid, &args.node);
+                return fail(BindOutcome::NotReady, "no assignment key to sign the assignment with; retry".into());
+            };
+            let annotation = annotation.signed(&keys);
+            record.signed_by = Some(keys.primary().to_string());
+            if let Err(e) = st.cluster.allocate(placement.assignment.clone()) {
+                Self::restore_reservation(st, &args.pod_uid, &args.node);
+                return Err((
+                    BindOutcome::NoFit,
+                    prefixed(&format!("pod {key} cannot be counted on {}: {e}", args.node)),
+                ));
+            }
+            if elsewhere {
+                st.groups.mark_bound(&args.pod_uid, &args.node);
+            } else {
+                st.groups.slot_taken(&args.pod_uid, &args.node);
+            }
+            st.last_seq.insert(args.node.clone(), seq);
+            let text = annotation.to_json();
+            d.chosen = chosen_of(&text);
+            annotations.insert(ANNOTATION_ASSIGNMENT.to_string(), text.clone());
+            record.bind_seq = seq;
+            record.annotation = Some(text);
+        } else {
+            d.chosen = Some(Chosen { node: args.node.clone(), bind_seq: 0, gpus: Vec::new() });
+        }
+        st.uid_of.insert(key, args.pod_uid.clone());
+        st.bound.insert(args.pod_uid.clone(), record);
+        Ok(Some(BindRequest {
+            namespace: args.pod_namespace.clone(),
+            name: args.pod_name.clone(),
+            uid: args.pod_uid.clone(),
+            node: args.node.clone(),
+            annotations,
+        }))
+    }
+
+    /// Undoes `prepare_bind` after a failed Binding, if the record is still the one it made.
+    pub(super) fn rollback(&self, args: &ExtenderBindingArgs) {
+        let mut st = self.write();
+        let key = args.pod_key();
+        let ours = st.bound.get(&args.pod_uid).is_some_and(|b| !b.confirmed && b.node == args.node);
+        if !ours {
+            return;
+        }
+        if let Some(text) = st.bound.remove(&args.pod_uid).and_then(|b| b.annotation) {
+            // more rolled-back binds than are ever in flight at once: forget the old ones
+            if st.withdrawn.len() >= DEFAULT_POD_CACHE {
+                st.withdrawn.clear();
+            }
+            st.withdrawn.insert(args.pod_uid.clone(), text);
+        }
+        if st.uid_of.get(&key) == Some(&args.pod_uid) {
+            st.uid_of.remove(&key);
+        }
+        if st.cluster.assignment(&key).is_some_and(|a| a.node == args.node) {
+            let _ = st.cluster.release(&key);
+        }
+        // a group member's slot is held for it again: the other members keep what they hold
+        if let Some(res) = st.groups.slot_returned(&args.pod_uid) {
+            let _ = st.cluster.allocate(res);
+        }
+    }
+
+    // -----------------------------------------------------------------------------------------------
+    // preempt
+    // -----------------------------------------------------------------------------------------------
+}
+
+/// The placement log's view of an assignment annotation.
+pub(super) fn chosen_of(annotation: &str) -> Option<Chosen> {
+    let a = AssignmentAnnotation::parse(annotation).ok()?;
+    let gpus = a
+        .containers
+        .iter()
+        .flat_map(|c| {
+            c.gpus.iter().map(move |g| ChosenGpu {
+                container: c.name.clone(),
+                init: c.init,
+                index: g.index,
+                uuid: g.uuid.clone(),
+                memory_mib: g.memory_mib,
+                core_percent: g.core_percent,
+                exclusive: g.exclusive,
+            })
+        })
+        .collect();
+    Some(Chosen { node: a.node, bind_seq: a.bind_seq, gpus })
+}

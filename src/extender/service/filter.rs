@@ -1,0 +1,452 @@
+//! Filter: which candidate nodes the pod fits, each with the reason it does not (short, groupable
+//! across nodes), served from the shape cache where it can be; the evaluation is kept for the
+//! prioritize call that follows (`eval_cache`).
+
+use super::*;
+
+/// Placement log lines name at most this many top nodes.
+pub(super) const TOP_NODES: usize = 5;
+
+/// A node that fits, as the answer ranks it: (its position or index, score, the engine's total).
+pub(super) type Ranked = (usize, u8, f32);
+
+/// Keeps the `n` best of `fits` (any order among them): by score, then total, then the first.
+pub(super) fn keep_best(fits: &mut Vec<Ranked>, n: usize) {
+    if n == 0 || fits.len() <= n {
+        return;
+    }
+    let best = |a: &Ranked, b: &Ranked| b.1.cmp(&a.1).then(b.2.total_cmp(&a.2)).then(a.0.cmp(&b.0));
+    fits.select_nth_unstable_by(n - 1, best);
+    fits.truncate(n);
+}
+
+/// Filter's and prioritize's evaluation of the known candidates without the shape cache.
+pub(super) struct Judged {
+    /// Per node index: the score (0..=10) where the pod fits, [`REJECTED`] or [`NOT_JUDGED`].
+    pub(super) scores: Vec<i8>,
+    /// Why each rejected node (by index) was turned down (filter only).
+    pub(super) rejects: HashMap<usize, Arc<Reason>>,
+    /// The engine's total behind each score, by node index.
+    pub(super) totals: HashMap<usize, f32>,
+    pub(super) evaluation: Evaluation,
+}
+
+impl Judged {
+    /// The verdict on node `i` (`None` when not judged, or rejected without a reason).
+    pub(super) fn answer(&self, i: usize) -> Option<Answer> {
+        match self.scores.get(i).copied() {
+            Some(s) if s >= 0 => Some(Answer::Fits(s as u8, self.totals.get(&i).copied().unwrap_or(0.0))),
+            Some(REJECTED) => self.rejects.get(&i).map(|r| Answer::No(r.clone())),
+            _ => None,
+        }
+    }
+}
+
+/// Reasons for candidates not in the node cache, one per kind (they name no node).
+pub(super) struct Unknown<'a> {
+    pub(super) objects: Option<&'a [WireNode]>,
+    pub(super) reasons: [Option<Arc<Reason>>; UnknownNode::ALL.len()],
+}
+
+impl<'a> Unknown<'a> {
+    pub(super) fn new(args: &'a ExtenderArgsRef<'_>) -> Self {
+        Self { objects: args.nodes.as_ref().map(|l| l.items.as_slice()), reasons: Default::default() }
+    }
+
+    /// The verdict on the unknown candidate at position `p`.
+    pub(super) fn answer(&mut self, p: usize) -> Answer {
+        let kind = UnknownNode::of(self.objects.and_then(|o| o.get(p)));
+        // a fieldless enum in `ALL` order: its discriminant is its index
+        let slot = &mut self.reasons[kind as usize];
+        let r = slot.get_or_insert_with(|| Arc::new(Reason::new(RejectClass::UnknownNode, kind.reason())));
+        Answer::No(r.clone())
+    }
+}
+
+/// What filter answers with: an extender error, or a verdict per candidate.
+pub(super) enum Filtered<'a> {
+    Error(String),
+    Judged(Candidates<'a>, Vec<Answer>),
+}
+
+impl Extender {
+    /// The shape cache entry for this pod, unless its verdicts are not cacheable (a group's pod).
+    /// With a placement log too: the log's top scores come from [`Self::top_of_cached`].
+    pub(super) fn cached_shape(&self, req: &PodRequest) -> Option<Arc<Shape>> {
+        self.shapes.shape(req)
+    }
+
+    /// The placement log's `top` where the verdicts came from the shape cache, which keeps no
+    /// scorer's part: the best [`TOP_NODES`] of `fits` (node index, score, total) by score, then
+    /// total, evaluated again in full. Only for a line that is written.
+    pub(super) fn top_of_cached(st: &State, req: &PodRequest, mut fits: Vec<Ranked>, now: i64) -> Vec<TopScore> {
+        keep_best(&mut fits, TOP_NODES);
+        let nodes: Vec<usize> = fits.iter().map(|f| f.0).collect();
+        let ev = st.engine.evaluate_in_order(&st.cluster, req, &nodes, now, true);
+        Self::top_scores(st, req, &ev, now)
+    }
+
+    /// When the scores of the judged nodes (`scores` by index) hold: the intersection of their windows.
+    pub(super) fn window_of(st: &State, scores: &[i8], now: i64) -> (i64, i64) {
+        let judged = st.cluster.nodes().iter().zip(scores).filter(|(_, &s)| s != NOT_JUDGED);
+        judged.fold((i64::MIN, i64::MAX), |(from, until), (n, _)| {
+            let (f, u) = st.engine.verdict_window(n, now);
+            (from.max(f), until.min(u))
+        })
+    }
+
+    /// Why the engine rejected a node, as the answer says it: the class and the cause (no text, and
+    /// no detail, which only logs read).
+    pub(super) fn rejection(st: &State, req: &PodRequest, r: &Rejection) -> ReasonKey {
+        let why = st.engine.classify_rejection(&st.cluster, req, r);
+        let unresolvable = why.as_ref().map_or(r.unresolvable, |w| w.is_unresolvable());
+        let class = if unresolvable { RejectClass::Unresolvable } else { RejectClass::Preemptable };
+        (class, why.map(|w| w.cause()))
+    }
+
+    /// The verdict on every candidate from the shape's cache, judging (and caching) the nodes whose
+    /// entry is missing, made for another state of the node, or expired. `emit` gets each position
+    /// in order with its verdict (`None` for names not in the node cache).
+    pub(super) fn with_cached(
+        &self,
+        st: &State,
+        shape: &Shape,
+        req: &PodRequest,
+        c: &Candidates<'_>,
+        now: i64,
+        mut emit: impl FnMut(usize, Option<&Answer>),
+    ) {
+        let cluster = &st.cluster;
+        let stamps = cluster.stamps();
+        let mut table = shape.table();
+        table.keep_only(st.engine.shared_key(cluster));
+        // each node once: what the cache cannot answer
+        let mut stale = Vec::new();
+        let mut unique = 0;
+        for (&i, &first) in c.at.iter().zip(&c.first) {
+            if let (Some(i), true) = (i, first) {
+                unique += 1;
+                if table.get(i, stamps[i], now).is_none() {
+                    stale.push(i);
+                }
+            }
+        }
+        self.shapes.count(unique - stale.len(), stale.len());
+        let mut fresh = HashMap::with_capacity(stale.len());
+        if !stale.is_empty() {
+            let nodes = cluster.nodes();
+            let ev = st.engine.evaluate_in_order(cluster, req, &stale, now, false);
+            for cand in &ev.ranked {
+                let score = cand.score.clamp(0, MAX_EXTENDER_PRIORITY) as u8;
+                fresh.insert(cand.node, Answer::Fits(score, cand.total as f32));
+            }
+            for r in &ev.rejected {
+                let key = Self::rejection(st, req, r);
+                let unresolvable = key.0 == RejectClass::Unresolvable;
+                fresh.insert(r.node, Answer::No(table.intern(key, || reasons::rejection(key.1, unresolvable))));
+            }
+            for (&i, a) in &fresh {
+                table.set(i, stamps[i], st.engine.verdict_window(&nodes[i], now), a.clone());
+            }
+        }
+        for (p, &i) in c.at.iter().enumerate() {
+            // `fresh` too: a verdict whose window does not reach past now is answered but not kept
+            emit(p, i.and_then(|i| table.get(i, stamps[i], now).or_else(|| fresh.get(&i))));
+        }
+    }
+
+    /// Filters and scores the known candidates without the shape cache (each evaluated once however
+    /// often it is named). Rejection reasons are written only when `reasons` is set (prioritize
+    /// does not send them).
+    pub(super) fn judge(&self, st: &State, req: &PodRequest, c: &Candidates<'_>, now: i64, reasons: bool) -> Judged {
+        let cluster = &st.cluster;
+        let mut scores = vec![NOT_JUDGED; cluster.nodes().len()];
+        let indices: Vec<usize> = c.unique().filter_map(|p| c.at[p]).collect();
+        for &i in &indices {
+            // marks the node as listed; the evaluation below overwrites the ones that fit
+            scores[i] = REJECTED;
+        }
+        let evaluation = st.engine.evaluate_in_order(cluster, req, &indices, now, self.log.is_some());
+        let mut totals = HashMap::with_capacity(evaluation.ranked.len());
+        for cand in &evaluation.ranked {
+            scores[cand.node] = cand.score.clamp(0, MAX_EXTENDER_PRIORITY) as i8;
+            totals.insert(cand.node, cand.total as f32);
+        }
+        let mut rejects = HashMap::with_capacity(if reasons { evaluation.rejected.len() } else { 0 });
+        // the engine filters without classifying rejections; only rejected nodes pay for it, and
+        // nodes rejected for the same cause share one reason
+        let mut texts: HashMap<ReasonKey, Arc<Reason>> = HashMap::new();
+        for r in evaluation.rejected.iter().filter(|_| reasons) {
+            let key = Self::rejection(st, req, r);
+            let reason = texts.entry(key).or_insert_with(|| {
+                let text = reasons::rejection(key.1, key.0 == RejectClass::Unresolvable);
+                Arc::new(Reason::new(key.0, text))
+            });
+            rejects.insert(r.node, reason.clone());
+        }
+        Judged { scores, rejects, totals, evaluation }
+    }
+
+    /// The first [`MAX_DETAILED_NODES`] rejected candidates, in the order sent, with the node's own
+    /// figures behind the reason each was given.
+    pub(super) fn rejection_details(
+        st: &State,
+        req: &PodRequest,
+        args: &ExtenderArgsRef<'_>,
+        c: &Candidates<'_>,
+        answers: &[Answer],
+    ) -> Vec<(String, String, Arc<Reason>)> {
+        let objects = args.nodes.as_ref().map(|l| l.items.as_slice());
+        let rejected = c.unique().filter_map(|p| match answers.get(p) {
+            Some(Answer::No(r)) => Some((p, r)),
+            _ => None,
+        });
+        rejected
+            .take(MAX_DETAILED_NODES)
+            .map(|(p, r)| {
+                let name = c.names[p];
+                let detail = match c.at[p] {
+                    // the same node state the answer was made from (the read lock is held)
+                    Some(i) => st
+                        .engine
+                        .explain(&st.cluster, req, i)
+                        .map_or_else(|| r.text.clone(), |w| w.why().detail.clone()),
+                    None => UnknownNode::of(objects.and_then(|o| o.get(p))).detail(name),
+                };
+                (name.to_string(), detail, r.clone())
+            })
+            .collect()
+    }
+
+    /// The best nodes with each scorer's share, re-scored in full (the ranking pass keeps only totals).
+    pub(super) fn top_scores(st: &State, req: &PodRequest, ev: &Evaluation, now: i64) -> Vec<TopScore> {
+        let cluster = &st.cluster;
+        let group = req.group.as_ref().map(|g| GroupView::new(cluster, g));
+        ev.ranked
+            .iter()
+            .take(TOP_NODES)
+            .map(|c| {
+                let parts = c
+                    .placement(cluster, req)
+                    .map(|p| st.engine.score(cluster, req, c.node, &p, now, group.as_ref()).parts)
+                    .unwrap_or_default();
+                TopScore {
+                    node: cluster.nodes()[c.node].name.clone(),
+                    score: c.score,
+                    total: c.total,
+                    parts: parts.iter().map(|(n, v)| (n.to_string(), *v)).collect(),
+                }
+            })
+            .collect()
+    }
+
+    /// The filter verb. `Err` only for a body that cannot be used (answered with HTTP 400).
+    pub fn filter(&self, body: &[u8]) -> Result<ExtenderFilterResult, WireError> {
+        let args = decode_args(body)?;
+        Ok(match self.filter_args(&args)? {
+            Filtered::Error(e) => ExtenderFilterResult::error(e),
+            Filtered::Judged(c, answers) => verdict_cache::filter_result(&args, &c, &answers),
+        })
+    }
+
+    /// [`Extender::filter`], answered as the JSON body kube-scheduler reads, encoded directly (what
+    /// the HTTP service sends).
+    pub fn filter_json(&self, body: &[u8]) -> Result<Vec<u8>, WireError> {
+        let args = decode_args(body)?;
+        Ok(match self.filter_args(&args)? {
+            Filtered::Error(e) => serde_json::to_vec(&ExtenderFilterResult::error(e)).unwrap_or_default(),
+            Filtered::Judged(c, answers) => verdict_cache::filter_json(&args, &c, &answers),
+        })
+    }
+
+    pub(super) fn filter_args<'a>(&self, args: &'a ExtenderArgsRef<'_>) -> Result<Filtered<'a>, WireError> {
+        let started = Instant::now();
+        let mode = args.mode()?;
+        let names = args.candidate_names()?;
+        let mut d = self.decision("filter", &args.pod, started);
+        d.mode = Some(mode_name(mode).into());
+        d.candidates = names.len();
+        if !self.is_ready() {
+            // an answer from an incomplete state could place a pod on GPUs that are taken
+            d.error = Some(NOT_READY.into());
+            return Ok(self.finish(d, started, Filtered::Error(NOT_READY.into())));
+        }
+        let req = match self.remember_pod(&args.pod) {
+            Ok(r) => r,
+            Err(reason) => {
+                let reason = Arc::new(Reason::new(RejectClass::Contract, prefixed(&reason)));
+                self.metrics.rejection(RejectClass::Contract, names.len() as u64);
+                self.metrics.pod_filtered(&args.pod.metadata.uid, Some(RejectClass::Contract), Instant::now());
+                d.rejections.insert(reason.text.clone(), names.len());
+                d.rejection_classes.insert(RejectClass::Contract.name().into(), names.len());
+                d.refused = Some(reason.text.clone());
+                let answers = vec![Answer::No(reason); names.len()];
+                return Ok(self.finish(
+                    d,
+                    started,
+                    Filtered::Judged(Candidates::unresolved(names, args.names_verbatim()), answers),
+                ));
+            }
+        };
+        d.requests = Some(requests_of(&req));
+        if req.is_gpu_free() {
+            // not ours to judge: kube-scheduler only asks about it when no managedResources are set
+            d.feasible = names.len();
+            let answers = vec![Answer::Fits(0, 0.0); names.len()];
+            return Ok(self.finish(
+                d,
+                started,
+                Filtered::Judged(Candidates::unresolved(names, args.names_verbatim()), answers),
+            ));
+        }
+        if let Some(list) = &args.nodes {
+            self.learn_nodes(&list.items);
+        }
+        // the pod has arrived: counted into the learned mix before it is judged, as the simulator's
+        // gpuplace policy counts a pod before it places it
+        self.observe_arrival(&args.pod.metadata.uid, &req);
+        self.expire_groups();
+        if req.group.is_some() {
+            if let Some(out) = self.group_filter(&args.pod.metadata.uid, &req, &names, args.names_verbatim(), &mut d) {
+                return Ok(self.finish(d, started, out));
+            }
+        }
+        let st = self.read();
+        // after the read lock: a freeing stamped later than this is not in the verdict
+        let read_at = Instant::now();
+        let c = self.names.resolve(&st.cluster, names, args.names_verbatim());
+        let now = self.now_ms();
+        let mut unknown = Unknown::new(args);
+        let mut answers = Vec::with_capacity(c.names.len());
+        let from_cache = self.cached_shape(&req);
+        let top = match &from_cache {
+            Some(shape) => {
+                self.with_cached(&st, shape, &req, &c, now, |p, a| {
+                    answers.push(match a {
+                        Some(a) => a.clone(),
+                        None => unknown.answer(p),
+                    })
+                });
+                Vec::new()
+            }
+            None => {
+                let judged = self.judge(&st, &req, &c, now, true);
+                // the placement log's top scores re-score nodes in full: only when there is a log
+                let top =
+                    if self.log.is_some() { Self::top_scores(&st, &req, &judged.evaluation, now) } else { Vec::new() };
+                for (p, i) in c.at.iter().enumerate() {
+                    answers.push(match i.and_then(|i| judged.answer(i)) {
+                        Some(a) => a,
+                        None => unknown.answer(p),
+                    });
+                }
+                if !args.pod.metadata.uid.is_empty() {
+                    // for the prioritize call that follows (kube-scheduler sends it next, for the same pod)
+                    self.evals().insert(CachedEval {
+                        uid: args.pod.metadata.uid.clone(),
+                        request: req.clone(),
+                        generation: st.generation,
+                        made: Instant::now(),
+                        window: Self::window_of(&st, &judged.scores, now),
+                        scores: judged.scores,
+                        top: top.clone(),
+                    });
+                }
+                top
+            }
+        };
+        let mut class_counts = [0u64; 4];
+        let mut feasible = 0;
+        for p in c.unique() {
+            match &answers[p] {
+                Answer::Fits(..) => feasible += 1,
+                Answer::No(r) => class_counts[class_index(r.class)] += 1,
+                Answer::NotOffered => {}
+            }
+        }
+        d.feasible = feasible;
+        if self.log.is_some() {
+            d.top = top;
+            for (class, &n) in RejectClass::ALL.iter().zip(&class_counts) {
+                if n > 0 {
+                    d.rejection_classes.insert(class.name().into(), n as usize);
+                }
+            }
+            for p in c.unique() {
+                if let Answer::No(r) = &answers[p] {
+                    *d.rejections.entry(r.text.clone()).or_default() += 1;
+                }
+            }
+        }
+        // the reasons name no node's figures (kube-scheduler groups nodes by them): those go to the
+        // placement log and the debug log, written only for them, and not for a retry whose line
+        // the log only counts (its verdict is the pod's last one)
+        let logged = self.log.as_ref().is_some_and(|log| log.writes(&d));
+        if logged && from_cache.is_some() {
+            let fits = c
+                .unique()
+                .filter_map(|p| match (&answers[p], c.at[p]) {
+                    (Answer::Fits(s, t), Some(i)) => Some((i, *s, *t)),
+                    _ => None,
+                })
+                .collect();
+            d.top = Self::top_of_cached(&st, &req, fits, now);
+        }
+        if logged || tracing::enabled!(tracing::Level::DEBUG) {
+            for (node, detail, reason) in Self::rejection_details(&st, &req, args, &c, &answers) {
+                tracing::debug!(pod = %d.pod, node = %node, reason = %reason.text, detail = %detail, "node rejected");
+                d.rejection_details.insert(node, detail);
+            }
+        }
+        drop(st);
+        for (class, &n) in RejectClass::ALL.iter().zip(&class_counts) {
+            if n > 0 {
+                self.metrics.rejection(*class, n);
+            }
+        }
+        let waits_on = if feasible > 0 { None } else { RejectClass::of_pending(&class_counts) };
+        self.metrics.pod_filtered(&args.pod.metadata.uid, waits_on, read_at);
+        self.note_verdict(&args.pod, &c, &answers, feasible, read_at);
+        d.offered = self.offer(&args.pod, &c, &mut answers, feasible);
+        Ok(self.finish(d, started, Filtered::Judged(c, answers)))
+    }
+
+    /// Narrows an answer where more nodes fit than kube-scheduler is to score ([`NodesToScore`]):
+    /// the best by score, then by the engine's total, ties in the order sent (kube-scheduler
+    /// rotates where its list starts); the others, and the nodes that do not fit, are left out of
+    /// the answer (kube-scheduler reads the failed nodes only when the pod fits nowhere). Returns
+    /// how many nodes the answer names, when it was narrowed.
+    pub(super) fn offer(
+        &self,
+        pod: &Pod,
+        c: &Candidates<'_>,
+        answers: &mut [Answer],
+        feasible: usize,
+    ) -> Option<usize> {
+        let n = if pod.spec.has_soft_preferences() { self.nodes_to_score.soft } else { self.nodes_to_score.plain };
+        if n == 0 || feasible <= n {
+            return None;
+        }
+        let mut fits: Vec<Ranked> = c
+            .unique()
+            .filter_map(|p| match answers[p] {
+                Answer::Fits(s, t) => Some((p, s, t)),
+                _ => None,
+            })
+            .collect();
+        keep_best(&mut fits, n);
+        let keep: HashSet<&str> = fits.iter().map(|&(p, ..)| c.names[p]).collect();
+        for (a, name) in answers.iter_mut().zip(&c.names) {
+            if !matches!(a, Answer::Fits(..)) || !keep.contains(name) {
+                *a = Answer::NotOffered;
+            }
+        }
+        Some(n)
+    }
+
+    pub(super) fn finish<T>(&self, mut d: Decision, started: Instant, out: T) -> T {
+        d.latency_us = started.elapsed().as_micros() as u64;
+        self.log(d);
+        out
+    }
+}

@@ -1,0 +1,105 @@
+//! Prioritize: a 0..10 score per candidate, from the evaluation filter kept when there is one.
+
+use super::*;
+
+impl Extender {
+    /// The prioritize verb: 0..=10 per candidate from the engine; 0 where the pod does not fit.
+    /// Answers from the shape cache, or for uncached shapes from filter's evaluation of the same pod
+    /// when nothing changed since (see `EvalCache`).
+    pub fn prioritize(&self, body: &[u8]) -> Result<HostPriorityList, WireError> {
+        let args = decode_args(body)?;
+        let (names, scores) = self.prioritize_args(&args)?;
+        Ok(verdict_cache::priorities(&names, &scores))
+    }
+
+    /// [`Extender::prioritize`], answered as the JSON body kube-scheduler reads.
+    pub fn prioritize_json(&self, body: &[u8]) -> Result<Vec<u8>, WireError> {
+        let args = decode_args(body)?;
+        let (names, scores) = self.prioritize_args(&args)?;
+        Ok(verdict_cache::priorities_json(&names, args.names_verbatim(), &scores))
+    }
+
+    pub(super) fn prioritize_args<'a>(
+        &self,
+        args: &'a ExtenderArgsRef<'_>,
+    ) -> Result<(Vec<&'a str>, Vec<u8>), WireError> {
+        let started = Instant::now();
+        let mode = args.mode()?;
+        let names = args.candidate_names()?;
+        let mut d = self.decision("prioritize", &args.pod, started);
+        d.mode = Some(mode_name(mode).into());
+        d.candidates = names.len();
+        let req = match self.remember_pod(&args.pod) {
+            Ok(r) => r,
+            Err(reason) => {
+                d.refused = Some(prefixed(&reason));
+                let zeros = vec![0; names.len()];
+                return Ok(self.finish(d, started, (names, zeros)));
+            }
+        };
+        d.requests = Some(requests_of(&req));
+        if req.is_gpu_free() {
+            let zeros = vec![0; names.len()];
+            return Ok(self.finish(d, started, (names, zeros)));
+        }
+        if let Some(list) = &args.nodes {
+            self.learn_nodes(&list.items);
+        }
+        if let Some(scores) = self.group_priorities(&args.pod.metadata.uid, &req, &names) {
+            d.feasible = scores.iter().filter(|&&s| s > 0).count();
+            return Ok(self.finish(d, started, (names, scores)));
+        }
+        let st = self.read();
+        let c = self.names.resolve(&st.cluster, names, args.names_verbatim());
+        let now = self.now_ms();
+        // per position: the score, or REJECTED
+        let (scores, top): (Vec<i8>, Vec<TopScore>) = match self.cached_shape(&req) {
+            Some(shape) => {
+                let mut scores = Vec::with_capacity(c.at.len());
+                // the log's top scores are made from these; without a log nothing is kept
+                let mut fits = Vec::new();
+                let logged = self.log.is_some();
+                self.with_cached(&st, &shape, &req, &c, now, |p, a| {
+                    scores.push(match a {
+                        Some(Answer::Fits(s, t)) => {
+                            if let (true, Some(i), true) = (logged, c.at[p], c.first[p]) {
+                                fits.push((i, *s, *t));
+                            }
+                            *s as i8
+                        }
+                        _ => REJECTED,
+                    })
+                });
+                let top = if logged { Self::top_of_cached(&st, &req, fits, now) } else { Vec::new() };
+                (scores, top)
+            }
+            None => {
+                let uid = &args.pod.metadata.uid;
+                let cached =
+                    if uid.is_empty() { None } else { self.evals().scores(uid, &req, st.generation, now, &c.at) };
+                match cached {
+                    Some(hit) => hit,
+                    None => {
+                        let judged = self.judge(&st, &req, &c, now, false);
+                        let scores = c.at.iter().map(|i| i.map_or(REJECTED, |i| judged.scores[i])).collect();
+                        let top = if self.log.is_some() {
+                            Self::top_scores(&st, &req, &judged.evaluation, now)
+                        } else {
+                            Vec::new()
+                        };
+                        (scores, top)
+                    }
+                }
+            }
+        };
+        drop(st);
+        d.feasible = scores.iter().filter(|&&s| s >= 0).count();
+        d.top = top;
+        let scores = scores.iter().map(|&s| s.clamp(0, MAX_EXTENDER_PRIORITY as i8) as u8).collect();
+        Ok(self.finish(d, started, (c.names, scores)))
+    }
+
+    // -----------------------------------------------------------------------------------------------
+    // bind
+    // -----------------------------------------------------------------------------------------------
+}

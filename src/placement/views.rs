@@ -1,0 +1,91 @@
+//! What scorers may read of the whole cluster besides the node they score, worked out once per pod
+//! (or per cluster state) rather than once per node: where the pod's group stands ([`GroupView`],
+//! for `scorers::network`) and which reserve classes and model lists are scarce ([`ReserveView`],
+//! for `scorers::reserve` and `scorers::model_supply`, kept by `placement::scarcity`).
+
+use std::collections::HashMap;
+
+use crate::core::cluster::{Cluster, Node};
+use crate::core::resources::GroupSpec;
+use crate::placement::mix::ReserveClass;
+
+/// A node's network path: its value for each configured level, coarse to fine.
+pub type NetPath = Vec<Option<String>>;
+
+/// Where a group stands, computed once per pod rather than once per node.
+#[derive(Debug, Clone, Default)]
+pub struct GroupView {
+    /// Network paths of the nodes holding the group's placed pods.
+    pub peer_paths: Vec<NetPath>,
+    pub placed: usize,
+    pub size: usize,
+    /// Idle healthy GPUs under each leaf switch (full path; nodes missing a label are left out).
+    pub idle_by_leaf: HashMap<NetPath, usize>,
+    pub levels: usize,
+}
+
+pub fn path_of(cluster: &Cluster, node: &Node) -> NetPath {
+    cluster.network_path(node).map(|v| v.map(str::to_string)).collect()
+}
+
+impl GroupView {
+    pub fn new(cluster: &Cluster, group: &GroupSpec) -> Self {
+        let mut v = Self { size: group.size as usize, levels: cluster.network_levels.len(), ..Self::default() };
+        for n in cluster.nodes() {
+            let path = path_of(cluster, n);
+            let holds = n.pods().filter(|p| p.group.as_deref() == Some(group.key.as_str())).count();
+            if holds > 0 {
+                v.placed += holds;
+                v.peer_paths.push(path.clone());
+            }
+            // a node missing a label is under no known leaf: pooling all such nodes would promise room
+            // near it that may be anywhere in the network
+            if path.iter().all(Option::is_some) {
+                *v.idle_by_leaf.entry(path).or_default() += idle_gpus(n);
+            }
+        }
+        v
+    }
+}
+
+pub fn idle_gpus(node: &Node) -> usize {
+    (0..node.gpus.len()).filter(|&g| node.is_gpu_free(g) && node.gpus[g].healthy).count()
+}
+
+/// At most this many reserve classes are looked at (a bit each in the scarcity mask).
+pub const MAX_CLASSES: usize = 64;
+
+/// Bit `k` set: class `k` of a [`ReserveView`] is scarce (at most `keep` free hosts left).
+pub type ScarceMask = u64;
+
+/// The reserve classes that hold for a cluster state, and which of them are scarce.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct ReserveView {
+    /// The mix's classes (learned from requests), then those of the node inventory
+    /// ([`inventory_classes`]), at most [`MAX_CLASSES`].
+    pub classes: Vec<ReserveClass>,
+    pub scarce: ScarceMask,
+    /// The lists of GPU models whose free GPUs are short of what the pods bound to them need
+    /// ([`model_supply::short_lists`]).
+    pub short: Vec<Vec<String>>,
+    /// The GPU models of the cluster's nodes (each node's first GPU's), each once.
+    pub models: Vec<String>,
+}
+
+impl ReserveView {
+    /// A key that differs whenever scores may: the scarce classes (what the scorer reads; a
+    /// class's `keep` only decides whether it is scarce).
+    pub fn key(&self) -> u64 {
+        use std::hash::{Hash, Hasher};
+        if self.scarce == 0 && self.short.is_empty() {
+            // nothing scarce or short: both scorers are left out, whatever the classes
+            return 0;
+        }
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        for (k, c) in self.classes.iter().enumerate().filter(|(k, _)| (self.scarce >> k) & 1 == 1) {
+            (k, c.gpus, c.milli, c.cpu_milli, c.memory_mib, &c.models).hash(&mut h);
+        }
+        self.short.hash(&mut h);
+        h.finish() | 1
+    }
+}
