@@ -8,13 +8,14 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
-use gpuplace::core::cluster::{Cluster, ContainerAssignment, GpuSlice, PodAssignment};
+use gpuplace::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
+use gpuplace::core::cluster::Cluster;
 use gpuplace::core::inventory::Board;
 use gpuplace::core::resources::{GpuDemand, MemoryDemand, PodRequest};
 use gpuplace::core::resources::{NumaPolicy, PackingPolicy};
-use gpuplace::extender::placement_log::CapacitySummary;
 use gpuplace::placement::engine::Engine;
 use gpuplace::placement::gpu_select::{choose_one, choose_set, FreeState, ShareChoice};
+use gpuplace::placement_log::CapacitySummary;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 

@@ -13,5 +13,6 @@ pub mod core;
 pub mod extender;
 pub mod logging;
 pub mod placement;
+pub mod placement_log;
 pub mod report;
 pub mod sim;

@@ -6,8 +6,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use gpuplace::apiserver::binder::KubeBinder;
+use gpuplace::apiserver::connect::ConnectArgs;
 use gpuplace::apiserver::keys::{KeyOptions, KeySecret, DEFAULT_KEY_SECRET_NAME};
-use gpuplace::apiserver::{ApiOptions, ConnectArgs, KubeBinder, LeaderConfig};
+use gpuplace::apiserver::leader::LeaderConfig;
+use gpuplace::apiserver::run::ApiOptions;
 use gpuplace::core::cluster::Cluster;
 use gpuplace::core::inventory::load_cluster;
 use gpuplace::extender::binder::RecordingBinder;
@@ -17,13 +20,14 @@ use gpuplace::extender::http::{
 };
 use gpuplace::extender::inspect::InspectReport;
 use gpuplace::extender::mix::{load_learner, MixSaver, SAVE_EVERY};
-use gpuplace::extender::placement_log::{CompactOptions, PlacementLog};
 use gpuplace::extender::service::{Extender, NodesToScore, ServiceOptions};
 use gpuplace::logging::LogFormat;
 use gpuplace::placement::engine::Engine;
 use gpuplace::placement::mix::WorkloadMix;
 use gpuplace::placement::mix_learner::MixLearner;
 use gpuplace::placement::profile::{Profile, ProfileConfig};
+use gpuplace::placement_log::compact::CompactOptions;
+use gpuplace::placement_log::writer::PlacementLog;
 use gpuplace::sim::policies::PolicyKind;
 use gpuplace::sim::{simulate, SimConfig};
 
@@ -79,7 +83,8 @@ fn ms_of_secs(secs: u64) -> i64 {
 
 /// Reads the logs in order, compacts them and writes the result; returns the summary line.
 fn compact_log(args: &CompactLogArgs) -> Result<String, String> {
-    use gpuplace::extender::placement_log::{line_of, Compactor};
+    use gpuplace::placement_log::compact::Compactor;
+    use gpuplace::placement_log::writer::line_of;
     use std::io::Write;
     let same = |p: &PathBuf| p.canonicalize().ok().is_some_and(|p| args.output.canonicalize().is_ok_and(|o| o == p));
     if let Some(p) = args.placement_log.iter().find(|p| same(p)) {
@@ -95,7 +100,7 @@ fn compact_log(args: &CompactLogArgs) -> Result<String, String> {
     for path in files {
         let lines = match path {
             Some(path) => {
-                let lines = gpuplace::report::input::read_placement_log(path).map_err(|e| e.to_string())?;
+                let lines = gpuplace::placement_log::read::read_placement_log(path).map_err(|e| e.to_string())?;
                 read += lines.len();
                 lines.into_iter().flat_map(|l| compactor.push(l.decision)).collect()
             }

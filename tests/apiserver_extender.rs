@@ -7,10 +7,11 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use gpuplace::apiserver::binder::KubeBinder;
 use gpuplace::apiserver::keys::KeyOptions;
 use gpuplace::apiserver::leader::ANNOTATION_LEADER_URL;
+use gpuplace::apiserver::leader::{LeaderConfig, Leadership};
 use gpuplace::apiserver::run::{self, ApiOptions, Controller};
-use gpuplace::apiserver::{KubeBinder, LeaderConfig, Leadership};
 use gpuplace::core::annotations::{
     AssignmentAnnotation, GpuUtilization, UtilizationAnnotation, ANNOTATION_ASSIGNMENT, ANNOTATION_REQUEUED,
     ANNOTATION_UTILIZATION,

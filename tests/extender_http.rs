@@ -26,12 +26,13 @@ use gpuplace::extender::binder::{BindError, BindFuture, BindRequest, Binder, Rec
 use gpuplace::extender::http::{spawn, HttpOptions, Running};
 use gpuplace::extender::http_client::{Connection, Response};
 use gpuplace::extender::inspect::InspectReport;
-use gpuplace::extender::placement_log::{Decision, PlacementLog};
 use gpuplace::extender::service::{Extender, RestoredPod, ServiceOptions};
 use gpuplace::extender::wire::{decode, ExtenderArgs, ExtenderPreemptionArgs, Pod};
 use gpuplace::placement::engine::Engine;
 use gpuplace::placement::mix::WorkloadMix;
 use gpuplace::placement::profile::Profile;
+use gpuplace::placement_log::writer::PlacementLog;
+use gpuplace::placement_log::Decision;
 use proptest::prelude::*;
 use serde_json::{json, Value};
 

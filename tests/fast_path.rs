@@ -6,7 +6,8 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use gpuplace::core::cluster::{Cluster, ContainerAssignment, GpuSlice, Node, PodAssignment, UtilSample};
+use gpuplace::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
+use gpuplace::core::cluster::{Cluster, Node, UtilSample};
 use gpuplace::core::inventory::{load_topology_file, Board, ResolvedBoard};
 use gpuplace::core::resources::{
     ContainerDemand, GpuDemand, GroupSpec, MemoryDemand, NumaPolicy, PackingPolicy, PodRequest,

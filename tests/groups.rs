@@ -12,12 +12,12 @@ use gpuplace::core::cluster::{Cluster, DEFAULT_NETWORK_LEVELS};
 use gpuplace::core::inventory::Board;
 use gpuplace::extender::binder::{BindError, BindFuture, BindRequest, Binder, RecordingBinder};
 use gpuplace::extender::groups::PodGroupInfo;
-use gpuplace::extender::placement_log::PlacementLog;
 use gpuplace::extender::service::{Extender, ServiceOptions};
 use gpuplace::extender::wire::ExtenderFilterResult;
 use gpuplace::placement::engine::Engine;
 use gpuplace::placement::mix::WorkloadMix;
 use gpuplace::placement::profile::Profile;
+use gpuplace::placement_log::writer::PlacementLog;
 use serde_json::{json, Value};
 
 const TOR: &str = "network.gpuplace.io/tor";

@@ -6,15 +6,17 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
-use gpuplace::core::cluster::{Cluster, ContainerAssignment, GpuSlice, PodAssignment};
+use gpuplace::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
+use gpuplace::core::cluster::Cluster;
 use gpuplace::core::inventory::Board;
 use gpuplace::extender::binder::RecordingBinder;
-use gpuplace::extender::placement_log::{Decision, PlacementLog};
 use gpuplace::extender::service::{Extender, NodesToScore, ServiceOptions};
 use gpuplace::extender::wire::ExtenderFilterResult;
 use gpuplace::placement::engine::Engine;
 use gpuplace::placement::mix::WorkloadMix;
 use gpuplace::placement::profile::Profile;
+use gpuplace::placement_log::writer::PlacementLog;
+use gpuplace::placement_log::Decision;
 use serde_json::{json, Value};
 
 /// 12 nodes of 8 H100s; node `gpu-k` has k of its GPUs held whole, so nodes differ in how well a

@@ -4,7 +4,8 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use gpuplace::core::cluster::{Cluster, ContainerAssignment, GpuSlice, PodAssignment};
+use gpuplace::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
+use gpuplace::core::cluster::Cluster;
 use gpuplace::core::inventory::{load_topology_file, ResolvedBoard};
 use gpuplace::core::resources::{GpuDemand, PodRequest};
 use gpuplace::core::topology::GpuTopology;

@@ -9,11 +9,13 @@ use std::sync::Arc;
 use gpuplace::core::cluster::Cluster;
 use gpuplace::core::inventory::Board;
 use gpuplace::extender::binder::RecordingBinder;
-use gpuplace::extender::placement_log::{CompactOptions, Decision, PlacementLog};
 use gpuplace::extender::service::{Extender, ServiceOptions};
 use gpuplace::placement::engine::Engine;
 use gpuplace::placement::mix::WorkloadMix;
 use gpuplace::placement::profile::Profile;
+use gpuplace::placement_log::compact::CompactOptions;
+use gpuplace::placement_log::writer::PlacementLog;
+use gpuplace::placement_log::Decision;
 use gpuplace::report::model::LogModel;
 use serde_json::{json, Value};
 
@@ -132,7 +134,7 @@ fn retries_are_counted_on_the_pods_next_line() {
     let at_exit = lines(&path);
     assert_eq!(shape(&at_exit[5..]), [line("filter", "waits", 0)]);
     // and the report counts every call
-    let read = gpuplace::report::input::read_placement_log(&path).unwrap();
+    let read = gpuplace::placement_log::read::read_placement_log(&path).unwrap();
     let m = LogModel::build(vec![(path.clone(), read)]);
     assert_eq!((m.lines, m.verbs["filter"], m.verbs["bind"], m.latency["filter"].count), (6, 9, 1, 9));
 }
@@ -150,7 +152,7 @@ fn every_call_mode_writes_a_line_per_call_and_compacts_to_the_default() {
     assert!(every.iter().all(|d| d.repeats.is_none()));
     // what the default would have written, but for the deletion (which a log does not record): the
     // deleted pod's calls go out at the end instead, with the same counts
-    let mut c = gpuplace::extender::placement_log::Compactor::new(CompactOptions::default());
+    let mut c = gpuplace::placement_log::compact::Compactor::new(CompactOptions::default());
     let mut compact: Vec<Decision> = every.into_iter().flat_map(|d| c.push(d)).collect();
     compact.extend(c.finish());
     assert_eq!(

@@ -20,7 +20,7 @@
 use std::collections::{BTreeSet, HashSet};
 use std::sync::Mutex;
 
-use gpuplace::core::cluster::{ContainerAssignment, GpuSlice, PodAssignment};
+use gpuplace::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
 
 /// A pod, by `namespace/name` and UID (a re-created pod with the same name is another pod).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]

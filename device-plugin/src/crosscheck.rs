@@ -10,8 +10,10 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::plugin::GrantKey;
 use crate::podresources::ContainerRef;
+
+/// A container's grants, keyed by `namespace/pod` and container name: what pod-resources reports.
+pub type GrantKey = (String, String);
 
 /// A device that Allocate granted as one pod's assignment and kubelet gave to another pod.
 #[derive(Debug, Clone, PartialEq, Eq)]

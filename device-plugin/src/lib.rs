@@ -7,6 +7,7 @@
 //!   with the core's set search, Allocate.
 //! - [`assign`]: pod identity at admission: the [`assign::AssignmentSource`] seam and the matching rules.
 //! - [`server`]: the unix socket, registration with kubelet and re-registration.
+//! - [`unix_socket`]: a gRPC client channel over a unix socket.
 //! - [`sampler`]: the sampling loop over the backend, feeding metrics and the publish policy.
 //! - [`podresources`]: kubelet's pod-resources `List`: which container holds which GPU.
 //! - [`crosscheck`]: pod-resources against Allocate's grants: a container started on another pod's
@@ -34,3 +35,4 @@ pub mod publish;
 pub mod sampler;
 pub mod server;
 pub mod slots;
+pub mod unix_socket;

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use gpuplace::apiserver::{connect, ConnectArgs, ConnectError, Source};
+use gpuplace::apiserver::connect::{connect, ConnectArgs, ConnectError, Source};
 use gpuplace::logging::LogFormat;
 use gpuplace_device_plugin::assign::AssignmentSource;
 use gpuplace_device_plugin::k8s::assignments::KubeAssignments;

@@ -81,8 +81,7 @@ pub struct GrantedSlice {
     pub core_pct: u32,
 }
 
-/// A container's grants, keyed by `namespace/pod` and container name: what pod-resources reports.
-pub type GrantKey = (String, String);
+pub use crate::crosscheck::GrantKey;
 
 #[derive(Debug, Clone)]
 struct GrantRecord {

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use crate::kubelet_api::podresources::pod_resources_lister_client::PodResourcesListerClient;
 use crate::kubelet_api::podresources::{ListPodResourcesRequest, ListPodResourcesResponse};
-use crate::server::connect_unix;
 use crate::slots::SlotTable;
+use crate::unix_socket::connect_unix;
 
 /// Where kubelet serves the pod-resources API.
 pub const DEFAULT_POD_RESOURCES_SOCKET: &str = "/var/lib/kubelet/pod-resources/kubelet.sock";

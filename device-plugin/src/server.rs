@@ -17,17 +17,17 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use hyper_util::rt::TokioIo;
-use tokio::net::{UnixListener, UnixStream};
+use tokio::net::UnixListener;
 use tokio::sync::watch;
 use tokio_stream::wrappers::UnixListenerStream;
-use tonic::transport::{Channel, Endpoint, Server, Uri};
+use tonic::transport::Server;
 
 use crate::kubelet_api::v1beta1::device_plugin_server::DevicePluginServer;
 use crate::kubelet_api::v1beta1::registration_client::RegistrationClient;
 use crate::kubelet_api::v1beta1::RegisterRequest;
 use crate::kubelet_api::{DEFAULT_DEVICE_PLUGIN_DIR, KUBELET_SOCKET, VERSION};
 use crate::plugin::{DevicePluginService, Plugin};
+use crate::unix_socket::connect_unix;
 
 /// Where and how to serve.
 #[derive(Debug, Clone)]
@@ -80,18 +80,6 @@ struct FileId {
 fn file_id(path: &Path) -> Option<FileId> {
     let m = std::fs::symlink_metadata(path).ok()?;
     Some(FileId { dev: m.dev(), ino: m.ino(), ctime: m.ctime(), ctime_nsec: m.ctime_nsec() })
-}
-
-/// A gRPC channel over a unix socket (the URI is required by tonic and ignored).
-pub async fn connect_unix(path: &Path) -> Result<Channel, tonic::transport::Error> {
-    let path = path.to_path_buf();
-    Endpoint::from_static("http://[::1]:0")
-        .connect_timeout(Duration::from_secs(5))
-        .connect_with_connector(tower::service_fn(move |_: Uri| {
-            let path = path.clone();
-            async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(path).await?)) }
-        }))
-        .await
 }
 
 /// One Register call to kubelet.

@@ -13,7 +13,8 @@ use gpuplace::core::annotations::{
     AllocatedAnnotation, AssignmentAnnotation, GpuUtilization, NodeInventory, UtilizationAnnotation,
     ANNOTATION_ALLOCATED, ANNOTATION_ASSIGNMENT, ANNOTATION_INVENTORY, ANNOTATION_UTILIZATION,
 };
-use gpuplace::core::cluster::{ContainerAssignment, GpuSlice, Node as ModelNode, PodAssignment};
+use gpuplace::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
+use gpuplace::core::cluster::Node as ModelNode;
 use gpuplace::core::utilization_configmap::{configmap_name, read, LABEL_UTILIZATION};
 use gpuplace_device_plugin::assign::{AssignmentSource, PendingPod};
 use gpuplace_device_plugin::k8s::assignments::KubeAssignments;

@@ -11,7 +11,7 @@ use gpuplace_device_plugin::kubelet_api::v1beta1::device_plugin_client::DevicePl
 use gpuplace_device_plugin::kubelet_api::v1beta1::{
     AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest, Empty, PreferredAllocationRequest,
 };
-use gpuplace_device_plugin::server::connect_unix;
+use gpuplace_device_plugin::unix_socket::connect_unix;
 use gpuplace_testkit::kubelet::http_get;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpuplace-device-plugin");
@@ -154,7 +154,7 @@ async fn binary_registers_with_the_test_kubelet_and_serves_allocations() {
 #[tokio::test]
 async fn binary_with_an_api_server_writes_the_node_and_applies_assignments() {
     use gpuplace::core::annotations::{AssignmentAnnotation, ANNOTATION_ALLOCATED, ANNOTATION_ASSIGNMENT};
-    use gpuplace::core::cluster::{ContainerAssignment, GpuSlice, PodAssignment};
+    use gpuplace::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
     use gpuplace_device_plugin::k8s::inventory::cluster_node;
     use gpuplace_device_plugin::nvml::fake::FakeBackend;
     use gpuplace_device_plugin::nvml::GpuBackend;

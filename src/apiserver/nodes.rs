@@ -14,9 +14,10 @@ use kube::{Api, Resource, ResourceExt};
 use tokio::sync::watch;
 
 use crate::apiserver::events::{EventSink, REASON_INVENTORY};
-use crate::apiserver::next_event;
+use crate::apiserver::watch::next_event;
 use crate::extender::metrics::Watched;
-use crate::extender::service::{Extender, NodeOutcome};
+use crate::extender::service::observe::NodeOutcome;
+use crate::extender::service::Extender;
 
 /// Applies one Node object; returns whether gpuplace now knows it as a GPU node.
 pub fn apply(ext: &Extender, node: &Node, events: Option<&EventSink>) -> bool {

@@ -18,7 +18,7 @@ use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
 use kube::{Api, Client, ResourceExt};
 
-use crate::apiserver::next_event;
+use crate::apiserver::watch::next_event;
 use crate::extender::groups::PodGroupInfo;
 use crate::extender::metrics::Watched;
 use crate::extender::service::Extender;

@@ -20,10 +20,11 @@ use tokio::time::Instant;
 
 use crate::apiserver::events::{EventSink, REASON_ASSIGNMENT};
 use crate::apiserver::keys::KeyStatus;
-use crate::apiserver::next_event;
+use crate::apiserver::watch::next_event;
 use crate::extender::clock::now_unix_ms;
 use crate::extender::metrics::Watched;
-use crate::extender::service::{Extender, ObservedPod, PodOutcome, RestoredPod};
+use crate::extender::service::observe::{ObservedPod, PodOutcome};
+use crate::extender::service::{Extender, RestoredPod};
 use crate::extender::wire;
 
 /// The extender's view of a pod (`None`: not a pod the extender's decoder takes, never the case for

@@ -21,7 +21,8 @@ use tokio::sync::watch;
 use crate::apiserver::keys::KeyStatus;
 use crate::apiserver::leader::Leadership;
 use crate::core::annotations::ANNOTATION_ASSIGNMENT;
-use crate::extender::service::{Extender, Resign};
+use crate::extender::service::trust::Resign;
+use crate::extender::service::Extender;
 
 /// Records written per pass; the rest wait for the next pass, so a rotation over many pods does not
 /// flood the API server.

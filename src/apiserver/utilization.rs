@@ -17,10 +17,11 @@ use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
 use kube::{Api, ResourceExt};
 
-use crate::apiserver::next_event;
+use crate::apiserver::watch::next_event;
 use crate::core::utilization_configmap::{read, UTILIZATION_SELECTOR};
 use crate::extender::metrics::Watched;
-use crate::extender::service::{Extender, UtilizationOutcome};
+use crate::extender::service::utilization::UtilizationOutcome;
+use crate::extender::service::Extender;
 
 /// Applies one ConfigMap; `known` maps ConfigMap names to the node each last named, so that its
 /// deletion (or a change that makes it unreadable) drops that node's samples.

@@ -25,9 +25,9 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::core::cluster::{ContainerAssignment, Gpu, GpuSlice, Node, PodAssignment, UtilSample};
+use crate::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
+use crate::core::cluster::{Gpu, Node, UtilSample};
 use crate::core::resources::{ContainerDemand, PodRequest};
-use crate::core::signing::SignatureProblem;
 use crate::core::topology::{GpuTopology, Link, NvlinkFabric, PcieLevel, TopologyError};
 
 /// Pod annotation: the GPUs the pod was given (JSON, [`AssignmentAnnotation`]).
@@ -75,6 +75,21 @@ pub enum AnnotationError {
     BadLinks(#[from] TopologyError),
     #[error("{ANNOTATION_UTILIZATION}: {0}")]
     BadUtilization(String),
+}
+
+/// Why a signature does not make an assignment trusted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SignatureProblem {
+    #[error("it has no `sig`")]
+    Missing,
+    #[error("`sig` is malformed: {0}")]
+    Malformed(String),
+    #[error("`sig` names key {0:?}, which is not in the key Secret (forged, or signed with a key since removed)")]
+    UnknownKey(String),
+    #[error("the MAC does not match (key {0:?}): the assignment was altered, copied or forged")]
+    WrongMac(String),
+    #[error("no assignment key is loaded to check it with")]
+    NoKeys,
 }
 
 /// Only the version, read first so that an unknown version is reported as such rather than as

@@ -5,6 +5,7 @@
 pub const DEFAULT_NAMESPACE: &str = "gpuplace-system";
 
 pub mod annotations;
+pub mod assignment;
 pub mod cluster;
 pub mod inventory;
 pub mod quantity;

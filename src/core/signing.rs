@@ -22,7 +22,7 @@ use base64::Engine as _;
 use ring::hmac;
 use ring::rand::{SecureRandom, SystemRandom};
 
-use crate::core::annotations::{AnnotationError, AssignmentAnnotation, ANNOTATION_ASSIGNMENT};
+use crate::core::annotations::{AnnotationError, AssignmentAnnotation, SignatureProblem, ANNOTATION_ASSIGNMENT};
 
 /// The name of a key in the ring (`key.<id>` in the Secret, `<id>:` in a signature).
 pub type KeyId = String;
@@ -53,21 +53,6 @@ pub enum KeyRingError {
     UnexpectedEntry(String),
     #[error("the system random generator failed")]
     Random,
-}
-
-/// Why a signature does not make an assignment trusted.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum SignatureProblem {
-    #[error("it has no `sig`")]
-    Missing,
-    #[error("`sig` is malformed: {0}")]
-    Malformed(String),
-    #[error("`sig` names key {0:?}, which is not in the key Secret (forged, or signed with a key since removed)")]
-    UnknownKey(String),
-    #[error("the MAC does not match (key {0:?}): the assignment was altered, copied or forged")]
-    WrongMac(String),
-    #[error("no assignment key is loaded to check it with")]
-    NoKeys,
 }
 
 #[derive(Clone)]

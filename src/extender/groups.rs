@@ -27,10 +27,12 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::core::cluster::{Cluster, PodAssignment};
+use crate::core::assignment::PodAssignment;
+use crate::core::cluster::Cluster;
 use crate::core::resources::{GroupSpec, PodRequest};
 use crate::placement::engine::Engine;
 use crate::placement::group_plan::{group_name, plan_group, GroupAsk, GroupPlan};
+use crate::placement_log::{GroupEvent, GroupTotals};
 
 /// kube-scheduler v1.36's gang time-out (GangScheduling's Permit wait).
 pub const DEFAULT_GROUP_TIMEOUT: Duration = Duration::from_secs(300);
@@ -60,34 +62,6 @@ pub enum Verdict {
     NoPlan { reason: String },
     /// Not placed by a plan (a member beyond the planned size, or a group of one): judged as a single.
     Single,
-}
-
-/// What happened to a group, for the placement log and the debug log.
-#[derive(Debug, Clone, PartialEq, Default, Serialize, serde::Deserialize)]
-pub struct GroupEvent {
-    pub group: String,
-    /// `planned`, `no_plan`, `expired`, `replanned` (a planned node left or changed), `bound`
-    /// (every slot bound), `deleted` (every member gone).
-    pub event: String,
-    /// The plan's domain (`tor tor-2`), for `planned`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub domain: Option<String>,
-    /// Node of each slot, for `planned`.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub nodes: Vec<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub reason: Option<String>,
-    /// Every group's totals right after the event.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub totals: Option<GroupTotals>,
-}
-
-/// Groups waiting (members to place, no plan) and GPUs reserved, cluster-wide: on the placement
-/// log's `group` lines and group members' bind lines, for `gpuplace report`.
-#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, serde::Deserialize)]
-pub struct GroupTotals {
-    pub waiting: usize,
-    pub reserved_gpus: f64,
 }
 
 impl GroupEvent {
@@ -702,7 +676,7 @@ fn reserved_share(cluster: &Cluster, a: &PodAssignment) -> f64 {
                 return 1.0;
             }
             let cap = node.gpus.get(g as usize).map_or(0, |x| x.memory_mib);
-            crate::core::cluster::share_fraction(mem, core, cap)
+            crate::core::assignment::share_fraction(mem, core, cap)
         })
         .sum()
 }

@@ -788,7 +788,7 @@ mod tests {
     use std::path::Path;
 
     use super::*;
-    use crate::core::cluster::{ContainerAssignment, GpuSlice, PodAssignment};
+    use crate::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
     use crate::core::inventory::Board;
 
     #[test]

@@ -30,7 +30,6 @@ pub mod http_client;
 pub mod inspect;
 pub mod metrics;
 pub mod mix;
-pub mod placement_log;
 pub mod reasons;
 pub mod requeue;
 pub mod service;

@@ -30,7 +30,8 @@ use serde::{Deserialize, Serialize};
 use crate::core::annotations::{
     AssignmentAnnotation, NodeInventory, ANNOTATION_ASSIGNMENT, ANNOTATION_INVENTORY, ANNOTATION_UTILIZATION,
 };
-use crate::core::cluster::{Cluster, Node, PodAssignment};
+use crate::core::assignment::PodAssignment;
+use crate::core::cluster::{Cluster, Node};
 use crate::core::resources::PodRequest;
 use crate::core::signing::{KeyId, KeyRing};
 use crate::extender::adapt::NodeListMode;
@@ -40,9 +41,6 @@ use crate::extender::clock::now_unix_ms;
 use crate::extender::groups::{Groups, DEFAULT_GROUP_TIMEOUT};
 use crate::extender::metrics::{BindOutcome, ClusterSummary, ConflictKind, Metrics, RejectClass};
 use crate::extender::mix::Learning;
-use crate::extender::placement_log::{
-    CapacitySummary, Chosen, ChosenGpu, Decision, PlacementLog, Requests, TopScore, PLACEMENT_LOG_VERSION,
-};
 use crate::extender::reasons::{self, prefixed, UnknownNode, MAX_DETAILED_NODES};
 use crate::extender::requeue::{RecentRejections, Requeuer};
 use crate::extender::verdict_cache::{
@@ -55,6 +53,8 @@ use crate::extender::wire::{
 use crate::placement::engine::{Engine, Evaluation, Rejection};
 use crate::placement::mix_learner::MixLearner;
 use crate::placement::views::GroupView;
+use crate::placement_log::writer::PlacementLog;
+use crate::placement_log::{CapacitySummary, Chosen, ChosenGpu, Decision, Requests, TopScore, PLACEMENT_LOG_VERSION};
 
 /// What filter and bind answer (in `Error`) while the state is not complete or this replica is not
 /// the leader; prioritize and preempt, which have no error field, get HTTP 503.
@@ -69,20 +69,11 @@ pub const DEFAULT_POD_CACHE: usize = 10_000;
 /// flight at once.
 pub const DEFAULT_EVAL_CACHE: usize = 64;
 
-/// A cached evaluation is reused at most this long after it was made: prioritize follows filter
-/// within milliseconds, and the cache is not meant to serve later pods. (Scores that depend on the
-/// clock are covered by the evaluation's validity window, not by this.)
-const EVAL_CACHE_MAX_AGE: Duration = Duration::from_secs(1);
-
 /// `Extender::clock` when no fixed time is set.
 const SYSTEM_CLOCK: i64 = i64::MIN;
 
 /// [`State::gpu_memory_mib`] before it is computed.
 const UNKNOWN_GPU_MEMORY: u64 = u64::MAX;
-
-/// In [`CachedEval::scores`]: a node the evaluation did not cover, and one it rejected.
-const NOT_JUDGED: i8 = -1;
-const REJECTED: i8 = -2;
 
 /// A pod as filter saw it: enough for bind to place it.
 #[derive(Debug, Clone, PartialEq)]
@@ -329,7 +320,7 @@ impl Extender {
             metrics: Metrics::new(),
             log: None,
             ready: AtomicBool::new(opts.ready),
-            keys: RwLock::new(trust::ephemeral_keys()),
+            keys: RwLock::new(ephemeral_keys()),
             accept_unsigned: opts.accept_unsigned,
             rejections: Mutex::new(RecentRejections::default()),
             requeuer: OnceLock::new(),
@@ -733,16 +724,25 @@ mod eval_cache;
 mod filter;
 mod groups;
 mod learning;
-mod observe;
+pub mod observe;
 mod preempt;
 mod prioritize;
-mod trust;
-mod utilization;
-use eval_cache::{CachedEval, EvalCache};
-use filter::Filtered;
-pub use observe::{NodeOutcome, ObservedPod, PodOutcome};
-pub use trust::Resign;
-pub use utilization::UtilizationOutcome;
+pub mod trust;
+pub mod utilization;
+use eval_cache::{EvalCache, NOT_JUDGED, REJECTED};
+
+/// A per-process random ring: static mode signs with it (nothing is read back from annotations
+/// there), API-server mode until the Secret's ring is installed. `None` only if the OS random
+/// generator fails.
+fn ephemeral_keys() -> Option<Arc<KeyRing>> {
+    match KeyRing::generate() {
+        Ok(keys) => Some(Arc::new(keys)),
+        Err(e) => {
+            tracing::error!(error = %e, "no per-process assignment key; binds are refused until a key ring is installed");
+            None
+        }
+    }
+}
 
 fn class_index(c: RejectClass) -> usize {
     RejectClass::ALL.iter().position(|&x| x == c).unwrap_or(0)

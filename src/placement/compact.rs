@@ -15,7 +15,8 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
-use crate::core::cluster::{ContainerAssignment, GpuSlice, Node, PodAssignment};
+use crate::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
+use crate::core::cluster::Node;
 use crate::core::resources::{GpuDemand, NumaPolicy, PackingPolicy, PodRequest};
 use crate::core::topology::GpuTopology;
 use crate::placement::feasibility::{container_order, GpuChoice, Placement};

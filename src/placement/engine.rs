@@ -1,7 +1,8 @@
 //! The placement engine: filter nodes, choose GPUs on each, score with the profile, rank.
 //! Pure and deterministic: the same cluster and request always give the same answer.
 
-use crate::core::cluster::{AllocError, Cluster, Node, PodAssignment};
+use crate::core::assignment::PodAssignment;
+use crate::core::cluster::{AllocError, Cluster, Node};
 use crate::core::resources::PodRequest;
 use crate::placement::compact::{self, Outcome, Plan};
 use crate::placement::feasibility::{

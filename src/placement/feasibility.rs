@@ -8,7 +8,8 @@
 
 use std::fmt;
 
-use crate::core::cluster::{ContainerAssignment, GpuSlice, Node, PodAssignment};
+use crate::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
+use crate::core::cluster::Node;
 use crate::core::resources::{
     ContainerDemand, GpuDemand, MemoryDemand, NumaPolicy, PackingPolicy, PodRequest, ANNOTATION_GPU_MODEL,
 };

@@ -10,7 +10,8 @@
 //!    beside it score highest, then take the GPUs least connected to the GPUs that stay free;
 //! 5. lowest indices.
 
-use crate::core::cluster::{share_milli, Node};
+use crate::core::assignment::share_milli;
+use crate::core::cluster::Node;
 use crate::core::resources::{GpuDemand, NumaPolicy, PackingPolicy};
 use crate::core::topology::GpuTopology;
 use crate::placement::mix::{HostFree, WorkloadMix};

@@ -21,7 +21,8 @@
 
 use std::collections::BTreeMap;
 
-use crate::core::cluster::{Cluster, Node, PodAssignment};
+use crate::core::assignment::PodAssignment;
+use crate::core::cluster::{Cluster, Node};
 use crate::core::resources::{GpuDemand, PodRequest};
 use crate::placement::engine::Engine;
 

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use plotters::coord::ranged1d::SegmentValue;
 use plotters::prelude::*;
 
-use crate::extender::placement_log::ModelCapacity;
+use crate::placement_log::ModelCapacity;
 use crate::report::model::{curve, CapacitySample, GroupSample, NodeTrack, SimModel, TurnedAway};
 
 /// Why a chart could not be drawn (plotters' own error, which cannot happen on a string backend

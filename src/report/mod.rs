@@ -11,8 +11,8 @@ pub mod model;
 
 use std::path::PathBuf;
 
+use crate::placement_log::read::InputError;
 use crate::report::charts::ChartError;
-use crate::report::input::InputError;
 use crate::report::model::{LogModel, SimModel};
 
 /// Why a report could not be made.
@@ -45,7 +45,7 @@ impl Report {
         } else {
             let files = placement_logs
                 .iter()
-                .map(|p| Ok((p.clone(), input::read_placement_log(p)?)))
+                .map(|p| Ok((p.clone(), crate::placement_log::read::read_placement_log(p)?)))
                 .collect::<Result<Vec<_>, InputError>>()?;
             Some(LogModel::build(files))
         };

@@ -5,8 +5,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 
 use crate::core::resources::{GpuDemand, MemoryDemand};
-use crate::extender::placement_log::{Decision, ModelCapacity, Requests};
-use crate::report::input::LogLine;
+use crate::placement_log::read::LogLine;
+use crate::placement_log::{Decision, ModelCapacity, Requests};
 use crate::sim::report::PolicyReport;
 
 /// One point of the capacity charts: the cluster right after a bind.
@@ -342,7 +342,7 @@ pub fn curve(r: &PolicyReport) -> Vec<(f64, f64)> {
 mod tests {
     use super::*;
     use crate::core::resources::ContainerDemand;
-    use crate::extender::placement_log::{CapacitySummary, NodeCapacity};
+    use crate::placement_log::{CapacitySummary, NodeCapacity};
 
     fn line(d: Decision) -> LogLine {
         LogLine { line: 0, decision: d }
@@ -426,7 +426,7 @@ mod tests {
     /// same verdict, now and then a new one), binds of every outcome with the cluster after them,
     /// prioritize and group lines, and pods still waiting at the end.
     fn full_log(seed: u64) -> Vec<Decision> {
-        let mut next = crate::extender::placement_log::compact::draws(seed);
+        let mut next = crate::placement_log::compact::draws(seed);
         let mut out = Vec::new();
         let mut ts = 1_700_000_000_000;
         let mut allocated = 0.0;
@@ -450,7 +450,7 @@ mod tests {
                 2 => Decision {
                     v: 1,
                     verb: "group".into(),
-                    group_event: Some(crate::extender::groups::GroupEvent {
+                    group_event: Some(crate::placement_log::GroupEvent {
                         event: "no_plan".into(),
                         ..Default::default()
                     }),
@@ -470,7 +470,7 @@ mod tests {
 
     #[test]
     fn a_log_and_its_compaction_give_the_same_figures() {
-        use crate::extender::placement_log::{CompactOptions, Compactor};
+        use crate::placement_log::compact::{CompactOptions, Compactor};
         for seed in 1..=20 {
             let full = full_log(seed);
             let mut c = Compactor::new(CompactOptions::default());

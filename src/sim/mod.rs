@@ -19,7 +19,7 @@ use rayon::prelude::*;
 
 use crate::sim::policies::{MixSource, PolicyKind};
 use crate::sim::report::PolicyReport;
-use crate::sim::trace::TraceError;
+use crate::sim::trace::{TraceError, UNLIMITED};
 
 /// Simulation settings.
 #[derive(Debug, Clone)]
@@ -38,9 +38,6 @@ pub struct SimConfig {
     /// What-if: every node's host CPU and memory unlimited, so only GPUs limit placement.
     pub unlimited_host: bool,
 }
-
-/// Host CPU (milli) or memory (MiB) that never runs out, with room left for sums.
-pub const UNLIMITED: u64 = u64::MAX / 4;
 
 /// Makes every node's host CPU and memory unlimited when `cfg` asks for it (`--unlimited-host`).
 pub(crate) fn apply_host_limits(nodes: &mut [trace::TraceNode], cfg: &SimConfig) {

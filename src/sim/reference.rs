@@ -18,8 +18,8 @@ use crate::placement::mix::WorkloadMix;
 use crate::sim::protocol::{arrival_order, gpu_milli_total};
 use crate::sim::run::{SeedResult, MAX_COLUMN};
 use crate::sim::state::{SimNode, SimState};
+use crate::sim::trace::UNLIMITED;
 use crate::sim::trace::{TraceNode, TracePod};
-use crate::sim::UNLIMITED;
 
 /// The arrived-workload column the reference fills (% of cluster GPU capacity).
 pub const REFERENCE_COLUMN: usize = 100;

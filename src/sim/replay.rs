@@ -12,11 +12,12 @@ use std::path::Path;
 use crate::core::cluster::Cluster;
 use crate::core::inventory::{load_cluster, InventoryError};
 use crate::core::resources::GpuDemand;
-use crate::extender::placement_log::Decision;
-use crate::report::input::{read_placement_log, InputError};
+use crate::placement_log::read::{read_placement_log, InputError};
+use crate::placement_log::Decision;
 use crate::sim::report::PolicyReport;
+use crate::sim::trace::UNLIMITED;
 use crate::sim::trace::{TraceNode, TracePod};
-use crate::sim::{protocol, run, SimConfig, UNLIMITED};
+use crate::sim::{protocol, run, SimConfig};
 
 /// Arrived-workload columns of a replay: every percent, since a log's pods may fill a few percent
 /// of a large cluster or more than all of a small one.
@@ -224,7 +225,7 @@ pub fn table(reports: &[PolicyReport], pods: usize, capacity_gpus: u32) -> Strin
 mod tests {
     use super::*;
     use crate::core::resources::{ContainerDemand, MemoryDemand};
-    use crate::extender::placement_log::Requests;
+    use crate::placement_log::Requests;
     use crate::sim::policies::PolicyKind;
 
     fn bind(pod: &str, outcome: &str, demands: &[GpuDemand]) -> Decision {

@@ -4,7 +4,8 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use crate::core::cluster::{Cluster, ContainerAssignment, Gpu, GpuSlice, Node, PodAssignment, DEFAULT_NETWORK_LEVELS};
+use crate::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
+use crate::core::cluster::{Cluster, Gpu, Node, DEFAULT_NETWORK_LEVELS};
 use crate::core::inventory::synthetic_uuid;
 use crate::core::topology::GpuTopology;
 use crate::placement::mix::WorkloadMix;

@@ -6,6 +6,9 @@ use serde::Deserialize;
 
 use crate::core::resources::{ContainerDemand, GpuDemand, MemoryDemand, PodRequest};
 
+/// Host CPU (milli) or memory (MiB) that never runs out, with room left for sums.
+pub const UNLIMITED: u64 = u64::MAX / 4;
+
 /// GPU memory per model in MiB, as the trace's README gives it (G2 and G3 are Alibaba-internal).
 pub const MODEL_MEMORY_MIB: [(&str, u64); 7] = [
     ("T4", 15109),

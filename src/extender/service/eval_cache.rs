@@ -1,6 +1,19 @@
 //! The last few pods' filter evaluations, reused by the prioritize call that follows each.
 
-use super::*;
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use crate::core::resources::PodRequest;
+use crate::placement_log::TopScore;
+
+/// A cached evaluation is reused at most this long after it was made: prioritize follows filter
+/// within milliseconds, and the cache is not meant to serve later pods. (Scores that depend on the
+/// clock are covered by the evaluation's validity window, not by this.)
+pub(super) const EVAL_CACHE_MAX_AGE: Duration = Duration::from_secs(1);
+
+/// In [`CachedEval::scores`]: a node the evaluation did not cover, and one it rejected.
+pub(super) const NOT_JUDGED: i8 = -1;
+pub(super) const REJECTED: i8 = -2;
 
 /// A pod's filter evaluation, reused by the prioritize call that follows it.
 pub(super) struct CachedEval {

@@ -2,6 +2,7 @@
 //! across nodes), served from the shape cache where it can be; the evaluation is kept for the
 //! prioritize call that follows (`eval_cache`).
 
+use super::eval_cache::CachedEval;
 use super::*;
 
 /// Placement log lines name at most this many top nodes.

@@ -16,15 +16,17 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::{Extender, Filtered, State};
-use crate::core::cluster::PodAssignment;
+use super::filter::Filtered;
+use super::{Extender, State};
+use crate::core::assignment::PodAssignment;
 use crate::core::resources::PodRequest;
-use crate::extender::groups::{Arrival, GroupEvent, PodGroupInfo, Verdict};
+use crate::extender::groups::{Arrival, PodGroupInfo, Verdict};
 use crate::extender::metrics::RejectClass;
-use crate::extender::placement_log::{Decision, PLACEMENT_LOG_VERSION};
 use crate::extender::reasons::prefixed;
 use crate::extender::verdict_cache::{Answer, Candidates, Reason};
 use crate::placement::group_plan::group_name;
+use crate::placement_log::GroupEvent;
+use crate::placement_log::{Decision, PLACEMENT_LOG_VERSION};
 
 impl Extender {
     /// A kube-scheduler PodGroup seen or changed (`namespace/name`): its `minCount` and topology keys

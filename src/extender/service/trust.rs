@@ -6,24 +6,14 @@
 
 use std::sync::Arc;
 
-use super::{Extender, PodOutcome, State};
+use super::observe::PodOutcome;
+use super::{Extender, State};
+use crate::core::annotations::SignatureProblem;
 use crate::core::annotations::{AnnotationError, AssignmentAnnotation};
-use crate::core::cluster::{Cluster, PodAssignment};
+use crate::core::assignment::PodAssignment;
+use crate::core::cluster::Cluster;
 use crate::core::resources::PodRequest;
-use crate::core::signing::{KeyId, KeyRing, SignatureProblem};
-
-/// A per-process random ring: static mode signs with it (nothing is read back from annotations
-/// there), API-server mode until the Secret's ring is installed. `None` only if the OS random
-/// generator fails.
-pub(super) fn ephemeral_keys() -> Option<Arc<KeyRing>> {
-    match KeyRing::generate() {
-        Ok(keys) => Some(Arc::new(keys)),
-        Err(e) => {
-            tracing::error!(error = %e, "no per-process assignment key; binds are refused until a key ring is installed");
-            None
-        }
-    }
-}
+use crate::core::signing::{KeyId, KeyRing};
 
 /// A counted record to write again, signed with the primary key (the leader's part of a rotation).
 #[derive(Debug, Clone, PartialEq, Eq)]

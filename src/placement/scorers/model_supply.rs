@@ -300,7 +300,8 @@ mod tests {
     use std::path::Path;
 
     use super::*;
-    use crate::core::cluster::{Cluster, PodAssignment};
+    use crate::core::assignment::PodAssignment;
+    use crate::core::cluster::Cluster;
     use crate::core::inventory::Board;
 
     fn list(s: &str) -> Vec<String> {

@@ -55,8 +55,9 @@ mod tests {
     use std::path::Path;
 
     use super::*;
+    use crate::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
     use crate::core::cluster::Cluster;
-    use crate::core::cluster::{ContainerAssignment, GpuSlice, PodAssignment, DEFAULT_NETWORK_LEVELS};
+    use crate::core::cluster::DEFAULT_NETWORK_LEVELS;
     use crate::core::inventory::Board;
     use crate::core::resources::GroupSpec;
     use crate::core::resources::{GpuDemand, PackingPolicy, PodRequest};

@@ -58,7 +58,8 @@ mod tests {
     use std::collections::BTreeMap;
     use std::path::Path;
 
-    use crate::core::cluster::{Cluster, ContainerAssignment, GpuSlice, PodAssignment};
+    use crate::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
+    use crate::core::cluster::Cluster;
     use crate::core::inventory::Board;
     use crate::core::resources::{GpuDemand, PackingPolicy, PodRequest};
     use crate::placement::engine::Engine;

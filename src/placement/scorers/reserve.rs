@@ -243,7 +243,7 @@ mod tests {
         assert_eq!(scarce(&c), if a.starts_with("big") { 0b111 } else { 0b010 }, "{a}");
         for i in 0..2 {
             let name = format!("ns/b{i}");
-            c.allocate(crate::core::cluster::PodAssignment {
+            c.allocate(crate::core::assignment::PodAssignment {
                 pod: name,
                 node: format!("big-{i}"),
                 containers: Vec::new(),

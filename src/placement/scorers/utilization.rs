@@ -78,7 +78,8 @@ mod tests {
     use std::path::Path;
 
     use super::*;
-    use crate::core::cluster::{Cluster, ContainerAssignment, GpuSlice, PodAssignment, UtilSample};
+    use crate::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
+    use crate::core::cluster::{Cluster, UtilSample};
     use crate::core::inventory::Board;
     use crate::core::resources::{GpuDemand, PackingPolicy, PodRequest};
     use crate::placement::engine::Engine;

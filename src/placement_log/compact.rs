@@ -10,9 +10,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
-use serde::{Deserialize, Serialize};
-
-use super::{Decision, Requests};
+use super::{Decision, Repeats, Requests};
 
 /// A re-statement interval of 10 minutes: a pod waiting an hour writes about 6 filter lines.
 pub const DEFAULT_RESTATE_MS: i64 = 10 * 60 * 1000;
@@ -20,21 +18,6 @@ pub const DEFAULT_RESTATE_MS: i64 = 10 * 60 * 1000;
 /// written and it is forgotten (its next filter is written whole). A pod with repeats held keeps its
 /// last call whole, about 3 KB: 30 MB at most.
 pub const DEFAULT_MAX_PODS: usize = 10_000;
-
-/// Filter calls not written because they gave the same verdict as the pod's previous filter line.
-/// Carried by the pod's next written line (a filter whose verdict changed, a re-statement, the
-/// pod's bind, or the last held call itself when the pod is gone).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Repeats {
-    /// Filter calls counted here and not written.
-    pub count: u64,
-    /// When the first and the last of them answered, Unix milliseconds.
-    pub first_ts_unix_ms: i64,
-    pub last_ts_unix_ms: i64,
-    /// Their largest and their summed `latency_us`.
-    pub latency_us_max: u64,
-    pub latency_us_sum: u64,
-}
 
 impl Repeats {
     /// One call, `d` itself (and whatever `d` already carried).

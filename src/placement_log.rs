@@ -1,26 +1,20 @@
 //! The placement log: one JSON object per line for every filter, prioritize, bind and preempt
 //! decision, for capacity planners (docs/placement-log.md is the schema they read).
 //!
-//! Lines go to stdout or to a file that rotates by size (the full file is renamed to `PATH.1`,
-//! replacing the previous one). Each line is flushed as it is written, so `tail -f` and a crash both
-//! see every line written; a write error is counted in metrics and never fails the request.
-//!
-//! A filter that repeats the pod's last written verdict (kube-scheduler's retries of a pending pod)
-//! is counted, not written, unless every call is asked for ([`compact`]).
+//! This file holds the line's schema ([`Decision`] and what it carries); [`writer`] writes lines
+//! (to stdout or a file that rotates by size), [`compact`] folds a pending pod's repeated filter
+//! verdicts into counts, and [`read`] reads a log back.
 
 pub mod compact;
+pub mod read;
+pub mod writer;
 
-use std::collections::{BTreeMap, HashSet};
-use std::fs::{File, OpenOptions};
-use std::io::{self, Write};
-use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
 use crate::core::cluster::Cluster;
 use crate::core::resources::ContainerDemand;
-pub use compact::{CompactOptions, Compactor, Repeats};
 
 /// Schema version of a line (`"v"`); bumped on incompatible changes, fields may be added.
 pub const PLACEMENT_LOG_VERSION: u32 = 1;
@@ -82,10 +76,10 @@ pub struct Decision {
     pub planned_node: Option<String>,
     /// `group` lines: what happened to the group (planned, no_plan, expired, replanned, bound, deleted).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub group_event: Option<crate::extender::groups::GroupEvent>,
+    pub group_event: Option<GroupEvent>,
     /// Bind of a group member: every group's totals right after it (groups waiting, GPUs reserved).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub group_totals: Option<crate::extender::groups::GroupTotals>,
+    pub group_totals: Option<GroupTotals>,
     /// Filter calls of this pod since its previous filter line that gave the same verdict as that
     /// line and were not written (see [`compact`]); on a filter or bind line.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -324,156 +318,47 @@ impl CapacitySummary {
     }
 }
 
-/// Where lines go, and which (the [`Compactor`], under the same lock, so that a pod's held
-/// repeats are written before its next line and lines of one pod never cross).
-#[derive(Debug)]
-pub struct PlacementLog {
-    inner: Mutex<Inner>,
+/// What happened to a group, for the placement log and the debug log.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct GroupEvent {
+    pub group: String,
+    /// `planned`, `no_plan`, `expired`, `replanned` (a planned node left or changed), `bound`
+    /// (every slot bound), `deleted` (every member gone).
+    pub event: String,
+    /// The plan's domain (`tor tor-2`), for `planned`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub domain: Option<String>,
+    /// Node of each slot, for `planned`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nodes: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Every group's totals right after the event.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub totals: Option<GroupTotals>,
 }
 
-#[derive(Debug)]
-struct Inner {
-    sink: Sink,
-    compactor: Compactor,
+/// Groups waiting (members to place, no plan) and GPUs reserved, cluster-wide: on the placement
+/// log's `group` lines and group members' bind lines, for `gpuplace report`.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct GroupTotals {
+    pub waiting: usize,
+    pub reserved_gpus: f64,
 }
 
-#[derive(Debug)]
-enum Sink {
-    Stdout,
-    File(RotatingFile),
-}
-
-/// A file rotated to `PATH.1` when the next line would take it past `max_bytes`.
-#[derive(Debug)]
-pub struct RotatingFile {
-    path: PathBuf,
-    max_bytes: u64,
-    file: File,
-    size: u64,
-}
-
-impl RotatingFile {
-    fn open(path: &Path) -> io::Result<(File, u64)> {
-        let file = OpenOptions::new().create(true).append(true).open(path)?;
-        let size = file.metadata()?.len();
-        Ok((file, size))
-    }
-
-    fn write_line(&mut self, line: &[u8]) -> io::Result<()> {
-        if self.size > 0 && self.size + line.len() as u64 > self.max_bytes {
-            let mut rotated = self.path.clone().into_os_string();
-            rotated.push(".1");
-            std::fs::rename(&self.path, &rotated)?;
-            (self.file, self.size) = Self::open(&self.path)?;
-        }
-        self.file.write_all(line)?;
-        self.size += line.len() as u64;
-        Ok(())
-    }
-}
-
-/// `d` as one line, cut to [`MAX_LINE_BYTES`] if need be, with its newline.
-pub fn line_of(d: &Decision) -> io::Result<Vec<u8>> {
-    let mut line = serde_json::to_vec(d).map_err(io::Error::other)?;
-    if line.len() > MAX_LINE_BYTES {
-        line = serde_json::to_vec(&d.cut()).map_err(io::Error::other)?;
-    }
-    line.push(b'\n');
-    Ok(line)
-}
-
-impl Inner {
-    /// Writes every line; the first error, after trying them all.
-    fn write(&mut self, lines: Vec<Decision>) -> io::Result<()> {
-        let mut first = Ok(());
-        for d in &lines {
-            let done = line_of(d).and_then(|line| match &mut self.sink {
-                Sink::Stdout => {
-                    let mut out = io::stdout().lock();
-                    out.write_all(&line)?;
-                    out.flush()
-                }
-                Sink::File(f) => f.write_line(&line),
-            });
-            if first.is_ok() {
-                first = done;
-            }
-        }
-        first
-    }
-
-    /// Every held repeat written and every pod forgotten.
-    fn finish(&mut self) -> io::Result<()> {
-        let lines = self.compactor.finish();
-        self.write(lines)
-    }
-}
-
-impl PlacementLog {
-    /// `-` for stdout, else a file path (created or appended to). Repeats are counted, not written
-    /// ([`CompactOptions::default`]); [`PlacementLog::with_options`] changes that.
-    pub fn open(target: &str, max_bytes: u64) -> io::Result<Self> {
-        let sink = if target == "-" {
-            Sink::Stdout
-        } else {
-            let path = PathBuf::from(target);
-            let (file, size) = RotatingFile::open(&path)?;
-            Sink::File(RotatingFile { path, max_bytes: max_bytes.max(1), file, size })
-        };
-        let inner = Inner { sink, compactor: Compactor::new(CompactOptions::default()) };
-        Ok(Self { inner: Mutex::new(inner) })
-    }
-
-    pub fn with_options(mut self, opts: CompactOptions) -> Self {
-        self.inner.get_mut().unwrap_or_else(|e| e.into_inner()).compactor = Compactor::new(opts);
-        self
-    }
-
-    // A poisoned lock means a panic while writing: the next line is still worth writing.
-    fn inner(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Records one decision: the lines it makes are written (none for a repeat that is held).
-    pub fn write(&self, d: Decision) -> io::Result<()> {
-        let mut inner = self.inner();
-        let lines = inner.compactor.push(d);
-        inner.write(lines)
-    }
-
-    /// Whether `d` would be written now rather than counted as a repeat (so that what only a
-    /// written line carries, such as `rejection_details`, is worked out only then).
-    pub fn writes(&self, d: &Decision) -> bool {
-        self.inner().compactor.writes(d)
-    }
-
-    /// The pod (its UID, or `namespace/name`) is gone: its held repeats are written.
-    pub fn forget(&self, key: &str) -> io::Result<()> {
-        let mut inner = self.inner();
-        let line = inner.compactor.forget(key);
-        inner.write(line.into_iter().collect())
-    }
-
-    /// After a re-list: the held repeats of pods not listed (by UID) are written.
-    pub fn forget_unlisted(&self, listed: &HashSet<String>) -> io::Result<()> {
-        let mut inner = self.inner();
-        let lines = inner.compactor.forget_unlisted(listed);
-        inner.write(lines)
-    }
-
-    /// Every held repeat written (at shutdown; dropping the log does it too).
-    pub fn finish(&self) -> io::Result<()> {
-        self.inner().finish()
-    }
-}
-
-impl Drop for PlacementLog {
-    fn drop(&mut self) {
-        // counts held for pods with no next line would otherwise be lost at a clean exit
-        if let Err(e) = self.inner.get_mut().unwrap_or_else(|e| e.into_inner()).finish() {
-            tracing::warn!(error = %e, "placement log: held repeats not written at exit");
-        }
-    }
+/// Filter calls not written because they gave the same verdict as the pod's previous filter line.
+/// Carried by the pod's next written line (a filter whose verdict changed, a re-statement, the
+/// pod's bind, or the last held call itself when the pod is gone).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Repeats {
+    /// Filter calls counted here and not written.
+    pub count: u64,
+    /// When the first and the last of them answered, Unix milliseconds.
+    pub first_ts_unix_ms: i64,
+    pub last_ts_unix_ms: i64,
+    /// Their largest and their summed `latency_us`.
+    pub latency_us_max: u64,
+    pub latency_us_sum: u64,
 }
 
 #[cfg(test)]
@@ -481,36 +366,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_line_over_the_limit_is_cut_not_dropped() {
-        let dir = std::env::temp_dir().join(format!("gpuplace-cut-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("p.jsonl");
-        let log = PlacementLog::open(path.to_str().unwrap(), 100 << 20).unwrap();
-        let mut d =
-            Decision { v: PLACEMENT_LOG_VERSION, verb: "filter".into(), candidates: 60_000, ..Decision::default() };
-        for i in 0..60_000 {
-            d.rejections.insert(format!("gpuplace: reason number {i} with some words"), 1);
-            d.rejection_details.insert(format!("node-{i}"), "figures ".repeat(4));
-        }
-        d.rejection_classes.insert("unresolvable".into(), 60_000);
-        log.write(d).unwrap();
-        log.write(Decision { verb: "bind".into(), ..Decision::default() }).unwrap();
-        let text = std::fs::read_to_string(&path).unwrap();
-        let lines: Vec<&str> = text.lines().collect();
-        assert_eq!(lines.len(), 2);
-        assert!(lines[0].len() <= MAX_LINE_BYTES, "{}", lines[0].len());
-        let cut: Decision = serde_json::from_str(lines[0]).unwrap();
-        assert!(cut.truncated && cut.rejection_details.is_empty());
-        assert_eq!(cut.rejections.len(), TRUNCATED_REJECTIONS);
-        assert_eq!(cut.rejection_classes["unresolvable"], 60_000);
-        // an ordinary line carries no `truncated` field at all
-        assert!(!lines[1].contains("truncated"));
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    #[test]
     fn capacity_summary_counts_shares_as_fractions() {
-        use crate::core::cluster::{ContainerAssignment, GpuSlice, PodAssignment};
+        use crate::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/clusters/fixture-cluster.yaml");
         let mut cluster = crate::core::inventory::load_cluster(&path).unwrap();
         let slice = |gpu, mem_mib, core_pct, exclusive| GpuSlice { gpu, mem_mib, core_pct, exclusive };
@@ -556,8 +413,8 @@ mod tests {
             truncated: true,
             group: Some("ns/job".into()),
             planned_node: Some("n".into()),
-            group_event: Some(crate::extender::groups::GroupEvent::default()),
-            group_totals: Some(crate::extender::groups::GroupTotals::default()),
+            group_event: Some(GroupEvent::default()),
+            group_totals: Some(GroupTotals::default()),
             repeats: Some(Repeats::default()),
             offered: Some(1),
             ..Decision::default()
@@ -576,27 +433,5 @@ mod tests {
             old.as_object_mut().unwrap().remove(later);
         }
         assert_eq!(serde_json::from_value::<Decision>(old).unwrap(), Decision::default());
-    }
-
-    #[test]
-    fn file_rotates_by_size_and_keeps_whole_lines() {
-        let dir = std::env::temp_dir().join(format!("gpuplace-rotate-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("p.jsonl");
-        let every_call = CompactOptions { every_call: true, ..CompactOptions::default() };
-        let log = PlacementLog::open(path.to_str().unwrap(), 600).unwrap().with_options(every_call);
-        let d = Decision { v: 1, verb: "filter".into(), pod: "ns/p".into(), ..Decision::default() };
-        for _ in 0..5 {
-            log.write(d.clone()).unwrap();
-        }
-        let current = std::fs::read_to_string(&path).unwrap();
-        let rotated = std::fs::read_to_string(dir.join("p.jsonl.1")).unwrap();
-        assert!(current.len() <= 600 && rotated.len() <= 600, "{} {}", current.len(), rotated.len());
-        for line in current.lines().chain(rotated.lines()) {
-            assert_eq!(serde_json::from_str::<Decision>(line).unwrap(), d);
-        }
-        assert!(current.lines().count() + rotated.lines().count() <= 5);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -3,7 +3,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 use super::*;
-use crate::extender::placement_log::TopScore;
+use crate::placement_log::TopScore;
 
 const MIN: i64 = 60 * 1000;
 
