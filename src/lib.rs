@@ -5,8 +5,12 @@
 //! - [`sim`]: the trace simulator behind `gpuplace simulate`.
 //! - [`report`]: `gpuplace report`, charts of placement logs and simulation results as one HTML file.
 //! - [`extender`]: the kube-scheduler extender: wire format, pod adaptation, and the `serve` service.
-//! - [`apiserver`]: the Kubernetes API client both binaries share, and a fake API server for tests.
+//! - [`placement_log`]: the placement log's line schema, its writer, compaction and reader.
+//! - [`apiserver`]: the Kubernetes API client both binaries share, and the extender's API-server mode.
 //! - [`logging`]: both binaries' log output (`--log-format text|json`).
+//!
+//! Layers, lowest first: `core`, `logging` < `placement`, `placement_log` < `extender`, `sim` <
+//! `report`, `apiserver` < the binaries (docs/architecture.md, "Module map"; tests/layering.rs).
 
 pub mod apiserver;
 pub mod core;

@@ -4,7 +4,9 @@
 //!   between two modules of one layer;
 //! - no circle of imports between the files of `src/` or `device-plugin/src/`;
 //! - the device plugin uses only gpuplace's `core`, `apiserver` and `logging`;
-//! - the test doubles (`gpuplace-testkit`) are in no shipped binary's normal dependency tree.
+//! - the test doubles (`gpuplace-testkit`) are in no shipped binary's normal dependency tree;
+//! - no source file of the shipped crates is over [`MAX_FILE_LINES`] lines (generated code lives in
+//!   `OUT_DIR`, not here).
 //!
 //! Imports are read from the source text: `crate::`, `super::`, `self::` and child-module paths,
 //! with `{...}` groups, outside comments, string literals and `#[cfg(test)]` items (tests may
@@ -21,6 +23,9 @@ const LAYERS: &[&[&str]] =
 
 /// What the device plugin may use of the gpuplace library.
 const DEVICE_PLUGIN_USES: &[&str] = &["core", "apiserver", "logging"];
+
+/// A file longer than this holds more than one concern: split it along them.
+const MAX_FILE_LINES: usize = 900;
 
 /// Circles of imports between files that docs/architecture.md explains (none today).
 const ALLOWED_CIRCLES: &[&[&str]] = &[];
@@ -518,6 +523,29 @@ fn the_test_doubles_ship_in_no_binary() {
             .collect();
         assert!(fakes.is_empty(), "{dir}: test doubles in a shipped crate: {fakes:?}");
     }
+}
+
+#[test]
+fn no_source_file_is_over_the_line_limit() {
+    let mut long = Vec::new();
+    for dir in ["src", "device-plugin/src"] {
+        let root = repo().join(dir);
+        let mut stack = vec![root.clone()];
+        while let Some(d) = stack.pop() {
+            for e in std::fs::read_dir(&d).unwrap() {
+                let p = e.unwrap().path();
+                if p.is_dir() {
+                    stack.push(p);
+                } else if p.extension().is_some_and(|x| x == "rs") {
+                    let lines = std::fs::read_to_string(&p).unwrap().lines().count();
+                    if lines > MAX_FILE_LINES {
+                        long.push(format!("{} ({lines} lines)", p.strip_prefix(repo()).unwrap().display()));
+                    }
+                }
+            }
+        }
+    }
+    assert!(long.is_empty(), "over {MAX_FILE_LINES} lines, split along its concerns: {long:?}");
 }
 
 #[test]

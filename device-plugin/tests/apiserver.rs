@@ -8,6 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::kubelet::FakePodResources;
 use common::{allocate, topology, Harness, SlotIds, WAIT};
 use gpuplace::core::annotations::{
     AllocatedAnnotation, AssignmentAnnotation, GpuUtilization, NodeInventory, UtilizationAnnotation,
@@ -35,7 +36,6 @@ use gpuplace_device_plugin::publish::{MemorySink, PublishPolicy, Publisher, Util
 use gpuplace_device_plugin::sampler::{Sampler, Telemetry};
 use gpuplace_device_plugin::slots::DEFAULT_SLOTS_PER_GPU;
 use gpuplace_testkit::apiserver::FakeApiServer;
-use gpuplace_testkit::kubelet::FakePodResources;
 use k8s_openapi::api::core::v1::{
     Binding, ConfigMap, Container, Node, ObjectReference, Pod, PodSpec, PodStatus, ResourceRequirements,
 };

@@ -5,6 +5,7 @@ mod common;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use common::kubelet::http_get;
 use common::{topology, FakeKubelet};
 use gpuplace::core::topology::TopologyFile;
 use gpuplace_device_plugin::kubelet_api::v1beta1::device_plugin_client::DevicePluginClient;
@@ -12,7 +13,6 @@ use gpuplace_device_plugin::kubelet_api::v1beta1::{
     AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest, Empty, PreferredAllocationRequest,
 };
 use gpuplace_device_plugin::unix_socket::connect_unix;
-use gpuplace_testkit::kubelet::http_get;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpuplace-device-plugin");
 

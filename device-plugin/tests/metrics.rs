@@ -8,6 +8,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::kubelet::{http_get, FakePodResources};
 use common::topology;
 use gpuplace_device_plugin::assign::{pending_pod, share, StaticAssignments};
 use gpuplace_device_plugin::crosscheck::{Mismatch, MismatchReporter};
@@ -23,7 +24,6 @@ use gpuplace_device_plugin::podresources::PodResourcesClient;
 use gpuplace_device_plugin::publish::{MemorySink, PublishPolicy, Publisher};
 use gpuplace_device_plugin::sampler::{Sampler, Telemetry};
 use gpuplace_device_plugin::slots::slot_id;
-use gpuplace_testkit::kubelet::{http_get, FakePodResources};
 use tokio::sync::oneshot;
 
 const H100_MIB: u64 = 81559;

@@ -17,6 +17,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::kubelet::FakePodResources;
 use common::topology;
 use gpuplace::extender::http_client;
 use gpuplace_device_plugin::kubelet_api::podresources::{
@@ -26,7 +27,6 @@ use gpuplace_device_plugin::nvml::fake::FakeBackend;
 use gpuplace_device_plugin::nvml::GpuBackend;
 use gpuplace_device_plugin::slots::slot_id;
 use gpuplace_testkit::apiserver::FakeApiServer;
-use gpuplace_testkit::kubelet::FakePodResources;
 use promql_check::{check, check_label_values, dashboard, dashboard_exprs, rules, scan, variable_queries, Exported};
 
 #[path = "../../tests/support/promql_check.rs"]

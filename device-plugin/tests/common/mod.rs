@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod kubelet;
+
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -19,7 +21,6 @@ use gpuplace_device_plugin::plugin::{spawn_health_monitor, Plugin, PluginConfig}
 use gpuplace_device_plugin::server::{run, ServeConfig};
 use gpuplace_device_plugin::slots::slot_id;
 use gpuplace_device_plugin::unix_socket::connect_unix;
-use gpuplace_testkit::kubelet as testing;
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
 use tonic::Streaming;
@@ -31,12 +32,12 @@ pub fn topology(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/topologies").join(format!("{name}.json"))
 }
 
-/// The fake kubelet of the library, with the tests' patience.
-pub struct FakeKubelet(testing::FakeKubelet);
+/// The fake kubelet ([`kubelet::FakeKubelet`]), with the tests' patience.
+pub struct FakeKubelet(kubelet::FakeKubelet);
 
 impl FakeKubelet {
     pub fn start(dir: &Path) -> Self {
-        Self(testing::FakeKubelet::start(dir).expect("start fake kubelet"))
+        Self(kubelet::FakeKubelet::start(dir).expect("start fake kubelet"))
     }
 
     /// The next Register call.

@@ -2,8 +2,7 @@
 //! ([`FakeKubelet`]), its pod-resources `List` ([`FakePodResources`]), and a bare HTTP GET for
 //! scraping `/metrics` ([`http_get`]).
 //!
-//! It lives in this crate rather than in each `tests/` file so its gRPC servers are compiled once,
-//! not once per test crate.
+//! Test-only: it lives here, beside the tests' harness, not in the plugin's library (which ships).
 
 use std::net::SocketAddr;
 use std::path::Path;
