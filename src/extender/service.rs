@@ -312,7 +312,7 @@ impl Extender {
             state: RwLock::new(state),
             learning: None,
             seen: Mutex::new(PodCache { cap: opts.pod_cache, ..PodCache::default() }),
-            evals: Mutex::new(EvalCache { cap: opts.eval_cache, ..EvalCache::default() }),
+            evals: Mutex::new(EvalCache::new(opts.eval_cache)),
             shapes: ShapeCache::new(opts.shape_cache),
             names: NameOrder::default(),
             clock: AtomicI64::new(SYSTEM_CLOCK),

@@ -81,7 +81,7 @@ impl Extender {
     }
 
     /// Re-checks and counts the allocation. `Ok(None)`: a retry of a bind already done.
-    pub(super) fn prepare_bind(
+    fn prepare_bind(
         &self,
         args: &ExtenderBindingArgs,
         d: &mut Decision,
@@ -213,7 +213,7 @@ impl Extender {
     }
 
     /// Undoes `prepare_bind` after a failed Binding, if the record is still the one it made.
-    pub(super) fn rollback(&self, args: &ExtenderBindingArgs) {
+    fn rollback(&self, args: &ExtenderBindingArgs) {
         let mut st = self.write();
         let key = args.pod_key();
         let ours = st.bound.get(&args.pod_uid).is_some_and(|b| !b.confirmed && b.node == args.node);
@@ -245,7 +245,7 @@ impl Extender {
 }
 
 /// The placement log's view of an assignment annotation.
-pub(super) fn chosen_of(annotation: &str) -> Option<Chosen> {
+fn chosen_of(annotation: &str) -> Option<Chosen> {
     let a = AssignmentAnnotation::parse(annotation).ok()?;
     let gpus = a
         .containers

@@ -9,7 +9,7 @@ use crate::placement_log::TopScore;
 /// A cached evaluation is reused at most this long after it was made: prioritize follows filter
 /// within milliseconds, and the cache is not meant to serve later pods. (Scores that depend on the
 /// clock are covered by the evaluation's validity window, not by this.)
-pub(super) const EVAL_CACHE_MAX_AGE: Duration = Duration::from_secs(1);
+const EVAL_CACHE_MAX_AGE: Duration = Duration::from_secs(1);
 
 /// In [`CachedEval::scores`]: a node the evaluation did not cover, and one it rejected.
 pub(super) const NOT_JUDGED: i8 = -1;
@@ -33,13 +33,18 @@ pub(super) struct CachedEval {
 /// The last few pods' evaluations, oldest dropped first.
 #[derive(Default)]
 pub(super) struct EvalCache {
-    pub(super) entries: VecDeque<CachedEval>,
-    pub(super) cap: usize,
+    entries: VecDeque<CachedEval>,
+    cap: usize,
     pub(super) hits: u64,
     pub(super) misses: u64,
 }
 
 impl EvalCache {
+    /// An empty cache that keeps at most `cap` evaluations (0: none).
+    pub(super) fn new(cap: usize) -> Self {
+        Self { cap, ..Self::default() }
+    }
+
     pub(super) fn insert(&mut self, e: CachedEval) {
         if self.cap == 0 {
             return;

@@ -6,13 +6,13 @@ use super::eval_cache::CachedEval;
 use super::*;
 
 /// Placement log lines name at most this many top nodes.
-pub(super) const TOP_NODES: usize = 5;
+const TOP_NODES: usize = 5;
 
 /// A node that fits, as the answer ranks it: (its position or index, score, the engine's total).
-pub(super) type Ranked = (usize, u8, f32);
+type Ranked = (usize, u8, f32);
 
 /// Keeps the `n` best of `fits` (any order among them): by score, then total, then the first.
-pub(super) fn keep_best(fits: &mut Vec<Ranked>, n: usize) {
+fn keep_best(fits: &mut Vec<Ranked>, n: usize) {
     if n == 0 || fits.len() <= n {
         return;
     }
@@ -26,15 +26,15 @@ pub(super) struct Judged {
     /// Per node index: the score (0..=10) where the pod fits, [`REJECTED`] or [`NOT_JUDGED`].
     pub(super) scores: Vec<i8>,
     /// Why each rejected node (by index) was turned down (filter only).
-    pub(super) rejects: HashMap<usize, Arc<Reason>>,
+    rejects: HashMap<usize, Arc<Reason>>,
     /// The engine's total behind each score, by node index.
-    pub(super) totals: HashMap<usize, f32>,
+    totals: HashMap<usize, f32>,
     pub(super) evaluation: Evaluation,
 }
 
 impl Judged {
     /// The verdict on node `i` (`None` when not judged, or rejected without a reason).
-    pub(super) fn answer(&self, i: usize) -> Option<Answer> {
+    fn answer(&self, i: usize) -> Option<Answer> {
         match self.scores.get(i).copied() {
             Some(s) if s >= 0 => Some(Answer::Fits(s as u8, self.totals.get(&i).copied().unwrap_or(0.0))),
             Some(REJECTED) => self.rejects.get(&i).map(|r| Answer::No(r.clone())),
@@ -44,18 +44,18 @@ impl Judged {
 }
 
 /// Reasons for candidates not in the node cache, one per kind (they name no node).
-pub(super) struct Unknown<'a> {
-    pub(super) objects: Option<&'a [WireNode]>,
-    pub(super) reasons: [Option<Arc<Reason>>; UnknownNode::ALL.len()],
+struct Unknown<'a> {
+    objects: Option<&'a [WireNode]>,
+    reasons: [Option<Arc<Reason>>; UnknownNode::ALL.len()],
 }
 
 impl<'a> Unknown<'a> {
-    pub(super) fn new(args: &'a ExtenderArgsRef<'_>) -> Self {
+    fn new(args: &'a ExtenderArgsRef<'_>) -> Self {
         Self { objects: args.nodes.as_ref().map(|l| l.items.as_slice()), reasons: Default::default() }
     }
 
     /// The verdict on the unknown candidate at position `p`.
-    pub(super) fn answer(&mut self, p: usize) -> Answer {
+    fn answer(&mut self, p: usize) -> Answer {
         let kind = UnknownNode::of(self.objects.and_then(|o| o.get(p)));
         // a fieldless enum in `ALL` order: its discriminant is its index
         let slot = &mut self.reasons[kind as usize];
@@ -88,7 +88,7 @@ impl Extender {
     }
 
     /// When the scores of the judged nodes (`scores` by index) hold: the intersection of their windows.
-    pub(super) fn window_of(st: &State, scores: &[i8], now: i64) -> (i64, i64) {
+    fn window_of(st: &State, scores: &[i8], now: i64) -> (i64, i64) {
         let judged = st.cluster.nodes().iter().zip(scores).filter(|(_, &s)| s != NOT_JUDGED);
         judged.fold((i64::MIN, i64::MAX), |(from, until), (n, _)| {
             let (f, u) = st.engine.verdict_window(n, now);
@@ -98,7 +98,7 @@ impl Extender {
 
     /// Why the engine rejected a node, as the answer says it: the class and the cause (no text, and
     /// no detail, which only logs read).
-    pub(super) fn rejection(st: &State, req: &PodRequest, r: &Rejection) -> ReasonKey {
+    fn rejection(st: &State, req: &PodRequest, r: &Rejection) -> ReasonKey {
         let why = st.engine.classify_rejection(&st.cluster, req, r);
         let unresolvable = why.as_ref().map_or(r.unresolvable, |w| w.is_unresolvable());
         let class = if unresolvable { RejectClass::Unresolvable } else { RejectClass::Preemptable };
@@ -190,7 +190,7 @@ impl Extender {
 
     /// The first [`MAX_DETAILED_NODES`] rejected candidates, in the order sent, with the node's own
     /// figures behind the reason each was given.
-    pub(super) fn rejection_details(
+    fn rejection_details(
         st: &State,
         req: &PodRequest,
         args: &ExtenderArgsRef<'_>,
@@ -260,7 +260,7 @@ impl Extender {
         })
     }
 
-    pub(super) fn filter_args<'a>(&self, args: &'a ExtenderArgsRef<'_>) -> Result<Filtered<'a>, WireError> {
+    fn filter_args<'a>(&self, args: &'a ExtenderArgsRef<'_>) -> Result<Filtered<'a>, WireError> {
         let started = Instant::now();
         let mode = args.mode()?;
         let names = args.candidate_names()?;
@@ -417,13 +417,7 @@ impl Extender {
     /// rotates where its list starts); the others, and the nodes that do not fit, are left out of
     /// the answer (kube-scheduler reads the failed nodes only when the pod fits nowhere). Returns
     /// how many nodes the answer names, when it was narrowed.
-    pub(super) fn offer(
-        &self,
-        pod: &Pod,
-        c: &Candidates<'_>,
-        answers: &mut [Answer],
-        feasible: usize,
-    ) -> Option<usize> {
+    fn offer(&self, pod: &Pod, c: &Candidates<'_>, answers: &mut [Answer], feasible: usize) -> Option<usize> {
         let n = if pod.spec.has_soft_preferences() { self.nodes_to_score.soft } else { self.nodes_to_score.plain };
         if n == 0 || feasible <= n {
             return None;

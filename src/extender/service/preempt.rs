@@ -54,7 +54,7 @@ impl Extender {
         Ok(self.finish(d, started, ExtenderPreemptionResult { node_name_to_meta_victims: out }))
     }
 
-    pub(super) fn minimal_victims(
+    fn minimal_victims(
         &self,
         st: &State,
         req: &PodRequest,

@@ -19,10 +19,7 @@ impl Extender {
         Ok(verdict_cache::priorities_json(&names, args.names_verbatim(), &scores))
     }
 
-    pub(super) fn prioritize_args<'a>(
-        &self,
-        args: &'a ExtenderArgsRef<'_>,
-    ) -> Result<(Vec<&'a str>, Vec<u8>), WireError> {
+    fn prioritize_args<'a>(&self, args: &'a ExtenderArgsRef<'_>) -> Result<(Vec<&'a str>, Vec<u8>), WireError> {
         let started = Instant::now();
         let mode = args.mode()?;
         let names = args.candidate_names()?;
