@@ -5,6 +5,8 @@
 //! and the DaemonSet expect. No Docker daemon needed (there is none on CI); the device plugin's
 //! default arguments are parsed by its own binary in device-plugin/tests/image.rs.
 
+#[path = "support/cargo_tree.rs"]
+mod cargo_tree;
 #[path = "support/dockerfile.rs"]
 mod dockerfile;
 
@@ -12,6 +14,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::process::Command;
 
+use cargo_tree::resolved;
 use dockerfile::{copy_parts, exists, parse, read, repo_root, run_commands, stage, IgnoreFile, Stage};
 use gpuplace::extender::http::DEFAULT_LISTEN;
 use serde_norway::Value;
@@ -330,19 +333,6 @@ fn the_dockerfile_reader_follows_docker() {
     assert!(!ignore.excludes("src") && !ignore.excludes("src/main.rs"));
     assert!(ignore.excludes("src/target/x") && ignore.excludes("target"));
     assert!(!ignore.excludes("keep/a.md") && ignore.excludes("keep/a.rs"));
-}
-
-/// `cargo tree`'s crates with their features (one line each: `name version [features]`). `--locked`
-/// fails when Cargo.lock is stale, as the image build's `cargo build --locked` would.
-fn resolved(edges: &str, packages: &[&str]) -> BTreeSet<String> {
-    let out = Command::new(env!("CARGO"))
-        .args(["tree", "--offline", "--locked", "--prefix", "none", "-e", edges, "-f", "{p} [{f}]"])
-        .args(packages)
-        .current_dir(repo_root())
-        .output()
-        .expect("cargo runs");
-    assert!(out.status.success(), "cargo tree: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8(out.stdout).unwrap().lines().map(|l| l.trim_end_matches(" (*)").to_string()).collect()
 }
 
 /// `cargo build --release` of the root package after `cargo build --release --workspace` (and a

@@ -14,7 +14,11 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::process::Command;
+
+use cargo_tree::resolved;
+
+#[path = "support/cargo_tree.rs"]
+mod cargo_tree;
 
 /// The library's top-level modules, lowest layer first; a module may import only from lower
 /// layers. A new top-level module must be placed here (and in docs/architecture.md).
@@ -175,20 +179,29 @@ fn module_of(rel: &str) -> Vec<String> {
     parts
 }
 
-fn read_crate(src: &Path) -> Source {
-    let mut files = BTreeMap::new();
-    let mut stack = vec![src.to_path_buf()];
-    while let Some(dir) = stack.pop() {
-        for e in std::fs::read_dir(&dir).unwrap() {
+/// Every `.rs` file under `dir`.
+fn rust_files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
             let p = e.unwrap().path();
             if p.is_dir() {
                 stack.push(p);
-            } else if p.extension().is_some_and(|x| x == "rs") && p != src.join("main.rs") {
-                // main.rs is the binary's crate: it imports the library by name, from on top
-                let rel = p.strip_prefix(src).unwrap().to_string_lossy().replace('\\', "/");
-                files.insert(rel, std::fs::read_to_string(&p).unwrap());
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                out.push(p);
             }
         }
+    }
+    out
+}
+
+fn read_crate(src: &Path) -> Source {
+    let mut files = BTreeMap::new();
+    // main.rs is the binary's crate: it imports the library by name, from on top
+    for p in rust_files(src).into_iter().filter(|p| *p != src.join("main.rs")) {
+        let rel = p.strip_prefix(src).unwrap().to_string_lossy().replace('\\', "/");
+        files.insert(rel, std::fs::read_to_string(&p).unwrap());
     }
     // files that only tests include (`#[cfg(test)] #[path = "x_tests.rs"] mod tests;`)
     let mut test_only = BTreeSet::new();
@@ -492,17 +505,7 @@ fn the_device_plugin_uses_only_the_shared_layers_of_the_library() {
 
 /// `cargo tree`'s package names for one package's normal (shipped) dependencies.
 fn normal_tree(package: &str) -> BTreeSet<String> {
-    let out = Command::new(env!("CARGO"))
-        .args(["tree", "--offline", "-e", "normal", "--prefix", "none", "-f", "{p}", "-p", package])
-        .current_dir(repo())
-        .output()
-        .expect("cargo runs");
-    assert!(out.status.success(), "cargo tree: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .filter_map(|l| l.split_whitespace().next().map(String::from))
-        .collect()
+    resolved("normal", &["-p", package]).iter().filter_map(|l| l.split_whitespace().next().map(String::from)).collect()
 }
 
 #[test]
@@ -529,19 +532,10 @@ fn the_test_doubles_ship_in_no_binary() {
 fn no_source_file_is_over_the_line_limit() {
     let mut long = Vec::new();
     for dir in ["src", "device-plugin/src"] {
-        let root = repo().join(dir);
-        let mut stack = vec![root.clone()];
-        while let Some(d) = stack.pop() {
-            for e in std::fs::read_dir(&d).unwrap() {
-                let p = e.unwrap().path();
-                if p.is_dir() {
-                    stack.push(p);
-                } else if p.extension().is_some_and(|x| x == "rs") {
-                    let lines = std::fs::read_to_string(&p).unwrap().lines().count();
-                    if lines > MAX_FILE_LINES {
-                        long.push(format!("{} ({lines} lines)", p.strip_prefix(repo()).unwrap().display()));
-                    }
-                }
+        for p in rust_files(&repo().join(dir)) {
+            let lines = std::fs::read_to_string(&p).unwrap().lines().count();
+            if lines > MAX_FILE_LINES {
+                long.push(format!("{} ({lines} lines)", p.strip_prefix(repo()).unwrap().display()));
             }
         }
     }

@@ -475,6 +475,22 @@ impl Extender {
         }
     }
 
+    /// How filter and prioritize start: the candidates' names, and the decision line for `verb`
+    /// with the request's node-list mode and candidate count.
+    fn candidates_decision<'a>(
+        &self,
+        verb: &str,
+        args: &'a ExtenderArgsRef<'_>,
+        started: Instant,
+    ) -> Result<(Vec<&'a str>, Decision), WireError> {
+        let mode = args.mode()?;
+        let names = args.candidate_names()?;
+        let mut d = self.decision(verb, &args.pod, started);
+        d.mode = Some(mode_name(mode).into());
+        d.candidates = names.len();
+        Ok((names, d))
+    }
+
     /// Remembers a pod for bind (filter does this; so will the pod watcher).
     pub fn remember_pod(&self, pod: &Pod) -> Result<PodRequest, String> {
         let request = pod.request().map_err(|e| e.to_string());

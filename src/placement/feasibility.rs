@@ -157,6 +157,27 @@ impl Placement {
     pub fn gpus(&self) -> Vec<u32> {
         self.assignment.gpus()
     }
+
+    /// Each GPU's free share of `node` (thousandths) now and once this placement is made, for the
+    /// node's first `n` GPUs (at most 64; `n` is returned too). Init containers reuse the app
+    /// containers' slices, so only those count.
+    pub fn free_milli_before_after(&self, node: &Node) -> ([u32; 64], [u32; 64], usize) {
+        let n = node.gpus.len().min(64);
+        let mut before = [0u32; 64];
+        for (g, slot) in before.iter_mut().enumerate().take(n) {
+            *slot = node.free_milli(g);
+        }
+        let mut after = before;
+        for c in self.assignment.containers.iter().filter(|c| !c.init) {
+            for s in &c.slices {
+                let g = s.gpu as usize;
+                if g < n {
+                    after[g] = after[g].saturating_sub(s.milli_on(node.gpus[g].memory_mib));
+                }
+            }
+        }
+        (before, after, n)
+    }
 }
 
 fn describe(node: &Node, c: &ContainerDemand) -> String {

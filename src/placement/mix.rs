@@ -338,16 +338,10 @@ impl ReserveClass {
     }
 
     /// Whether one request of this class fits GPUs with `free_milli` free (healthy ones; 0 for the
-    /// others), `cpu_free` and `mem_free` (`None`: not tracked, never a limit) on GPUs of `model`.
-    pub fn fits(
-        &self,
-        free_milli: impl Iterator<Item = u32>,
-        cpu_free: Option<u64>,
-        mem_free: Option<u64>,
-        model: &str,
-    ) -> bool {
-        cpu_free.is_none_or(|c| c >= self.cpu_milli)
-            && mem_free.is_none_or(|m| m >= self.memory_mib)
+    /// others) and a host with `host` free, on GPUs of `model`.
+    pub fn fits(&self, free_milli: impl Iterator<Item = u32>, host: HostFree, model: &str) -> bool {
+        host.cpu_milli.is_none_or(|c| c >= self.cpu_milli)
+            && host.memory_mib.is_none_or(|m| m >= self.memory_mib)
             && self.allows(model)
             && free_milli.filter(|&f| f >= self.milli).take(self.gpus as usize).count() >= self.gpus as usize
     }
@@ -360,13 +354,8 @@ impl ReserveClass {
 
     /// Whether `node` is a free host of this class now.
     pub fn hosted_by(&self, node: &Node) -> bool {
-        let n = node.gpus.len();
-        self.fits(
-            (0..n).map(|g| node.free_milli(g)),
-            (node.cpu_milli > 0).then(|| node.cpu_free()),
-            (node.memory_mib > 0).then(|| node.mem_free()),
-            node.gpus.first().map_or("", |g| g.model.as_str()),
-        )
+        let model = node.gpus.first().map_or("", |g| g.model.as_str());
+        self.fits((0..node.gpus.len()).map(|g| node.free_milli(g)), HostFree::of(node, 0, 0), model)
     }
 
     /// Whether a request `r` is at least as large as this class in GPUs, share, CPU and memory: such

@@ -25,9 +25,24 @@ pub struct LogLine {
     pub decision: Decision,
 }
 
-/// Lines that hold something: blank lines (a trailing newline, or one added by hand) are skipped.
-pub(crate) fn json_lines(text: &str) -> impl Iterator<Item = (usize, &str)> {
-    text.lines().enumerate().map(|(i, l)| (i + 1, l.trim())).filter(|(_, l)| !l.is_empty())
+/// Each line of `text` that holds something (blank lines, a trailing newline or one added by hand,
+/// are skipped) through `parse`, given its 1-based number; its error becomes the file's and the
+/// line's. At least one line, or the file counts as empty of `what`. The JSON Lines inputs of
+/// `report` and `simulate` all read this way.
+pub(crate) fn parse_lines<T>(
+    path: &Path,
+    text: &str,
+    what: &'static str,
+    mut parse: impl FnMut(usize, &str) -> Result<T, String>,
+) -> Result<Vec<T>, InputError> {
+    let lines = text.lines().enumerate().map(|(i, l)| (i + 1, l.trim())).filter(|(_, l)| !l.is_empty());
+    let out = lines
+        .map(|(line, raw)| parse(line, raw).map_err(|why| InputError::Line { path: path.to_path_buf(), line, why }))
+        .collect::<Result<Vec<T>, InputError>>()?;
+    if out.is_empty() {
+        return Err(InputError::Empty { path: path.to_path_buf(), what });
+    }
+    Ok(out)
 }
 
 pub(crate) fn read(path: &Path) -> Result<String, InputError> {
@@ -45,33 +60,24 @@ pub fn read_placement_log(path: &Path) -> Result<Vec<LogLine>, InputError> {
 /// `simulate --json` file given here, or a log from a newer gpuplace, is refused at its first line
 /// rather than read half-right.
 pub fn parse_placement_log(path: &Path, text: &str) -> Result<Vec<LogLine>, InputError> {
-    let mut out = Vec::new();
-    for (line, raw) in json_lines(text) {
-        let bad = |why: String| InputError::Line { path: path.to_path_buf(), line, why };
-        let value: Value = serde_json::from_str(raw).map_err(|e| bad(format!("not JSON: {e}")))?;
+    parse_lines(path, text, "placement decisions", |line, raw| {
+        let value: Value = serde_json::from_str(raw).map_err(|e| format!("not JSON: {e}"))?;
         let Value::Object(fields) = &value else {
-            return Err(bad("not a JSON object".into()));
+            return Err("not a JSON object".into());
         };
         if let Some(unknown) = fields.keys().find(|k| !FIELDS.contains(&k.as_str())) {
-            return Err(bad(format!(
+            return Err(format!(
                 "unknown field {unknown:?}: not a placement log line of schema version {PLACEMENT_LOG_VERSION} (a simulate --json result goes to --simulate)"
-            )));
+            ));
         }
         match fields.get("v").and_then(Value::as_u64) {
             Some(v) if v == u64::from(PLACEMENT_LOG_VERSION) => {}
-            Some(v) => {
-                return Err(bad(format!("schema version {v}; this gpuplace reads version {PLACEMENT_LOG_VERSION}")))
-            }
-            None => return Err(bad("no schema version \"v\": not a placement log line".into())),
+            Some(v) => return Err(format!("schema version {v}; this gpuplace reads version {PLACEMENT_LOG_VERSION}")),
+            None => return Err("no schema version \"v\": not a placement log line".into()),
         }
-        let decision: Decision =
-            serde_json::from_value(value).map_err(|e| bad(format!("not a placement decision: {e}")))?;
-        out.push(LogLine { line, decision });
-    }
-    if out.is_empty() {
-        return Err(InputError::Empty { path: path.to_path_buf(), what: "placement decisions" });
-    }
-    Ok(out)
+        let decision: Decision = serde_json::from_value(value).map_err(|e| format!("not a placement decision: {e}"))?;
+        Ok(LogLine { line, decision })
+    })
 }
 
 #[cfg(test)]

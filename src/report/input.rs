@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use crate::placement_log::read::{json_lines, read, InputError};
+use crate::placement_log::read::{parse_lines, read, InputError};
 use crate::sim::report::PolicyReport;
 
 /// Reads a `simulate --json` file: one object per policy per line.
@@ -13,24 +13,16 @@ pub fn read_simulate(path: &Path) -> Result<Vec<PolicyReport>, InputError> {
 
 /// Parses `simulate --json` output; `path` only names it in errors.
 pub fn parse_simulate(path: &Path, text: &str) -> Result<Vec<PolicyReport>, InputError> {
-    let mut out = Vec::new();
-    for (line, raw) in json_lines(text) {
-        let bad = |why: String| InputError::Line { path: path.to_path_buf(), line, why };
+    parse_lines(path, text, "simulate results", |_, raw| {
         let r: PolicyReport = serde_json::from_str(raw).map_err(|e| {
             let hint = if raw.contains("\"verb\"") { " (a placement log goes to --placement-log)" } else { "" };
-            bad(format!("not a simulate --json result: {e}{hint}"))
+            format!("not a simulate --json result: {e}{hint}")
         })?;
         if let Some((k, v)) = r.unallocated_gpu_pct.iter().find(|(k, v)| k.parse::<u32>().is_err() || !v.is_finite()) {
-            return Err(bad(format!(
-                "unallocated_gpu_pct: column {k:?} = {v} is not a percentage of arrived workload"
-            )));
+            return Err(format!("unallocated_gpu_pct: column {k:?} = {v} is not a percentage of arrived workload"));
         }
-        out.push(r);
-    }
-    if out.is_empty() {
-        return Err(InputError::Empty { path: path.to_path_buf(), what: "simulate results" });
-    }
-    Ok(out)
+        Ok(r)
+    })
 }
 
 #[cfg(test)]

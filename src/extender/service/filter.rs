@@ -262,11 +262,7 @@ impl Extender {
 
     fn filter_args<'a>(&self, args: &'a ExtenderArgsRef<'_>) -> Result<Filtered<'a>, WireError> {
         let started = Instant::now();
-        let mode = args.mode()?;
-        let names = args.candidate_names()?;
-        let mut d = self.decision("filter", &args.pod, started);
-        d.mode = Some(mode_name(mode).into());
-        d.candidates = names.len();
+        let (names, mut d) = self.candidates_decision("filter", args, started)?;
         if !self.is_ready() {
             // an answer from an incomplete state could place a pod on GPUs that are taken
             d.error = Some(NOT_READY.into());

@@ -21,11 +21,7 @@ impl Extender {
 
     fn prioritize_args<'a>(&self, args: &'a ExtenderArgsRef<'_>) -> Result<(Vec<&'a str>, Vec<u8>), WireError> {
         let started = Instant::now();
-        let mode = args.mode()?;
-        let names = args.candidate_names()?;
-        let mut d = self.decision("prioritize", &args.pod, started);
-        d.mode = Some(mode_name(mode).into());
-        d.candidates = names.len();
+        let (names, mut d) = self.candidates_decision("prioritize", args, started)?;
         let req = match self.remember_pod(&args.pod) {
             Ok(r) => r,
             Err(reason) => {

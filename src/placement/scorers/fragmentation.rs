@@ -14,21 +14,7 @@ pub struct FragmentationScorer;
 
 /// Change in fragmentation (thousandths of a GPU) if the placement is made on the node.
 pub fn fragmentation_delta(mix: &WorkloadMix, node: &Node, placement: &Placement) -> f64 {
-    let n = node.gpus.len().min(64);
-    let mut before = [0u32; 64];
-    for (g, slot) in before.iter_mut().enumerate().take(n) {
-        *slot = node.free_milli(g);
-    }
-    let mut after = before;
-    for c in placement.assignment.containers.iter().filter(|c| !c.init) {
-        for s in &c.slices {
-            let g = s.gpu as usize;
-            if g >= n {
-                continue;
-            }
-            after[g] = after[g].saturating_sub(s.milli_on(node.gpus[g].memory_mib));
-        }
-    }
+    let (before, after, n) = placement.free_milli_before_after(node);
     let model = node.gpus.first().map_or("", |g| g.model.as_str());
     let a = &placement.assignment;
     mix.fragmentation(&after[..n], HostFree::of(node, a.cpu_milli, a.memory_mib), model)

@@ -33,7 +33,7 @@
 use crate::core::cluster::{Cluster, Node};
 use crate::core::resources::PodRequest;
 use crate::placement::feasibility::Placement;
-use crate::placement::mix::{MixEntry, ReserveClass};
+use crate::placement::mix::{HostFree, MixEntry, ReserveClass};
 use crate::placement::scorer::{ScoreContext, Scorer};
 
 /// Of the nodes that have the most host CPU of all nodes with as many GPUs or more, this share is
@@ -103,26 +103,10 @@ fn guarded<'a>(ctx: &'a ScoreContext<'_>) -> impl Iterator<Item = &'a ReserveCla
 
 /// Whether `node` would still be a free host of `class` after `placement`.
 fn hosted_after(class: &ReserveClass, node: &Node, placement: &Placement) -> bool {
-    let n = node.gpus.len().min(64);
-    let mut free = [0u32; 64];
-    for (g, slot) in free.iter_mut().enumerate().take(n) {
-        *slot = node.free_milli(g);
-    }
-    for c in placement.assignment.containers.iter().filter(|c| !c.init) {
-        for s in &c.slices {
-            let g = s.gpu as usize;
-            if g < n {
-                free[g] = free[g].saturating_sub(s.milli_on(node.gpus[g].memory_mib));
-            }
-        }
-    }
+    let (_, free, n) = placement.free_milli_before_after(node);
     let a = &placement.assignment;
-    class.fits(
-        free[..n].iter().copied(),
-        (node.cpu_milli > 0).then(|| node.cpu_free().saturating_sub(a.cpu_milli)),
-        (node.memory_mib > 0).then(|| node.mem_free().saturating_sub(a.memory_mib)),
-        node.gpus.first().map_or("", |g| g.model.as_str()),
-    )
+    let model = node.gpus.first().map_or("", |g| g.model.as_str());
+    class.fits(free[..n].iter().copied(), HostFree::of(node, a.cpu_milli, a.memory_mib), model)
 }
 
 impl Scorer for ReserveScorer {
