@@ -1,0 +1,590 @@
+//! The Helm chart `scheduler-config/helm/gpuplace/` and the plain manifests of `scheduler-config/`
+//! never drift apart.
+//!
+//! - `helm lint --strict` passes with the default values, with TLS on, with `scheduler.mode=config`
+//!   and with `devicePlugin.fakeTopology` set (and with every optional value set at once).
+//! - `helm template gpuplace CHART --namespace gpuplace-system --kube-version 1.36.0` renders exactly
+//!   the objects of [`DEFAULT_FILES`]; with `monitoring.enabled` and `namespace.create` also those of
+//!   [`MONITORING_FILES`] and `extender/namespace.yaml`. Objects are compared as parsed JSON values
+//!   keyed by apiVersion, kind, namespace and name: comments and key order are ignored, nothing else
+//!   (the chart adds no label of its own). Every other YAML file of `scheduler-config/` is named in
+//!   [`NOT_OBJECTS`] with what checks it instead.
+//! - TLS (`extender.tls.enabled`): the Deployment gets exactly the arguments, volume and mount that
+//!   `extender/deployment.yaml` has commented out, HTTPS probes, and both scheduler configurations
+//!   the extender stanza of `kube-scheduler-config-tls.yaml`; option A's kube-scheduler finds its
+//!   certificate files where that stanza says.
+//! - `scheduler.mode=config`: one ConfigMap whose KubeSchedulerConfiguration is
+//!   `kube-scheduler-config.yaml` (`-tls.yaml` with TLS), the URL following the release namespace.
+//! - `devicePlugin.fakeTopology`: the topology in a ConfigMap, mounted, `--fake-topology` on the
+//!   command line, no `NVIDIA_*` environment; otherwise the plain DaemonSet.
+//! - The chart's copy of the Grafana dashboard is `monitoring/grafana-dashboard.json`, byte for byte.
+//! - The extender arguments the chart renders parse with `gpuplace serve`'s own definitions.
+//!
+//! Helm comes from `$GPUPLACE_HELM` (the binary), else from `../shared/kube/helm.xz`, unpacked once
+//! into `target/tmp/helm/helm`. Without either the tests fail and say where to get Helm: they never
+//! pass without running.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use serde::Deserialize;
+use serde_json::{json, Value};
+use yaml_files::yaml_files;
+
+#[path = "support/yaml_files.rs"]
+mod yaml_files;
+
+/// The plain files (under `scheduler-config/`) that the default rendering reproduces, and nothing else.
+const DEFAULT_FILES: &[&str] = &[
+    "extender/deployment.yaml",
+    "extender/flowschema.yaml",
+    "extender/networkpolicy.yaml",
+    "extender/pdb.yaml",
+    "extender/rbac.yaml",
+    "extender/service.yaml",
+    "device-plugin/daemonset.yaml",
+    "device-plugin/rbac.yaml",
+    "second-profile/gpuplace-scheduler.yaml",
+];
+
+/// Rendered with `monitoring.enabled=true` (the Prometheus operator's kinds, off by default so that
+/// the default rendering needs no CRD).
+const MONITORING_FILES: &[&str] = &["monitoring/servicemonitor.yaml", "monitoring/prometheus-rules.yaml"];
+
+/// Rendered with `namespace.create=true` (off by default: `helm install --create-namespace`).
+const NAMESPACE_FILE: &str = "extender/namespace.yaml";
+
+/// YAML files of `scheduler-config/` that are not objects the chart applies, and what checks them.
+const NOT_OBJECTS: &[&str] = &[
+    // scheduler.mode=config renders them into a ConfigMap (the_config_mode_is_the_reference_file)
+    "kube-scheduler-config.yaml",
+    "kube-scheduler-config-tls.yaml",
+    // kubeadm's ClusterConfiguration for option B, applied by kubeadm on the control-plane nodes
+    "default-profile/kubeadm-cluster-configuration.yaml",
+];
+
+const NAMESPACE: &str = "gpuplace-system";
+
+const WHERE_TO_GET: &str = "set GPUPLACE_HELM to a Helm 3 binary (https://github.com/helm/helm/releases, \
+     v3.17 or later: the official release archive holds `helm`), or put helm.xz (xz-compressed Helm \
+     binary) in ../shared/kube/ beside the repository";
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn config_dir() -> PathBuf {
+    repo().join("scheduler-config")
+}
+
+fn chart() -> PathBuf {
+    config_dir().join("helm/gpuplace")
+}
+
+/// The Helm binary: `$GPUPLACE_HELM`, else `../shared/kube/helm.xz` unpacked once (per process:
+/// the unpacked file is written under another name and renamed, so concurrent runs never see half
+/// a binary).
+fn helm() -> &'static Path {
+    static HELM: OnceLock<PathBuf> = OnceLock::new();
+    HELM.get_or_init(|| {
+        if let Some(p) = std::env::var_os("GPUPLACE_HELM").filter(|p| !p.is_empty()) {
+            let p = PathBuf::from(p);
+            assert!(p.is_file(), "GPUPLACE_HELM={} is not a file; {WHERE_TO_GET}", p.display());
+            return p;
+        }
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("helm");
+        let out = dir.join("helm");
+        if out.is_file() {
+            return out;
+        }
+        let xz = repo().join("../shared/kube/helm.xz");
+        assert!(xz.is_file(), "Helm was not found ({} is missing); {WHERE_TO_GET}", xz.display());
+        fs::create_dir_all(&dir).expect("create target/tmp/helm");
+        let partial = dir.join(format!("helm.partial.{}", std::process::id()));
+        let file = fs::File::create(&partial).expect("create the unpacked binary");
+        let status = Command::new("xz")
+            .arg("-dc")
+            .arg(&xz)
+            .stdout(file)
+            .status()
+            .unwrap_or_else(|e| panic!("running xz to unpack {}: {e} (install xz-utils)", xz.display()));
+        assert!(status.success(), "xz -dc {} failed: {status}", xz.display());
+        use std::os::unix::fs::PermissionsExt;
+        fs::set_permissions(&partial, fs::Permissions::from_mode(0o755)).expect("chmod the unpacked binary");
+        fs::rename(&partial, &out).expect("rename the unpacked binary");
+        out
+    })
+}
+
+/// Runs Helm; panics with its output when it fails.
+fn run_helm(args: &[String]) -> String {
+    let out = Command::new(helm()).args(args).output().unwrap_or_else(|e| panic!("running helm: {e}"));
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "helm {}: {}\n{stdout}\n{stderr}", args.join(" "), out.status);
+    format!("{stdout}{stderr}")
+}
+
+/// A value set: `--set`, `--set-string` or `--set-file` arguments.
+fn values(sets: &[&str]) -> Vec<String> {
+    sets.iter().flat_map(|s| ["--set".to_string(), s.to_string()]).collect()
+}
+
+/// A topology file for `devicePlugin.fakeTopology`: the shared H100 node when it is there, else a
+/// small one written here (the chart does not read it; the test compares it as text and JSON).
+fn topology_file() -> PathBuf {
+    let shared = repo().join("../shared/topologies/hgx-h100-8.json");
+    if shared.is_file() {
+        return shared;
+    }
+    let p = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("helm-chart-topology.json");
+    let text = json!({"name": "two-gpus", "gpus": [{"index": 0}, {"index": 1}], "links": []});
+    fs::write(&p, serde_json::to_string_pretty(&text).unwrap() + "\n").expect("write the topology");
+    p
+}
+
+fn fake_topology_values() -> Vec<String> {
+    vec!["--set-file".to_string(), format!("devicePlugin.fakeTopology={}", topology_file().display())]
+}
+
+/// `helm template` in the namespace, with the test's Kubernetes version.
+fn render_in(namespace: &str, args: &[String]) -> Vec<Value> {
+    let mut all: Vec<String> = ["template", "gpuplace"].iter().map(|s| s.to_string()).collect();
+    all.push(chart().display().to_string());
+    all.extend(["--namespace", namespace, "--kube-version", "1.36.0"].iter().map(|s| s.to_string()));
+    all.extend(args.iter().cloned());
+    let out = Command::new(helm()).args(&all).output().unwrap_or_else(|e| panic!("running helm: {e}"));
+    assert!(out.status.success(), "helm {}: {}\n{}", all.join(" "), out.status, String::from_utf8_lossy(&out.stderr));
+    documents(&String::from_utf8(out.stdout).expect("UTF-8"), "helm template")
+}
+
+fn render(args: &[String]) -> Vec<Value> {
+    render_in(NAMESPACE, args)
+}
+
+/// Every non-empty document of a YAML stream, as JSON.
+fn documents(text: &str, origin: &str) -> Vec<Value> {
+    let mut out = Vec::new();
+    for (i, doc) in serde_norway::Deserializer::from_str(text).enumerate() {
+        let v = serde_norway::Value::deserialize(doc).unwrap_or_else(|e| panic!("{origin} document {i}: {e}"));
+        if v.is_null() {
+            continue;
+        }
+        out.push(serde_json::to_value(&v).unwrap_or_else(|e| panic!("{origin} document {i}: {e}")));
+    }
+    out
+}
+
+fn plain_documents(file: &str) -> Vec<Value> {
+    let path = config_dir().join(file);
+    documents(&fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())), file)
+}
+
+/// apiVersion, kind, namespace/name: what identifies an object in a cluster.
+fn key(v: &Value) -> String {
+    let s = |x: &Value| x.as_str().unwrap_or("").to_string();
+    format!(
+        "{} {} {}/{}",
+        s(&v["apiVersion"]),
+        s(&v["kind"]),
+        s(&v["metadata"]["namespace"]),
+        s(&v["metadata"]["name"])
+    )
+}
+
+fn by_key(docs: Vec<Value>, origin: &str) -> BTreeMap<String, Value> {
+    let mut out = BTreeMap::new();
+    for d in docs {
+        let k = key(&d);
+        assert!(d["kind"].is_string() && d["metadata"]["name"].is_string(), "{origin}: no kind or name: {d}");
+        assert!(out.insert(k.clone(), d).is_none(), "{origin}: {k} twice");
+    }
+    out
+}
+
+fn plain_objects(files: &[&str]) -> BTreeMap<String, Value> {
+    by_key(files.iter().flat_map(|f| plain_documents(f)).collect(), &files.join(", "))
+}
+
+/// Where two JSON values differ, one line per difference, with its path.
+fn differences(path: &str, want: &Value, got: &Value, out: &mut Vec<String>) {
+    match (want, got) {
+        (Value::Object(a), Value::Object(b)) => {
+            for k in a.keys().chain(b.keys().filter(|k| !a.contains_key(*k))) {
+                let p = format!("{path}.{k}");
+                match (a.get(k), b.get(k)) {
+                    (Some(x), Some(y)) => differences(&p, x, y, out),
+                    (Some(x), None) => out.push(format!("  {p}: missing in the chart (plain: {x})")),
+                    (None, Some(y)) => out.push(format!("  {p}: only in the chart: {y}")),
+                    (None, None) => unreachable!(),
+                }
+            }
+        }
+        (Value::Array(a), Value::Array(b)) if a.len() == b.len() => {
+            for (i, (x, y)) in a.iter().zip(b).enumerate() {
+                differences(&format!("{path}[{i}]"), x, y, out);
+            }
+        }
+        _ if want != got => out.push(format!("  {path}:\n    plain: {want}\n    chart: {got}")),
+        _ => {}
+    }
+}
+
+/// Panics with a readable diff unless the rendered objects are exactly the plain ones.
+fn assert_same_objects(what: &str, plain: &BTreeMap<String, Value>, rendered: &BTreeMap<String, Value>) {
+    let mut report = Vec::new();
+    for (k, want) in plain {
+        match rendered.get(k) {
+            None => report.push(format!("{k}: in the plain manifests, not rendered by the chart")),
+            Some(got) => {
+                let mut d = Vec::new();
+                differences("", want, got, &mut d);
+                if !d.is_empty() {
+                    report.push(format!("{k} differs:\n{}", d.join("\n")));
+                }
+            }
+        }
+    }
+    for k in rendered.keys().filter(|k| !plain.contains_key(*k)) {
+        report.push(format!("{k}: rendered by the chart, not in the plain manifests"));
+    }
+    assert!(
+        report.is_empty(),
+        "{what}: the chart and the plain manifests differ (change both together):\n{}",
+        report.join("\n")
+    );
+}
+
+fn find<'a>(docs: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    let found: Vec<&Value> = docs.iter().filter(|d| d["kind"] == kind && d["metadata"]["name"] == name).collect();
+    assert_eq!(found.len(), 1, "expected exactly one {kind} {name}, found {}", found.len());
+    found[0]
+}
+
+fn strings(v: &Value) -> Vec<String> {
+    v.as_array().map(|a| a.iter().filter_map(|s| s.as_str().map(String::from)).collect()).unwrap_or_default()
+}
+
+/// The YAML that a commented-out block of `text` holds: the line `# KEY:` and the lines after it
+/// that continue it at the same indentation (`# - ...`, `#   ...`), uncommented.
+fn commented_block(text: &str, key: &str) -> Value {
+    let mut lines = text.lines();
+    let start = lines.find(|l| l.trim() == format!("# {key}:")).unwrap_or_else(|| panic!("no `# {key}:` line"));
+    let indent = &start[..start.find('#').unwrap()];
+    let prefix = format!("{indent}# ");
+    let mut yaml = vec![format!("{key}:")];
+    for l in lines {
+        match l.strip_prefix(&prefix) {
+            Some(rest) if rest.starts_with('-') || rest.starts_with(' ') => yaml.push(rest.to_string()),
+            _ => break,
+        }
+    }
+    let v = documents(&yaml.join("\n"), key).remove(0);
+    v[key].clone()
+}
+
+/// The KubeSchedulerConfiguration in a ConfigMap's `kube-scheduler-config.yaml`.
+fn embedded_config(cm: &Value) -> Value {
+    let text = cm["data"]["kube-scheduler-config.yaml"].as_str().expect("data kube-scheduler-config.yaml");
+    documents(text, "the ConfigMap's kube-scheduler-config.yaml").remove(0)
+}
+
+/// `gpuplace <args> --help` succeeds: the arguments parse with the binary's definitions.
+fn assert_extender_args_parse(deployment: &Value) {
+    let args = strings(&deployment["spec"]["template"]["spec"]["containers"][0]["args"]);
+    assert_eq!(args.first().map(String::as_str), Some("serve"), "{args:?}");
+    let out = Command::new(env!("CARGO_BIN_EXE_gpuplace")).args(&args).arg("--help").output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && !err.contains("error:"), "{args:?}: {err}");
+}
+
+#[test]
+fn helm_lint_strict_is_clean() {
+    let cases: Vec<(&str, Vec<String>)> = vec![
+        ("default values", vec![]),
+        ("TLS", values(&["extender.tls.enabled=true"])),
+        ("scheduler.mode=config", values(&["scheduler.mode=config"])),
+        ("fake topology", fake_topology_values()),
+        ("everything optional", every_option()),
+    ];
+    for (what, args) in cases {
+        let mut all = vec!["lint".to_string(), "--strict".to_string(), chart().display().to_string()];
+        all.extend(["--namespace", NAMESPACE, "--kube-version", "1.36.0"].iter().map(|s| s.to_string()));
+        all.extend(args);
+        let out = run_helm(&all);
+        let noisy: Vec<&str> = out.lines().filter(|l| l.contains("[WARNING]") || l.contains("[ERROR]")).collect();
+        assert!(noisy.is_empty(), "helm lint --strict ({what}):\n{out}");
+        assert!(out.contains("0 chart(s) failed"), "helm lint --strict ({what}):\n{out}");
+    }
+}
+
+/// Every YAML file of scheduler-config/ (outside the chart) is compared by some test here or is an
+/// object the chart does not apply, so that a new plain file cannot be left out of the chart.
+#[test]
+fn every_plain_file_is_accounted_for() {
+    let root = config_dir();
+    let mut known: Vec<&str> = DEFAULT_FILES.iter().chain(MONITORING_FILES).chain(NOT_OBJECTS).copied().collect();
+    known.push(NAMESPACE_FILE);
+    for f in yaml_files(&root) {
+        let rel = f.strip_prefix(&root).unwrap().display().to_string();
+        assert!(known.contains(&rel.as_str()), "scheduler-config/{rel}: not in tests/helm_chart.rs's lists");
+    }
+    for k in &known {
+        assert!(root.join(k).is_file(), "scheduler-config/{k} is gone: update tests/helm_chart.rs");
+    }
+}
+
+#[test]
+fn the_default_rendering_is_the_plain_manifests() {
+    let rendered = by_key(render(&[]), "helm template");
+    assert_same_objects("default values", &plain_objects(DEFAULT_FILES), &rendered);
+    // nothing the default rendering applies needs a CRD, nor a namespace of its own
+    for k in rendered.keys() {
+        assert!(!k.contains("monitoring.coreos.com") && !k.contains(" Namespace "), "{k} in the default rendering");
+    }
+    assert_extender_args_parse(find(&render(&[]), "Deployment", "gpuplace-extender"));
+}
+
+#[test]
+fn monitoring_and_the_namespace_are_the_plain_manifests() {
+    let rendered = by_key(render(&values(&["monitoring.enabled=true", "namespace.create=true"])), "helm template");
+    let files: Vec<&str> = DEFAULT_FILES.iter().chain(MONITORING_FILES).copied().chain([NAMESPACE_FILE]).collect();
+    assert_same_objects("monitoring.enabled, namespace.create", &plain_objects(&files), &rendered);
+}
+
+#[test]
+fn the_grafana_dashboard_configmap_holds_the_dashboard() {
+    let plain = fs::read(config_dir().join("monitoring/grafana-dashboard.json")).unwrap();
+    let copy = fs::read(chart().join("files/grafana-dashboard.json")).unwrap();
+    assert!(
+        plain == copy,
+        "scheduler-config/helm/gpuplace/files/grafana-dashboard.json is not a copy of \
+         scheduler-config/monitoring/grafana-dashboard.json: cp the latter over the former"
+    );
+    let docs = render(&values(&["monitoring.grafanaDashboard.enabled=true"]));
+    let cm = find(&docs, "ConfigMap", "gpuplace-grafana-dashboard");
+    assert_eq!(cm["metadata"]["namespace"], NAMESPACE);
+    assert_eq!(cm["metadata"]["labels"]["grafana_dashboard"], "1", "the label Grafana's sidecar looks for");
+    let data = cm["data"].as_object().expect("data");
+    assert_eq!(data.len(), 1, "one dashboard");
+    let text = data.values().next().unwrap().as_str().expect("text");
+    let want: Value = serde_json::from_slice(&plain).unwrap();
+    assert_eq!(serde_json::from_str::<Value>(text).expect("the dashboard's JSON"), want);
+    // the dashboard alone: the rest is the default rendering
+    let rest: Vec<Value> = docs.into_iter().filter(|d| d["metadata"]["name"] != "gpuplace-grafana-dashboard").collect();
+    assert_same_objects("grafanaDashboard.enabled", &plain_objects(DEFAULT_FILES), &by_key(rest, "helm template"));
+}
+
+#[test]
+fn tls_uncomments_the_deployments_tls_and_uses_the_tls_scheduler_config() {
+    let text = fs::read_to_string(config_dir().join("extender/deployment.yaml")).unwrap();
+    let plain = plain_documents("extender/deployment.yaml").remove(0);
+    let docs = render(&values(&["extender.tls.enabled=true"]));
+    let dep = find(&docs, "Deployment", "gpuplace-extender");
+    let (pod, c) = (&dep["spec"]["template"]["spec"], &dep["spec"]["template"]["spec"]["containers"][0]);
+    let plain_c = &plain["spec"]["template"]["spec"]["containers"][0];
+
+    // the arguments: the plain ones, then exactly the commented-out TLS ones
+    let commented: Vec<String> = text
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("# - --"))
+        .filter(|a| a.starts_with("tls-") || a.starts_with("forward-server-name"))
+        .map(|a| format!("--{a}"))
+        .collect();
+    assert_eq!(commented.len(), 4, "the plain Deployment's commented TLS arguments: {commented:?}");
+    let mut want = strings(&plain_c["args"]);
+    want.extend(commented);
+    assert_eq!(strings(&c["args"]), want);
+    assert_extender_args_parse(dep);
+
+    // the volume and its mount, as commented out
+    assert_eq!(c["volumeMounts"], commented_block(&text, "volumeMounts"));
+    assert_eq!(pod["volumes"], commented_block(&text, "volumes"));
+    for probe in ["readinessProbe", "livenessProbe"] {
+        assert_eq!(c[probe]["httpGet"]["scheme"], "HTTPS", "{probe}");
+        let mut without = c[probe].clone();
+        without["httpGet"].as_object_mut().unwrap().remove("scheme");
+        assert_eq!(without, plain_c[probe], "{probe}: only the scheme changes");
+    }
+
+    // option A's configuration: kube-scheduler-config-tls.yaml's extender stanza
+    let reference = plain_documents("kube-scheduler-config-tls.yaml").remove(0);
+    let config = embedded_config(find(&docs, "ConfigMap", "gpuplace-scheduler-config"));
+    assert_eq!(config["extenders"], reference["extenders"]);
+    assert_eq!(config["extenders"][0]["enableHTTPS"], true);
+    assert!(config["extenders"][0]["tlsConfig"].is_object());
+    // ... and option A's kube-scheduler has the files where tlsConfig names them
+    let sched = find(&docs, "Deployment", "gpuplace-scheduler");
+    let mount = &sched["spec"]["template"]["spec"]["containers"][0]["volumeMounts"][0];
+    let dir = mount["mountPath"].as_str().expect("mountPath").to_string() + "/";
+    let volume = &sched["spec"]["template"]["spec"]["volumes"][0];
+    assert_eq!(volume["name"], mount["name"]);
+    let mut paths: Vec<String> = vec![];
+    for source in volume["projected"]["sources"].as_array().expect("a projected volume") {
+        if let Some(name) = source["configMap"]["name"].as_str() {
+            assert_eq!(name, "gpuplace-scheduler-config");
+            paths.push("kube-scheduler-config.yaml".into());
+        }
+        for item in source["secret"]["items"].as_array().into_iter().flatten() {
+            assert_eq!(source["secret"]["name"], "gpuplace-scheduler-tls");
+            paths.push(item["path"].as_str().unwrap().into());
+        }
+    }
+    for f in ["caFile", "certFile", "keyFile"] {
+        let file = config["extenders"][0]["tlsConfig"][f].as_str().expect(f);
+        let rel = file.strip_prefix(&dir).unwrap_or_else(|| panic!("{f} {file} is not under {dir}"));
+        assert!(paths.contains(&rel.to_string()), "{f} {file}: not in the mounted volume ({paths:?})");
+    }
+
+    // option B over TLS: kube-scheduler-config-tls.yaml itself
+    let docs = render(&values(&["extender.tls.enabled=true", "scheduler.mode=config"]));
+    assert_eq!(embedded_config(find(&docs, "ConfigMap", "gpuplace-kube-scheduler-config")), reference);
+}
+
+#[test]
+fn the_config_mode_is_the_reference_file() {
+    let reference = plain_documents("kube-scheduler-config.yaml").remove(0);
+    let docs = render(&values(&["scheduler.mode=config"]));
+    let cm = find(&docs, "ConfigMap", "gpuplace-kube-scheduler-config");
+    assert_eq!(cm["metadata"]["namespace"], NAMESPACE);
+    assert_eq!(embedded_config(cm), reference);
+    // no second scheduler; everything else is the default rendering
+    let second: BTreeMap<String, Value> = plain_objects(&["second-profile/gpuplace-scheduler.yaml"]);
+    let mut want = plain_objects(DEFAULT_FILES);
+    want.retain(|k, _| !second.contains_key(k));
+    let rest: Vec<Value> = docs.iter().filter(|d| *d != cm).cloned().collect();
+    assert_same_objects("scheduler.mode=config", &want, &by_key(rest, "helm template"));
+
+    // the URL follows the Service into another namespace, and scheduler.extenderURL overrides it
+    let docs = render_in("gpu-sched", &values(&["scheduler.mode=config"]));
+    let config = embedded_config(find(&docs, "ConfigMap", "gpuplace-kube-scheduler-config"));
+    assert_eq!(config["extenders"][0]["urlPrefix"], "http://gpuplace-extender.gpu-sched.svc:8888/gpuplace");
+    let mut substituted = config.clone();
+    substituted["extenders"][0]["urlPrefix"] = reference["extenders"][0]["urlPrefix"].clone();
+    assert_eq!(substituted, reference, "only the URL changes with the namespace");
+    let url = "http://10.96.0.42:8888/gpuplace";
+    let docs = render(&values(&["scheduler.mode=config", &format!("scheduler.extenderURL={url}")]));
+    let config = embedded_config(find(&docs, "ConfigMap", "gpuplace-kube-scheduler-config"));
+    assert_eq!(config["extenders"][0]["urlPrefix"], url);
+
+    // none: no scheduler object at all
+    let docs = render(&values(&["scheduler.mode=none"]));
+    let mut want = plain_objects(DEFAULT_FILES);
+    want.retain(|k, _| !second.contains_key(k));
+    assert_same_objects("scheduler.mode=none", &want, &by_key(docs, "helm template"));
+}
+
+#[test]
+fn a_fake_topology_is_mounted_and_passed_without_nvidia() {
+    let topology = fs::read_to_string(topology_file()).unwrap();
+    let docs = render(&fake_topology_values());
+    let cm = find(&docs, "ConfigMap", "gpuplace-device-plugin-topology");
+    assert_eq!(cm["metadata"]["namespace"], NAMESPACE);
+    let text = cm["data"]["topology.json"].as_str().expect("data topology.json");
+    assert_eq!(text.trim_end(), topology.trim_end(), "the topology, as given");
+    assert_eq!(serde_json::from_str::<Value>(text).unwrap(), serde_json::from_str::<Value>(&topology).unwrap());
+
+    let ds = find(&docs, "DaemonSet", "gpuplace-device-plugin");
+    let pod = &ds["spec"]["template"]["spec"];
+    let c = &pod["containers"][0];
+    let args = strings(&c["args"]);
+    assert_eq!(args, ["serve", "--fake-topology=/etc/gpuplace/topology/topology.json"]);
+    let mount = c["volumeMounts"].as_array().unwrap().iter().find(|m| m["mountPath"] == "/etc/gpuplace/topology");
+    let mount = mount.expect("the topology's mount");
+    assert_eq!(mount["readOnly"], true);
+    let volume = pod["volumes"].as_array().unwrap().iter().find(|v| v["name"] == mount["name"]).expect("its volume");
+    assert_eq!(volume["configMap"]["name"], "gpuplace-device-plugin-topology");
+    let env: Vec<&str> = c["env"].as_array().unwrap().iter().filter_map(|e| e["name"].as_str()).collect();
+    assert!(env.iter().all(|e| !e.starts_with("NVIDIA_")), "{env:?}");
+
+    // the rest is the plain DaemonSet: take the plain one, make the same four changes, compare
+    let mut want = plain_documents("device-plugin/daemonset.yaml").remove(0);
+    let wc = &mut want["spec"]["template"]["spec"]["containers"][0];
+    wc["args"] = json!(args);
+    wc["env"].as_array_mut().unwrap().retain(|e| !e["name"].as_str().unwrap().starts_with("NVIDIA_"));
+    wc["volumeMounts"].as_array_mut().unwrap().push(mount.clone());
+    want["spec"]["template"]["spec"]["volumes"].as_array_mut().unwrap().push(volume.clone());
+    let annotations = &ds["spec"]["template"]["metadata"]["annotations"];
+    assert!(annotations["checksum/topology"].is_string(), "a changed topology rolls the DaemonSet");
+    want["spec"]["template"]["metadata"]["annotations"] = annotations.clone();
+    let mut d = Vec::new();
+    differences("", &want, ds, &mut d);
+    assert!(
+        d.is_empty(),
+        "the fake-topology DaemonSet differs from the plain one beyond the topology:\n{}",
+        d.join("\n")
+    );
+}
+
+/// Every optional value set at once: lint is clean, every extender argument parses with the binary,
+/// and the namespaces that follow values do.
+fn every_option() -> Vec<String> {
+    let mut v = values(&[
+        "namespace.create=true",
+        "imagePullSecrets[0].name=regcred",
+        "utilizationNamespace=gpuplace-utilization",
+        "extender.image.repository=registry.example.com/gpuplace",
+        "extender.image.tag=v0.1.0",
+        "extender.logFormat=json",
+        "extender.placementLogEveryCall=true",
+        "extender.nodesToScore=0",
+        "extender.nodesToScoreSoft=8",
+        "extender.groupTimeoutSeconds=600",
+        "extender.watchNodeSelector=nvidia.com/gpu.present=true",
+        "extender.forwardTimeoutMs=3000",
+        "extender.acceptUnsignedAssignments=true",
+        "extender.assignmentKeySecret.namespace=gpuplace-keys",
+        "extender.assignmentKeySecret.name=keys",
+        "extender.policy.mixHalfLife=2000",
+        "extender.policy.mixState.enabled=true",
+        "extender.extraArgs[0]=--workers=4",
+        "extender.tls.enabled=true",
+        "extender.networkPolicy.ipBlocks[0]=192.0.2.10/32",
+        "devicePlugin.logFormat=json",
+        "devicePlugin.noAssignments=true",
+        "devicePlugin.slotsPerGpu=20",
+        "devicePlugin.runtimeClassName=nvidia",
+        "scheduler.verbosity=4",
+        "monitoring.enabled=true",
+        "monitoring.additionalLabels.release=kps",
+        "monitoring.grafanaDashboard.enabled=true",
+    ]);
+    v.extend(fake_topology_values());
+    v
+}
+
+#[test]
+fn every_option_renders_and_the_extender_arguments_parse() {
+    let docs = render(&every_option());
+    let dep = find(&docs, "Deployment", "gpuplace-extender");
+    assert_extender_args_parse(dep);
+    let args = strings(&dep["spec"]["template"]["spec"]["containers"][0]["args"]);
+    for a in [
+        "--utilization-namespace=gpuplace-utilization",
+        "--assignment-key-secret=gpuplace-keys/keys",
+        "--nodes-to-score=0",
+        "--mix-state=/var/lib/gpuplace/mix-state.json",
+        "--workers=4",
+    ] {
+        assert!(args.iter().any(|x| x == a), "{a} not in {args:?}");
+    }
+    // the Roles follow the namespaces and the Secret's name the binaries are given
+    assert_eq!(find(&docs, "Role", "gpuplace-extender-utilization")["metadata"]["namespace"], "gpuplace-utilization");
+    assert_eq!(
+        find(&docs, "Role", "gpuplace-device-plugin-utilization")["metadata"]["namespace"],
+        "gpuplace-utilization"
+    );
+    let keys = find(&docs, "Role", "gpuplace-extender-assignment-keys");
+    assert_eq!(keys["metadata"]["namespace"], "gpuplace-keys");
+    assert!(keys["rules"].as_array().unwrap().iter().any(|r| strings(&r["resourceNames"]) == ["keys"]), "{keys}");
+    let ds = find(&docs, "DaemonSet", "gpuplace-device-plugin");
+    let dargs = strings(&ds["spec"]["template"]["spec"]["containers"][0]["args"]);
+    assert!(dargs.contains(&"--utilization-namespace=gpuplace-utilization".to_string()), "{dargs:?}");
+    assert!(dargs.contains(&"--no-assignments".to_string()) && dargs.contains(&"--slots-per-gpu=20".to_string()));
+    for kind in ["ServiceMonitor", "PodMonitor", "PrometheusRule"] {
+        let o = docs.iter().find(|d| d["kind"] == kind).unwrap_or_else(|| panic!("{kind}"));
+        assert_eq!(o["metadata"]["labels"]["release"], "kps", "{kind}: monitoring.additionalLabels");
+    }
+}
