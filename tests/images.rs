@@ -1,8 +1,9 @@
-//! images/Dockerfile, images/build.sh and .dockerignore agree with the workspace and with the
-//! manifests in scheduler-config/: the build stage compiles the workspace's binaries with `--locked`
-//! and a profile that strips debug info, copies only paths that exist and that the build context
-//! admits, and each image's user, port, entry point and default arguments are what the Deployment
-//! and the DaemonSet expect. No Docker daemon needed (there is none on CI); the device plugin's
+//! images/Containerfile and images/build.sh agree with the workspace and with the manifests in
+//! scheduler-config/: build.sh compiles the workspace's binaries with `--locked` and a profile that
+//! strips debug info, both images start FROM scratch and copy only what build.sh assembles into the
+//! build context, and each image's user, port, entry point and default arguments are what the
+//! Deployment and the DaemonSet expect. No builder needed here; the e2e suite builds both images
+//! with build.sh and runs them under a real kubelet (tests/e2e/real_node.rs). The device plugin's
 //! default arguments are parsed by its own binary in device-plugin/tests/image.rs.
 
 #[path = "support/cargo_tree.rs"]
@@ -15,22 +16,20 @@ use std::path::Path;
 use std::process::Command;
 
 use cargo_tree::resolved;
-use dockerfile::{copy_parts, exists, parse, read, repo_root, run_commands, stage, IgnoreFile, Stage};
+use dockerfile::{copy_parts, exists, parse, read, repo_root, stage, Stage};
 use gpuplace::extender::http::DEFAULT_LISTEN;
 use serde_norway::Value;
 
-const DOCKERFILE: &str = "images/Dockerfile";
+const CONTAINERFILE: &str = "images/Containerfile";
+const BUILD_SH: &str = "images/build.sh";
 
 fn stages() -> Vec<Stage> {
-    parse(&read(DOCKERFILE))
+    parse(&read(CONTAINERFILE))
 }
 
-/// What `cargo metadata` says of the workspace: its binaries, and the source files a build of it
-/// reads by path (libraries, binaries, build scripts, and bench targets, which Cargo.toml declares
-/// and so must exist), relative to the repository root.
+/// The workspace's binaries, from `cargo metadata`.
 struct Workspace {
     bins: BTreeSet<String>,
-    build_paths: Vec<String>,
 }
 
 fn workspace() -> Workspace {
@@ -43,19 +42,12 @@ fn workspace() -> Workspace {
     let meta: serde_json::Value = serde_json::from_slice(&out.stdout).expect("cargo metadata's JSON");
     let members: BTreeSet<&str> =
         meta["workspace_members"].as_array().unwrap().iter().map(|m| m.as_str().unwrap()).collect();
-    let root = repo_root();
-    let mut ws = Workspace { bins: BTreeSet::new(), build_paths: Vec::new() };
+    let mut ws = Workspace { bins: BTreeSet::new() };
     for p in meta["packages"].as_array().unwrap().iter().filter(|p| members.contains(p["id"].as_str().unwrap())) {
-        let manifest = Path::new(p["manifest_path"].as_str().unwrap());
-        ws.build_paths.push(manifest.strip_prefix(&root).unwrap().display().to_string());
         for t in p["targets"].as_array().unwrap() {
             let kinds: Vec<&str> = t["kind"].as_array().unwrap().iter().map(|k| k.as_str().unwrap()).collect();
             if kinds.contains(&"bin") {
                 ws.bins.insert(t["name"].as_str().unwrap().to_string());
-            }
-            if kinds.iter().any(|k| ["lib", "bin", "custom-build", "bench"].contains(k)) {
-                let src = Path::new(t["src_path"].as_str().unwrap());
-                ws.build_paths.push(src.strip_prefix(&root).unwrap().display().to_string());
             }
         }
     }
@@ -95,29 +87,43 @@ fn exposed(s: &Stage) -> Vec<u64> {
         .collect()
 }
 
-/// The one binary a runtime stage copies from the build stage, and where it puts it.
-fn copied_binary(s: &Stage) -> String {
-    let from_build: Vec<_> = s.all("COPY").into_iter().map(copy_parts).filter(|(f, _, _)| f.is_some()).collect();
-    assert_eq!(from_build.len(), 1, "stage {}: {from_build:?}", s.name);
-    from_build[0].2.clone()
+/// The one binary a stage copies from the context's `bin/`: (binary, where it goes).
+fn copied_binary(s: &Stage) -> (String, String) {
+    let bins: Vec<_> = s
+        .all("COPY")
+        .into_iter()
+        .map(copy_parts)
+        .filter(|(_, src, _)| src.iter().any(|p| p.starts_with("bin/")))
+        .collect();
+    assert_eq!(bins.len(), 1, "stage {}: {bins:?}", s.name);
+    let (_, src, dest) = &bins[0];
+    assert_eq!(src.len(), 1, "stage {}: {src:?}", s.name);
+    (src[0].trim_start_matches("bin/").to_string(), dest.clone())
+}
+
+/// A bash array of build.sh, `name=(a b)`, its words unquoted.
+fn script_array(script: &str, name: &str) -> Vec<String> {
+    let line = script
+        .lines()
+        .find_map(|l| l.trim().strip_prefix(&format!("{name}=(")))
+        .unwrap_or_else(|| panic!("build.sh has no {name}=(...)"));
+    line.trim_end_matches(')').split_whitespace().map(|w| w.trim_matches('"').to_string()).collect()
 }
 
 /// The image name images/build.sh gives a target with its default tag and no registry prefix.
 fn built_tag(target: &str) -> String {
-    let script = read("images/build.sh");
+    let script = read(BUILD_SH);
     let default_tag = script
         .lines()
-        .find_map(|l| l.trim().strip_prefix("tag=\"${TAG:-"))
+        .find_map(|l| l.trim().strip_prefix("tag=${TAG:-"))
         .and_then(|r| r.split_once('}'))
         .map(|(t, _)| t.to_string())
-        .expect("build.sh: tag=\"${TAG:-...}\"");
-    let line = script
-        .lines()
-        .find(|l| l.contains("docker build") && l.contains(&format!("--target {target} ")))
-        .unwrap_or_else(|| panic!("build.sh builds no --target {target}"));
-    let words: Vec<&str> = line.split_whitespace().collect();
-    let at = words.iter().position(|w| *w == "-t").expect("-t");
-    words[at + 1].trim_matches('"').replace("${registry}", "").replace("${tag}", &default_tag)
+        .expect("build.sh: tag=${TAG:-...}");
+    let targets = script_array(&script, "targets");
+    let names = script_array(&script, "names");
+    assert_eq!(targets.len(), names.len(), "build.sh: one name per target");
+    let at = targets.iter().position(|t| t == target).unwrap_or_else(|| panic!("build.sh builds no {target}"));
+    names[at].replace("${registry}", "").replace("${tag}", &default_tag)
 }
 
 /// The container's effective `securityContext` field: the container's own, else the pod's.
@@ -131,113 +137,67 @@ fn security<'a>(pod: &'a Value, container: &'a Value, field: &str) -> &'a Value 
 }
 
 #[test]
-fn the_build_stage_compiles_the_workspace_binaries_locked_and_stripped() {
-    let stages = stages();
-    let build = stage(&stages, "build");
-    let commands = run_commands(build.one("RUN"));
-    let cargo = commands
-        .iter()
-        .find(|c| c.len() > 1 && c[0] == "cargo" && c[1] == "build")
-        .unwrap_or_else(|| panic!("no cargo build in {commands:?}"));
-    for flag in ["--locked", "--workspace", "--bins"] {
-        assert!(cargo.contains(&flag.to_string()), "{flag} missing: {cargo:?}");
+fn the_build_script_compiles_the_workspace_binaries_locked_and_stripped() {
+    let script = read(BUILD_SH);
+    let cargo: Vec<&str> = script
+        .lines()
+        .map(str::trim)
+        .find(|l| l.starts_with("cargo build"))
+        .expect("build.sh: cargo build")
+        .split_whitespace()
+        .collect();
+    for flag in ["--release", "--locked", "--workspace", "--bins"] {
+        assert!(cargo.contains(&flag), "{flag} missing: {cargo:?}");
     }
-    let profile = if cargo.contains(&"--release".to_string()) {
-        "release".to_string()
-    } else {
-        let at = cargo.iter().position(|w| w == "--profile").expect("--release or --profile");
-        cargo[at + 1].clone()
-    };
-
-    // the profile strips debug info, and compiles none
+    // the release profile strips debug info, and compiles none
     let cargo_toml = read("Cargo.toml");
-    let settings = toml_section(&cargo_toml, &format!("profile.{profile}"));
+    let settings = toml_section(&cargo_toml, "profile.release");
     let strip = settings.get("strip").map(String::as_str);
-    assert!(matches!(strip, Some("\"debuginfo\"" | "\"symbols\"" | "true")), "[profile.{profile}] strip: {strip:?}");
+    assert!(matches!(strip, Some("\"debuginfo\"" | "\"symbols\"" | "true")), "[profile.release] strip: {strip:?}");
     let debug = settings.get("debug").map(String::as_str);
-    assert!(matches!(debug, None | Some("0" | "false" | "\"none\"")), "[profile.{profile}] debug: {debug:?}");
+    assert!(matches!(debug, None | Some("0" | "false" | "\"none\"")), "[profile.release] debug: {debug:?}");
     // and profiling keeps what the stripped profile drops (docs/performance.md)
     let profiling = toml_section(&cargo_toml, "profile.profiling");
     assert_eq!(profiling.get("inherits").map(String::as_str), Some("\"release\""), "{profiling:?}");
     assert!(!matches!(profiling.get("debug").map(String::as_str), None | Some("0" | "false")), "{profiling:?}");
     assert!(matches!(profiling.get("strip").map(String::as_str), Some("\"none\"" | "false")), "{profiling:?}");
 
-    // it copies out exactly the workspace's binaries, and the runtime stages take each of them once
-    let mut installed = BTreeMap::new();
-    for c in commands.iter().filter(|c| c[0] == "install") {
-        let (src, dst) = (&c[c.len() - 2], &c[c.len() - 1]);
-        let bin = src.strip_prefix(&format!("target/{profile}/")).unwrap_or_else(|| panic!("{src}: not built here"));
-        installed.insert(bin.to_string(), dst.clone());
-    }
+    // build.sh takes exactly the workspace's binaries, and each image copies one of them
     let ws = workspace();
-    assert_eq!(installed.keys().cloned().collect::<BTreeSet<_>>(), ws.bins);
-    let mut taken: Vec<String> = Vec::new();
-    for s in stages.iter().filter(|s| s.name != "build") {
-        for (from, sources, _) in s.all("COPY").into_iter().map(copy_parts) {
-            if from.as_deref() == Some("build") {
-                assert!(
-                    sources.iter().all(|src| installed.values().any(|d| d == src)),
-                    "stage {}: {sources:?}",
-                    s.name
-                );
-                taken.extend(sources);
-            }
-        }
-    }
-    taken.sort();
-    let mut want: Vec<String> = installed.values().cloned().collect();
-    want.sort();
-    assert_eq!(taken, want, "each binary in one image");
-
-    // glibc: the builder's Debian release is the runtime images'
-    let codename = ["bookworm", "trixie"]
-        .into_iter()
-        .find(|c| build.base.ends_with(&format!("-{c}")))
-        .unwrap_or_else(|| panic!("builder {}: name the Debian release", build.base));
-    let debian = if codename == "bookworm" { "debian12" } else { "debian13" };
-    for s in stages.iter().filter(|s| s.name != "build") {
-        assert!(s.base.contains(debian), "stage {} on {} with a {codename} builder", s.name, s.base);
-    }
+    let bins: BTreeSet<String> = script_array(&script, "bins").into_iter().collect();
+    assert_eq!(bins, ws.bins, "build.sh's bins");
+    let taken: BTreeSet<String> = stages().iter().map(|s| copied_binary(s).0).collect();
+    assert_eq!(taken, ws.bins, "each binary in one image");
+    assert_eq!(stages().len(), ws.bins.len());
 }
 
 #[test]
-fn the_build_context_holds_what_the_images_copy_and_no_more() {
-    let ignore = IgnoreFile::parse(&read(".dockerignore"));
-    let stages = stages();
-    let mut copied: Vec<String> = Vec::new();
-    for s in &stages {
+fn the_images_start_from_scratch_and_copy_only_what_build_sh_assembles() {
+    let script = read(BUILD_SH);
+    for s in &stages() {
+        // nothing pulled, and nothing run: buildah needs no runtime and no network to build them
+        assert_eq!(s.base, "scratch", "stage {}", s.name);
+        assert!(s.all("RUN").is_empty(), "stage {}: RUN needs a base with a shell", s.name);
         for (from, sources, _) in s.all("COPY").into_iter().map(copy_parts) {
-            if from.is_none() {
-                for src in sources {
-                    assert!(exists(&src), "stage {}: COPY {src}: not in the repository", s.name);
-                    assert!(!ignore.excludes(&src), "stage {}: COPY {src}: .dockerignore leaves it out", s.name);
-                    copied.push(src);
-                }
+            assert!(from.is_none(), "stage {}: COPY --from", s.name);
+            for src in sources {
+                let ok = if src == "base/" {
+                    script.contains("base=$ctx/base")
+                } else if let Some(bin) = src.strip_prefix("bin/") {
+                    script_array(&script, "bins").iter().any(|b| b == bin)
+                } else {
+                    // repository files build.sh copies into the context as they are
+                    exists(&src) && script.contains(&format!("cp -r {src} \"$ctx/{src}\""))
+                };
+                assert!(ok, "stage {}: COPY {src}: build.sh does not put it in the context", s.name);
             }
         }
     }
-    // every file the workspace build reads by path is copied into the build stage
-    let build = stage(&stages, "build");
-    let build_copied: Vec<String> = build
-        .all("COPY")
-        .into_iter()
-        .map(copy_parts)
-        .flat_map(|(_, sources, _)| sources)
-        .map(|s| s.trim_end_matches('/').to_string())
-        .collect();
-    for path in workspace().build_paths {
-        let under = build_copied.iter().any(|c| path == *c || path.starts_with(&format!("{c}/")));
-        assert!(under, "{path}: the build reads it, the build stage does not copy it ({build_copied:?})");
-        assert!(!ignore.excludes(&path), "{path}: left out of the context");
+    // the base is what the binaries need: their libraries (ldd), CA certificates, the users
+    for need in ["ldd \"$ctx/bin/$b\"", "ca-certificates.crt", "/etc/passwd", "/etc/group", "65532"] {
+        assert!(script.contains(need), "build.sh: {need}");
     }
-    assert!(exists("device-plugin/proto"), "the device plugin's protos, under a copied folder");
-    for out in ["target", "target/release/gpuplace", ".git", ".git/HEAD", "device-plugin/target/debug/x"] {
-        assert!(ignore.excludes(out), "{out} is sent to the daemon");
-    }
-    // nor what the build does not read
-    for out in ["docs/deploy.md", "tests/images.rs", "scheduler-config/extender/deployment.yaml"] {
-        assert!(ignore.excludes(out), "{out} is sent to the daemon");
-    }
+    assert!(!exists("images/Dockerfile") && !exists(".dockerignore"), "one build definition");
 }
 
 #[test]
@@ -267,7 +227,7 @@ fn the_extender_image_is_what_the_deployment_runs() {
     // the Deployment's args replace CMD after the image's entry point, which is the copied binary
     assert!(c["command"].is_null(), "a command would replace the ENTRYPOINT");
     let entry = s.exec("ENTRYPOINT");
-    assert_eq!(entry, [copied_binary(s)]);
+    assert_eq!(entry, [copied_binary(s).1]);
     let bin = Path::new(env!("CARGO_BIN_EXE_gpuplace"));
     assert_eq!(Path::new(&entry[0]).file_name(), bin.file_name());
     let cmd = s.exec("CMD");
@@ -276,10 +236,14 @@ fn the_extender_image_is_what_the_deployment_runs() {
 
     // `simulate` looks for its bundled example under the working directory: the image keeps the
     // repository's layout there
-    let demo: Vec<_> = s.all("COPY").into_iter().map(copy_parts).filter(|(f, _, _)| f.is_none()).collect();
+    let demo: Vec<_> = s
+        .all("COPY")
+        .into_iter()
+        .map(copy_parts)
+        .filter(|(_, src, _)| src.iter().any(|p| p.starts_with("examples/")))
+        .collect();
     assert_eq!(demo.len(), 1, "{demo:?}");
-    assert_eq!(demo[0].1, [demo[0].2.clone()]);
-    assert!(s.all("WORKDIR").len() == 1 && !s.one("WORKDIR").is_empty());
+    assert_eq!(demo[0].2, format!("{}/{}", s.one("WORKDIR"), demo[0].1[0]));
 }
 
 #[test]
@@ -291,7 +255,7 @@ fn the_device_plugin_image_is_what_the_daemonset_runs() {
     let c = &pod["containers"][0];
     assert_eq!(c["image"].as_str(), Some(built_tag("device-plugin").as_str()), "images/build.sh's tag");
 
-    // root (the Dockerfile says why), as the DaemonSet sets it
+    // root (the Containerfile says why), as the DaemonSet sets it
     let (uid, gid) = user(s);
     assert_eq!((uid, gid), (0, 0));
     assert_eq!(security(pod, c, "runAsUser").as_u64(), Some(uid));
@@ -314,13 +278,13 @@ fn the_device_plugin_image_is_what_the_daemonset_runs() {
 
     assert!(c["command"].is_null(), "a command would replace the ENTRYPOINT");
     let entry = s.exec("ENTRYPOINT");
-    assert_eq!(entry, [copied_binary(s)]);
+    assert_eq!(entry, [copied_binary(s).1]);
     assert_eq!(Path::new(&entry[0]).file_name().unwrap(), "gpuplace-device-plugin");
 }
 
-/// The reader itself: continuations, comments inside them, and ignore-file precedence.
+/// The reader itself: continuations and comments inside them.
 #[test]
-fn the_dockerfile_reader_follows_docker() {
+fn the_containerfile_reader_follows_docker() {
     let stages = parse(
         "# syntax=docker/dockerfile:1\nARG V=1.2\nFROM img:${V}-x AS a\nRUN one \\\n  # note\n  two \\\n\n  three\nFROM a\nCMD [\"x\", \"y\"]\n",
     );
@@ -328,11 +292,6 @@ fn the_dockerfile_reader_follows_docker() {
     assert_eq!((stages[0].name.as_str(), stages[0].base.as_str()), ("a", "img:1.2-x"));
     assert_eq!(stages[0].one("RUN"), "one two three");
     assert_eq!(stages[1].exec("CMD"), ["x", "y"]);
-    let ignore = IgnoreFile::parse("*\n!src/\n**/target/\n!keep/*.md\n");
-    assert!(ignore.excludes("README.md") && ignore.excludes("docs/a.md"));
-    assert!(!ignore.excludes("src") && !ignore.excludes("src/main.rs"));
-    assert!(ignore.excludes("src/target/x") && ignore.excludes("target"));
-    assert!(!ignore.excludes("keep/a.md") && ignore.excludes("keep/a.rs"));
 }
 
 /// `cargo build --release` of the root package after `cargo build --release --workspace` (and a

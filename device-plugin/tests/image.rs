@@ -1,4 +1,4 @@
-//! The device plugin's image (images/Dockerfile, stage `device-plugin`) starts this binary with
+//! The device plugin's image (images/Containerfile, stage `device-plugin`) starts this binary with
 //! arguments it accepts, and exposes its default metrics port. The rest of the image's checks are in
 //! tests/images.rs, which has no access to this binary.
 
@@ -15,7 +15,7 @@ const BIN: &str = env!("CARGO_BIN_EXE_gpuplace-device-plugin");
 
 #[test]
 fn the_image_entry_point_and_default_arguments_parse() {
-    let stages = parse(&read("images/Dockerfile"));
+    let stages = parse(&read("images/Containerfile"));
     let s = stage(&stages, "device-plugin");
     let entry = s.exec("ENTRYPOINT");
     assert_eq!(entry.len(), 1, "{entry:?}");

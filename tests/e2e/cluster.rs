@@ -53,33 +53,36 @@ pub fn kube_bin_dir() -> PathBuf {
         }
         return dir;
     }
+    for b in KUBE_BINARIES {
+        shared_binary(b);
+    }
+    scratch().join("e2e-kube")
+}
+
+/// `../shared/kube/<name>.xz` unpacked into `target/tmp/e2e-kube/<name>` (once; reused after).
+/// Panics with where to get the Kubernetes binaries when the file is missing.
+pub fn shared_binary(name: &str) -> PathBuf {
     let shared = repo().join("../shared/kube");
     let dir = scratch().join("e2e-kube");
     fs::create_dir_all(&dir).expect("create target/tmp/e2e-kube");
-    for b in KUBE_BINARIES {
-        let out = dir.join(b);
-        if out.is_file() {
-            continue;
-        }
-        let xz = shared.join(format!("{b}.xz"));
-        assert!(
-            xz.is_file(),
-            "e2e: the Kubernetes binaries were not found ({} is missing); {WHERE_TO_GET}",
-            xz.display()
-        );
-        let partial = dir.join(format!("{b}.partial"));
-        let file = fs::File::create(&partial).expect("create the unpacked binary");
-        let status = Command::new("xz")
-            .arg("-dc")
-            .arg(&xz)
-            .stdout(file)
-            .status()
-            .unwrap_or_else(|e| panic!("e2e: running xz to unpack {}: {e} (install xz-utils)", xz.display()));
-        assert!(status.success(), "e2e: xz -dc {} failed: {status}", xz.display());
-        make_executable(&partial);
-        fs::rename(&partial, &out).expect("rename the unpacked binary");
+    let out = dir.join(name);
+    if out.is_file() {
+        return out;
     }
-    dir
+    let xz = shared.join(format!("{name}.xz"));
+    assert!(xz.is_file(), "e2e: the Kubernetes binaries were not found ({} is missing); {WHERE_TO_GET}", xz.display());
+    let partial = dir.join(format!("{name}.partial"));
+    let file = fs::File::create(&partial).expect("create the unpacked binary");
+    let status = Command::new("xz")
+        .arg("-dc")
+        .arg(&xz)
+        .stdout(file)
+        .status()
+        .unwrap_or_else(|e| panic!("e2e: running xz to unpack {}: {e} (install xz-utils)", xz.display()));
+    assert!(status.success(), "e2e: xz -dc {} failed: {status}", xz.display());
+    make_executable(&partial);
+    fs::rename(&partial, &out).expect("rename the unpacked binary");
+    out
 }
 
 fn make_executable(path: &Path) {
@@ -255,6 +258,9 @@ pub struct ControlPlane {
     pub url: String,
     /// `--feature-gates` of kube-scheduler (the API server's, for gangs: [`ControlPlane::start_with_gangs`]).
     pub feature_gates: Option<String>,
+    /// kube-controller-manager, when a scenario needs Deployments, DaemonSets and service-account
+    /// tokens ([`ControlPlane::start_controller_manager`]).
+    pub controller_manager: Option<Proc>,
     pub scheduler: Option<Proc>,
     pub apiserver: Proc,
     pub etcd: Proc,
@@ -340,13 +346,59 @@ impl ControlPlane {
         let url = format!("https://127.0.0.1:{secure_port}");
         let scheduler_verbosity = std::env::var("GPUPLACE_E2E_SCHEDULER_V").unwrap_or_else(|_| "2".into());
         let feature_gates = gates.map(str::to_string);
-        let mut cp =
-            ControlPlane { dir, url, feature_gates, scheduler_verbosity, scheduler: None, apiserver, etcd, bin };
+        let mut cp = ControlPlane {
+            dir,
+            url,
+            feature_gates,
+            scheduler_verbosity,
+            controller_manager: None,
+            scheduler: None,
+            apiserver,
+            etcd,
+            bin,
+        };
         for u in User::ALL {
             cp.write_kubeconfig(u);
         }
         cp.wait_ready().await;
         cp
+    }
+
+    /// The API server's port on the host's loopback.
+    pub fn port(&self) -> u16 {
+        self.url.rsplit(':').next().and_then(|p| p.parse().ok()).expect("the API server URL's port")
+    }
+
+    /// The CA that signed the API server's self-made serving certificate: the second certificate of
+    /// `certs/apiserver.crt` (what kube-controller-manager publishes as `kube-root-ca.crt`, so that
+    /// pods verify the API server).
+    pub fn serving_ca(&self) -> PathBuf {
+        let text = fs::read_to_string(self.dir.join("certs/apiserver.crt")).expect("the API server's certificate");
+        let certs: Vec<&str> = text.split_inclusive("-----END CERTIFICATE-----\n").collect();
+        let path = self.dir.join("apiserver-ca.crt");
+        fs::write(&path, certs.get(1).or(certs.first()).copied().unwrap_or_default()).expect("write the CA");
+        path
+    }
+
+    /// Starts kube-controller-manager (`../shared/kube/kube-controller-manager.xz`) as the admin:
+    /// Deployments, ReplicaSets, DaemonSets, EndpointSlices, garbage collection, the `default`
+    /// ServiceAccounts and `kube-root-ca.crt` (automounted service-account tokens work), node
+    /// lifecycle (it lifts a Ready node's `not-ready` taint).
+    pub fn start_controller_manager(&mut self) {
+        let bin = shared_binary("kube-controller-manager");
+        let ca = self.serving_ca();
+        self.controller_manager = Some(Proc::spawn(
+            "kube-controller-manager",
+            Command::new(bin)
+                .arg(format!("--kubeconfig={}", self.kubeconfig(User::Admin).display()))
+                .arg(format!("--service-account-private-key-file={}", self.dir.join("sa.key").display()))
+                .arg(format!("--root-ca-file={}", ca.display()))
+                .args(["--use-service-account-credentials", "--controllers=*", "--leader-elect=false"])
+                .args(["--bind-address=127.0.0.1", "--secure-port=0"])
+                .args(self.feature_gates.iter().map(|g| format!("--feature-gates={g}")))
+                .arg("-v=1"),
+            self.dir.join("kube-controller-manager.log"),
+        ));
     }
 
     fn write_kubeconfig(&self, user: User) {

@@ -11,6 +11,9 @@ mod audit;
 mod cluster;
 mod fleet;
 mod groups;
+mod netns;
+mod node;
+mod real_node;
 mod scale;
 #[path = "../support/tls.rs"]
 mod tls;

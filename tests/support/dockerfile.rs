@@ -1,6 +1,6 @@
-//! A reader for images/Dockerfile and .dockerignore, enough for the checks in tests/images.rs and
-//! device-plugin/tests/image.rs (`#[path]`-included): stages, their instructions with line
-//! continuations joined, exec-form arguments, and Docker's ignore-file matching.
+//! A reader for images/Containerfile (Dockerfile syntax), enough for the checks in tests/images.rs
+//! and device-plugin/tests/image.rs (`#[path]`-included): stages, their instructions with line
+//! continuations joined, and exec-form arguments.
 
 #![allow(dead_code)] // each including test target uses part of it
 
@@ -134,74 +134,6 @@ pub fn copy_parts(args: &str) -> (Option<String>, Vec<String>, String) {
     let dest = paths.pop().expect("COPY has a destination");
     assert!(!paths.is_empty(), "COPY {args}: no source");
     (from, paths, dest)
-}
-
-/// The shell commands of a `RUN` (its `--mount` and other flags dropped), split on `&&`, each as words.
-pub fn run_commands(args: &str) -> Vec<Vec<String>> {
-    args.split("&&")
-        .map(|c| c.split_whitespace().skip_while(|w| w.starts_with("--")).map(String::from).collect())
-        .filter(|c: &Vec<String>| !c.is_empty())
-        .collect()
-}
-
-/// Docker's `.dockerignore` rules: patterns in order, the last that matches a path (or one of its
-/// parent folders) decides; `!` admits again; `*` and `?` within one path component, `**` any number
-/// of components; paths are cleaned (no leading `/`, no trailing `/`).
-pub struct IgnoreFile {
-    rules: Vec<(bool, Vec<String>)>,
-}
-
-impl IgnoreFile {
-    pub fn parse(text: &str) -> Self {
-        let rules = text
-            .lines()
-            .map(str::trim)
-            .filter(|l| !l.is_empty() && !l.starts_with('#'))
-            .map(|l| {
-                let (admit, p) = match l.strip_prefix('!') {
-                    Some(p) => (true, p.trim()),
-                    None => (false, l),
-                };
-                let parts = p.trim_matches('/').split('/').filter(|c| !c.is_empty() && *c != ".");
-                (admit, parts.map(String::from).collect())
-            })
-            .collect();
-        IgnoreFile { rules }
-    }
-
-    /// Whether `path` (relative to the context, `/`-separated) is left out of the build context.
-    pub fn excludes(&self, path: &str) -> bool {
-        let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
-        let mut excluded = false;
-        for (admit, pattern) in &self.rules {
-            let hit = (1..=parts.len()).any(|n| glob(pattern, &parts[..n]));
-            if hit {
-                excluded = !admit;
-            }
-        }
-        excluded
-    }
-}
-
-fn glob(pattern: &[String], path: &[&str]) -> bool {
-    match pattern.split_first() {
-        None => path.is_empty(),
-        Some((p, rest)) if p == "**" => (0..=path.len()).any(|skip| glob(rest, &path[skip..])),
-        Some((p, rest)) => path.split_first().is_some_and(|(c, tail)| component(p, c) && glob(rest, tail)),
-    }
-}
-
-/// One path component against `*` / `?` wildcards.
-fn component(p: &str, c: &str) -> bool {
-    fn go(p: &[u8], c: &[u8]) -> bool {
-        match p.split_first() {
-            None => c.is_empty(),
-            Some((b'*', rest)) => (0..=c.len()).any(|k| go(rest, &c[k..])),
-            Some((b'?', rest)) => !c.is_empty() && go(rest, &c[1..]),
-            Some((x, rest)) => c.first() == Some(x) && go(rest, &c[1..]),
-        }
-    }
-    go(p.as_bytes(), c.as_bytes())
 }
 
 /// Whether `rel` exists under the repository root.
