@@ -308,15 +308,25 @@ pub fn render(
             f.series(name, &labels(&[("Hostname", hostname), ("reason", reason)]), n);
         }
     }
-    if t.pod_resources_enabled {
+    // counted over the plugin's restarts: not exported until the earlier runs' counts are in, or a
+    // restart would read as an increase
+    if t.pod_resources_enabled && t.allocation_counts_loaded {
         let name = "gpuplace_allocation_mismatches_total";
         let mut f = Family::new(
             &mut out,
             name,
             "counter",
-            "Devices Allocate granted with one pod's gpuplace assignment that kubelet gave to another pod (pod-resources cross-check); each such container runs with the other pod's limits.",
+            "Devices Allocate granted with one pod's gpuplace assignment that kubelet gave to another pod with other limits (pod-resources cross-check); each such container runs with the other pod's limits. Kept across plugin restarts.",
         );
         f.series(name, &labels(&[("Hostname", hostname)]), t.allocation_mismatches);
+        let name = "gpuplace_allocation_corrections_total";
+        let mut f = Family::new(
+            &mut out,
+            name,
+            "counter",
+            "Devices Allocate matched to one of several pods with the same limits that kubelet gave to another of them: the container runs with its own limits, the record was corrected (informational). Kept across plugin restarts.",
+        );
+        f.series(name, &labels(&[("Hostname", hostname)]), t.allocation_corrections);
     }
     {
         let name = "gpuplace_utilization_publishes_total";

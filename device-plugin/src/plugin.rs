@@ -9,13 +9,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use gpuplace::core::assignment::GpuSlice;
 use gpuplace::core::topology::{GpuTopology, SubsetError};
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
 use crate::assign::{match_allocation, match_preference, AssignmentSource, Grant, MatchError, PodKey, SourceError};
-use crate::crosscheck::{check_grant, Mismatch, Verdict};
+use crate::crosscheck::{check_grant, holder_container, sole_holder, Mismatch, Verdict};
 use crate::kubelet_api::v1beta1::device_plugin_server::DevicePlugin;
 use crate::kubelet_api::v1beta1::{
     AllocateRequest, AllocateResponse, ContainerAllocateRequest, ContainerAllocateResponse,
@@ -30,6 +31,10 @@ use crate::slots::{Slot, SlotError, SlotTable, DEFAULT_SLOTS_PER_GPU};
 
 /// The extended resource kubelet advertises for us.
 pub const RESOURCE_NAME: &str = "gpuplace.io/gpu";
+
+/// How long a grant pod-resources has never listed is kept: kubelet lists a container's devices as
+/// soon as Allocate answers, so one still missing after several sampling rounds was not admitted.
+pub const UNSEEN_GRACE: Duration = Duration::from_secs(30);
 
 #[derive(Debug, Clone)]
 pub struct PluginConfig {
@@ -85,14 +90,25 @@ pub use crate::crosscheck::GrantKey;
 
 #[derive(Debug, Clone)]
 struct GrantRecord {
+    /// Whose assignment was applied: the pod as the source knows it, and the container.
+    pod: PodKey,
+    container: String,
     /// GPU index -> slice.
     slices: BTreeMap<u32, GrantedSlice>,
+    /// The slices as assigned, sorted by GPU: the limits the container was started with.
+    limits: Vec<GpuSlice>,
     /// The device IDs kubelet sent with the Allocate.
     devices: BTreeSet<String>,
     at: Instant,
     /// Compared with pod-resources already (confirmed, or its mismatch reported once).
     checked: bool,
+    /// Matched among interchangeable pods ([`Grant::guessed`]): marked unconfirmed on the pod.
+    guessed: bool,
 }
+
+/// The name a corrected grant is kept under, and the holder's pod and container when it has an
+/// assignment.
+type Renamed = (GrantKey, Option<PodKey>, Option<String>);
 
 /// Containers this process has matched, so a stale pod list cannot match one twice.
 #[derive(Debug, Default)]
@@ -100,6 +116,9 @@ struct Claims {
     claimed: HashSet<(PodKey, String)>,
     /// The pod whose container was matched last: kubelet admits one pod's containers together.
     sticky: Option<PodKey>,
+    /// When the last container was matched: a pod-resources listing that began before it may not
+    /// show that container yet, so its absence proves nothing and records are not corrected from it.
+    last_claim: Option<Instant>,
 }
 
 /// See the module docs.
@@ -216,6 +235,17 @@ impl Plugin {
         self.registrations.subscribe()
     }
 
+    /// A kubelet has registered this plugin (so it sends Allocate calls).
+    pub fn registered(&self) -> bool {
+        *self.registrations.borrow() > 0
+    }
+
+    /// Allocate applies extender assignments and marks each on the pod (an assignment source is
+    /// configured), rather than leaving the GPUs to kubelet's slots.
+    pub fn applies_assignments(&self) -> bool {
+        self.source.is_some()
+    }
+
     /// Every GPU's health and XID record, by index.
     pub fn health(&self) -> Vec<GpuHealth> {
         self.lock_health()
@@ -238,29 +268,145 @@ impl Plugin {
         self.lock_grants().iter().map(|(k, r)| (k.clone(), r.slices.clone())).collect()
     }
 
-    /// Compares the grants not yet checked with a pod-resources listing (see [`crate::crosscheck`]): each
-    /// mismatch is returned once, and a grant whose devices are not all listed yet waits for the
-    /// next listing.
-    pub fn cross_check(&self, a: &Attribution) -> Vec<Mismatch> {
+    /// Compares the grants not yet checked with a pod-resources listing that began at `listed_at`
+    /// (see [`crate::crosscheck`]), corrects the records of who got which devices, and forgets the
+    /// grants of containers that are gone. Each mismatch is returned once, with how its limits
+    /// compare; a grant whose devices are not all listed yet waits for the next listing (one whose
+    /// marking could not be corrected too). Holds the claim lock throughout, so no Allocate runs
+    /// meanwhile; a listing that began before the last Allocate is not used, since that container
+    /// may be missing from it and its absence would prove nothing.
+    pub async fn cross_check(&self, a: &Attribution, listed_at: Instant) -> Vec<Mismatch> {
+        let Some(source) = self.source.as_deref() else { return Vec::new() };
+        let mut claims = self.claims.lock().await;
+        if claims.last_claim.is_some_and(|t| t >= listed_at) {
+            return Vec::new();
+        }
+        let due: Vec<(GrantKey, GrantRecord, Verdict)> = self
+            .lock_grants()
+            .iter()
+            .filter(|(_, r)| !r.checked)
+            .map(|(k, r)| (k.clone(), r.clone(), check_grant(k, &r.devices, &a.by_device)))
+            .collect();
         let mut out = Vec::new();
-        for (key, r) in self.lock_grants().iter_mut().filter(|(_, r)| !r.checked) {
-            match check_grant(key, &r.devices, &a.by_device) {
+        // grants to keep under their holders' names: moved once all are corrected, since two grants
+        // may swap names (twins admitted in each other's place)
+        let mut moved = Vec::new();
+        for (key, record, verdict) in due {
+            match verdict {
                 Verdict::Unseen => {}
-                Verdict::Confirmed => r.checked = true,
-                Verdict::Mismatched(m) => {
-                    r.checked = true;
-                    out.extend(m);
+                Verdict::Confirmed => {
+                    if record.guessed {
+                        let confirm = [record.container.clone()];
+                        if let Err(e) = source.correct_allocated(&record.pod, &confirm, &[]).await {
+                            tracing::warn!(pod = %record.pod, error = %e, "confirming a match among pods with the same limits failed; retried at the next listing");
+                            continue;
+                        }
+                        tracing::info!(pod = %record.pod, container = %record.container, "pod-resources confirms the match made among pods with the same limits");
+                    }
+                    if let Some(r) = self.lock_grants().get_mut(&key) {
+                        (r.checked, r.guessed) = (true, false);
+                    }
                 }
+                Verdict::Mismatched(found) => match self.correct(source, &mut claims, a, &record, found).await {
+                    Ok((found, renamed)) => {
+                        out.extend(found);
+                        moved.push((key, renamed));
+                    }
+                    Err(e) => {
+                        tracing::warn!(pod = %record.pod, container = %record.container, error = %e, "correcting the record of an allocation failed; retried at the next listing");
+                    }
+                },
             }
         }
+        self.rename_grants(moved);
+        self.prune(source, a, listed_at).await;
         out
     }
 
-    /// Forgets the grants of containers that are gone: not in `live` (a pod-resources listing taken
-    /// at `listed_at`) and granted before the listing started, since a container allocated during
-    /// the call may not be listed yet.
-    pub fn prune_grants(&self, live: &BTreeSet<GrantKey>, listed_at: Instant) {
-        self.lock_grants().retain(|k, r| live.contains(k) || r.at >= listed_at);
+    /// A grant whose devices pod-resources shows held by another pod: how the holder's own limits
+    /// compare, and the records corrected to name the holder: its container marked allocated, the
+    /// granted pod's unmarked when it holds nothing (so its own admission matches it), and the claims
+    /// moved with them. Returns the mismatches and the name to keep the grant under: the holder's
+    /// as pod-resources reports it (what the allocated-vs-used gauges look up), with the holder's
+    /// pod and container where it has an assignment.
+    async fn correct(
+        &self,
+        source: &dyn AssignmentSource,
+        claims: &mut Claims,
+        a: &Attribution,
+        record: &GrantRecord,
+        mut found: Vec<Mismatch>,
+    ) -> Result<(Vec<Mismatch>, Renamed), SourceError> {
+        let keep = (record.pod.pod.clone(), record.container.clone());
+        let Some(h) = sole_holder(&found).cloned() else {
+            // several pods hold its devices: nothing to name as the one that got them
+            return Ok((found, (keep, None, None)));
+        };
+        let assigned = source.assigned(&format!("{}/{}", h.namespace, h.pod)).await?;
+        let (container, limits) = holder_container(&record.limits, &h, assigned.as_ref());
+        for m in &mut found {
+            m.limits = limits;
+        }
+        let holder = assigned.map(|p| p.key);
+        if let Some((pod, c)) = holder.as_ref().zip(container.as_ref()) {
+            source.correct_allocated(pod, std::slice::from_ref(c), &[]).await?;
+        }
+        // admitted pods are listed: one that is not still waits, and its container must match again
+        let granted_admitted = a.containers.iter().any(|c| format!("{}/{}", c.namespace, c.pod) == record.pod.pod);
+        if !granted_admitted {
+            source.correct_allocated(&record.pod, &[], std::slice::from_ref(&record.container)).await?;
+            claims.claimed.remove(&(record.pod.clone(), record.container.clone()));
+        }
+        if let Some((pod, c)) = holder.as_ref().zip(container.as_ref()) {
+            tracing::info!(
+                granted = %record.pod, container = %record.container, holder = %pod, holder_container = %c,
+                limits = ?limits, "record corrected from pod-resources: the holder's container is marked allocated"
+            );
+            claims.claimed.insert((pod.clone(), c.clone()));
+        }
+        Ok((found, (h.grant_key(), holder, container)))
+    }
+
+    /// Keeps each corrected grant under its new name (all removed first: two may swap names).
+    fn rename_grants(&self, moved: Vec<(GrantKey, Renamed)>) {
+        let mut grants = self.lock_grants();
+        let staged: Vec<_> =
+            moved.into_iter().filter_map(|(key, renamed)| Some((renamed, grants.remove(&key)?))).collect();
+        for ((new_key, pod, container), mut r) in staged {
+            (r.checked, r.guessed) = (true, false);
+            if let Some((pod, container)) = pod.zip(container) {
+                (r.pod, r.container) = (pod, container);
+            }
+            grants.insert(new_key, r);
+        }
+    }
+
+    /// Forgets the grants of containers that are gone: not in the listing and granted before it
+    /// began (a container allocated during the call may not be listed yet). A grant never seen in
+    /// any listing is kept [`UNSEEN_GRACE`] first; a match among pods with the same limits that was
+    /// never seen then is taken back from its pod's record (kubelet gave up that admission), so
+    /// the pod's own admission matches it.
+    async fn prune(&self, source: &dyn AssignmentSource, a: &Attribution, listed_at: Instant) {
+        let live: BTreeSet<GrantKey> = a.containers.iter().map(|c| c.grant_key()).collect();
+        let gone: Vec<(GrantKey, GrantRecord)> = self
+            .lock_grants()
+            .iter()
+            .filter(|(k, r)| {
+                let unseen_recently = !r.checked && listed_at.saturating_duration_since(r.at) < UNSEEN_GRACE;
+                !live.contains(*k) && r.at < listed_at && !unseen_recently
+            })
+            .map(|(k, r)| (k.clone(), r.clone()))
+            .collect();
+        for (key, r) in gone {
+            if r.guessed && !r.checked {
+                if let Err(e) = source.correct_allocated(&r.pod, &[], std::slice::from_ref(&r.container)).await {
+                    tracing::warn!(pod = %r.pod, container = %r.container, error = %e, "taking back a match never seen in pod-resources failed; retried at the next listing");
+                    continue;
+                }
+                tracing::info!(pod = %r.pod, container = %r.container, "a match among pods with the same limits was never seen in pod-resources; taken back");
+            }
+            self.lock_grants().remove(&key);
+        }
     }
 
     pub fn is_healthy(&self, gpu: u32) -> bool {
@@ -456,38 +602,39 @@ impl Plugin {
     }
 
     /// Finds the pod being admitted and marks its container allocated, under one lock so two
-    /// admissions can never claim the same container.
+    /// admissions can never claim the same container. Always on a fresh view of the node's pods
+    /// (see [`crate::assign`]).
     async fn claim(&self, source: &dyn AssignmentSource, gpus: &[u32], devices: &[String]) -> Result<Grant, Status> {
         let mut claims = self.claims.lock().await;
-        let unavailable = |e: SourceError| Status::unavailable(e.to_string());
-        let pending = source.pending().await.map_err(unavailable)?;
+        let pending = source.refresh().await.map_err(|e| Status::unavailable(e.to_string()))?;
         let live: HashSet<&PodKey> = pending.iter().map(|p| &p.key).collect();
         claims.claimed.retain(|(k, _)| live.contains(k));
-        let grant = match match_allocation(gpus, &pending, &claims.claimed, claims.sticky.as_ref()) {
-            Ok(g) => Ok(g),
-            // kubelet admits a pod moments after it is bound: a cached view may not have it yet
-            Err(MatchError::NoMatch { .. }) => {
-                let fresh = source.refresh().await.map_err(unavailable)?;
-                let live: HashSet<&PodKey> = fresh.iter().map(|p| &p.key).collect();
-                claims.claimed.retain(|(k, _)| live.contains(k));
-                match_allocation(gpus, &fresh, &claims.claimed, claims.sticky.as_ref())
-            }
-            Err(e) => Err(e),
-        }
-        .map_err(|e| match e {
-            MatchError::NoMatch { .. } => Status::failed_precondition(e.to_string()),
+        let grant = match_allocation(gpus, &pending, &claims.claimed, claims.sticky.as_ref()).map_err(|e| match e {
+            MatchError::NoMatch { .. } | MatchError::Ambiguous { .. } => Status::failed_precondition(e.to_string()),
             MatchError::Source(e) => Status::unavailable(e.to_string()),
         })?;
         // not marked means a restarted plugin could match the container again: refuse instead
-        source.mark_allocated(&grant.pod, &grant.container).await.map_err(|e| Status::unavailable(e.to_string()))?;
+        source
+            .mark_allocated(&grant.pod, &grant.container, grant.guessed)
+            .await
+            .map_err(|e| Status::unavailable(e.to_string()))?;
         claims.claimed.insert((grant.pod.clone(), grant.container.clone()));
+        claims.last_claim = Some(Instant::now());
         let slices =
             grant.slices.iter().map(|s| (s.gpu, GrantedSlice { mem_mib: s.mem_mib, core_pct: s.core_pct })).collect();
-        let record =
-            GrantRecord { slices, devices: devices.iter().cloned().collect(), at: Instant::now(), checked: false };
+        let record = GrantRecord {
+            pod: grant.pod.clone(),
+            container: grant.container.clone(),
+            slices,
+            limits: grant.slices.clone(),
+            devices: devices.iter().cloned().collect(),
+            at: Instant::now(),
+            checked: false,
+            guessed: grant.guessed,
+        };
         self.lock_grants().insert((grant.pod.pod.clone(), grant.container.clone()), record);
         claims.sticky = Some(grant.pod.clone());
-        tracing::info!(pod = %grant.pod, container = %grant.container, gpus = ?gpus, "allocated");
+        tracing::info!(pod = %grant.pod, container = %grant.container, gpus = ?gpus, guessed = grant.guessed, "allocated");
         Ok(grant)
     }
 
@@ -498,9 +645,12 @@ impl Plugin {
         envs.insert("NVIDIA_VISIBLE_DEVICES".to_string(), uuids.clone());
         envs.insert("GPUPLACE_GPU_UUIDS".to_string(), uuids);
         envs.insert("GPUPLACE_GPU_INDICES".to_string(), join(gpus.iter().map(u32::to_string).collect()));
-        let mut ids: Vec<String> = slots.iter().map(|&s| self.slots.id(s)).collect();
-        ids.sort();
-        envs.insert("GPUPLACE_DEVICE_IDS".to_string(), join(ids));
+        // in GPU index order like the two lists above, whatever order kubelet sent the devices in
+        // (kubelet's own, e.g. 7,4,6,5 for a four-GPU container), so the i-th entries of all three name
+        // one GPU
+        let mut by_gpu: Vec<Slot> = slots.to_vec();
+        by_gpu.sort_by_key(|s| (s.gpu, s.slot));
+        envs.insert("GPUPLACE_DEVICE_IDS".to_string(), join(by_gpu.iter().map(|&s| self.slots.id(s)).collect()));
         let mut mounts = Vec::new();
         if let Some(g) = grant {
             envs.insert("GPUPLACE_POD".to_string(), g.pod.pod.clone());

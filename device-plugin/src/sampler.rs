@@ -5,11 +5,13 @@
 //! a missing pod-resources socket or a failed publish is counted, logged once per change, and retried
 //! at the next tick.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use crate::crosscheck::MismatchReporter;
+use gpuplace::core::annotations::AllocationCounts;
+
+use crate::crosscheck::{Limits, MismatchReporter};
 use crate::nvml::{BackendError, GpuBackend, GpuSample};
 use crate::plugin::Plugin;
 use crate::podresources::{attribute, Attribution, PodResourcesClient, PodResourcesError};
@@ -40,20 +42,69 @@ pub struct TelemetryState {
     pub api_enabled: bool,
     /// Failed API-server calls, by operation (`crate::k8s::API_OPS`).
     pub api_errors: BTreeMap<&'static str, u64>,
-    /// Devices that Allocate granted as one pod's assignment and kubelet gave to another pod.
+    /// Devices that Allocate granted as one pod's assignment and kubelet gave to another pod with
+    /// other limits (or unknown ones), over the plugin's restarts once
+    /// [`allocation_counts_loaded`](Self::allocation_counts_loaded).
     pub allocation_mismatches: u64,
+    /// The same with identical limits (a match among interchangeable pods): the record corrected.
+    pub allocation_corrections: u64,
+    /// Whether the counts of earlier runs are in the two above: read from the Node's
+    /// `gpuplace.io/allocation-counts` by the node pass, so a restart does not reset the counters
+    /// (without an API server there is nothing to read: loaded from the start). Until then the two
+    /// series are not exported, since 0 followed by the persisted total would read as an increase.
+    pub allocation_counts_loaded: bool,
 }
 
 /// Shared between the sampler (writer) and the metrics endpoint (reader).
 #[derive(Debug, Default)]
 pub struct Telemetry {
     state: Mutex<TelemetryState>,
+    /// Rung when the allocation counts change, for the node pass that persists them.
+    counts_changed: tokio::sync::Notify,
 }
 
 impl Telemetry {
     pub fn new(gpus: usize, pod_resources_enabled: bool) -> Arc<Self> {
-        let state = TelemetryState { samples: vec![None; gpus], pod_resources_enabled, ..TelemetryState::default() };
-        Arc::new(Self { state: Mutex::new(state) })
+        let state = TelemetryState {
+            samples: vec![None; gpus],
+            pod_resources_enabled,
+            allocation_counts_loaded: true,
+            ..TelemetryState::default()
+        };
+        Arc::new(Self { state: Mutex::new(state), counts_changed: tokio::sync::Notify::new() })
+    }
+
+    /// Counts what one cross-check found.
+    pub fn count_allocations(&self, mismatches: u64, corrections: u64) {
+        if mismatches + corrections == 0 {
+            return;
+        }
+        let mut st = self.lock();
+        st.allocation_mismatches += mismatches;
+        st.allocation_corrections += corrections;
+        drop(st);
+        self.counts_changed.notify_one();
+    }
+
+    /// Adds the counts of earlier runs, once (later calls change nothing).
+    pub fn load_allocation_counts(&self, counts: AllocationCounts) {
+        let mut st = self.lock();
+        if !st.allocation_counts_loaded {
+            st.allocation_mismatches += counts.mismatches;
+            st.allocation_corrections += counts.corrections;
+            st.allocation_counts_loaded = true;
+        }
+    }
+
+    /// The counts to persist, once those of earlier runs are in.
+    pub fn allocation_counts(&self) -> Option<AllocationCounts> {
+        let st = self.lock();
+        st.allocation_counts_loaded.then(|| AllocationCounts::new(st.allocation_mismatches, st.allocation_corrections))
+    }
+
+    /// Resolves when the allocation counts changed since the last call (at once if they did).
+    pub async fn allocation_counts_changed(&self) {
+        self.counts_changed.notified().await;
     }
 
     fn lock(&self) -> MutexGuard<'_, TelemetryState> {
@@ -61,9 +112,12 @@ impl Telemetry {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Exports the API-server error series (zero until a call fails).
+    /// Exports the API-server error series (zero until a call fails); the allocation counts wait for
+    /// those of earlier runs from then on.
     pub fn enable_api(&self) {
-        self.lock().api_enabled = true;
+        let mut st = self.lock();
+        st.api_enabled = true;
+        st.allocation_counts_loaded = false;
     }
 
     /// Counts one failed API-server call.
@@ -221,29 +275,31 @@ impl Sampler {
         }
     }
 
-    /// One `List`, mapped to our GPUs; checks the plugin's grant records against it, then prunes
-    /// them to the containers still there.
+    /// One `List`, mapped to our GPUs; checks the plugin's grant records against it (correcting
+    /// them), then forgets those of containers that are gone.
     async fn attribute(&self) -> Option<Result<Attribution, PodResourcesError>> {
         let client = self.pod_resources.as_ref()?;
         let listed_at = Instant::now();
-        Some(client.list().await.map(|resp| {
-            let a = attribute(&resp, &self.plugin.config().resource_name, self.plugin.slots());
-            let mismatches = self.plugin.cross_check(&a);
-            if !mismatches.is_empty() {
-                self.telemetry.lock().allocation_mismatches += mismatches.len() as u64;
+        let resp = match client.list().await {
+            Ok(resp) => resp,
+            Err(e) => return Some(Err(e)),
+        };
+        let a = attribute(&resp, &self.plugin.config().resource_name, self.plugin.slots());
+        let found = self.plugin.cross_check(&a, listed_at).await;
+        let corrections = found.iter().filter(|m| m.limits == Limits::Identical).count() as u64;
+        self.telemetry.count_allocations(found.len() as u64 - corrections, corrections);
+        for m in &found {
+            match m.limits {
+                Limits::Different => tracing::error!(device = %m.device, granted = ?m.granted_to, "{m}"),
+                Limits::Identical => tracing::info!(device = %m.device, granted = ?m.granted_to, "{m}"),
             }
-            for m in &mismatches {
-                tracing::error!(device = %m.device, granted = ?m.granted_to, "{m}");
-                if let Some(r) = &self.reporter {
-                    r.report(m);
-                }
+            if let Some(r) = &self.reporter {
+                r.report(m);
             }
-            let live: BTreeSet<(String, String)> = a.containers.iter().map(|c| c.grant_key()).collect();
-            self.plugin.prune_grants(&live, listed_at);
-            if a.unknown_ids > 0 {
-                tracing::debug!(ids = a.unknown_ids, "pod-resources lists device IDs this node does not have");
-            }
-            a
-        }))
+        }
+        if a.unknown_ids > 0 {
+            tracing::debug!(ids = a.unknown_ids, "pod-resources lists device IDs this node does not have");
+        }
+        Some(Ok(a))
     }
 }

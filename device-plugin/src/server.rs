@@ -8,7 +8,10 @@
 //!
 //! Polling instead of inotify: two `stat` calls a second cost nothing, need no extra dependency, and
 //! also work where inotify does not (some overlay and network filesystems); kubelet needs seconds to
-//! come back anyway, so re-registering within one poll interval loses nothing.
+//! come back anyway, so re-registering within one poll interval loses nothing. While registration
+//! fails (kubelet not serving yet), `kubelet.sock` is watched the same way and a new one is tried at
+//! once rather than after the retry interval: until kubelet has our registration, and then its next
+//! node-status update, `gpuplace.io/gpu` is 0 in the node's allocatable.
 
 use std::future::Future;
 use std::os::unix::fs::MetadataExt;
@@ -158,9 +161,14 @@ async fn serve_round(
 
     let kubelet_sock = cfg.dir.join(KUBELET_SOCKET);
     let mut registered: Option<Option<FileId>> = None;
+    // kubelet.sock as it was at the last failed attempt, and when to try again regardless
+    let mut failed: Option<(Option<FileId>, tokio::time::Instant)> = None;
     let mut server_finished = false;
     let end = loop {
-        if registered.is_none() {
+        // after a failure, again at the retry interval, or at once when kubelet.sock appears or is
+        // created anew: kubelet's node status (and so pods' admission) waits for our registration
+        let due = failed.is_none_or(|(id, at)| tokio::time::Instant::now() >= at || file_id(&kubelet_sock) != id);
+        if registered.is_none() && due {
             // the identity before the call: a kubelet restart during it is then seen as a change
             let kubelet_id = file_id(&kubelet_sock);
             match register(plugin, cfg).await {
@@ -168,11 +176,15 @@ async fn serve_round(
                     tracing::info!(resource = %plugin.config().resource_name, "registered with kubelet");
                     plugin.note_registered();
                     registered = Some(kubelet_id);
+                    failed = None;
                 }
-                Err(e) => tracing::warn!(error = %e, "registration failed; retrying"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "registration failed; retrying");
+                    failed = Some((kubelet_id, tokio::time::Instant::now() + cfg.retry_interval));
+                }
             }
         }
-        let wait = if registered.is_some() { cfg.poll_interval } else { cfg.retry_interval };
+        let wait = if registered.is_some() { cfg.poll_interval } else { cfg.poll_interval.min(cfg.retry_interval) };
         tokio::select! {
             _ = stop.as_mut() => break RoundEnd::Stop,
             r = &mut server => {

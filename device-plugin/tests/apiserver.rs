@@ -11,15 +11,18 @@ use std::time::Duration;
 use common::kubelet::FakePodResources;
 use common::{allocate, topology, Harness, SlotIds, WAIT};
 use gpuplace::core::annotations::{
-    AllocatedAnnotation, AssignmentAnnotation, GpuUtilization, NodeInventory, UtilizationAnnotation,
-    ANNOTATION_ALLOCATED, ANNOTATION_ASSIGNMENT, ANNOTATION_INVENTORY, ANNOTATION_UTILIZATION,
+    AllocatedAnnotation, AllocationCounts, AssignmentAnnotation, GpuUtilization, NodeInventory, UtilizationAnnotation,
+    ANNOTATION_ALLOCATED, ANNOTATION_ALLOCATION_COUNTS, ANNOTATION_ASSIGNMENT, ANNOTATION_INVENTORY,
+    ANNOTATION_UTILIZATION,
 };
 use gpuplace::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
 use gpuplace::core::cluster::Node as ModelNode;
 use gpuplace::core::utilization_configmap::{configmap_name, read, LABEL_UTILIZATION};
-use gpuplace_device_plugin::assign::{AssignmentSource, PendingPod};
+use gpuplace_device_plugin::assign::{AssignmentSource, PendingPod, StaticAssignments};
 use gpuplace_device_plugin::k8s::assignments::KubeAssignments;
-use gpuplace_device_plugin::k8s::events::{PluginEvents, CONTROLLER, REASON_MISMATCH, REASON_SKIPPED};
+use gpuplace_device_plugin::k8s::events::{
+    PluginEvents, CONTROLLER, REASON_CORRECTED, REASON_MISMATCH, REASON_SKIPPED,
+};
 use gpuplace_device_plugin::k8s::inventory::cluster_node;
 use gpuplace_device_plugin::k8s::node::{NodeSync, Reconciled};
 use gpuplace_device_plugin::k8s::utilization::KubeUtilizationSink;
@@ -28,9 +31,10 @@ use gpuplace_device_plugin::kubelet_api::podresources::{
 };
 use gpuplace_device_plugin::kubelet_api::v1beta1::device_plugin_client::DevicePluginClient;
 use gpuplace_device_plugin::kubelet_api::v1beta1::{ContainerPreferredAllocationRequest, PreferredAllocationRequest};
+use gpuplace_device_plugin::metrics::render;
 use gpuplace_device_plugin::nvml::fake::{FakeBackend, Fault};
 use gpuplace_device_plugin::nvml::{GpuBackend, Inventory};
-use gpuplace_device_plugin::plugin::PluginConfig;
+use gpuplace_device_plugin::plugin::{Plugin, PluginConfig};
 use gpuplace_device_plugin::podresources::PodResourcesClient;
 use gpuplace_device_plugin::publish::{MemorySink, PublishPolicy, Publisher, UtilizationSink};
 use gpuplace_device_plugin::sampler::{Sampler, Telemetry};
@@ -124,17 +128,6 @@ async fn bind(fake: &FakeApiServer, pod: Pod, containers: Vec<(&str, bool, Vec<G
     uid
 }
 
-/// Binds two one-container pods in namespace `ns` to GPU 1: `first` with 20 GiB and 25 % (bind #1),
-/// then `second` with 10 GiB and 10 % (bind #2). The same GPU set, different slices: only bind order
-/// tells their Allocates apart.
-async fn bind_shares_on_gpu_1(fake: &FakeApiServer, first: &str, second: &str) {
-    let pods = [(first, SHARE_20G_25, 20480, 25), (second, SHARE_10G_10, 10240, 10)];
-    for (seq, (name, limits, mem, core)) in (1..).zip(pods) {
-        let slices = vec![("main", false, vec![share(1, mem, core)])];
-        bind(fake, gpu_pod("ns", name, &[("main", false, limits)]), slices, seq).await;
-    }
-}
-
 /// A Binding carrying `annotation` (any text) as the assignment.
 async fn bind_raw(fake: &FakeApiServer, ns: &str, name: &str, annotation: &str) {
     let binding = Binding {
@@ -150,7 +143,7 @@ async fn bind_raw(fake: &FakeApiServer, ns: &str, name: &str, annotation: &str) 
 }
 
 /// The Events of `reason`, once there are at least `n` of them (panics after [`WAIT`]). Each was
-/// written by the device plugin, as a Warning, from this node.
+/// written by the device plugin, from this node, as a Warning (a Normal Event for a correction).
 async fn events_of(fake: &FakeApiServer, reason: &str, n: usize) -> Vec<Value> {
     let deadline = tokio::time::Instant::now() + WAIT;
     loop {
@@ -158,7 +151,8 @@ async fn events_of(fake: &FakeApiServer, reason: &str, n: usize) -> Vec<Value> {
         if events.len() >= n {
             for e in &events {
                 assert_eq!(e["reportingController"], CONTROLLER, "{e}");
-                assert_eq!((e["reportingInstance"].as_str(), e["type"].as_str()), (Some(NODE), Some("Warning")), "{e}");
+                let kind = if reason == REASON_CORRECTED { "Normal" } else { "Warning" };
+                assert_eq!((e["reportingInstance"].as_str(), e["type"].as_str()), (Some(NODE), Some(kind)), "{e}");
             }
             return events;
         }
@@ -262,6 +256,7 @@ async fn node_capacity_and_inventory_survive_kubelet_restarts_and_follow_health(
     assert!(fake.wait_until(WAIT, written).await, "capacity 8 GPUs and the inventory");
     let ann = node_inventory(&fake).expect("inventory annotation");
     assert_eq!(ann.slots_per_gpu, Some(10));
+    assert!(!ann.confirms_allocations, "no assignments: kubelet's slots decide, nothing is confirmed");
     assert_eq!(ann.gpus.len(), 8);
     assert!(ann.gpus.iter().all(|g| g.healthy));
     assert_eq!(
@@ -463,7 +458,13 @@ async fn allocate_applies_the_extenders_assignments_in_bind_order_and_out_of_ord
     fake.put(&k8s_node(NODE));
     let k = 4;
     // bound before the plugin starts: found by the watcher's initial list
-    bind_shares_on_gpu_1(&fake, "share-a", "share-b").await;
+    bind(
+        &fake,
+        gpu_pod("ns", "share-a", &[("main", false, SHARE_20G_25)]),
+        vec![("main", false, vec![share(1, 20480, 25)])],
+        1,
+    )
+    .await;
     let pair_uid = bind(
         &fake,
         gpu_pod("ns", "pair", &[("train", false, WHOLE_2)]),
@@ -478,7 +479,7 @@ async fn allocate_applies_the_extenders_assignments_in_bind_order_and_out_of_ord
         4,
     )
     .await;
-    // same shape as share-a, same GPU, bound later
+    // the same limits as share-a, on the same GPU, bound later: its twin
     bind(
         &fake,
         gpu_pod("ns", "share-c", &[("main", false, SHARE_20G_25)]),
@@ -505,7 +506,7 @@ async fn allocate_applies_the_extenders_assignments_in_bind_order_and_out_of_ord
     let slots = SlotIds::of(&h);
     assert_eq!(
         pods_named(&source.pending().await.unwrap()),
-        ["ns/init", "ns/late", "ns/pair", "ns/share-a", "ns/share-b", "ns/share-c"]
+        ["ns/init", "ns/late", "ns/pair", "ns/share-a", "ns/share-c"]
     );
 
     // the two-GPU pod: preference and Allocate follow its assignment
@@ -520,18 +521,22 @@ async fn allocate_applies_the_extenders_assignments_in_bind_order_and_out_of_ord
     // out of bind order: ns/late (GPU 6) before the shares of GPU 1
     let r = allocate(&mut c, vec![slots.slot(6, 0)]).await.unwrap();
     assert_eq!((r.envs["GPUPLACE_POD"].as_str(), r.envs["GPUPLACE_GPU_MEM_MIB"].as_str()), ("ns/late", "20480"));
-    // GPU 1, concurrently twice: bind order gives share-a then share-b, each once, each on GPU 1
+    // GPU 1, concurrently twice: the twins share-a and share-c, each once, each with their limits;
+    // the first match was made with both waiting (either is right), so it is marked unconfirmed
     let (mut c1, mut c2) = (c.clone(), c.clone());
     let (a, b) = tokio::join!(allocate(&mut c1, vec![slots.slot(1, 0)]), allocate(&mut c2, vec![slots.slot(1, 1)]));
     let (a, b) = (a.unwrap(), b.unwrap());
     let mut got = [a.envs["GPUPLACE_POD"].clone(), b.envs["GPUPLACE_POD"].clone()];
     got.sort();
-    assert_eq!(got, ["ns/share-a".to_string(), "ns/share-b".to_string()]);
+    assert_eq!(got, ["ns/share-a".to_string(), "ns/share-c".to_string()]);
     for r in [&a, &b] {
         assert_eq!(r.envs["NVIDIA_VISIBLE_DEVICES"], slots.uuids[1]);
-        let want = if r.envs["GPUPLACE_POD"] == "ns/share-a" { "0=20480M" } else { "0=10240M" };
-        assert_eq!(r.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], want);
+        assert_eq!(r.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "0=20480M");
     }
+    assert!(fake.wait_until(WAIT, |f| allocated(f, "ns", "share-c").is_some()).await);
+    let (first, second) = (allocated(&fake, "ns", "share-a").unwrap(), allocated(&fake, "ns", "share-c").unwrap());
+    assert_eq!((first.containers, first.unconfirmed), (containers(&["main"]), containers(&["main"])));
+    assert_eq!((second.containers, second.unconfirmed), (containers(&["main"]), containers(&[])));
     // the init container first, then the app container of the same pod
     let r = allocate(&mut c, vec![slots.slot(4, 0)]).await.unwrap();
     assert_eq!((r.envs["GPUPLACE_POD"].as_str(), r.envs["GPUPLACE_CONTAINER"].as_str()), ("ns/init", "warm"));
@@ -549,14 +554,30 @@ async fn allocate_applies_the_extenders_assignments_in_bind_order_and_out_of_ord
     .await;
     let r = allocate(&mut c, vec![slots.slot(7, 0)]).await.unwrap();
     assert_eq!(r.envs["GPUPLACE_POD"], "ns/fresh");
+    // other limits on GPU 1, bound once the twins were allocated (as the extender binds them)
+    bind(
+        &fake,
+        gpu_pod("ns", "share-b", &[("main", false, SHARE_10G_10)]),
+        vec![("main", false, vec![share(1, 10240, 10)])],
+        8,
+    )
+    .await;
+    let r = allocate(&mut c, vec![slots.slot(1, 2)]).await.unwrap();
+    assert_eq!((r.envs["GPUPLACE_POD"].as_str(), r.envs["GPUPLACE_GPU_MEM_MIB"].as_str()), ("ns/share-b", "10240"));
 
     // GPU 5: nobody's assignment. A clear refusal that lists what waits, never some other pod's GPU
+    bind(
+        &fake,
+        gpu_pod("ns", "waiting", &[("main", false, SHARE_10G_10)]),
+        vec![("main", false, vec![share(0, 10240, 10)])],
+        9,
+    )
+    .await;
     let e = allocate(&mut c, vec![slots.slot(5, 0)]).await.unwrap_err();
     assert_eq!(e.code(), Code::FailedPrecondition);
-    assert!(e.message().contains("GPU(s) [5]") && e.message().contains("ns/share-c/main on [1]"), "{}", e.message());
-    // GPU 1 once more: share-c, the last one there
-    assert_eq!(allocate(&mut c, vec![slots.slot(1, 2)]).await.unwrap().envs["GPUPLACE_POD"], "ns/share-c");
-    assert!(fake.wait_until(WAIT, |f| allocated(f, "ns", "share-c").is_some()).await);
+    assert!(e.message().contains("GPU(s) [5]") && e.message().contains("ns/waiting/main on [0]"), "{}", e.message());
+    assert_eq!(allocate(&mut c, vec![slots.slot(0, 0)]).await.unwrap().envs["GPUPLACE_POD"], "ns/waiting");
+    assert!(fake.wait_until(WAIT, |f| allocated(f, "ns", "waiting").is_some()).await);
     h.shutdown().await;
     drop(source);
 
@@ -668,15 +689,19 @@ async fn api_server_down_fails_allocate_clearly_and_recovers() {
     let slots = SlotIds::of(&h);
     assert_eq!(pods_named(&source.pending().await.unwrap()), ["ns/a"]);
 
-    fake.set_down(true);
-    // the cached pod matches, but it cannot be marked: refused, not started unmarked
+    // the pod matches, but it cannot be marked: refused, not started unmarked
+    fake.fail_next("PATCH", "/api/v1/namespaces/ns/pods/a", 1, 500);
     let e = allocate(&mut c, vec![slots.slot(1, 0)]).await.unwrap_err();
     assert_eq!(e.code(), Code::Unavailable);
     assert!(e.message().contains("ns/a") && e.message().contains("marking"), "{}", e.message());
-    // GPUs the cache knows nothing about: the fresh list fails, so Unavailable, not a guess
-    let e = allocate(&mut c, vec![slots.slot(5, 0)]).await.unwrap_err();
-    assert_eq!(e.code(), Code::Unavailable);
-    assert!(e.message().contains("listing the pods of node test-node"), "{}", e.message());
+    // Allocate decides on a fresh list: with the API server down, Unavailable, never a guess from
+    // the cache
+    fake.set_down(true);
+    for gpu in [1, 5] {
+        let e = allocate(&mut c, vec![slots.slot(gpu, 0)]).await.unwrap_err();
+        assert_eq!(e.code(), Code::Unavailable);
+        assert!(e.message().contains("listing the pods of node test-node"), "{}", e.message());
+    }
     let errors = telemetry.snapshot().api_errors;
     assert!(
         errors.get("pod_patch").is_some_and(|&n| n >= 1) && errors.get("pods_list").is_some_and(|&n| n >= 1),
@@ -699,53 +724,217 @@ async fn api_server_down_fails_allocate_clearly_and_recovers() {
     h.shutdown().await;
 }
 
-/// The one swap matching cannot rule out: two pods waiting for the same GPU with different slices,
-/// admitted by kubelet out of bind order. Allocate applies the first-bound pod's assignment; the
-/// pod-resources cross-check then sees the device held by the other pod, and says so on both.
-#[tokio::test]
-async fn a_swap_seen_in_pod_resources_raises_events_on_both_pods() {
-    let fake = FakeApiServer::start().await.unwrap();
-    fake.put(&k8s_node(NODE));
-    bind_shares_on_gpu_1(&fake, "first", "second").await;
-    let (mut h, _source, telemetry) = harness(&fake, 4).await;
-    let (_, mut c) = h.register_and_connect().await;
-    let slots = SlotIds::of(&h);
-    // kubelet is admitting `second`, but nothing in the call says so: bind order picks `first`
-    let granted = allocate(&mut c, vec![slots.slot(1, 0)]).await.unwrap();
-    assert_eq!(granted.envs["GPUPLACE_POD"], "ns/first");
-
-    let socket = h.dir.path().join("pod-resources.sock");
-    let holder = PodResources {
-        name: "second".into(),
-        namespace: "ns".into(),
-        containers: vec![ContainerResources {
-            name: "main".into(),
-            devices: vec![ContainerDevices {
-                resource_name: "gpuplace.io/gpu".into(),
-                device_ids: vec![slots.slot(1, 0)],
-                topology: None,
-            }],
-            ..Default::default()
-        }],
-    };
-    let mut kubelet =
-        FakePodResources::start(&socket, ListPodResourcesResponse { pod_resources: vec![holder] }).unwrap();
+/// A sampler over the harness's plugin, listing pod-resources from a fake kubelet on `socket`, with
+/// Events written to the fake API server.
+fn sampler(fake: &FakeApiServer, h: &Harness, telemetry: &Arc<Telemetry>, socket: &std::path::Path) -> Sampler {
     let policy =
         PublishPolicy { threshold_pct: 10, min_interval: Duration::ZERO, max_interval: Duration::from_secs(60) };
     let mut sampler = Sampler::new(
         h.backend.clone(),
         h.plugin.clone(),
         telemetry.clone(),
-        Some(PodResourcesClient::new(&socket, Duration::from_secs(5))),
+        Some(PodResourcesClient::new(socket, Duration::from_secs(5))),
         Publisher::new(policy, Arc::new(MemorySink::default())),
     );
     sampler.set_reporter(Arc::new(PluginEvents::new(fake.client().unwrap(), NODE)));
+    sampler
+}
+
+/// pod-resources' answer: `pod`'s container `main` holds `device`.
+fn holding(pod: &str, device: String) -> ListPodResourcesResponse {
+    let holder = PodResources {
+        name: pod.into(),
+        namespace: "ns".into(),
+        containers: vec![ContainerResources {
+            name: "main".into(),
+            devices: vec![ContainerDevices {
+                resource_name: "gpuplace.io/gpu".into(),
+                device_ids: vec![device],
+                topology: None,
+            }],
+            ..Default::default()
+        }],
+    };
+    ListPodResourcesResponse { pod_resources: vec![holder] }
+}
+
+/// Issue 28's case, now harmless: twins (the same limits on GPU 1) admitted out of bind order. The
+/// match was a guess, right for the limits either way; pod-resources shows the other twin holding the
+/// device, and the record follows: the holder is marked, the guessed pod unmarked (its own admission
+/// then matches it), an informational Event on both, counted as a correction, not a mismatch.
+#[tokio::test]
+async fn a_twin_admitted_out_of_order_is_corrected_quietly_from_pod_resources() {
+    let fake = FakeApiServer::start().await.unwrap();
+    fake.put(&k8s_node(NODE));
+    for (seq, name) in [(1, "first"), (2, "second")] {
+        let slices = vec![("main", false, vec![share(1, 20480, 25)])];
+        bind(&fake, gpu_pod("ns", name, &[("main", false, SHARE_20G_25)]), slices, seq).await;
+    }
+    let (mut h, _source, telemetry) = harness(&fake, 4).await;
+    let (_, mut c) = h.register_and_connect().await;
+    let slots = SlotIds::of(&h);
+    // kubelet is admitting `second`; both wait with the same limits, bind order picks `first`
+    let granted = allocate(&mut c, vec![slots.slot(1, 0)]).await.unwrap();
+    assert_eq!(
+        (granted.envs["GPUPLACE_POD"].as_str(), granted.envs["GPUPLACE_GPU_MEM_MIB"].as_str()),
+        ("ns/first", "20480")
+    );
+    assert_eq!(allocated(&fake, "ns", "first").unwrap().unconfirmed, containers(&["main"]));
+
+    let socket = h.dir.path().join("pod-resources.sock");
+    let mut kubelet = FakePodResources::start(&socket, holding("second", slots.slot(1, 0))).unwrap();
+    sampler(&fake, &h, &telemetry, &socket).tick().await;
+    let t = telemetry.snapshot();
+    assert_eq!((t.allocation_mismatches, t.allocation_corrections), (0, 1));
+    let events = events_of(&fake, REASON_CORRECTED, 2).await;
+    assert_eq!(regarding(&events), ["ns/first".to_string(), "ns/second".to_string()].into());
+    assert!(fake.events().iter().all(|e| e["reason"] != REASON_MISMATCH), "no Warning for a harmless swap");
+    let note = events[0]["note"].as_str().unwrap();
+    assert!(note.contains("matched to ns/first/main") && note.contains("gave it to ns/second/main"), "{note}");
+    // the holder is marked, confirmed; the guessed pod holds nothing and is unmarked
+    let second = allocated(&fake, "ns", "second").unwrap();
+    assert_eq!((second.containers, second.unconfirmed), (containers(&["main"]), containers(&[])));
+    assert_eq!(allocated(&fake, "ns", "first").unwrap().containers, containers(&[]));
+    assert_eq!(h.plugin.grants().keys().cloned().collect::<Vec<_>>(), [("ns/second".to_string(), "main".to_string())]);
+    // `first` is admitted now: its Allocate matches it, no guess left
+    let r = allocate(&mut c, vec![slots.slot(1, 1)]).await.unwrap();
+    assert_eq!(r.envs["GPUPLACE_POD"], "ns/first");
+    let first = allocated(&fake, "ns", "first").unwrap();
+    assert_eq!((first.containers, first.unconfirmed), (containers(&["main"]), containers(&[])));
+    kubelet.stop().await;
+    h.shutdown().await;
+}
+
+/// Twins admitted each in the other's place: both records swap names, neither is lost (the
+/// allocated-vs-used gauges look grants up under the names pod-resources reports).
+#[tokio::test]
+async fn twins_admitted_in_each_others_place_swap_their_records() {
+    let fake = FakeApiServer::start().await.unwrap();
+    fake.put(&k8s_node(NODE));
+    for (seq, name) in [(1, "first"), (2, "second")] {
+        let slices = vec![("main", false, vec![share(1, 20480, 25)])];
+        bind(&fake, gpu_pod("ns", name, &[("main", false, SHARE_20G_25)]), slices, seq).await;
+    }
+    let (mut h, _source, telemetry) = harness(&fake, 4).await;
+    let (_, mut c) = h.register_and_connect().await;
+    let slots = SlotIds::of(&h);
+    assert_eq!(allocate(&mut c, vec![slots.slot(1, 0)]).await.unwrap().envs["GPUPLACE_POD"], "ns/first");
+    assert_eq!(allocate(&mut c, vec![slots.slot(1, 1)]).await.unwrap().envs["GPUPLACE_POD"], "ns/second");
+    let socket = h.dir.path().join("pod-resources.sock");
+    let mut listing = holding("second", slots.slot(1, 0));
+    listing.pod_resources.extend(holding("first", slots.slot(1, 1)).pod_resources);
+    let mut kubelet = FakePodResources::start(&socket, listing).unwrap();
+    sampler(&fake, &h, &telemetry, &socket).tick().await;
+    let t = telemetry.snapshot();
+    assert_eq!((t.allocation_mismatches, t.allocation_corrections), (0, 2));
+    for name in ["first", "second"] {
+        let m = allocated(&fake, "ns", name).unwrap();
+        assert_eq!((m.containers, m.unconfirmed), (containers(&["main"]), containers(&[])), "{name}");
+    }
+    let keys: Vec<String> = h.plugin.grants().keys().map(|k| k.0.clone()).collect();
+    assert_eq!(keys, ["ns/first", "ns/second"]);
+    kubelet.stop().await;
+    h.shutdown().await;
+}
+
+/// A device kubelet gave to a pod gpuplace assigned nothing (allocated by something else): that pod
+/// runs with the granted pod's limits. Made loud on both pods; the count survives a plugin restart
+/// through the node's `gpuplace.io/allocation-counts`.
+#[tokio::test]
+async fn a_device_held_by_a_pod_without_an_assignment_is_a_mismatch_counted_across_restarts() {
+    let fake = FakeApiServer::start().await.unwrap();
+    fake.put(&k8s_node(NODE));
+    bind(
+        &fake,
+        gpu_pod("ns", "first", &[("main", false, SHARE_20G_25)]),
+        vec![("main", false, vec![share(1, 20480, 25)])],
+        1,
+    )
+    .await;
+    let (mut h, _source, telemetry) = harness(&fake, 4).await;
+    let (_, mut c) = h.register_and_connect().await;
+    let slots = SlotIds::of(&h);
+    assert_eq!(allocate(&mut c, vec![slots.slot(1, 0)]).await.unwrap().envs["GPUPLACE_POD"], "ns/first");
+
+    let socket = h.dir.path().join("pod-resources.sock");
+    let mut kubelet = FakePodResources::start(&socket, holding("intruder", slots.slot(1, 0))).unwrap();
+    let mut sampler = sampler(&fake, &h, &telemetry, &socket);
     sampler.tick().await;
     assert_eq!(telemetry.snapshot().allocation_mismatches, 1);
     let events = events_of(&fake, REASON_MISMATCH, 2).await;
-    assert_eq!(regarding(&events), ["ns/first".to_string(), "ns/second".to_string()].into());
+    assert_eq!(regarding(&events), ["ns/first".to_string(), "ns/intruder".to_string()].into());
     let note = events[0]["note"].as_str().unwrap();
-    assert!(note.contains("assignment of ns/first/main, but kubelet gave it to ns/second/main"), "{note}");
+    assert!(note.contains("assignment of ns/first/main, but kubelet gave it to ns/intruder/main"), "{note}");
+    assert!(note.contains("delete it"), "{note}");
+    // `first` holds nothing: unmarked, so its own admission matches it
+    assert_eq!(allocated(&fake, "ns", "first").unwrap().containers, containers(&[]));
+    // reported once
+    sampler.tick().await;
+    assert_eq!(telemetry.snapshot().allocation_mismatches, 1);
+
+    // the node pass persists the counts on the Node
+    let inv = inventory("hgx-h100-8");
+    let sync = |t: &Arc<Telemetry>| {
+        NodeSync::new(fake.client().unwrap(), NODE, inv.clone(), h.plugin.clone(), t.clone(), Duration::from_secs(3600))
+    };
+    assert!(sync(&telemetry).reconcile().await.unwrap().counts_patched);
+    let on_node = |f: &FakeApiServer| {
+        let n: Node = f.get("", NODE).unwrap();
+        n.annotations().get(ANNOTATION_ALLOCATION_COUNTS).map(|t| AllocationCounts::parse(t).unwrap())
+    };
+    assert_eq!(on_node(&fake), Some(AllocationCounts::new(1, 0)));
+    // a restarted plugin: no series until the earlier count is read, then it goes on from there
+    let restarted = Telemetry::new(8, true);
+    restarted.enable_api();
+    let page = |t: &Arc<Telemetry>| render(NODE, h.plugin.gpus(), &h.plugin.health(), &BTreeMap::new(), &t.snapshot());
+    assert!(!page(&restarted).contains("gpuplace_allocation_mismatches_total"), "no 0 before the persisted count");
+    let done = sync(&restarted).reconcile().await.unwrap();
+    assert!(!done.counts_patched, "nothing new to write");
+    let text = page(&restarted);
+    assert!(text.contains("\ngpuplace_allocation_mismatches_total{Hostname=\"test-node\"} 1\n"), "{text}");
+    assert!(text.contains("\ngpuplace_allocation_corrections_total{Hostname=\"test-node\"} 0\n"), "{text}");
+    restarted.count_allocations(0, 2);
+    assert!(sync(&restarted).reconcile().await.unwrap().counts_patched);
+    assert_eq!(on_node(&fake), Some(AllocationCounts::new(1, 2)));
     kubelet.stop().await;
     h.shutdown().await;
+}
+
+/// The inventory says the plugin confirms allocations only in assignments mode once a kubelet has
+/// registered it (the extender then binds confusable pods one at a time); a restarted plugin keeps
+/// the word until its own registration; without assignments it never says so.
+#[tokio::test]
+async fn the_inventory_says_allocations_are_confirmed_only_where_a_kubelet_calls_allocate() {
+    let fake = FakeApiServer::start().await.unwrap();
+    fake.put(&k8s_node(NODE));
+    let inv = inventory("hgx-h100-8");
+    let telemetry = Telemetry::new(8, false);
+    let source = || -> Arc<dyn AssignmentSource> { Arc::new(StaticAssignments::new(Vec::new())) };
+    let sync = |plugin: &Arc<Plugin>| {
+        NodeSync::new(
+            fake.client().unwrap(),
+            NODE,
+            inv.clone(),
+            plugin.clone(),
+            telemetry.clone(),
+            Duration::from_secs(3600),
+        )
+    };
+    let says = |f: &FakeApiServer| node_inventory(f).unwrap().confirms_allocations;
+    // assignments, no kubelet (the e2e suite's nodes): not confirmed, so the extender never waits
+    let plugin = Plugin::new(PluginConfig::default(), &inv, Some(source())).unwrap();
+    sync(&plugin).reconcile().await.unwrap();
+    assert!(!says(&fake));
+    plugin.note_registered();
+    assert!(sync(&plugin).reconcile().await.unwrap().inventory_patched);
+    assert!(says(&fake));
+    // restarted, not registered again yet: keeps its predecessor's word
+    let restarted = Plugin::new(PluginConfig::default(), &inv, Some(source())).unwrap();
+    assert!(!sync(&restarted).reconcile().await.unwrap().inventory_patched);
+    assert!(says(&fake));
+    // restarted with --no-assignments: kubelet's slots decide, nothing is confirmed
+    let plain = Plugin::new(PluginConfig::default(), &inv, None).unwrap();
+    plain.note_registered();
+    sync(&plain).reconcile().await.unwrap();
+    assert!(!says(&fake));
 }

@@ -189,12 +189,11 @@ async fn allocate_without_assignments_exposes_the_slots_gpus() {
 async fn allocate_finds_the_pod_by_assignment_and_refuses_when_none_matches() {
     let k = 4;
     let source = Arc::new(StaticAssignments::new(vec![
-        // two shares of GPU 1 with different sizes, bound in this order
+        // a share of GPU 1
         pending_pod("ns/share-a", 1, &[("main", false, vec![share(1, 20480, 25)])]),
-        pending_pod("ns/share-b", 2, &[("main", false, vec![share(1, 10240, 10)])]),
         // two whole GPUs
         pending_pod("ns/pair", 3, &[("train", false, vec![whole(2, 81559), whole(3, 81559)])]),
-        // bound last, admitted before share-b
+        // bound after the others, admitted before share-b
         pending_pod("ns/late", 4, &[("main", false, vec![share(6, 4096, 0)])]),
     ]));
     let cfg = PluginConfig { mps_pipe_dir: Some("/run/nvidia/mps".into()), ..config(k) };
@@ -223,6 +222,9 @@ async fn allocate_finds_the_pod_by_assignment_and_refuses_when_none_matches() {
     assert_eq!(r.envs["GPUPLACE_GPU_CORE_PCT"], "25");
     assert_eq!(r.envs["CUDA_MPS_PIPE_DIRECTORY"], "/run/nvidia/mps");
     assert_eq!(r.mounts.len(), 1);
+    // a share of GPU 1 with other limits, bound once share-a was allocated (as the extender binds
+    // such pods on a node whose plugin confirms allocations)
+    source.bind(pending_pod("ns/share-b", 5, &[("main", false, vec![share(1, 10240, 10)])]));
 
     // out of bind order: kubelet admits ns/late before ns/share-b; GPU 6 identifies it
     let r = allocate(&mut c, vec![node.slot(6, 0)]).await.unwrap();
@@ -244,12 +246,64 @@ async fn allocate_finds_the_pod_by_assignment_and_refuses_when_none_matches() {
     assert_eq!(source.marks(), vec![key("ns/pair"), key("ns/share-a"), key("ns/late"), key("ns/share-b")]);
 
     // the pod cannot be marked allocated: refused, so a restart can never match it twice
-    source.bind(pending_pod("ns/next", 5, &[("main", false, vec![share(0, 1024, 10)])]));
+    source.bind(pending_pod("ns/next", 6, &[("main", false, vec![share(0, 1024, 10)])]));
     source.fail_marks(true);
     let e = allocate(&mut c, vec![node.slot(0, 0)]).await.unwrap_err();
     assert_eq!(e.code(), Code::Unavailable);
     source.fail_marks(false);
     assert_eq!(allocate(&mut c, vec![node.slot(0, 0)]).await.unwrap().envs["GPUPLACE_POD"], "ns/next");
+    h.shutdown().await;
+}
+
+/// Issue 28: kubelet's Allocate does not name the pod, and kubelet may admit pods in any order.
+#[tokio::test]
+async fn pods_with_other_limits_on_one_gpu_are_refused_and_twins_are_matched_either_way() {
+    let k = 4;
+    let twin = |name: &str, seq| pending_pod(name, seq, &[("main", false, vec![share(3, 4096, 40)])]);
+    let source = Arc::new(StaticAssignments::new(vec![
+        pending_pod("ns/x", 1, &[("main", false, vec![share(0, 1024, 10)])]),
+        pending_pod("ns/y", 2, &[("main", false, vec![share(0, 2048, 20)])]),
+        twin("ns/t1", 3),
+        twin("ns/t2", 4),
+        pending_pod("ns/quad", 5, &[("train", false, (4..8).map(|g| whole(g, 81559)).collect())]),
+    ]));
+    let mut h = Harness::start("hgx-h100-8", config(k), Some(source.clone() as Arc<dyn AssignmentSource>)).await;
+    let (_, mut c) = h.register_and_connect().await;
+    let node = SlotIds::of(&h);
+
+    // x and y wait for GPU 0 with different limits: whichever kubelet admits, a guess could give it
+    // the other's limits, so neither is applied
+    let e = allocate(&mut c, vec![node.slot(0, 0)]).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition);
+    let m = e.message();
+    assert!(m.contains("ns/x (bind #1, container main: 1024 MiB and 10% of GPU 0)"), "{m}");
+    assert!(m.contains("ns/y (bind #2, container main: 2048 MiB and 20% of GPU 0)"), "{m}");
+    assert!(m.contains("with different limits") && m.contains("refusing"), "{m}");
+    assert!(source.marks().is_empty(), "nothing marked");
+
+    // t1 and t2 wait for GPU 3 with the same limits: either match is right; the first is a guess,
+    // marked unconfirmed until pod-resources shows who got the devices, the second is certain
+    for slot in [0, 1] {
+        let r = allocate(&mut c, vec![node.slot(3, slot)]).await.unwrap();
+        assert_eq!(r.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "0=4096M");
+        assert_eq!(r.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "40");
+    }
+    let main = || BTreeSet::from(["main".to_string()]);
+    assert_eq!(source.record("ns/t1"), (main(), main()));
+    assert_eq!(source.record("ns/t2"), (main(), BTreeSet::new()));
+
+    // a four-GPU container, devices in kubelet's order (7, 4, 6, 5): every list in GPU index order,
+    // so the i-th entries of all of them name one GPU
+    let sent: Vec<String> = [7, 4, 6, 5].iter().map(|&g| node.slot(g, 1)).collect();
+    let r = allocate(&mut c, sent).await.unwrap();
+    assert_eq!(r.envs["GPUPLACE_POD"], "ns/quad");
+    assert_eq!(r.envs["GPUPLACE_GPU_INDICES"], "4,5,6,7");
+    let uuids: Vec<&str> = (4..8).map(|g| node.uuids[g].as_str()).collect();
+    assert_eq!(r.envs["NVIDIA_VISIBLE_DEVICES"], uuids.join(","));
+    assert_eq!(r.envs["GPUPLACE_GPU_UUIDS"], uuids.join(","));
+    let ids: Vec<String> = (4..8).map(|g| node.slot(g, 1)).collect();
+    assert_eq!(r.envs["GPUPLACE_DEVICE_IDS"], ids.join(","));
+    assert_eq!(r.envs["GPUPLACE_GPU_MEM_MIB"], ["81559"; 4].join(","));
     h.shutdown().await;
 }
 
@@ -278,6 +332,53 @@ async fn kubelet_restart_and_socket_removal_lead_to_re_registration() {
     let (_, mut c3) = h.register_and_connect().await;
     assert!(c3.get_device_plugin_options(Empty {}).await.unwrap().into_inner().get_preferred_allocation_available);
     h.shutdown().await;
+}
+
+/// After a kubelet restart `gpuplace.io/gpu` is 0 in the node's allocatable until kubelet has the
+/// plugin's registration (and then updates its node status): a `kubelet.sock` created anew is tried
+/// at once, not after the retry interval.
+#[tokio::test]
+async fn a_kubelet_that_comes_up_is_registered_with_at_once() {
+    use gpuplace_device_plugin::nvml::fake::FakeBackend;
+    use gpuplace_device_plugin::nvml::GpuBackend;
+    use gpuplace_device_plugin::plugin::Plugin;
+    use gpuplace_device_plugin::server::{run, ServeConfig};
+
+    let dir = tempfile::Builder::new().prefix("gdpreg").tempdir().unwrap();
+    let backend = FakeBackend::load(&topology("hgx-h100-8"), "test-node").unwrap();
+    let plugin = Plugin::new(config(2), &backend.inventory().unwrap(), None).unwrap();
+    // a retry interval far beyond the test's patience: only the socket's appearance can explain a
+    // registration in time
+    let cfg = ServeConfig {
+        dir: dir.path().to_path_buf(),
+        socket_name: "gpuplace.sock".into(),
+        poll_interval: Duration::from_millis(20),
+        retry_interval: Duration::from_secs(600),
+    };
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let serve = tokio::spawn(run(
+        plugin.clone(),
+        cfg,
+        Box::pin(async {
+            let _ = stop_rx.await;
+        }),
+    ));
+    // no kubelet yet: the first attempt fails
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!plugin.registered());
+    let mut kubelet = common::FakeKubelet::start(dir.path());
+    let started = std::time::Instant::now();
+    let reg = kubelet.next_registration().await;
+    assert_eq!(reg.resource_name, "gpuplace.io/gpu");
+    assert!(started.elapsed() < Duration::from_secs(5), "registered after {:?}", started.elapsed());
+    // noted once kubelet's answer is in
+    let deadline = std::time::Instant::now() + WAIT;
+    while !plugin.registered() && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(plugin.registered());
+    let _ = stop_tx.send(());
+    serve.await.unwrap().unwrap();
 }
 
 #[tokio::test]

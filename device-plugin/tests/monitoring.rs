@@ -203,6 +203,8 @@ async fn scrape_all() -> Exported {
         p.contains("gpuplace_podresources_up{Hostname=\"mon-node\"} 1")
             && p.contains("pod=\"train\"")
             && p.contains("gpuplace_apiserver_errors_total{")
+            // exported once the node pass has read the counts of earlier runs
+            && p.contains("gpuplace_allocation_mismatches_total{")
     }));
     exported
 }

@@ -42,6 +42,22 @@ impl EventSink {
 
     /// A Warning on `object`. Must be called inside a tokio runtime.
     pub fn warn(&self, object: ObjectReference, reason: &'static str, action: &'static str, note: &str) {
+        self.publish(EventType::Warning, object, reason, action, note);
+    }
+
+    /// A Normal (informational) Event on `object`. Must be called inside a tokio runtime.
+    pub fn normal(&self, object: ObjectReference, reason: &'static str, action: &'static str, note: &str) {
+        self.publish(EventType::Normal, object, reason, action, note);
+    }
+
+    fn publish(
+        &self,
+        type_: EventType,
+        object: ObjectReference,
+        reason: &'static str,
+        action: &'static str,
+        note: &str,
+    ) {
         let mut note = note.to_string();
         if note.len() > MAX_NOTE {
             let mut cut = MAX_NOTE;
@@ -52,13 +68,7 @@ impl EventSink {
         }
         let recorder = self.recorder.clone();
         tokio::spawn(async move {
-            let ev = Event {
-                type_: EventType::Warning,
-                reason: reason.into(),
-                note: Some(note),
-                action: action.into(),
-                secondary: None,
-            };
+            let ev = Event { type_, reason: reason.into(), note: Some(note), action: action.into(), secondary: None };
             if let Err(e) = recorder.publish(&ev, &object).await {
                 tracing::warn!(error = %e, object = ?object.name, reason, "Event not written");
             }

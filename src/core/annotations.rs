@@ -6,7 +6,10 @@
 //! - [`ANNOTATION_INVENTORY`] on a node: its GPUs and their links, published by the device plugin.
 //! - [`ANNOTATION_UTILIZATION`] on a node: the last live sample per GPU, published by the device plugin.
 //! - [`ANNOTATION_ALLOCATED`] on a pod: which of its containers the device plugin has given their GPUs
-//!   (kubelet's `Allocate`), so a restarted plugin never matches one of them again.
+//!   (kubelet's `Allocate`), so a restarted plugin never matches one of them again, and the extender
+//!   knows the pod admitted (`core::admission`).
+//! - [`ANNOTATION_ALLOCATION_COUNTS`] on a node: the device plugin's cross-check counts, kept across
+//!   its restarts.
 //! - [`ANNOTATION_REQUEUED`] on a pending pod: the extender's nudge to kube-scheduler to retry it
 //!   (`extender::requeue`). Plain text (`NODE UNIX_MS`), never read back: the change is the signal.
 //!
@@ -40,11 +43,15 @@ pub const ANNOTATION_UTILIZATION: &str = "gpuplace.io/utilization";
 pub const ANNOTATION_ALLOCATED: &str = "gpuplace.io/allocated";
 /// Pod annotation: GPUs the pod was just turned away from were freed (`NODE UNIX_MS`, never read).
 pub const ANNOTATION_REQUEUED: &str = "gpuplace.io/requeued";
+/// Node annotation: the device plugin's cross-check counts over its restarts (JSON,
+/// [`AllocationCounts`]).
+pub const ANNOTATION_ALLOCATION_COUNTS: &str = "gpuplace.io/allocation-counts";
 
 pub const ASSIGNMENT_VERSION: u32 = 1;
 pub const INVENTORY_VERSION: u32 = 1;
 pub const UTILIZATION_VERSION: u32 = 1;
 pub const ALLOCATED_VERSION: u32 = 1;
+pub const ALLOCATION_COUNTS_VERSION: u32 = 1;
 
 /// Why an annotation was not accepted. Each message names the annotation and what is wrong with it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -324,6 +331,13 @@ pub struct NodeInventory {
     /// GPU. Absent when the publisher does not say (inventories written before the field existed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub slots_per_gpu: Option<u32>,
+    /// The node's device plugin applies assignments in kubelet's `Allocate` and confirms each one on
+    /// the pod (`gpuplace.io/allocated`): it runs with an API server in assignments mode and a kubelet
+    /// has registered it. The extender then never binds a pod the plugin could confuse with one still
+    /// waiting for its Allocate there (`core::admission`). Absent (false) where no kubelet calls
+    /// Allocate, such as the e2e suite's nodes, and in inventories of older plugins.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub confirms_allocations: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -398,6 +412,7 @@ impl NodeInventory {
                 .map(|(a, b, l)| InventoryLink { a: a as u32, b: b as u32, nvlinks: l.nvlinks, pcie: l.pcie })
                 .collect(),
             slots_per_gpu: node.slots_per_gpu,
+            confirms_allocations: node.confirms_allocations,
         }
     }
 
@@ -445,7 +460,9 @@ impl NodeInventory {
                 healthy: g.healthy,
             })
             .collect();
-        Ok(Node::new(name, labels, gpus, Arc::new(topology), 0, 0).with_slots_per_gpu(self.slots_per_gpu))
+        Ok(Node::new(name, labels, gpus, Arc::new(topology), 0, 0)
+            .with_slots_per_gpu(self.slots_per_gpu)
+            .with_confirms_allocations(self.confirms_allocations))
     }
 }
 
@@ -529,15 +546,65 @@ pub struct AllocatedAnnotation {
     pub pod_uid: String,
     /// Container names, sorted, each once.
     pub containers: BTreeSet<String>,
+    /// Those of `containers` matched when interchangeable pods (`core::admission`) waited for the
+    /// same GPUs: either match gave the right limits, but which pod got the devices is known only
+    /// once kubelet's pod-resources API lists them, and the plugin then confirms or moves the mark.
+    /// The extender counts the pod as admitted only when this is empty. Absent when empty.
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub unconfirmed: BTreeSet<String>,
 }
 
 impl AllocatedAnnotation {
     pub fn new(pod_uid: &str, containers: impl IntoIterator<Item = String>) -> Self {
-        Self { version: ALLOCATED_VERSION, pod_uid: pod_uid.to_string(), containers: containers.into_iter().collect() }
+        Self {
+            version: ALLOCATED_VERSION,
+            pod_uid: pod_uid.to_string(),
+            containers: containers.into_iter().collect(),
+            unconfirmed: BTreeSet::new(),
+        }
+    }
+
+    /// The marker with `unconfirmed` set (each must be among `containers`; others are dropped).
+    pub fn with_unconfirmed(mut self, unconfirmed: impl IntoIterator<Item = String>) -> Self {
+        self.unconfirmed = unconfirmed.into_iter().filter(|c| self.containers.contains(c)).collect();
+        self
     }
 
     pub fn parse(text: &str) -> Result<Self, AnnotationError> {
         parse_versioned(ANNOTATION_ALLOCATED, text, ALLOCATED_VERSION)
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Allocation cross-check counts
+// ---------------------------------------------------------------------------------------------------
+
+/// `gpuplace.io/allocation-counts`: what the node's device plugin found comparing its Allocate grants
+/// with kubelet's pod-resources, since it first ran there. Written and read only by that plugin, so
+/// that `gpuplace_allocation_mismatches_total` and `gpuplace_allocation_corrections_total` continue
+/// across its restarts instead of starting again from 0.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AllocationCounts {
+    pub version: u32,
+    /// Devices a container got with another pod's limits (or unknown ones).
+    pub mismatches: u64,
+    /// Devices matched to one of several pods with the same limits, given to another of them: the
+    /// record corrected.
+    pub corrections: u64,
+}
+
+impl AllocationCounts {
+    pub fn new(mismatches: u64, corrections: u64) -> Self {
+        Self { version: ALLOCATION_COUNTS_VERSION, mismatches, corrections }
+    }
+
+    pub fn parse(text: &str) -> Result<Self, AnnotationError> {
+        parse_versioned(ANNOTATION_ALLOCATION_COUNTS, text, ALLOCATION_COUNTS_VERSION)
     }
 
     pub fn to_json(&self) -> String {
@@ -735,6 +802,28 @@ mod tests {
             let err = inv.to_node("n1", BTreeMap::new()).unwrap_err();
             assert!(err.to_string().contains(&format!("slotsPerGpu is {bad}; it must be 1 to 1000")), "{err}");
         }
+    }
+
+    #[test]
+    fn unconfirmed_matches_confirms_allocations_and_counts_round_trip() {
+        // an older marker reads with nothing unconfirmed; a newer one keeps only listed containers
+        let a = AllocatedAnnotation::new("u", ["main".to_string()]).with_unconfirmed(["main".into(), "x".into()]);
+        let text = a.to_json();
+        assert_eq!(text, r#"{"version":1,"podUID":"u","containers":["main"],"unconfirmed":["main"]}"#);
+        assert_eq!(AllocatedAnnotation::parse(&text).unwrap(), a);
+        // the flag is written only when set, and reaches the model and back
+        let mut inv = NodeInventory::from_node(&h100_node("n1"));
+        assert!(!inv.to_json().contains("confirmsAllocations"));
+        assert!(!inv.to_node("n1", BTreeMap::new()).unwrap().confirms_allocations);
+        inv.confirms_allocations = true;
+        let text = inv.to_json();
+        assert!(text.contains(r#""confirmsAllocations":true"#), "{text}");
+        let node = NodeInventory::parse(&text).unwrap().to_node("n1", BTreeMap::new()).unwrap();
+        assert!(node.confirms_allocations && NodeInventory::from_node(&node).confirms_allocations);
+        let c = AllocationCounts::new(3, 7);
+        assert_eq!(c.to_json(), r#"{"version":1,"mismatches":3,"corrections":7}"#);
+        assert_eq!(AllocationCounts::parse(&c.to_json()).unwrap(), c);
+        assert!(matches!(AllocationCounts::parse(r#"{"version":2}"#), Err(AnnotationError::UnsupportedVersion { .. })));
     }
 
     #[test]

@@ -154,6 +154,10 @@ pub struct Node {
     /// device of every GPU it uses, so at most K containers can share a GPU. `None`: not limited
     /// (nodes without the device plugin's word on it, and the simulator).
     pub slots_per_gpu: Option<u32>,
+    /// The node's device plugin confirms each Allocate on the pod (its inventory's
+    /// `confirmsAllocations`): bind then never leaves two pods it could confuse waiting for their
+    /// Allocate on the node at once (`core::admission`).
+    pub confirms_allocations: bool,
     cpu_used: u64,
     mem_used: u64,
     usage: PerGpu<GpuUsage>,
@@ -190,6 +194,7 @@ impl PartialEq for Node {
             && self.cpu_milli == other.cpu_milli
             && self.memory_mib == other.memory_mib
             && self.slots_per_gpu == other.slots_per_gpu
+            && self.confirms_allocations == other.confirms_allocations
             && self.cpu_used == other.cpu_used
             && self.mem_used == other.mem_used
             && self.usage == other.usage
@@ -257,6 +262,7 @@ impl Node {
             cpu_milli,
             memory_mib,
             slots_per_gpu: None,
+            confirms_allocations: false,
             cpu_used: 0,
             mem_used: 0,
             usage: PerGpu::filled(n),
@@ -327,6 +333,14 @@ impl Node {
     /// The node with at most `k` containers per GPU (see [`slots_per_gpu`](Self::slots_per_gpu)).
     pub fn with_slots_per_gpu(mut self, k: Option<u32>) -> Self {
         self.slots_per_gpu = k;
+        self.generation = next_stamp();
+        self
+    }
+
+    /// The node whose device plugin does (or does not) confirm Allocates (see
+    /// [`confirms_allocations`](Self::confirms_allocations)).
+    pub fn with_confirms_allocations(mut self, confirms: bool) -> Self {
+        self.confirms_allocations = confirms;
         self.generation = next_stamp();
         self
     }

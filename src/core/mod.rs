@@ -4,6 +4,7 @@
 /// the extender's Lease and assignment key Secret, the device plugins' utilization ConfigMaps.
 pub const DEFAULT_NAMESPACE: &str = "gpuplace-system";
 
+pub mod admission;
 pub mod annotations;
 pub mod assignment;
 pub mod cluster;

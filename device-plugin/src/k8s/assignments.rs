@@ -11,16 +11,19 @@
 //!   a crash.
 //! - `gpuplace.io/allocated` lists the containers already given their GPUs; a fully allocated pod is
 //!   not pending. [`mark_allocated`](AssignmentSource::mark_allocated) merge-patches it with the pod's
-//!   UID as precondition (a re-created pod of the same name is not marked). Because the cache lags
-//!   its own writes, the source also remembers what it marked (and every marker it has seen) and
-//!   counts those as allocated whatever a view says. A marker that cannot be parsed makes the pod
-//!   skipped (it may be allocated already); a marker written for another UID is ignored.
+//!   UID as precondition (a re-created pod of the same name is not marked), and
+//!   [`correct_allocated`](AssignmentSource::correct_allocated) rewrites it after pod-resources showed
+//!   who holds the devices. Because the cache lags its own writes, the source remembers each marker
+//!   it wrote and takes that over any view; for pods it has not written to, it counts every
+//!   container a view showed marked. A marker that cannot be parsed makes the pod skipped (it may be
+//!   allocated already); a marker written for another UID is ignored.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use gpuplace::core::admission::admission_order;
 use gpuplace::core::annotations::{
     AllocatedAnnotation, AnnotationError, AssignmentAnnotation, ANNOTATION_ALLOCATED, ANNOTATION_ASSIGNMENT,
 };
@@ -105,16 +108,16 @@ pub fn pending_pod(pod: &Pod, node_name: &str, node: &Node) -> Result<Option<Pen
     let annotation = AssignmentAnnotation::parse(text)?;
     let request = pod_request(&spec_view(pod))?;
     let assignment = annotation.validate(&uid, &bound, &request, node)?;
-    let allocated = match pod.annotations().get(ANNOTATION_ALLOCATED) {
-        None => BTreeSet::new(),
+    let (allocated, unconfirmed) = match pod.annotations().get(ANNOTATION_ALLOCATED) {
+        None => Default::default(),
         Some(t) => {
             let marker = AllocatedAnnotation::parse(t)?;
             if marker.pod_uid == uid {
-                marker.containers
+                (marker.containers, marker.unconfirmed)
             } else {
                 // copied from another pod (a re-applied manifest): says nothing about this one
                 tracing::debug!(pod = %assignment.pod, marker_uid = %marker.pod_uid, "ignoring another pod's allocated marker");
-                BTreeSet::new()
+                Default::default()
             }
         }
     };
@@ -123,6 +126,7 @@ pub fn pending_pod(pod: &Pod, node_name: &str, node: &Node) -> Result<Option<Pen
         bind_seq: annotation.bind_seq,
         assignment,
         allocated,
+        unconfirmed,
     }))
 }
 
@@ -130,13 +134,26 @@ pub fn pending_pod(pod: &Pod, node_name: &str, node: &Node) -> Result<Option<Pen
 #[derive(Debug)]
 struct Known {
     containers: BTreeSet<String>,
+    /// Those of `containers` not confirmed by pod-resources yet.
+    unconfirmed: BTreeSet<String>,
+    /// This source wrote the pod's marker: it is the newest, whatever a (lagging) view shows.
+    written: bool,
     /// Last seen in a view or marked.
     touched: Instant,
 }
 
 impl Known {
     fn new() -> Self {
-        Self { containers: BTreeSet::new(), touched: Instant::now() }
+        Self { containers: BTreeSet::new(), unconfirmed: BTreeSet::new(), written: false, touched: Instant::now() }
+    }
+
+    /// What a view shows of a pod whose marker this source has not written: only ever more.
+    fn merge(&mut self, p: &PendingPod) {
+        if !self.written {
+            self.containers.extend(p.allocated.iter().cloned());
+            self.unconfirmed.extend(p.unconfirmed.iter().cloned());
+        }
+        self.touched = Instant::now();
     }
 }
 
@@ -240,8 +257,9 @@ impl KubeAssignments {
         }
     }
 
-    /// Candidates from a view of the node's pods, with what this source remembers added.
-    fn candidates<'a>(&self, pods: impl Iterator<Item = &'a Pod>) -> Vec<PendingPod> {
+    /// Candidates from a view of the node's pods, with what this source remembers added: only those
+    /// still waiting for a container's devices when `waiting_only`.
+    fn candidates<'a>(&self, pods: impl Iterator<Item = &'a Pod>, waiting_only: bool) -> Vec<PendingPod> {
         let mut out = Vec::new();
         let mut known = lock(&self.known);
         for pod in pods {
@@ -249,14 +267,12 @@ impl KubeAssignments {
                 Ok(None) => {}
                 Ok(Some(mut p)) => {
                     let k = known.entry(p.key.uid.clone()).or_insert_with(Known::new);
-                    k.containers.extend(p.allocated.iter().cloned());
-                    k.touched = Instant::now();
-                    p.allocated.extend(k.containers.iter().cloned());
-                    let waiting =
-                        p.assignment.containers.iter().any(|c| !c.slices.is_empty() && !p.allocated.contains(&c.name));
-                    if waiting {
-                        out.push(p);
+                    k.merge(&p);
+                    (p.allocated, p.unconfirmed) = (k.containers.clone(), k.unconfirmed.clone());
+                    if waiting_only && admission_order(&p.assignment).all(|c| p.allocated.contains(&c.name)) {
+                        continue;
                     }
+                    out.push(p);
                 }
                 Err(problem) => self.warn_once(pod, &problem),
             }
@@ -294,20 +310,66 @@ impl AssignmentSource for KubeAssignments {
         }
         self.forget_gone();
         let pods = self.store.state();
-        Ok(self.candidates(pods.iter().map(|p| p.as_ref())))
+        Ok(self.candidates(pods.iter().map(|p| p.as_ref()), true))
     }
 
     async fn refresh(&self) -> Result<Vec<PendingPod>, SourceError> {
         let pods = self.list().await?;
-        Ok(self.candidates(pods.iter()))
+        Ok(self.candidates(pods.iter(), true))
     }
 
-    async fn mark_allocated(&self, pod: &PodKey, container: &str) -> Result<(), SourceError> {
-        let fail = |message: String| SourceError::Mark { pod: pod.pod.clone(), container: container.into(), message };
+    async fn mark_allocated(&self, pod: &PodKey, container: &str, unconfirmed: bool) -> Result<(), SourceError> {
+        let c = [container.to_string()];
+        let none: [String; 0] = [];
+        self.write_marker(pod, &c, if unconfirmed { &c[..] } else { &none[..] }, &none).await
+    }
+
+    async fn assigned(&self, pod: &str) -> Result<Option<PendingPod>, SourceError> {
+        let (ns, name) = pod.split_once('/').unwrap_or(("", pod));
+        let cached =
+            self.store.state().into_iter().find(|p| p.namespace().as_deref() == Some(ns) && p.name_any() == name);
+        let found = match cached {
+            Some(p) => self.candidates(std::iter::once(p.as_ref()), false),
+            // the cache may lag: the pod kubelet admitted was bound a moment ago
+            None => {
+                let pods = self.list().await?;
+                let p = pods.iter().filter(|p| p.namespace().as_deref() == Some(ns) && p.name_any() == name);
+                self.candidates(p, false)
+            }
+        };
+        Ok(found.into_iter().next())
+    }
+
+    async fn correct_allocated(&self, pod: &PodKey, confirm: &[String], unmark: &[String]) -> Result<(), SourceError> {
+        self.write_marker(pod, confirm, &[], unmark).await.map(|_| ())
+    }
+}
+
+impl KubeAssignments {
+    /// Rewrites the pod's marker from what this source knows: `add` marked, `unconfirmed` of them
+    /// unconfirmed (the others confirmed), `remove` unmarked.
+    async fn write_marker(
+        &self,
+        pod: &PodKey,
+        add: &[String],
+        unconfirmed: &[String],
+        remove: &[String],
+    ) -> Result<(), SourceError> {
+        let named: Vec<&str> = add.iter().chain(remove).map(String::as_str).collect();
+        let fail = |message: String| SourceError::Mark { pod: pod.pod.clone(), container: named.join(","), message };
         let (ns, name) = pod.pod.split_once('/').ok_or_else(|| fail("not a namespace/name key".into()))?;
-        let mut containers = lock(&self.known).get(&pod.uid).map(|k| k.containers.clone()).unwrap_or_default();
-        containers.insert(container.to_string());
-        let marker = AllocatedAnnotation::new(&pod.uid, containers.iter().cloned());
+        let (mut containers, mut pending) =
+            lock(&self.known).get(&pod.uid).map(|k| (k.containers.clone(), k.unconfirmed.clone())).unwrap_or_default();
+        for c in add {
+            containers.insert(c.clone());
+            pending.remove(c);
+        }
+        pending.extend(unconfirmed.iter().cloned());
+        for c in remove {
+            containers.remove(c);
+            pending.remove(c);
+        }
+        let marker = AllocatedAnnotation::new(&pod.uid, containers.iter().cloned()).with_unconfirmed(pending);
         // the UID makes it a precondition: a re-created pod of the same name gets a 409, not a marker
         let patch = json!({"metadata": {"uid": pod.uid, "annotations": {ANNOTATION_ALLOCATED: marker.to_json()}}});
         let api: Api<Pod> = Api::namespaced(self.client.clone(), ns);
@@ -319,7 +381,7 @@ impl AssignmentSource for KubeAssignments {
         }
         let mut known = lock(&self.known);
         let k = known.entry(pod.uid.clone()).or_insert_with(Known::new);
-        k.containers.extend(containers);
+        (k.containers, k.unconfirmed, k.written) = (marker.containers, marker.unconfirmed, true);
         k.touched = Instant::now();
         Ok(())
     }

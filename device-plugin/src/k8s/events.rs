@@ -5,8 +5,11 @@
 //! - `AssignmentSkipped` on a bound pod whose `gpuplace.io/assignment` the plugin will not apply
 //!   (corrupt, written for another pod or node, not matching its request): its containers' Allocate
 //!   will fail rather than start on GPUs nobody assigned. Once per pod and problem.
-//! - `AllocationMismatch` on both pods when pod-resources shows that kubelet gave a device to another
-//!   pod than the one whose assignment Allocate applied ([`crate::crosscheck`]).
+//! - `AllocationMismatch` (Warning) on both pods when pod-resources shows that kubelet gave a device
+//!   to another pod than the one whose assignment Allocate applied, with other limits
+//!   ([`crate::crosscheck`]): that container runs with the other pod's limits.
+//! - `AllocationCorrected` (Normal) on both pods when it was one of several pods with the same
+//!   limits: the container runs with its own limits, and only the record was corrected.
 //!
 //! Best effort, as the extender's Events: a failed write is logged, never retried, never fails a call.
 
@@ -14,7 +17,7 @@ use gpuplace::apiserver::events::EventSink;
 use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use kube::{Client, Resource};
 
-use crate::crosscheck::{Mismatch, MismatchReporter};
+use crate::crosscheck::{Limits, Mismatch, MismatchReporter};
 
 /// `reportingController` of the plugin's Events.
 pub const CONTROLLER: &str = "gpuplace.io/device-plugin";
@@ -22,6 +25,8 @@ pub const CONTROLLER: &str = "gpuplace.io/device-plugin";
 pub const REASON_SKIPPED: &str = "AssignmentSkipped";
 /// Reason of the Event on the pods of an allocation mismatch.
 pub const REASON_MISMATCH: &str = "AllocationMismatch";
+/// Reason of the (informational) Event on the pods whose record a cross-check corrected.
+pub const REASON_CORRECTED: &str = "AllocationCorrected";
 
 /// Writes the plugin's Events. Its methods must be called inside a tokio runtime.
 #[derive(Debug, Clone)]
@@ -66,7 +71,10 @@ impl MismatchReporter for PluginEvents {
         pods.sort();
         pods.dedup();
         for (ns, name) in pods {
-            self.sink.warn(pod_ref(&ns, &name), REASON_MISMATCH, "Allocate", &note);
+            match m.limits {
+                Limits::Different => self.sink.warn(pod_ref(&ns, &name), REASON_MISMATCH, "Allocate", &note),
+                Limits::Identical => self.sink.normal(pod_ref(&ns, &name), REASON_CORRECTED, "Allocate", &note),
+            }
         }
     }
 }

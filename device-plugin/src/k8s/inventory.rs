@@ -24,7 +24,14 @@ pub struct NodeCapacity {
 }
 
 /// The inventory annotation. `health` is by GPU index; a GPU without an entry counts as healthy.
-pub fn node_inventory(inventory: &Inventory, health: &[GpuHealth], slots_per_gpu: u32) -> NodeInventory {
+/// `confirms_allocations`: the plugin applies assignments in a kubelet's Allocate calls and marks
+/// each on the pod (see [`NodeInventory::confirms_allocations`]).
+pub fn node_inventory(
+    inventory: &Inventory,
+    health: &[GpuHealth],
+    slots_per_gpu: u32,
+    confirms_allocations: bool,
+) -> NodeInventory {
     NodeInventory {
         version: INVENTORY_VERSION,
         fabric: inventory.nvlink_fabric,
@@ -47,6 +54,7 @@ pub fn node_inventory(inventory: &Inventory, health: &[GpuHealth], slots_per_gpu
             .map(|l| InventoryLink { a: l.a, b: l.b, nvlinks: l.nvlinks, pcie: l.pcie })
             .collect(),
         slots_per_gpu: Some(slots_per_gpu),
+        confirms_allocations,
     }
 }
 
@@ -61,7 +69,7 @@ pub fn capacity(inventory: &Inventory, health: &[GpuHealth]) -> NodeCapacity {
 /// this plugin publishes (all GPUs healthy, `slots_per_gpu` = K): what pod assignments are checked
 /// against.
 pub fn cluster_node(inventory: &Inventory, name: &str, slots_per_gpu: u32) -> Result<Node, AnnotationError> {
-    node_inventory(inventory, &[], slots_per_gpu).to_node(name, BTreeMap::new())
+    node_inventory(inventory, &[], slots_per_gpu, false).to_node(name, BTreeMap::new())
 }
 
 #[cfg(test)]
@@ -83,15 +91,16 @@ mod tests {
     fn inventory_capacity_and_model_follow_health() {
         let inv = h100();
         let mut health = healthy(8);
-        let ann = node_inventory(&inv, &health, 10);
+        let ann = node_inventory(&inv, &health, 10, false);
         assert_eq!(ann.slots_per_gpu, Some(10));
+        assert!(!ann.confirms_allocations && node_inventory(&inv, &health, 10, true).confirms_allocations);
         assert_eq!(ann.gpus.len(), 8);
         assert_eq!(ann.links.len(), inv.links.len());
         let per_gpu = inv.gpus[0].memory_mib;
         assert_eq!(capacity(&inv, &health), NodeCapacity { gpu_mem_mib: 8 * per_gpu, gpu_core: 800 });
 
         health[3].healthy = false;
-        let ann = node_inventory(&inv, &health, 10);
+        let ann = node_inventory(&inv, &health, 10, false);
         assert!(!ann.gpus[3].healthy && ann.gpus[2].healthy);
         assert_eq!(capacity(&inv, &health), NodeCapacity { gpu_mem_mib: 7 * per_gpu, gpu_core: 700 });
         // the annotation reads back as the same node the extender will build

@@ -3,6 +3,16 @@
 //! annotation an older plugin left there is removed (utilization now lives in a ConfigMap,
 //! [`super::utilization`]: a stale value must not linger, and the Node must stop changing with it).
 //!
+//! The inventory says `confirmsAllocations` once the plugin, in assignments mode, has been
+//! registered by a kubelet (or the node already says so: a restarted plugin keeps the word its
+//! predecessor gave until its own registration, rather than let binds through meanwhile); the
+//! extender then binds pods the plugin could confuse one at a time (`core::admission`).
+//!
+//! The node also carries `gpuplace.io/allocation-counts`, the cross-check's counts over the plugin's
+//! restarts: read once (the first pass), then written whenever the counts moved
+//! ([`Telemetry::allocation_counts_changed`] wakes the loop). Mismatches are rare, so this adds no
+//! steady Node writes.
+//!
 //! One pass ([`NodeSync::reconcile`]) reads the node and merge-patches only what differs, so a pass
 //! that finds everything in place writes nothing. Passes run at start, at every registration with
 //! kubelet (a restarted kubelet zeroes extended resources it does not manage in the node's status)
@@ -13,7 +23,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpuplace::core::annotations::{NodeInventory, ANNOTATION_INVENTORY, ANNOTATION_UTILIZATION};
+use gpuplace::core::annotations::{
+    AllocationCounts, NodeInventory, ANNOTATION_ALLOCATION_COUNTS, ANNOTATION_INVENTORY, ANNOTATION_UTILIZATION,
+};
 use gpuplace::core::resources::{RESOURCE_GPU_CORE, RESOURCE_GPU_MEM};
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Patch, PatchParams};
@@ -49,6 +61,8 @@ pub struct Reconciled {
     pub inventory_patched: bool,
     /// An older plugin's utilization annotation was removed.
     pub stale_utilization_removed: bool,
+    /// The allocation counts were written.
+    pub counts_patched: bool,
 }
 
 /// See the module docs.
@@ -80,10 +94,28 @@ impl NodeSync {
         NodeSyncError::Call { node: self.name.clone(), source }
     }
 
-    /// What the node should carry now.
-    pub fn desired(&self) -> (NodeCapacity, NodeInventory) {
+    /// What the node should carry now, given whether its inventory already says the plugin confirms
+    /// allocations.
+    pub fn desired(&self, confirmed_before: bool) -> (NodeCapacity, NodeInventory) {
         let health = self.plugin.health();
-        (capacity(&self.inventory, &health), node_inventory(&self.inventory, &health, self.slots_per_gpu))
+        let confirms = self.plugin.applies_assignments() && (self.plugin.registered() || confirmed_before);
+        (capacity(&self.inventory, &health), node_inventory(&self.inventory, &health, self.slots_per_gpu, confirms))
+    }
+
+    /// The cross-check's counts the node should carry, when they differ from what it carries (read
+    /// from it the first time: the counts of earlier runs).
+    fn counts_to_write(&self, node: &Node) -> Option<AllocationCounts> {
+        let current = match node.annotations().get(ANNOTATION_ALLOCATION_COUNTS).map(|t| AllocationCounts::parse(t)) {
+            None => AllocationCounts::new(0, 0),
+            Some(Ok(c)) => c,
+            Some(Err(e)) => {
+                // unreadable: counted from 0 again, and overwritten with what this run finds
+                tracing::warn!(node = %self.name, error = %e, "allocation counts on the node unreadable; counting from 0");
+                AllocationCounts::new(0, 0)
+            }
+        };
+        self.telemetry.load_allocation_counts(current);
+        self.telemetry.allocation_counts().filter(|want| *want != current)
     }
 
     /// One pass: read the node, patch what differs.
@@ -95,7 +127,9 @@ impl NodeSync {
                 self.telemetry.api_error("node_get");
                 NodeSyncError::Missing(self.name.clone())
             })?;
-        let (cap, inv) = self.desired();
+        let current = node.annotations().get(ANNOTATION_INVENTORY).map(|t| NodeInventory::parse(t));
+        let confirmed_before = matches!(&current, Some(Ok(c)) if c.confirms_allocations);
+        let (cap, inv) = self.desired(confirmed_before);
         let mut done = Reconciled::default();
 
         let want = [(RESOURCE_GPU_MEM, cap.gpu_mem_mib.to_string()), (RESOURCE_GPU_CORE, cap.gpu_core.to_string())];
@@ -119,17 +153,20 @@ impl NodeSync {
         }
 
         // compared as values, so key order or an older writer's formatting does not cause writes
-        let current = node.annotations().get(ANNOTATION_INVENTORY).map(|t| NodeInventory::parse(t));
         let write_inventory = !matches!(&current, Some(Ok(c)) if *c == inv);
         let stale_utilization = node.annotations().contains_key(ANNOTATION_UTILIZATION);
-        if write_inventory || stale_utilization {
-            // one merge patch for both; null deletes the key
+        let counts = self.counts_to_write(&node);
+        if write_inventory || stale_utilization || counts.is_some() {
+            // one merge patch for all; null deletes the key
             let mut annotations = serde_json::Map::new();
             if write_inventory {
                 annotations.insert(ANNOTATION_INVENTORY.into(), json!(inv.to_json()));
             }
             if stale_utilization {
                 annotations.insert(ANNOTATION_UTILIZATION.into(), serde_json::Value::Null);
+            }
+            if let Some(c) = &counts {
+                annotations.insert(ANNOTATION_ALLOCATION_COUNTS.into(), json!(c.to_json()));
             }
             let patch = json!({"metadata": {"annotations": annotations}});
             call(
@@ -147,6 +184,10 @@ impl NodeSync {
             if stale_utilization {
                 tracing::info!(node = %self.name, "utilization annotation of an older plugin removed (now a ConfigMap)");
                 done.stale_utilization_removed = true;
+            }
+            if let Some(c) = counts {
+                tracing::info!(node = %self.name, mismatches = c.mismatches, corrections = c.corrections, "allocation counts written");
+                done.counts_patched = true;
             }
         }
         Ok(done)
@@ -182,6 +223,7 @@ impl NodeSync {
                     settle_at = Some(tokio::time::Instant::now() + SETTLE);
                 }
                 r = devices.changed() => if r.is_err() { return },
+                _ = self.telemetry.allocation_counts_changed() => {}
                 _ = tokio::time::sleep_until(wake) => {
                     if settle_at.is_some_and(|s| s <= tokio::time::Instant::now()) {
                         settle_at = None;
