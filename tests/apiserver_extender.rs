@@ -13,8 +13,8 @@ use gpuplace::apiserver::leader::ANNOTATION_LEADER_URL;
 use gpuplace::apiserver::leader::{LeaderConfig, Leadership};
 use gpuplace::apiserver::run::{self, ApiOptions, Controller};
 use gpuplace::core::annotations::{
-    AssignmentAnnotation, GpuUtilization, UtilizationAnnotation, ANNOTATION_ASSIGNMENT, ANNOTATION_REQUEUED,
-    ANNOTATION_UTILIZATION,
+    AllocatedAnnotation, AssignmentAnnotation, GpuUtilization, UtilizationAnnotation, ANNOTATION_ALLOCATED,
+    ANNOTATION_ASSIGNMENT, ANNOTATION_REQUEUED, ANNOTATION_UTILIZATION,
 };
 use gpuplace::core::cluster::Cluster;
 use gpuplace::core::signing::KeyRing;
@@ -230,6 +230,95 @@ async fn bind_writes_the_annotation_and_the_binding_once_and_retries_are_idempot
     assert_eq!(annotation(&fake, "q"), None);
     assert_eq!(node_of(&fake, "q"), None);
     drop(q);
+}
+
+/// A node whose device plugin confirms allocations (a kubelet calls its Allocate): its inventory
+/// says so.
+fn confirming_node(name: &str, gpus: u32) -> Node {
+    let mut inv: Value = serde_json::from_str(&inventory(name, gpus)).unwrap();
+    inv["confirmsAllocations"] = json!(true);
+    serde_json::from_value(
+        json!({"metadata": {"name": name, "annotations": {"gpuplace.io/inventory": inv.to_string()}}}),
+    )
+    .unwrap()
+}
+
+/// A share of one GPU with `mem_mib` MiB and `core` percent.
+fn share_of(mem_mib: u32, core: u32) -> Value {
+    json!({"gpuplace.io/gpu": "1", "gpuplace.io/gpu-mem": mem_mib.to_string(), "gpuplace.io/gpu-core": core.to_string()})
+}
+
+/// The device plugin's marker on pod `name`: container `c` allocated, `unconfirmed` or not.
+fn mark_allocated(fake: &FakeApiServer, name: &str, unconfirmed: bool) {
+    let mut p: Pod = fake.get("ns", name).unwrap();
+    let marker = AllocatedAnnotation::new(&uid(&p), ["c".to_string()]);
+    let marker = if unconfirmed { marker.with_unconfirmed(["c".to_string()]) } else { marker };
+    p.annotations_mut().insert(ANNOTATION_ALLOCATED.into(), marker.to_json());
+    fake.put(&p);
+}
+
+/// Issue 28: kubelet's Allocate does not name the pod, so on a node whose device plugin confirms its
+/// allocations, a pod whose slice differs from one still awaiting its Allocate on the same GPU is
+/// bound only once that pod is admitted; pods with the same slices, and nodes without the word, never
+/// wait; a wait that does not end in time rolls back and is retried.
+#[tokio::test]
+async fn binds_the_device_plugin_could_confuse_wait_for_the_first_pods_admission() {
+    let fake = FakeApiServer::start().await.unwrap();
+    // one GPU each (40960 MiB): every share lands on it
+    fake.put(&confirming_node("n1", 1));
+    fake.put(&gpu_node("n2", 1));
+    let a = fake.put(&gpu_pod("a", share_of(8192, 25)));
+    let twin = fake.put(&gpu_pod("twin", share_of(8192, 25)));
+    let b = fake.put(&gpu_pod("b", share_of(16384, 25)));
+    let d = fake.put(&gpu_pod("d", share_of(4096, 25)));
+    let x = fake.put(&gpu_pod("x", share_of(8192, 25)));
+    let y = fake.put(&gpu_pod("y", share_of(16384, 25)));
+    let r = replica(&fake, None);
+    ready(&r.ext).await;
+
+    assert_eq!(bind(&r.ext, &a, "n1").await, "");
+    // the same slices: either match is right for the limits, no wait
+    let started = std::time::Instant::now();
+    assert_eq!(bind(&r.ext, &twin, "n1").await, "");
+    assert!(started.elapsed() < Duration::from_secs(1), "{:?}", started.elapsed());
+    // other limits on the same GPU while a and twin await their Allocate: the Binding waits
+    let pending = tokio::spawn({
+        let (ext, b) = (r.ext.clone(), b.clone());
+        async move { bind(&ext, &b, "n1").await }
+    });
+    settle().await;
+    assert!(!pending.is_finished());
+    assert_eq!(node_of(&fake, "b"), None, "no Binding yet");
+    assert_eq!(holders(&r.ext, "n1"), ["ns/a", "ns/b", "ns/twin"], "its GPUs are counted meanwhile");
+    // the plugin marks a allocated, and twin only as a match among twins, not confirmed yet
+    mark_allocated(&fake, "a", false);
+    mark_allocated(&fake, "twin", true);
+    settle().await;
+    assert!(!pending.is_finished(), "twin's match is not confirmed");
+    // pod-resources confirmed it: b is bound
+    mark_allocated(&fake, "twin", false);
+    assert_eq!(tokio::time::timeout(WAIT, pending).await.unwrap().unwrap(), "");
+    assert_eq!(node_of(&fake, "b").as_deref(), Some("n1"));
+
+    // d's slice differs from b's, and b is never admitted: refused after the wait, retryable, rolled back
+    let started = std::time::Instant::now();
+    let e = bind(&r.ext, &d, "n1").await;
+    assert!(started.elapsed() >= Duration::from_secs(2), "{:?}", started.elapsed());
+    assert!(e.contains("ns/b still awaits its device-plugin Allocate") && e.contains("retry"), "{e}");
+    assert!(!e.contains('%'), "{e}");
+    assert_eq!(node_of(&fake, "d"), None);
+    assert_eq!(holders(&r.ext, "n1"), ["ns/a", "ns/b", "ns/twin"]);
+    assert_eq!(r.ext.metrics().binds(BindOutcome::AdmissionWait), 1);
+    // once b is gone, d binds at once
+    fake.remove::<Pod>("ns", "b");
+    eventually("b released", || holders(&r.ext, "n1") == ["ns/a", "ns/twin"]).await;
+    assert_eq!(bind(&r.ext, &d, "n1").await, "");
+
+    // a node whose plugin confirms nothing (no kubelet calls Allocate there): never a wait
+    let started = std::time::Instant::now();
+    assert_eq!(bind(&r.ext, &x, "n2").await, "");
+    assert_eq!(bind(&r.ext, &y, "n2").await, "");
+    assert!(started.elapsed() < Duration::from_secs(1), "{:?}", started.elapsed());
 }
 
 #[tokio::test]

@@ -53,6 +53,7 @@ pub fn apply(ext: &Extender, pod: &Pod, events: Option<&EventSink>) -> PodOutcom
 /// unreadable request) are judged one by one afterwards ([`Extender::refuse_unbound`]). Returns the number of pods refused.
 pub fn rebuild(ext: &Extender, pods: &[Pod], events: Option<&EventSink>) -> usize {
     let mut restored = Vec::new();
+    let mut observed_restored = Vec::new();
     let mut refs: HashMap<String, ObjectReference> = HashMap::new();
     let mut later = Vec::new();
     for pod in pods {
@@ -69,12 +70,17 @@ pub fn rebuild(ext: &Extender, pods: &[Pod], events: Option<&EventSink>) -> usiz
                     node: node.clone(),
                     annotation: annotation.clone(),
                 });
+                observed_restored.push(p);
             }
             _ => later.push(pod),
         }
     }
     let counted = restored.len();
     let conflicts = ext.restore(restored);
+    // the records restored await their admission until their device-plugin markers say otherwise
+    for p in &observed_restored {
+        ext.observe_pod(p);
+    }
     let mut refused = conflicts.len();
     for c in &conflicts {
         if let (Some(ev), Some(r)) = (events, refs.get(&c.pod)) {

@@ -103,10 +103,13 @@ pub enum BindOutcome {
     BinderFailed,
     /// The state is not complete, or this replica is not the leader.
     NotReady,
+    /// Pods the node's device plugin could confuse with this one were not admitted in time
+    /// (`extender::service`'s admission rule); rolled back, kube-scheduler retries.
+    AdmissionWait,
 }
 
 impl BindOutcome {
-    pub const ALL: [BindOutcome; 9] = [
+    pub const ALL: [BindOutcome; 10] = [
         BindOutcome::Bound,
         BindOutcome::Repeated,
         BindOutcome::UnknownPod,
@@ -116,6 +119,7 @@ impl BindOutcome {
         BindOutcome::Conflict,
         BindOutcome::BinderFailed,
         BindOutcome::NotReady,
+        BindOutcome::AdmissionWait,
     ];
 
     pub fn name(self) -> &'static str {
@@ -129,6 +133,7 @@ impl BindOutcome {
             BindOutcome::Conflict => "conflict",
             BindOutcome::BinderFailed => "binder_failed",
             BindOutcome::NotReady => "not_ready",
+            BindOutcome::AdmissionWait => "admission_wait",
         }
     }
 
@@ -225,7 +230,7 @@ pub struct Metrics {
     requests: [[AtomicU64; 3]; 4],
     latency: [Histogram; 4],
     rejections: [AtomicU64; 4],
-    binds: [AtomicU64; 9],
+    binds: [AtomicU64; BindOutcome::ALL.len()],
     conflicts: [AtomicU64; 3],
     /// Preempt: nodes whose victims were kept (possibly fewer) and nodes dropped.
     preempt_nodes: [AtomicU64; 2],

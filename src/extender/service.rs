@@ -175,6 +175,10 @@ struct State {
     /// Groups placed whole: their members, plans and reservations (`extender::groups`). Here, under
     /// the state's lock, because reservations are allocations in `cluster`.
     groups: Groups,
+    /// Node → UIDs of the pods counted there whose GPU containers the node's device plugin has not
+    /// confirmed yet (`gpuplace.io/allocated`): what bind waits for on nodes whose plugin confirms
+    /// allocations (the `admission` submodule).
+    awaiting: HashMap<String, HashSet<String>>,
 }
 
 /// Options of the service.
@@ -272,6 +276,8 @@ pub struct Extender {
     rejections: Mutex<RecentRejections>,
     requeuer: OnceLock<Arc<dyn Requeuer>>,
     nodes_to_score: NodesToScore,
+    /// Bumped whenever a pod stops awaiting its admission: binds waiting for it look again.
+    admissions: tokio::sync::watch::Sender<u64>,
 }
 
 impl std::fmt::Debug for Extender {
@@ -307,6 +313,7 @@ impl Extender {
             withdrawn: HashMap::new(),
             bound_at: HashMap::new(),
             groups: Groups::new(opts.group_timeout),
+            awaiting: HashMap::new(),
         };
         Self {
             state: RwLock::new(state),
@@ -325,6 +332,7 @@ impl Extender {
             rejections: Mutex::new(RecentRejections::default()),
             requeuer: OnceLock::new(),
             nodes_to_score: opts.nodes_to_score,
+            admissions: tokio::sync::watch::Sender::new(0),
         }
     }
 
@@ -606,7 +614,12 @@ impl Extender {
         st.withdrawn.clear();
         st.bound_at.clear();
         st.refused = refused;
+        // awaiting their admission until the pod watcher shows their markers (it does, right after)
+        st.awaiting.clear();
         for (key, b) in meta {
+            if b.annotation.is_some() {
+                st.awaiting.entry(b.node.clone()).or_default().insert(b.uid.clone());
+            }
             st.uid_of.insert(key, b.uid.clone());
             st.bound.insert(b.uid.clone(), b);
         }
@@ -735,6 +748,7 @@ impl Extender {
     }
 }
 
+mod admission;
 mod bind;
 mod eval_cache;
 mod filter;

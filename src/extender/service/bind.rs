@@ -3,6 +3,9 @@
 
 use super::*;
 
+/// A bind ready for the [`Binder`], and the UIDs of the pods awaiting admission it must wait for.
+type Prepared = (BindRequest, Vec<String>);
+
 impl Extender {
     /// The bind verb. `Err` only for a body that cannot be used; every bind failure is an answer
     /// with `Error` set, after the allocation is rolled back.
@@ -21,6 +24,12 @@ impl Extender {
             self.prepare_bind(&args, &mut d)
         } else {
             Err((BindOutcome::NotReady, NOT_READY.into()))
+        };
+        let prepared = match prepared {
+            Ok(Some((request, blockers))) if !blockers.is_empty() => {
+                self.await_admissions(&args, &mut d, request, blockers).await
+            }
+            other => other.map(|p| p.map(|(request, _)| request)),
         };
         let (outcome, error) = match prepared {
             Err((outcome, message)) => (outcome, Some(message)),
@@ -80,12 +89,47 @@ impl Extender {
         Ok(self.finish(d, started, out))
     }
 
-    /// Re-checks and counts the allocation. `Ok(None)`: a retry of a bind already done.
+    /// Waits for the pods this bind could be confused with to be admitted (the `admission`
+    /// submodule); when they are not in time, rolls the allocation back and refuses, retryable.
+    async fn await_admissions(
+        &self,
+        args: &ExtenderBindingArgs,
+        d: &mut Decision,
+        request: BindRequest,
+        blockers: Vec<String>,
+    ) -> Result<Option<BindRequest>, (BindOutcome, String)> {
+        let started = Instant::now();
+        match self.wait_for_admissions(&args.node, blockers).await {
+            Ok(()) => {
+                tracing::debug!(pod = %args.pod_key(), node = %args.node, waited_ms = started.elapsed().as_millis() as u64, "pods with other limits on the same GPUs admitted; binding");
+                Ok(Some(request))
+            }
+            Err(waiting) => {
+                self.rollback(args);
+                // binds waiting behind this one look again
+                self.admissions_changed();
+                d.chosen = None;
+                tracing::info!(pod = %args.pod_key(), node = %args.node, waiting = %waiting, "bind refused: pods with other limits on the same GPUs still await their Allocate");
+                Err((
+                    BindOutcome::AdmissionWait,
+                    prefixed(&format!(
+                        "pod {} would wait on {} for GPUs where {waiting} still awaits its device-plugin Allocate with \
+                         other limits, and kubelet's Allocate cannot tell them apart; GPUs released, retry",
+                        args.pod_key(),
+                        args.node
+                    )),
+                ))
+            }
+        }
+    }
+
+    /// Re-checks and counts the allocation. `Ok(None)`: a retry of a bind already done. With the
+    /// request, the pods awaiting admission it must wait for (the `admission` submodule).
     fn prepare_bind(
         &self,
         args: &ExtenderBindingArgs,
         d: &mut Decision,
-    ) -> Result<Option<BindRequest>, (BindOutcome, String)> {
+    ) -> Result<Option<Prepared>, (BindOutcome, String)> {
         let key = args.pod_key();
         let fail = |o: BindOutcome, m: String| Err((o, prefixed(&m)));
         let seen = self.seen_pod(&args.pod_uid);
@@ -140,6 +184,7 @@ impl Extender {
             signed_by: None,
         };
         let mut annotations = BTreeMap::new();
+        let mut blockers = Vec::new();
         if !req.is_gpu_free() {
             // a group member binding where its plan put it takes its reservation's GPUs
             let reserved = Self::take_reservation(st, &args.pod_uid, &key, &args.node);
@@ -193,6 +238,7 @@ impl Extender {
                 st.groups.slot_taken(&args.pod_uid, &args.node);
             }
             st.last_seq.insert(args.node.clone(), seq);
+            blockers = Self::awaiting_confusable(st, &args.node, &args.pod_uid, &placement.assignment);
             let text = annotation.to_json();
             d.chosen = chosen_of(&text);
             annotations.insert(ANNOTATION_ASSIGNMENT.to_string(), text.clone());
@@ -203,13 +249,14 @@ impl Extender {
         }
         st.uid_of.insert(key, args.pod_uid.clone());
         st.bound.insert(args.pod_uid.clone(), record);
-        Ok(Some(BindRequest {
+        let request = BindRequest {
             namespace: args.pod_namespace.clone(),
             name: args.pod_name.clone(),
             uid: args.pod_uid.clone(),
             node: args.node.clone(),
             annotations,
-        }))
+        };
+        Ok(Some((request, blockers)))
     }
 
     /// Undoes `prepare_bind` after a failed Binding, if the record is still the one it made.
@@ -220,6 +267,7 @@ impl Extender {
         if !ours {
             return;
         }
+        Self::forget_awaiting(&mut st, &args.node, &args.pod_uid);
         if let Some(text) = st.bound.remove(&args.pod_uid).and_then(|b| b.annotation) {
             // more rolled-back binds than are ever in flight at once: forget the old ones
             if st.withdrawn.len() >= DEFAULT_POD_CACHE {

@@ -26,7 +26,9 @@ use std::collections::{BTreeMap, HashSet};
 use std::time::Instant;
 
 use super::{BoundPod, Extender, SeenPod, State};
-use crate::core::annotations::{NodeInventory, ANNOTATION_ASSIGNMENT, ANNOTATION_INVENTORY, ANNOTATION_UTILIZATION};
+use crate::core::annotations::{
+    NodeInventory, ANNOTATION_ALLOCATED, ANNOTATION_ASSIGNMENT, ANNOTATION_INVENTORY, ANNOTATION_UTILIZATION,
+};
 use crate::core::resources::PodRequest;
 use crate::extender::metrics::ConflictKind;
 use crate::extender::wire::Pod;
@@ -45,6 +47,8 @@ pub struct ObservedPod {
     pub request: Result<PodRequest, String>,
     /// The `gpuplace.io/assignment` value.
     pub annotation: Option<String>,
+    /// The device plugin's `gpuplace.io/allocated` value: which GPU containers it has admitted.
+    pub allocated: Option<String>,
 }
 
 impl ObservedPod {
@@ -56,6 +60,7 @@ impl ObservedPod {
             finished: pod.is_finished(),
             request: pod.request().map_err(|e| e.to_string()),
             annotation: pod.metadata.annotations.get(ANNOTATION_ASSIGNMENT).cloned(),
+            allocated: pod.metadata.annotations.get(ANNOTATION_ALLOCATED).cloned(),
         }
     }
 
@@ -184,6 +189,9 @@ impl Extender {
     /// [`release_pod`](Self::release_pod)).
     pub fn observe_pod(&self, pod: &ObservedPod) -> PodOutcome {
         let outcome = self.count_pod(pod);
+        if matches!(outcome, PodOutcome::Counted | PodOutcome::Known) {
+            self.observe_admission(pod);
+        }
         if outcome == PodOutcome::Counted {
             // bound (by another replica, or before a restart): no longer pending
             self.metrics.pod_settled(&pod.uid);
@@ -308,6 +316,8 @@ impl Extender {
         if let Some(node) = &released {
             tracing::debug!(uid, node = %node, "pod released");
             self.note_freed(node);
+            // a bind may be waiting for this pod's admission
+            self.admissions_changed();
         }
         released.is_some()
     }
@@ -357,6 +367,7 @@ impl Extender {
         st.withdrawn.remove(uid);
         st.bound_at.remove(uid);
         let b = st.bound.remove(uid)?;
+        Self::forget_awaiting(st, &b.node, uid);
         if st.uid_of.get(&b.key).is_some_and(|u| u == uid) {
             st.uid_of.remove(&b.key);
         }
