@@ -21,7 +21,7 @@ use gpuplace::extender::reasons::MAX_DETAILED_NODES;
 use gpuplace::extender::service::{Extender, ServiceOptions, NOT_READY};
 use gpuplace::extender::wire::{ExtenderFilterResult, Pod};
 use gpuplace::placement::engine::Engine;
-use gpuplace::placement::feasibility::Cause;
+use gpuplace::placement::feasibility::{largest_gpus, oversized, Cause};
 use gpuplace::placement::mix::WorkloadMix;
 use gpuplace::placement::profile::Profile;
 use gpuplace::placement_log::writer::PlacementLog;
@@ -269,6 +269,16 @@ proptest! {
             prop_assert_eq!(all.values().map(|(r, _)| *r).collect::<BTreeSet<_>>().len(), 1);
             return Ok(());
         };
+        // a slice larger than every GPU the pod may use: one reason on every node of the cache, the
+        // pod's own figure and the cluster's largest GPU, never fits
+        if let Some(o) = oversized(&req, &largest_gpus(cluster.nodes())) {
+            let want = format!("gpuplace: {o}");
+            for n in cluster.nodes() {
+                prop_assert_eq!(all.get(n.name.as_str()), Some(&(want.as_str(), true)), "{}", n.name);
+            }
+            prop_assert!(want.len() < 80, "{}", want);
+            return Ok(());
+        }
         // the engine's verdict on each rejected node of the cache: equal (class, cause), equal reason
         let engine = engine();
         let mut by_cause: HashMap<(bool, Cause), &str> = HashMap::new();
@@ -413,6 +423,38 @@ fn sixteen_mixed_nodes_give_a_handful_of_reasons_and_a_short_event() {
     // which is what made the event too long to be recorded
     let per_node: usize = d.rejection_details.values().map(|r| format!("1 gpuplace: {r}, ").len()).sum();
     assert!(per_node > 1024, "the per-node texts would have made a {per_node}-character message");
+}
+
+/// Issue 28, item 3: a pod too big for any GPU is told it can never fit, and how big the largest GPU
+/// is, in one reason on every node: not "no GPU with 200000 MiB and 30 percent free", which reads like
+/// a full cluster.
+#[test]
+fn a_slice_larger_than_any_gpu_says_it_never_fits_and_names_the_largest_gpu() {
+    let (cluster, unknown) = mixed_cluster();
+    let largest = cluster.nodes().iter().flat_map(|n| &n.gpus).map(|g| g.memory_mib).max().unwrap();
+    for shape_cache in [0, 64] {
+        let ext = service(cluster.clone(), shape_cache, None);
+        let spec = PodSpec { containers: vec![(1, 1, 200_000, 30)], init: None, model: None, numa_required: false };
+        let a = ext.filter(&filter_body(&pod_json(&spec, "big"), &cluster, &unknown, false)).unwrap();
+        assert_eq!(a.node_names, Some(vec![]));
+        let want = format!("gpuplace: asks 200000 MiB of one GPU; the largest GPU has {largest} MiB");
+        for n in cluster.nodes() {
+            assert_eq!(reasons(&a)[n.name.as_str()], (want.as_str(), true), "{}", n.name);
+        }
+        let message = scheduler_message(16, &a);
+        assert!(message.contains(&format!("14 {want}")) && !message.contains('%'), "{message}");
+        // with a model named, the largest of that model
+        let spec = PodSpec { model: Some("L4"), ..spec };
+        let a = ext.filter(&filter_body(&pod_json(&spec, "big-l4"), &cluster, &[], false)).unwrap();
+        let l4 = cluster.nodes().iter().flat_map(|n| &n.gpus).filter(|g| g.model == "L4").map(|g| g.memory_mib).max();
+        let want = format!("gpuplace: asks 200000 MiB of one GPU; its models' largest GPU has {} MiB", l4.unwrap());
+        assert!(reasons(&a).values().all(|(r, u)| *r == want && *u), "{:?}", reasons(&a));
+    }
+    // what fits the largest GPU is judged node by node as before
+    let ext = service(cluster.clone(), 0, None);
+    let spec = PodSpec { containers: vec![(1, 1, largest, 30)], init: None, model: None, numa_required: false };
+    let a = ext.filter(&filter_body(&pod_json(&spec, "fits"), &cluster, &[], false)).unwrap();
+    assert!(reasons(&a).values().all(|(r, _)| !r.contains("never") && !r.contains("largest GPU")), "{:?}", reasons(&a));
 }
 
 #[test]

@@ -141,6 +141,10 @@ struct State {
     /// ([`typical_gpu_memory_mib`](crate::placement::mix_learner::typical_gpu_memory_mib)), or [`UNKNOWN_GPU_MEMORY`]: computed under the read lock at the
     /// first need, forgotten whenever a node is added, replaced or removed.
     gpu_memory_mib: AtomicU64,
+    /// The largest GPU memory of each model (`placement::feasibility::largest_gpus`), for the reason
+    /// of a slice no GPU holds: computed under the read lock at the first need, forgotten whenever
+    /// a node is added, replaced or removed.
+    largest_gpus: Mutex<Option<Arc<HashMap<String, u64>>>>,
     /// Bumped whenever the write lock is taken, i.e. whenever the cluster (or the mix) may change: a
     /// cached evaluation is valid only for the generation it was made at.
     generation: u64,
@@ -301,6 +305,7 @@ impl Extender {
             engine,
             mix_taken_at: 0,
             gpu_memory_mib: AtomicU64::new(UNKNOWN_GPU_MEMORY),
+            largest_gpus: Mutex::new(None),
             generation: 0,
             bound: HashMap::new(),
             uid_of: HashMap::new(),
@@ -526,8 +531,9 @@ impl Extender {
 
     fn upsert_locked(&self, st: &mut State, node: Node) {
         let name = node.name.clone();
-        // its GPUs may be new: the typical GPU memory is computed again at the next need
+        // its GPUs may be new: the typical and largest GPU memory are computed again at the next need
         st.gpu_memory_mib.store(UNKNOWN_GPU_MEMORY, Ordering::Relaxed);
+        *st.largest_gpus.get_mut().unwrap_or_else(|e| e.into_inner()) = None;
         for c in st.cluster.upsert_node(node) {
             if c.kept {
                 // the pod still holds the GPUs: counted over capacity, never dropped

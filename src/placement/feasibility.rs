@@ -452,6 +452,54 @@ pub fn place_on_node(node: &Node, req: &PodRequest, how: &GpuChoice<'_>) -> Resu
     })
 }
 
+/// A slice larger than every GPU the pod may use in the whole cluster: it can never fit, whatever
+/// is freed or evicted, and the reason says so instead of reading like a full cluster. Its text is
+/// the same on every node (kube-scheduler groups nodes by reason) and has no `%`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Oversized {
+    /// The memory the pod asks of one GPU (its largest container's slice).
+    pub mib: u64,
+    /// The largest GPU of the cluster (of the models the pod allows).
+    pub largest_mib: u64,
+    /// The pod names GPU models.
+    pub models: bool,
+}
+
+impl fmt::Display for Oversized {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // short: kube-scheduler writes it once per group of nodes into an Event of at most 1,024 characters
+        let which = if self.models { "its models' largest GPU" } else { "the largest GPU" };
+        write!(f, "asks {} MiB of one GPU; {which} has {} MiB", self.mib, self.largest_mib)
+    }
+}
+
+/// The largest GPU memory of each model in the cluster (models lower-cased): what [`oversized`]
+/// compares with. Every GPU counts, healthy or not: an unhealthy one may come back.
+pub fn largest_gpus<'a>(nodes: impl IntoIterator<Item = &'a Node>) -> std::collections::HashMap<String, u64> {
+    let mut out = std::collections::HashMap::new();
+    for g in nodes.into_iter().flat_map(|n| &n.gpus) {
+        let m = out.entry(g.model.to_lowercase()).or_insert(0);
+        *m = (*m).max(g.memory_mib);
+    }
+    out
+}
+
+/// Whether `req` asks one GPU for more memory than any GPU of `largest` ([`largest_gpus`]) of a
+/// model it allows has. `None` also when no GPU of an allowed model exists (each node then says so).
+pub fn oversized(req: &PodRequest, largest: &std::collections::HashMap<String, u64>) -> Option<Oversized> {
+    let mib = req
+        .containers
+        .iter()
+        .chain(&req.init_containers)
+        .filter_map(|c| match c.demand {
+            GpuDemand::Shared { memory: MemoryDemand::Mib(m), .. } => Some(m),
+            _ => None,
+        })
+        .max()?;
+    let largest_mib = largest.iter().filter(|(model, _)| req.allows_model(model)).map(|(_, &m)| m).max()?;
+    (mib > largest_mib).then_some(Oversized { mib, largest_mib, models: !req.allowed_models.is_empty() })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -520,6 +568,32 @@ mod tests {
         let cheap = reject_cause(y_node, &whole, &how(), false).unwrap();
         assert_eq!((cheap.cause(), cheap.detail()), (Cause::Idle { gpus: 2 }, ""));
         assert_eq!(reject_reason(y_node, &whole, &how(), false).as_ref(), Some(&y));
+    }
+
+    #[test]
+    fn a_slice_no_gpu_of_the_cluster_holds_is_named_as_never_fitting() {
+        let c = Cluster::new(vec![node("a", 4), node("b", 2)]);
+        let largest = largest_gpus(c.nodes());
+        let biggest = c.nodes().iter().flat_map(|n| &n.gpus).map(|g| g.memory_mib).max().unwrap();
+        let share = |mib| GpuDemand::Shared { gpus: 1, memory: MemoryDemand::Mib(mib), core_pct: 30 };
+        let o = oversized(&PodRequest::single("ns/big", share(200_000)), &largest).unwrap();
+        assert_eq!(o.to_string(), format!("asks 200000 MiB of one GPU; the largest GPU has {biggest} MiB"));
+        assert!(!o.to_string().contains('%'));
+        // what fits the largest GPU, compute alone and whole GPUs are never oversized
+        assert_eq!(oversized(&PodRequest::single("ns/p", share(biggest)), &largest), None);
+        let by_core = GpuDemand::Shared { gpus: 1, memory: MemoryDemand::ProportionalToCore, core_pct: 90 };
+        assert_eq!(oversized(&PodRequest::single("ns/p", by_core), &largest), None);
+        assert_eq!(oversized(&PodRequest::single("ns/p", GpuDemand::Whole { gpus: 8 }), &largest), None);
+        // with models named, the largest of those; none of them at all is each node's to say
+        let mut req = PodRequest::single("ns/big", share(200_000));
+        let model = c.nodes()[0].gpus[0].model.clone();
+        req.allowed_models = vec![model.to_uppercase()];
+        assert!(oversized(&req, &largest).unwrap().to_string().contains("its models' largest GPU has"));
+        req.allowed_models = vec!["no-such-model".into()];
+        assert_eq!(oversized(&req, &largest), None);
+        // as short as the other reasons at the largest figures the contract allows (1 TiB per GPU)
+        let widest = Oversized { mib: 1 << 20, largest_mib: 1 << 20, models: true }.to_string();
+        assert!(widest.len() <= 68, "{widest} ({})", widest.len());
     }
 
     #[test]

@@ -4,6 +4,7 @@
 
 use super::eval_cache::CachedEval;
 use super::*;
+use crate::placement::feasibility::{largest_gpus, oversized};
 
 /// Placement log lines name at most this many top nodes.
 const TOP_NODES: usize = 5;
@@ -241,6 +242,19 @@ impl Extender {
             .collect()
     }
 
+    /// The reason of a pod that asks one GPU for more memory than any GPU of the cluster has
+    /// (`placement::feasibility::oversized`): it never fits, and saying "no GPU with that much
+    /// free" would read like a full cluster. Unresolvable, so no preemption is tried for it.
+    fn never_fits(st: &State, req: &PodRequest) -> Option<Arc<Reason>> {
+        let largest = {
+            let mut cached = st.largest_gpus.lock().unwrap_or_else(|e| e.into_inner());
+            // nodes change only under the write lock, so this stays right until they do
+            cached.get_or_insert_with(|| Arc::new(largest_gpus(st.cluster.nodes()))).clone()
+        };
+        let o = oversized(req, &largest)?;
+        Some(Arc::new(Reason::new(RejectClass::Unresolvable, prefixed(&o.to_string()))))
+    }
+
     /// The filter verb. `Err` only for a body that cannot be used (answered with HTTP 400).
     pub fn filter(&self, body: &[u8]) -> Result<ExtenderFilterResult, WireError> {
         let args = decode_args(body)?;
@@ -316,8 +330,15 @@ impl Extender {
         let mut unknown = Unknown::new(args);
         let mut answers = Vec::with_capacity(c.names.len());
         let from_cache = self.cached_shape(&req);
-        let top = match &from_cache {
-            Some(shape) => {
+        let top = match (Self::never_fits(&st, &req), &from_cache) {
+            (Some(reason), _) => {
+                // no node is worth judging, and the reason is the pod's, the same on every node
+                for (p, i) in c.at.iter().enumerate() {
+                    answers.push(if i.is_some() { Answer::No(reason.clone()) } else { unknown.answer(p) });
+                }
+                Vec::new()
+            }
+            (None, Some(shape)) => {
                 self.with_cached(&st, shape, &req, &c, now, |p, a| {
                     answers.push(match a {
                         Some(a) => a.clone(),
@@ -326,7 +347,7 @@ impl Extender {
                 });
                 Vec::new()
             }
-            None => {
+            (None, None) => {
                 let judged = self.judge(&st, &req, &c, now, true);
                 // the placement log's top scores re-score nodes in full: only when there is a log
                 let top =

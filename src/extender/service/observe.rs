@@ -173,6 +173,7 @@ impl Extender {
         st.util_sources.remove(name);
         let node = st.cluster.remove_node(name)?;
         st.gpu_memory_mib.store(super::UNKNOWN_GPU_MEMORY, std::sync::atomic::Ordering::Relaxed);
+        *st.largest_gpus.get_mut().unwrap_or_else(|e| e.into_inner()) = None;
         let pods: Vec<_> = node.pods().filter(|a| !crate::extender::groups::is_reservation(&a.pod)).cloned().collect();
         let n = pods.len();
         if n > 0 {
