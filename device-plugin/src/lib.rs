@@ -6,6 +6,7 @@
 //! - [`plugin`]: the `DevicePlugin` gRPC service: ListAndWatch with health, GetPreferredAllocation
 //!   with the core's set search, Allocate.
 //! - [`assign`]: pod identity at admission: the [`assign::AssignmentSource`] seam and the matching rules.
+//! - [`admitting`]: the pod the kubelet is admitting, from its pod-resources `List`.
 //! - [`server`]: the unix socket, registration with kubelet and re-registration.
 //! - [`unix_socket`]: a gRPC client channel over a unix socket.
 //! - [`sampler`]: the sampling loop over the backend, feeding metrics and the publish policy.
@@ -22,6 +23,7 @@
 //!
 //! Design and failure modes: docs/device-plugin.md.
 
+pub mod admitting;
 pub mod assign;
 pub mod crosscheck;
 pub mod discover;

@@ -243,6 +243,9 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
     };
     // without a source, kubelet's slots decide the GPUs (docs/device-plugin.md)
     let plugin = Plugin::new(config, &inventory, source).map_err(|e| e.to_string())?;
+    // which pod the kubelet is admitting, at each GetPreferredAllocation and Allocate: a short
+    // timeout, since the kubelet waits on the answer
+    plugin.set_pod_resources(PodResourcesClient::new(&cli.pod_resources_socket, Duration::from_secs(2)));
     tracing::info!(gpus = inventory.gpus.len(), backend = %inventory.backend, slots = cli.slots_per_gpu, apiserver = api.is_some(), "inventory");
     let stop = Arc::new(AtomicBool::new(false));
     let monitor = spawn_health_monitor(plugin.clone(), backend.clone(), stop.clone())

@@ -15,7 +15,10 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
-use crate::assign::{match_allocation, match_preference, AssignmentSource, Grant, MatchError, PodKey, SourceError};
+use crate::admitting::admitting;
+use crate::assign::{
+    match_allocation, match_preference, AssignmentSource, Grant, MatchError, PendingPod, PodKey, SourceError,
+};
 use crate::crosscheck::{check_grant, holder_container, sole_holder, Mismatch, Verdict};
 use crate::kubelet_api::v1beta1::device_plugin_server::DevicePlugin;
 use crate::kubelet_api::v1beta1::{
@@ -26,7 +29,7 @@ use crate::kubelet_api::v1beta1::{
 };
 use crate::kubelet_api::{HEALTHY, UNHEALTHY};
 use crate::nvml::{xid_is_critical, GpuBackend, GpuEvent, GpuEventKind, GpuInfo, Inventory};
-use crate::podresources::Attribution;
+use crate::podresources::{Attribution, PodResourcesClient};
 use crate::slots::{Slot, SlotError, SlotTable, DEFAULT_SLOTS_PER_GPU};
 
 /// The extended resource kubelet advertises for us.
@@ -137,6 +140,8 @@ pub struct Plugin {
     /// Slices of matched Allocates, for the allocated-vs-used metrics. Pruned by the sampler to the
     /// containers pod-resources still lists.
     grants: Mutex<BTreeMap<GrantKey, GrantRecord>>,
+    /// The kubelet's pod-resources API: which pod it is admitting ([`crate::admitting`]).
+    pod_resources: std::sync::OnceLock<PodResourcesClient>,
 }
 
 impl std::fmt::Debug for Plugin {
@@ -173,6 +178,7 @@ impl Plugin {
             source,
             claims: tokio::sync::Mutex::new(Claims::default()),
             grants: Mutex::new(BTreeMap::new()),
+            pod_resources: std::sync::OnceLock::new(),
         };
         let list = plugin.device_list(&plugin.lock_health());
         plugin.devices.send_replace(Arc::new(list));
@@ -181,6 +187,35 @@ impl Plugin {
 
     pub fn config(&self) -> &PluginConfig {
         &self.config
+    }
+
+    /// Asks the kubelet's pod-resources API which pod it is admitting before matching an
+    /// assignment ([`crate::admitting`]); without it only [`crate::assign`]'s rules decide. Set once.
+    pub fn set_pod_resources(&self, client: PodResourcesClient) {
+        let _ = self.pod_resources.set(client);
+    }
+
+    /// `pending` narrowed to the pods the kubelet shows it is admitting; unchanged when it cannot be
+    /// asked, or lists none of them waiting (a kubelet that lists pods only once they run).
+    async fn narrow_to_admitting(&self, pending: Vec<PendingPod>) -> Vec<PendingPod> {
+        let Some(pr) = self.pod_resources.get() else { return pending };
+        let list = match pr.list().await {
+            Ok(list) => list,
+            Err(e) => {
+                tracing::warn!(error = %e, "pod-resources List failed; matching by the assignment rules alone");
+                return pending;
+            }
+        };
+        let now = admitting(&list, &self.config.resource_name, &pending);
+        if now.is_empty() {
+            tracing::debug!(waiting = pending.len(), "pod-resources shows none of the waiting pods being admitted");
+            return pending;
+        }
+        if now.len() > 1 {
+            let pods: Vec<String> = now.iter().map(ToString::to_string).collect();
+            tracing::warn!(pods = ?pods, "pod-resources lists several waiting pods without their devices");
+        }
+        pending.into_iter().filter(|p| now.contains(&p.key)).collect()
     }
 
     pub fn slots(&self) -> &SlotTable {
@@ -521,6 +556,7 @@ impl Plugin {
                 return None;
             }
         };
+        let pending = self.narrow_to_admitting(pending).await;
         let free_gpus: BTreeSet<u32> = free.keys().copied().collect();
         {
             let claims = self.claims.lock().await;
@@ -537,6 +573,7 @@ impl Plugin {
                 return None;
             }
         };
+        let fresh = self.narrow_to_admitting(fresh).await;
         let claims = self.claims.lock().await;
         match_preference(size, &free_gpus, required, &fresh, &claims.claimed, claims.sticky.as_ref())
     }
@@ -607,8 +644,9 @@ impl Plugin {
     async fn claim(&self, source: &dyn AssignmentSource, gpus: &[u32], devices: &[String]) -> Result<Grant, Status> {
         let mut claims = self.claims.lock().await;
         let pending = source.refresh().await.map_err(|e| Status::unavailable(e.to_string()))?;
-        let live: HashSet<&PodKey> = pending.iter().map(|p| &p.key).collect();
+        let live: HashSet<PodKey> = pending.iter().map(|p| p.key.clone()).collect();
         claims.claimed.retain(|(k, _)| live.contains(k));
+        let pending = self.narrow_to_admitting(pending).await;
         let grant = match_allocation(gpus, &pending, &claims.claimed, claims.sticky.as_ref()).map_err(|e| match e {
             MatchError::NoMatch { .. } | MatchError::Ambiguous { .. } => Status::failed_precondition(e.to_string()),
             MatchError::Source(e) => Status::unavailable(e.to_string()),
