@@ -98,7 +98,6 @@ mod tests {
                     ..Default::default()
                 })
                 .collect(),
-            ..Default::default()
         }
     }
 
@@ -111,7 +110,6 @@ mod tests {
         // a admitted before (its devices listed), b being admitted, c bound but not reached yet
         let list = ListPodResourcesResponse {
             pod_resources: vec![listed("ns/a", &[("main", &["GPU-0::0"])]), listed("ns/b", &[("main", &[])])],
-            ..Default::default()
         };
         let p = [pending("ns/a", &["main"], &[]), pending("ns/b", &["main"], &[]), pending("ns/c", &["main"], &[])];
         assert_eq!(keys(&admitting(&list, R, &p)), ["ns/b"]);
@@ -121,10 +119,7 @@ mod tests {
     fn another_resource_s_devices_do_not_count_and_allocated_containers_do_not_wait() {
         let mut other = listed("ns/b", &[("main", &["x"])]);
         other.containers[0].devices[0].resource_name = "nvidia.com/gpu".into();
-        let list = ListPodResourcesResponse {
-            pod_resources: vec![other, listed("ns/d", &[("main", &[])])],
-            ..Default::default()
-        };
+        let list = ListPodResourcesResponse { pod_resources: vec![other, listed("ns/d", &[("main", &[])])] };
         // d's only container is already marked allocated by us: it waits for nothing
         let p = [pending("ns/b", &["main"], &[]), pending("ns/d", &["main"], &["main"])];
         assert_eq!(keys(&admitting(&list, R, &p)), ["ns/b"]);
@@ -133,10 +128,8 @@ mod tests {
     #[test]
     fn a_pod_between_its_containers_still_waits_and_unlisted_pods_never_do() {
         // two GPU containers: the first got its devices, the kubelet now allocates the second
-        let list = ListPodResourcesResponse {
-            pod_resources: vec![listed("ns/a", &[("one", &["GPU-0::1"]), ("two", &[])])],
-            ..Default::default()
-        };
+        let list =
+            ListPodResourcesResponse { pod_resources: vec![listed("ns/a", &[("one", &["GPU-0::1"]), ("two", &[])])] };
         let p = [pending("ns/a", &["one", "two"], &["one"]), pending("ns/z", &["main"], &[])];
         assert_eq!(keys(&admitting(&list, R, &p)), ["ns/a"]);
         let empty = ListPodResourcesResponse::default();

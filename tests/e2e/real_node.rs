@@ -466,6 +466,16 @@ async fn gpuplace_from_its_chart_and_images_on_a_real_node() {
     // ---- 20 pairs of share pods created while the kubelet restarts: no container with another
     // pod's limits
     delete_all(&pods).await;
+    // pods that run across the restart must keep their containers and GPUs
+    let keepers = vec![
+        pod("keep-whole", &[("gpu", "2")], &[], None),
+        share("keep-share-a", "20000", "30"),
+        share("keep-share-b", "10000", "20"),
+    ];
+    let kept = create_and_time(&admin, keepers, Duration::from_secs(60)).await;
+    assert_eq!(kept.len(), 3, "keepers Running: {kept:?}\n{}", pending_report(&admin).await);
+    let before_restart = containers_of(&pods).await;
+    let registrations_before = registrations(&node);
     node.stop_kubelet();
     let mut pairs = Vec::new();
     for i in 0..20 {
@@ -491,11 +501,19 @@ async fn gpuplace_from_its_chart_and_images_on_a_real_node() {
     let pair_times = wait_running(&admin, created, Duration::from_secs(240)).await;
     let (checked, problems) = check_envs(&admin, &node).await;
     figure(&format!(
-        "real node: kubelet restarted with 40 share pods created ({bound_while_down} bound while it was down): {checked} of 40 Running with their own limits, {} containers with another pod's limits; create to Running {}",
+        "real node: kubelet restarted with 3 pods running and 40 share pods created ({bound_while_down} bound while it was down): {checked} pods Running with their own limits (the 3 with the same containers), {} containers with another pod's limits; create to Running {}",
         problems.len(),
         spread(&pair_times)
     ));
     assert_eq!(pair_times.len(), 40, "pairs Running: {}\n{}", pair_times.len(), pending_report(&admin).await);
+    let after_restart = containers_of(&pods).await;
+    for (name, id) in &before_restart {
+        assert_eq!(after_restart.get(name), Some(id), "{name}: its container did not survive the kubelet's restart");
+    }
+    assert!(
+        registrations(&node) > registrations_before,
+        "the device plugin did not register with the restarted kubelet"
+    );
     assert!(problems.is_empty(), "containers without their own assignment's environment:\n{}", problems.join("\n"));
     let a = audit(&admin).await;
     assert!(a.over_commits.is_empty() && a.bad_assignments.is_empty(), "{:?} {:?}", a.over_commits, a.bad_assignments);
@@ -505,12 +523,6 @@ async fn gpuplace_from_its_chart_and_images_on_a_real_node() {
 
     // ---- the device plugin's pod deleted: the DaemonSet brings it back, it registers again,
     // running pods keep their GPUs, and no GPU is handed out twice
-    let registrations = |node: &RealNode| {
-        std::fs::read_to_string(node.dir.join("kubelet.log"))
-            .unwrap_or_default()
-            .matches("Got registration request from device plugin")
-            .count()
-    };
     let before = registrations(&node);
     let sys_pods: Api<Pod> = Api::namespaced(admin.clone(), SYSTEM_NS);
     let plugin_pods = sys_pods
@@ -596,6 +608,28 @@ async fn gpuplace_from_its_chart_and_images_on_a_real_node() {
     figure(&format!("real node: scenario done in {:.1} s", t0.elapsed().as_secs_f64()));
     drop(to_extender);
     drop(node);
+}
+
+/// Device-plugin registrations the kubelet has logged so far.
+fn registrations(node: &RealNode) -> usize {
+    std::fs::read_to_string(node.dir.join("kubelet.log"))
+        .unwrap_or_default()
+        .matches("Got registration request from device plugin")
+        .count()
+}
+
+/// Each Running pod's container ID and restart count: what a kubelet restart must not change.
+async fn containers_of(pods: &Api<Pod>) -> BTreeMap<String, String> {
+    let list = pods.list(&ListParams::default()).await.expect("list pods");
+    list.items
+        .iter()
+        .filter(|p| running(p))
+        .map(|p| {
+            let c = p.status.as_ref().and_then(|s| s.container_statuses.as_ref()).and_then(|c| c.first());
+            let id = c.map(|c| format!("{} restarts={}", c.container_id.clone().unwrap_or_default(), c.restart_count));
+            (p.name_any(), id.unwrap_or_default())
+        })
+        .collect()
 }
 
 /// Deletes every pod of the test's namespace and waits until they are gone.
