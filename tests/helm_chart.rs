@@ -34,6 +34,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use yaml_files::yaml_files;
 
+#[path = "support/xz.rs"]
+mod xz;
 #[path = "support/yaml_files.rs"]
 mod yaml_files;
 
@@ -95,27 +97,9 @@ fn helm() -> &'static Path {
             assert!(p.is_file(), "GPUPLACE_HELM={} is not a file; {WHERE_TO_GET}", p.display());
             return p;
         }
-        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("helm");
-        let out = dir.join("helm");
-        if out.is_file() {
-            return out;
-        }
         let xz = repo().join("../shared/kube/helm.xz");
         assert!(xz.is_file(), "Helm was not found ({} is missing); {WHERE_TO_GET}", xz.display());
-        fs::create_dir_all(&dir).expect("create target/tmp/helm");
-        let partial = dir.join(format!("helm.partial.{}", std::process::id()));
-        let file = fs::File::create(&partial).expect("create the unpacked binary");
-        let status = Command::new("xz")
-            .arg("-dc")
-            .arg(&xz)
-            .stdout(file)
-            .status()
-            .unwrap_or_else(|e| panic!("running xz to unpack {}: {e} (install xz-utils)", xz.display()));
-        assert!(status.success(), "xz -dc {} failed: {status}", xz.display());
-        use std::os::unix::fs::PermissionsExt;
-        fs::set_permissions(&partial, fs::Permissions::from_mode(0o755)).expect("chmod the unpacked binary");
-        fs::rename(&partial, &out).expect("rename the unpacked binary");
-        out
+        xz::unpack(&xz, &PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("helm"), "helm")
     })
 }
 

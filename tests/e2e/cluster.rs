@@ -62,34 +62,14 @@ pub fn kube_bin_dir() -> PathBuf {
 /// `../shared/kube/<name>.xz` unpacked into `target/tmp/e2e-kube/<name>` (once; reused after).
 /// Panics with where to get the Kubernetes binaries when the file is missing.
 pub fn shared_binary(name: &str) -> PathBuf {
-    let shared = repo().join("../shared/kube");
-    let dir = scratch().join("e2e-kube");
-    fs::create_dir_all(&dir).expect("create target/tmp/e2e-kube");
-    let out = dir.join(name);
-    if out.is_file() {
-        return out;
-    }
-    let xz = shared.join(format!("{name}.xz"));
-    assert!(xz.is_file(), "e2e: the Kubernetes binaries were not found ({} is missing); {WHERE_TO_GET}", xz.display());
-    let partial = dir.join(format!("{name}.partial"));
-    let file = fs::File::create(&partial).expect("create the unpacked binary");
-    let status = Command::new("xz")
-        .arg("-dc")
-        .arg(&xz)
-        .stdout(file)
-        .status()
-        .unwrap_or_else(|e| panic!("e2e: running xz to unpack {}: {e} (install xz-utils)", xz.display()));
-    assert!(status.success(), "e2e: xz -dc {} failed: {status}", xz.display());
-    make_executable(&partial);
-    fs::rename(&partial, &out).expect("rename the unpacked binary");
-    out
-}
-
-fn make_executable(path: &Path) {
-    use std::os::unix::fs::PermissionsExt;
-    let mut p = fs::metadata(path).expect("stat").permissions();
-    p.set_mode(0o755);
-    fs::set_permissions(path, p).expect("chmod");
+    let xz = repo().join("../shared/kube").join(format!("{name}.xz"));
+    let out = scratch().join("e2e-kube").join(name);
+    assert!(
+        out.is_file() || xz.is_file(),
+        "e2e: the Kubernetes binaries were not found ({} is missing); {WHERE_TO_GET}",
+        xz.display()
+    );
+    crate::xz::unpack(&xz, &scratch().join("e2e-kube"), name)
 }
 
 /// A binary of this workspace (the extender from `GPUPLACE_E2E_GPUPLACE` when set): `gpuplace` is built for this

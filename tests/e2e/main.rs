@@ -17,6 +17,8 @@ mod real_node;
 mod scale;
 #[path = "../support/tls.rs"]
 mod tls;
+#[path = "../support/xz.rs"]
+mod xz;
 #[path = "../support/yaml_files.rs"]
 mod yaml_files;
 
