@@ -20,6 +20,7 @@ use crate::assign::{
     match_allocation, match_preference, AssignmentSource, Grant, MatchError, PendingPod, PodKey, SourceError,
 };
 use crate::crosscheck::{check_grant, holder_container, sole_holder, Mismatch, Verdict};
+use crate::kubelet_api::podresources::ListPodResourcesResponse;
 use crate::kubelet_api::v1beta1::device_plugin_server::DevicePlugin;
 use crate::kubelet_api::v1beta1::{
     AllocateRequest, AllocateResponse, ContainerAllocateRequest, ContainerAllocateResponse,
@@ -195,18 +196,28 @@ impl Plugin {
         let _ = self.pod_resources.set(client);
     }
 
-    /// `pending` narrowed to the pods the kubelet shows it is admitting; unchanged when it cannot be
-    /// asked, or lists none of them waiting (a kubelet that lists pods only once they run).
-    async fn narrow_to_admitting(&self, pending: Vec<PendingPod>) -> Vec<PendingPod> {
-        let Some(pr) = self.pod_resources.get() else { return pending };
-        let list = match pr.list().await {
-            Ok(list) => list,
+    /// The kubelet's pod-resources `List`, asked once per admission step; `None` when it cannot be
+    /// asked (no socket configured, or the call failed).
+    async fn admission_list(&self) -> Option<ListPodResourcesResponse> {
+        let pr = self.pod_resources.get()?;
+        match pr.list().await {
+            Ok(list) => Some(list),
             Err(e) => {
                 tracing::warn!(error = %e, "pod-resources List failed; matching by the assignment rules alone");
-                return pending;
+                None
             }
-        };
-        let now = admitting(&list, &self.config.resource_name, &pending);
+        }
+    }
+
+    /// `pending` narrowed to the pods `list` shows the kubelet admitting; unchanged without a list,
+    /// or when it lists none of them waiting (a kubelet that lists pods only once they run).
+    fn narrow_to_admitting(
+        &self,
+        list: Option<&ListPodResourcesResponse>,
+        pending: Vec<PendingPod>,
+    ) -> Vec<PendingPod> {
+        let Some(list) = list else { return pending };
+        let now = admitting(list, &self.config.resource_name, &pending);
         if now.is_empty() {
             tracing::debug!(waiting = pending.len(), "pod-resources shows none of the waiting pods being admitted");
             return pending;
@@ -556,7 +567,9 @@ impl Plugin {
                 return None;
             }
         };
-        let pending = self.narrow_to_admitting(pending).await;
+        // one List for both views below: the kubelet is admitting the same pod meanwhile
+        let list = self.admission_list().await;
+        let pending = self.narrow_to_admitting(list.as_ref(), pending);
         let free_gpus: BTreeSet<u32> = free.keys().copied().collect();
         {
             let claims = self.claims.lock().await;
@@ -573,7 +586,7 @@ impl Plugin {
                 return None;
             }
         };
-        let fresh = self.narrow_to_admitting(fresh).await;
+        let fresh = self.narrow_to_admitting(list.as_ref(), fresh);
         let claims = self.claims.lock().await;
         match_preference(size, &free_gpus, required, &fresh, &claims.claimed, claims.sticky.as_ref())
     }
@@ -646,7 +659,8 @@ impl Plugin {
         let pending = source.refresh().await.map_err(|e| Status::unavailable(e.to_string()))?;
         let live: HashSet<PodKey> = pending.iter().map(|p| p.key.clone()).collect();
         claims.claimed.retain(|(k, _)| live.contains(k));
-        let pending = self.narrow_to_admitting(pending).await;
+        let list = self.admission_list().await;
+        let pending = self.narrow_to_admitting(list.as_ref(), pending);
         let grant = match_allocation(gpus, &pending, &claims.claimed, claims.sticky.as_ref()).map_err(|e| match e {
             MatchError::NoMatch { .. } | MatchError::Ambiguous { .. } => Status::failed_precondition(e.to_string()),
             MatchError::Source(e) => Status::unavailable(e.to_string()),

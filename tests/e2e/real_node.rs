@@ -25,7 +25,7 @@ use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client, ResourceExt};
 use serde_json::{json, Value};
 
-use crate::audit::{percentile, snapshot, Audit};
+use crate::audit::{node_name, percentile, snapshot, Audit};
 use crate::cluster::{apply, figure, repo, shared_binary, workspace_bin, ControlPlane, User};
 use crate::netns::Forward;
 use crate::node::{build_images, RealNode, BUSYBOX_IMAGE};
@@ -125,9 +125,8 @@ fn running(p: &Pod) -> bool {
             .is_some_and(|c| c.iter().all(|c| c.state.as_ref().is_some_and(|s| s.running.is_some())))
 }
 
-/// Creates `pods` now and returns when each was first seen Running (or `limit` passed): the
-/// seconds from its create call to that, per pod name.
-async fn create_and_time(client: &Client, pods: Vec<Pod>, limit: Duration) -> BTreeMap<String, f64> {
+/// Creates `pods` now: when each create was sent, per pod name.
+async fn create_all(client: &Client, pods: Vec<Pod>) -> BTreeMap<String, Instant> {
     let api: Api<Pod> = Api::namespaced(client.clone(), NS);
     let mut created = BTreeMap::new();
     for p in pods {
@@ -135,6 +134,13 @@ async fn create_and_time(client: &Client, pods: Vec<Pod>, limit: Duration) -> BT
         api.create(&PostParams::default(), &p).await.unwrap_or_else(|e| panic!("create pod {name}: {e}"));
         created.insert(name, Instant::now());
     }
+    created
+}
+
+/// Creates `pods` now and returns when each was first seen Running (or `limit` passed): the
+/// seconds from its create call to that, per pod name.
+async fn create_and_time(client: &Client, pods: Vec<Pod>, limit: Duration) -> BTreeMap<String, f64> {
+    let created = create_all(client, pods).await;
     wait_running(client, created, limit).await
 }
 
@@ -444,10 +450,7 @@ async fn gpuplace_from_its_chart_and_images_on_a_real_node() {
     pods.create(&PostParams::default(), &waiting).await.expect("create next-share");
     tokio::time::sleep(Duration::from_secs(3)).await;
     let p = pods.get("next-share").await.expect("next-share");
-    assert!(
-        p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_none(),
-        "next-share ({core} percent) was placed while no GPU had that much free"
-    );
+    assert!(node_name(&p).is_none(), "next-share ({core} percent) was placed while no GPU had that much free");
     pods.delete(&victim, &DeleteParams::default().grace_period(0)).await.expect("delete the share");
     let t = Instant::now();
     let got = wait_running(&admin, BTreeMap::from([("next-share".to_string(), t)]), Duration::from_secs(60)).await;
@@ -482,21 +485,10 @@ async fn gpuplace_from_its_chart_and_images_on_a_real_node() {
         pairs.push(share(&format!("pair-{i:02}-a"), "6000", "10"));
         pairs.push(share(&format!("pair-{i:02}-b"), "4000", "8"));
     }
-    let mut created = BTreeMap::new();
-    for p in pairs {
-        let name = p.name_any();
-        pods.create(&PostParams::default(), &p).await.unwrap_or_else(|e| panic!("create {name}: {e}"));
-        created.insert(name, Instant::now());
-    }
+    let created = create_all(&admin, pairs).await;
     tokio::time::sleep(Duration::from_secs(5)).await;
-    let bound_while_down = pods
-        .list(&ListParams::default())
-        .await
-        .expect("list")
-        .items
-        .iter()
-        .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some())
-        .count();
+    let bound_while_down =
+        pods.list(&ListParams::default()).await.expect("list").items.iter().filter(|p| node_name(p).is_some()).count();
     node.start_kubelet();
     let pair_times = wait_running(&admin, created, Duration::from_secs(240)).await;
     let (checked, problems) = check_envs(&admin, &node).await;
@@ -717,7 +709,7 @@ async fn pending_report(client: &Client) -> String {
                 "{} phase={:?} node={:?} {cond} {waiting} {}",
                 p.name_any(),
                 status.and_then(|s| s.phase.clone()),
-                p.spec.as_ref().and_then(|s| s.node_name.clone()),
+                node_name(p),
                 status.and_then(|s| s.reason.clone()).unwrap_or_default()
             )
         })
