@@ -335,8 +335,9 @@ async fn kubelet_restart_and_socket_removal_lead_to_re_registration() {
 }
 
 /// After a kubelet restart `gpuplace.io/gpu` is 0 in the node's allocatable until kubelet has the
-/// plugin's registration (and then updates its node status): a `kubelet.sock` created anew is tried
-/// at once, not after the retry interval.
+/// plugin's registration, and a real v1.36 kubelet refuses for good every pod it admits before then
+/// (0.8 s after it recreates `kubelet.sock` on the real node): a `kubelet.sock` created anew is tried
+/// at once, seen through the directory's events rather than after the poll or retry interval.
 #[tokio::test]
 async fn a_kubelet_that_comes_up_is_registered_with_at_once() {
     use gpuplace_device_plugin::nvml::fake::FakeBackend;
@@ -347,12 +348,12 @@ async fn a_kubelet_that_comes_up_is_registered_with_at_once() {
     let dir = tempfile::Builder::new().prefix("gdpreg").tempdir().unwrap();
     let backend = FakeBackend::load(&topology("hgx-h100-8"), "test-node").unwrap();
     let plugin = Plugin::new(config(2), &backend.inventory().unwrap(), None).unwrap();
-    // a retry interval far beyond the test's patience: only the socket's appearance can explain a
-    // registration in time
+    // poll and retry intervals far beyond the test's patience: only the directory's events can
+    // explain a registration in time
     let cfg = ServeConfig {
         dir: dir.path().to_path_buf(),
         socket_name: "gpuplace.sock".into(),
-        poll_interval: Duration::from_millis(20),
+        poll_interval: Duration::from_secs(600),
         retry_interval: Duration::from_secs(600),
     };
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -377,6 +378,31 @@ async fn a_kubelet_that_comes_up_is_registered_with_at_once() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert!(plugin.registered());
+
+    // the kubelet restarts as a real one does: it stops, deletes every socket in the directory
+    // (ours included) and serves a new kubelet.sock; the plugin is back before a poll could tell
+    kubelet.stop().await;
+    for e in std::fs::read_dir(dir.path()).unwrap().flatten() {
+        let _ = std::fs::remove_file(e.path());
+    }
+    let mut kubelet = common::FakeKubelet::start(dir.path());
+    let restarted = std::time::Instant::now();
+    let reg = kubelet.next_registration().await;
+    assert_eq!(reg.endpoint, "gpuplace.sock");
+    assert!(restarted.elapsed() < Duration::from_secs(5), "registered again after {:?}", restarted.elapsed());
+    assert!(dir.path().join("gpuplace.sock").exists(), "our socket is served again");
+
+    // once more, with a kubelet.sock that refuses dials for its first 300 ms (bound, not yet
+    // listening): the same file is tried again within milliseconds, not after the retry interval
+    kubelet.stop().await;
+    for e in std::fs::read_dir(dir.path()).unwrap().flatten() {
+        let _ = std::fs::remove_file(e.path());
+    }
+    let mut kubelet = common::FakeKubelet::start_late(dir.path(), Duration::from_millis(300));
+    let restarted = std::time::Instant::now();
+    let reg = kubelet.next_registration().await;
+    assert_eq!(reg.endpoint, "gpuplace.sock");
+    assert!(restarted.elapsed() < Duration::from_secs(3), "registered again after {:?}", restarted.elapsed());
     let _ = stop_tx.send(());
     serve.await.unwrap().unwrap();
 }

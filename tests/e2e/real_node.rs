@@ -506,6 +506,14 @@ async fn gpuplace_from_its_chart_and_images_on_a_real_node() {
         registrations(&node) > registrations_before,
         "the device plugin did not register with the restarted kubelet"
     );
+    // the kubelet refuses for good the pods it admits before the plugin is back (well under a
+    // second after it starts its registration server): how close that was
+    if let Some(lag) = registration_lag(&node) {
+        figure(&format!(
+            "real node: after the kubelet's restart the device plugin registered {:.0} ms after the kubelet's registration server started",
+            lag * 1e3
+        ));
+    }
     assert!(problems.is_empty(), "containers without their own assignment's environment:\n{}", problems.join("\n"));
     let a = audit(&admin).await;
     assert!(a.over_commits.is_empty() && a.bad_assignments.is_empty(), "{:?} {:?}", a.over_commits, a.bad_assignments);
@@ -610,6 +618,27 @@ fn registrations(node: &RealNode) -> usize {
         .count()
 }
 
+/// Seconds from the kubelet's last "Starting device plugin registration server" to the next
+/// registration it logged (klog's time of day; a restart never spans midnight in a test).
+fn registration_lag(node: &RealNode) -> Option<f64> {
+    let log = std::fs::read_to_string(node.dir.join("kubelet.log")).ok()?;
+    // `I1127 22:59:44.084557   26316 server.go:87] ...`: the second field is the time of day
+    let time_of = |line: &str| -> Option<f64> {
+        let t = line.split_whitespace().find(|w| w.len() == 15 && w.as_bytes().get(2) == Some(&b':'))?;
+        let mut parts = t.split(':');
+        let (h, m, s) = (
+            parts.next()?.parse::<f64>().ok()?,
+            parts.next()?.parse::<f64>().ok()?,
+            parts.next()?.parse::<f64>().ok()?,
+        );
+        Some(h * 3600.0 + m * 60.0 + s)
+    };
+    let lines: Vec<&str> = log.lines().collect();
+    let start = lines.iter().rposition(|l| l.contains("Starting device plugin registration server"))?;
+    let registered = lines[start..].iter().find(|l| l.contains("Got registration request from device plugin"))?;
+    Some(time_of(registered)? - time_of(lines[start])?)
+}
+
 /// Each Running pod's container ID and restart count: what a kubelet restart must not change.
 async fn containers_of(pods: &Api<Pod>) -> BTreeMap<String, String> {
     let list = pods.list(&ListParams::default()).await.expect("list pods");
@@ -705,12 +734,14 @@ async fn pending_report(client: &Client) -> String {
                 .and_then(|s| s.waiting.as_ref())
                 .map(|w| format!("{}: {}", w.reason.clone().unwrap_or_default(), w.message.clone().unwrap_or_default()))
                 .unwrap_or_default();
+            // a pod the kubelet refused at admission says why in the status's reason and message
             format!(
-                "{} phase={:?} node={:?} {cond} {waiting} {}",
+                "{} phase={:?} node={:?} {cond} {waiting} {} {}",
                 p.name_any(),
                 status.and_then(|s| s.phase.clone()),
                 node_name(p),
-                status.and_then(|s| s.reason.clone()).unwrap_or_default()
+                status.and_then(|s| s.reason.clone()).unwrap_or_default(),
+                status.and_then(|s| s.message.clone()).unwrap_or_default()
             )
         })
         .collect::<Vec<_>>()

@@ -49,15 +49,30 @@ pub struct FakeKubelet {
 impl FakeKubelet {
     /// Serves on `<dir>/kubelet.sock` (replacing a stale one). Needs a tokio runtime.
     pub fn start(dir: &Path) -> std::io::Result<Self> {
+        Self::start_late(dir, Duration::ZERO)
+    }
+
+    /// As [`FakeKubelet::start`], but the socket file exists `late` before it accepts connections
+    /// (bound, not yet listening): a dial in between is refused, as one to a starting kubelet can be.
+    pub fn start_late(dir: &Path, late: Duration) -> std::io::Result<Self> {
+        use socket2::{Domain, SockAddr, Socket, Type};
         let sock = dir.join(KUBELET_SOCKET);
         match std::fs::remove_file(&sock) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
             _ => {}
         }
-        let listener = UnixListener::bind(&sock)?;
+        let socket = Socket::new(Domain::UNIX, Type::STREAM, None)?;
+        socket.bind(&SockAddr::unix(&sock)?)?;
         let (tx, rx) = mpsc::unbounded_channel();
         let (stop_tx, stop_rx) = oneshot::channel::<()>();
         let task = tokio::spawn(async move {
+            tokio::time::sleep(late).await;
+            let listen = || -> std::io::Result<UnixListener> {
+                socket.listen(128)?;
+                socket.set_nonblocking(true)?;
+                UnixListener::from_std(std::os::unix::net::UnixListener::from(socket))
+            };
+            let listener = listen().expect("fake kubelet: listen on its bound socket");
             let stopped = async {
                 let _ = stop_rx.await;
             };

@@ -41,6 +41,10 @@ impl FakeKubelet {
     }
 
     /// The next Register call.
+    pub fn start_late(dir: &Path, late: Duration) -> Self {
+        Self(kubelet::FakeKubelet::start_late(dir, late).expect("start fake kubelet"))
+    }
+
     pub async fn next_registration(&mut self) -> RegisterRequest {
         self.0.next_registration(WAIT).await.expect("no registration in time")
     }
