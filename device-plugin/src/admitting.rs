@@ -14,9 +14,11 @@
 //! pods that by our records still wait for an `Allocate`, the ones listed with a waiting container
 //! and no devices for it are the pod being admitted: one pod, by construction.
 //!
-//! [`admitting`] is that rule, pure. An empty answer (a kubelet that lists pods only once they run,
-//! or none of ours waiting) leaves the plugin to [`crate::assign`]'s rules alone; more than one pod
-//! (say a pod the kubelet refused and still lists) narrows them to those.
+//! [`admitting`] is that rule, pure. An empty answer means the kubelet admits a pod that is not ours
+//! (bound by nodeName or by another scheduler): once the kubelet has shown that it lists the pod it
+//! admits, Allocate refuses it (`crate::plugin`), since a match would hand it a waiting pod's
+//! assignment; before that, [`crate::assign`]'s rules decide alone. More than one pod (say a pod the
+//! kubelet refused and still lists) narrows them to those.
 
 use std::collections::BTreeSet;
 

@@ -94,6 +94,12 @@ pub enum MatchError {
     )]
     NoMatch { gpus: Vec<u32>, waiting: String },
     #[error(
+        "the kubelet is admitting a pod that gpuplace did not place: its pod-resources lists none of the {waiting} \
+         pod(s) with a gpuplace assignment on this node waiting for devices (GPU(s) {gpus:?} asked); a pod bound by \
+         nodeName or by another scheduler gets no GPU here, schedule it through gpuplace's scheduler"
+    )]
+    NotPlaced { gpus: Vec<u32>, waiting: usize },
+    #[error(
         "{first} and {second} both wait for devices on GPU(s) {gpus:?} with different limits, and kubelet's Allocate \
          does not say which pod it admits; refusing rather than starting the container with the other pod's limits \
          (the extender binds such pods one at a time on nodes whose plugin confirms allocations)"

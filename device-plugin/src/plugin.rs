@@ -143,6 +143,10 @@ pub struct Plugin {
     grants: Mutex<BTreeMap<GrantKey, GrantRecord>>,
     /// The kubelet's pod-resources API: which pod it is admitting ([`crate::admitting`]).
     pod_resources: std::sync::OnceLock<PodResourcesClient>,
+    /// Whether this kubelet's pod-resources `List` has shown a pod being admitted (one of ours,
+    /// waiting without its devices). From then on a `List` that shows none of ours waiting means
+    /// the kubelet admits a pod gpuplace did not place, and Allocate refuses it.
+    lists_admitting: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Plugin {
@@ -180,6 +184,7 @@ impl Plugin {
             claims: tokio::sync::Mutex::new(Claims::default()),
             grants: Mutex::new(BTreeMap::new()),
             pod_resources: std::sync::OnceLock::new(),
+            lists_admitting: std::sync::atomic::AtomicBool::new(false),
         };
         let list = plugin.device_list(&plugin.lock_health());
         plugin.devices.send_replace(Arc::new(list));
@@ -218,6 +223,9 @@ impl Plugin {
     ) -> Vec<PendingPod> {
         let Some(list) = list else { return pending };
         let now = admitting(list, &self.config.resource_name, &pending);
+        if !now.is_empty() {
+            self.lists_admitting.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         if now.is_empty() {
             tracing::debug!(waiting = pending.len(), "pod-resources shows none of the waiting pods being admitted");
             return pending;
@@ -660,9 +668,23 @@ impl Plugin {
         let live: HashSet<PodKey> = pending.iter().map(|p| p.key.clone()).collect();
         claims.claimed.retain(|(k, _)| live.contains(k));
         let list = self.admission_list().await;
+        if let Some(l) = &list {
+            // a kubelet known to list the pod it admits, listing none of ours waiting: the pod it
+            // admits has no gpuplace assignment (bound by nodeName or by another scheduler); any
+            // assignment matched now would be another pod's, so that pod would lose its slice
+            if self.lists_admitting.load(std::sync::atomic::Ordering::Relaxed)
+                && admitting(l, &self.config.resource_name, &pending).is_empty()
+            {
+                let e = MatchError::NotPlaced { gpus: gpus.to_vec(), waiting: pending.len() };
+                tracing::warn!(error = %e, "Allocate refused");
+                return Err(Status::failed_precondition(e.to_string()));
+            }
+        }
         let pending = self.narrow_to_admitting(list.as_ref(), pending);
         let grant = match_allocation(gpus, &pending, &claims.claimed, claims.sticky.as_ref()).map_err(|e| match e {
-            MatchError::NoMatch { .. } | MatchError::Ambiguous { .. } => Status::failed_precondition(e.to_string()),
+            MatchError::NoMatch { .. } | MatchError::Ambiguous { .. } | MatchError::NotPlaced { .. } => {
+                Status::failed_precondition(e.to_string())
+            }
             MatchError::Source(e) => Status::unavailable(e.to_string()),
         })?;
         // not marked means a restarted plugin could match the container again: refuse instead

@@ -758,6 +758,55 @@ fn holding(pod: &str, device: String) -> ListPodResourcesResponse {
     ListPodResourcesResponse { pod_resources: vec![holder] }
 }
 
+/// pod-resources' answer: `pod`'s container `main` listed without devices (being admitted).
+fn waiting(pod: &str) -> PodResources {
+    PodResources {
+        name: pod.into(),
+        namespace: "ns".into(),
+        containers: vec![ContainerResources { name: "main".into(), ..Default::default() }],
+    }
+}
+
+/// A pod bound by nodeName (no gpuplace assignment) admitted while a gpuplace pod waits for the
+/// same kind of GPU: once the kubelet has shown that it lists the pod it admits, a listing with none
+/// of gpuplace's pods waiting means the pod is not gpuplace's, and Allocate refuses it rather than
+/// hand it the waiting pod's assignment (which that pod would then lose). The waiting pod's own
+/// admission then matches it. tests/e2e/real_node.rs does the same on a real kubelet.
+#[tokio::test]
+async fn a_pod_gpuplace_did_not_place_is_refused_and_the_waiting_pod_keeps_its_assignment() {
+    let fake = FakeApiServer::start().await.unwrap();
+    fake.put(&k8s_node(NODE));
+    for (seq, name) in [(1, "first"), (2, "second")] {
+        let slices = vec![("main", false, vec![share(seq, 20480, 25)])];
+        bind(&fake, gpu_pod("ns", name, &[("main", false, SHARE_20G_25)]), slices, u64::from(seq)).await;
+    }
+    let (mut h, _source, _telemetry) = harness(&fake, 4).await;
+    let (_, mut c) = h.register_and_connect().await;
+    let slots = SlotIds::of(&h);
+    let socket = h.dir.path().join("pod-resources.sock");
+    let listing = |pods: Vec<PodResources>| ListPodResourcesResponse { pod_resources: pods };
+    let mut kubelet = FakePodResources::start(&socket, listing(vec![waiting("first")])).unwrap();
+    h.plugin.set_pod_resources(PodResourcesClient::new(&socket, Duration::from_secs(5)));
+    assert_eq!(allocate(&mut c, vec![slots.slot(1, 0)]).await.unwrap().envs["GPUPLACE_POD"], "ns/first");
+
+    // the kubelet admits `intruder` (listed, no devices) while `second` waits on GPU 2, not listed yet
+    let mut held = holding("first", slots.slot(1, 0)).pod_resources;
+    held.push(waiting("intruder"));
+    kubelet.set(Ok(listing(held.clone())));
+    let e = allocate(&mut c, vec![slots.slot(2, 0)]).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{}", e.message());
+    assert!(e.message().contains("a pod that gpuplace did not place"), "{}", e.message());
+    assert_eq!(allocated(&fake, "ns", "second").map(|a| a.containers).unwrap_or_default(), containers(&[]));
+
+    // `second` admitted: its Allocate matches it, with its own limits
+    held.push(waiting("second"));
+    kubelet.set(Ok(listing(held)));
+    let r = allocate(&mut c, vec![slots.slot(2, 0)]).await.unwrap();
+    assert_eq!((r.envs["GPUPLACE_POD"].as_str(), r.envs["GPUPLACE_GPU_MEM_MIB"].as_str()), ("ns/second", "20480"));
+    kubelet.stop().await;
+    h.shutdown().await;
+}
+
 /// Issue 28's case, now harmless: twins (the same limits on GPU 1) admitted out of bind order. The
 /// match was a guess, right for the limits either way; pod-resources shows the other twin holding the
 /// device, and the record follows: the holder is marked, the guessed pod unmarked (its own admission

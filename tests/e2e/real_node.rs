@@ -564,6 +564,41 @@ async fn gpuplace_from_its_chart_and_images_on_a_real_node() {
         "real node: after the plugin's restart {checked} pods Running with their own environment, 0 over-commits"
     ));
 
+    // ---- a pod gpuplace did not place: bound by nodeName, past kube-scheduler and the extender,
+    // asking for a GPU while a gpuplace share waits for its own. The kubelet lists it as the pod it
+    // admits (pod-resources), none of gpuplace's waiting: Allocate refuses it, so it holds no GPU the
+    // extender did not assign, and the share runs with its own limits
+    let mut intruder = pod("intruder", &[("gpu", "1")], &[], None);
+    if let Some(spec) = intruder.spec.as_mut() {
+        spec.node_name = Some(NODE.to_string());
+    }
+    pods.create(&PostParams::default(), &intruder).await.expect("create the intruder");
+    let honest = create_and_time(&admin, vec![share("honest", "6000", "10")], Duration::from_secs(60)).await;
+    assert_eq!(honest.len(), 1, "a gpuplace share beside the intruder: {honest:?}\n{}", pending_report(&admin).await);
+    wait_for("the intruder refused by the kubelet", Duration::from_secs(60), || {
+        let pods = pods.clone();
+        async move {
+            let p = pods.get("intruder").await.map_err(|e| e.to_string())?;
+            let phase = p.status.and_then(|s| s.phase);
+            if phase.as_deref() == Some("Failed") {
+                Ok(())
+            } else {
+                Err(format!("intruder phase {phase:?}"))
+            }
+        }
+    })
+    .await;
+    let st = pods.get("intruder").await.expect("the intruder").status.unwrap_or_default();
+    let (reason, message) = (st.reason.unwrap_or_default(), st.message.unwrap_or_default());
+    figure(&format!("real node: a pod bound by nodeName past gpuplace: {reason}: {message}"));
+    assert_eq!(reason, "UnexpectedAdmissionError", "{message}");
+    assert!(message.contains("a pod that gpuplace did not place"), "{message}");
+    let (checked, problems) = check_envs(&admin, &node).await;
+    assert!(problems.is_empty(), "beside the intruder:\n{}", problems.join("\n"));
+    let a = audit(&admin).await;
+    assert!(a.over_commits.is_empty() && a.bad_assignments.is_empty(), "{:?} {:?}", a.over_commits, a.bad_assignments);
+    figure(&format!("real node: beside the refused intruder {checked} pods Running with their own environment"));
+
     // ---- the leading extender's pod killed in a burst of pods: nothing lost, no over-commit
     let leases: Api<k8s_openapi::api::coordination::v1::Lease> = Api::namespaced(admin.clone(), SYSTEM_NS);
     let leader = leases
