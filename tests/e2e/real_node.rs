@@ -599,6 +599,19 @@ async fn gpuplace_from_its_chart_and_images_on_a_real_node() {
     assert!(a.over_commits.is_empty() && a.bad_assignments.is_empty(), "{:?} {:?}", a.over_commits, a.bad_assignments);
     figure(&format!("real node: beside the refused intruder {checked} pods Running with their own environment"));
 
+    // how often a bind waited for the plugin to see an earlier pod's Allocate (pods with other limits
+    // on one GPU), from the replica the Service routes to (the leader: it made every bind so far)
+    if let Some((200, page)) = crate::fleet::http_get(to_extender.addr.port(), "/metrics") {
+        let binds: Vec<String> = page
+            .lines()
+            .filter_map(|l| l.strip_prefix("gpuplace_binds_total{result=\""))
+            .filter_map(|l| l.split_once("\"} "))
+            .filter(|(_, n)| n.trim() != "0")
+            .map(|(r, n)| format!("{r} {n}"))
+            .collect();
+        figure(&format!("real node: the leading extender's binds so far by result: {}", binds.join(", ")));
+    }
+
     // ---- the leading extender's pod killed in a burst of pods: nothing lost, no over-commit
     let leases: Api<k8s_openapi::api::coordination::v1::Lease> = Api::namespaced(admin.clone(), SYSTEM_NS);
     let leader = leases
