@@ -682,7 +682,9 @@ fn requests_naming_more_nodes_than_a_cluster_has_are_refused_while_decoded() {
 /// while probes keep answering, and the server's memory stays bounded.
 #[test]
 fn a_body_of_millions_of_unknown_nodes_is_refused_quickly_and_probes_answer_meanwhile() {
-    let s = Server::start();
+    // a full-Nodes deployment's body limit (the default, 4 MiB, is sized for names only)
+    let opts = HttpOptions { max_body_bytes: 64 << 20, ..HttpOptions::default() };
+    let s = Server::with(Arc::new(RecordingBinder::new()), opts, None);
     let pod = fixture_json("cache/filter-002")["Pod"].to_string();
     let mut body = format!("{{\"Pod\":{pod},\"Nodes\":null,\"NodeNames\":[").into_bytes();
     for i in 0..5_000_000u32 {
@@ -692,7 +694,7 @@ fn a_body_of_millions_of_unknown_nodes_is_refused_quickly_and_probes_answer_mean
         body.extend_from_slice(format!("\"x{i:07}\"").as_bytes());
     }
     body.extend_from_slice(b"]}");
-    assert!(body.len() > 50 << 20 && body.len() < gpuplace::extender::http::DEFAULT_MAX_BODY_BYTES);
+    assert!(body.len() > 50 << 20 && body.len() < 64 << 20);
     let addr = s.running.addr.to_string();
     let started = Instant::now();
     let sender = std::thread::spawn(move || {
@@ -716,6 +718,111 @@ fn a_body_of_millions_of_unknown_nodes_is_refused_quickly_and_probes_answer_mean
     assert!(probes > 0);
     // the server still decides ordinary requests
     s.fixture("cache/filter-002");
+}
+
+/// Sends request headers (and `body`) on a raw connection, leaving it open: a slow or idle client.
+fn raw_request(addr: &str, headers: &str, body: &[u8]) -> std::net::TcpStream {
+    use std::io::Write;
+    let mut c = std::net::TcpStream::connect(addr).expect("connect");
+    c.set_read_timeout(Some(TIMEOUT)).unwrap();
+    c.write_all(
+        format!("POST /gpuplace/filter HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{headers}\r\n")
+            .as_bytes(),
+    )
+    .unwrap();
+    c.write_all(body).unwrap();
+    c
+}
+
+/// The status line's code of what the server answered on `c` (0 when it closed without one).
+fn status_of(c: &mut std::net::TcpStream) -> u16 {
+    use std::io::Read;
+    let mut buf = [0u8; 512];
+    let n = c.read(&mut buf).unwrap_or(0);
+    String::from_utf8_lossy(&buf[..n]).split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0)
+}
+
+/// Issue 29's H3: a connection that declares a 2 MB body and sends nothing holds neither the
+/// large-body gate nor a worker: a real 2 MiB filter is answered meanwhile as fast as without it,
+/// and the idle connection is answered 408 once the grace is over. Trickling clients are cut the
+/// same way, and a chunked body is read under the same limits (the gate, the size cap).
+#[test]
+fn slow_idle_and_chunked_bodies_hold_nothing_and_are_cut() {
+    let grace = Duration::from_millis(500);
+    let opts = HttpOptions { body_grace: grace, ..HttpOptions::default() };
+    let s = Server::with(Arc::new(RecordingBinder::new()), opts, None);
+    let addr = s.running.addr.to_string();
+    let small = fixture("cache/filter-003");
+    let expected = s.ok("filter", &small);
+    let mut padded = small.clone();
+    padded.extend(std::iter::repeat_n(b' ', 2 << 20));
+    let timed = |s: &Server| {
+        let t = Instant::now();
+        assert_eq!(s.ok("filter", &padded), expected);
+        t.elapsed()
+    };
+    let alone = timed(&s);
+    let mut idle = raw_request(&addr, "Content-Length: 2000000\r\n", b"");
+    std::thread::sleep(Duration::from_millis(50));
+    let beside = timed(&s);
+    println!(
+        "figure: a 2 MiB filter alone {alone:?}, beside a connection declaring 2 MB and sending nothing {beside:?}"
+    );
+    assert!(beside < alone + Duration::from_secs(1), "alone {alone:?}, beside an idle declared body {beside:?}");
+    let t = Instant::now();
+    assert_eq!(status_of(&mut idle), 408);
+    assert!(t.elapsed() < grace + Duration::from_secs(2), "cut after {:?}", t.elapsed());
+
+    // 50 clients trickling a byte every 100 ms: every one cut soon after the grace
+    let t = Instant::now();
+    let trickling: Vec<_> = (0..50)
+        .map(|_| {
+            let addr = addr.clone();
+            std::thread::spawn(move || {
+                use std::io::Write;
+                let mut c = raw_request(&addr, "Content-Length: 100000\r\n", b"{");
+                for _ in 0..100 {
+                    std::thread::sleep(Duration::from_millis(100));
+                    if c.write_all(b" ").is_err() {
+                        break;
+                    }
+                }
+                status_of(&mut c)
+            })
+        })
+        .collect();
+    let statuses: Vec<u16> = trickling.into_iter().map(|h| h.join().unwrap()).collect();
+    println!("figure: 50 trickling clients cut after {:?}", t.elapsed());
+    assert!(statuses.iter().all(|&c| c == 408), "{statuses:?}");
+    assert!(t.elapsed() < Duration::from_secs(8), "{:?}", t.elapsed());
+
+    // chunked: a large body is decided as the same body sent with a length; over the cap is 413
+    let chunked = |body: &[u8]| {
+        let mut framed = Vec::new();
+        for part in body.chunks(64 << 10) {
+            framed.extend_from_slice(format!("{:x}\r\n", part.len()).as_bytes());
+            framed.extend_from_slice(part);
+            framed.extend_from_slice(b"\r\n");
+        }
+        framed.extend_from_slice(b"0\r\n\r\n");
+        let mut c = raw_request(&addr, "Transfer-Encoding: chunked\r\nConnection: close\r\n", &framed);
+        use std::io::Read;
+        let mut out = Vec::new();
+        let _ = c.read_to_end(&mut out);
+        String::from_utf8_lossy(&out).into_owned()
+    };
+    let answer = chunked(&padded);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{}", &answer[..answer.len().min(300)]);
+    let mut over = small.clone();
+    over.extend(std::iter::repeat_n(b' ', gpuplace::extender::http::DEFAULT_MAX_BODY_BYTES));
+    let answer = chunked(&over);
+    assert!(
+        answer.starts_with("HTTP/1.1 413") && answer.contains("--max-body-bytes"),
+        "{}",
+        &answer[..answer.len().min(300)]
+    );
+    // and the server still answers
+    assert_eq!(s.ok("filter", &small), expected);
 }
 
 /// A filter/prioritize body for the c-whole4 fixture pod renamed to `name`/`uid`, asking for `gpus`

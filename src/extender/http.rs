@@ -14,19 +14,22 @@
 //!   certificate), and the forward of every verb to the leader while this replica does not lead
 //!   ([`forward`](crate::extender::forward); `/readyz` then reports the role).
 //!
-//! A body over [`LARGE_BODY_BYTES`] is decided on actix's blocking pool, one at a time, so that
-//! the workers keep answering probes and ordinary requests meanwhile; the heap it used is then
-//! handed back to the system.
+//! Bodies are read by [`body`](crate::extender::body): 413 over `max_body_bytes`, 408 for a body that
+//! stalls or trickles (below 1 MiB/s after a 2 s grace). A body over [`LARGE_BODY_BYTES`] is
+//! decided on actix's blocking pool, one at a time (the gate is taken once that many bytes have
+//! arrived, chunked bodies included), so that the workers keep answering probes and ordinary
+//! requests meanwhile; the heap it used is then handed back to the system.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use actix_web::dev::ServerHandle;
 use actix_web::http::StatusCode;
-use actix_web::{web, FromRequest, HttpRequest, HttpResponse};
+use actix_web::{web, HttpRequest, HttpResponse};
 use serde::Serialize;
 
+use crate::extender::body::{read_body, Body, BodyLimits};
 use crate::extender::forward::{Forwarder, Route, FORWARDED_HEADER};
 use crate::extender::metrics::Verb;
 use crate::extender::service::Extender;
@@ -36,8 +39,11 @@ use crate::extender::wire::WireError;
 /// Default address: every interface, port 8888 (the Service in front of the extender targets it).
 pub const DEFAULT_LISTEN: &str = "0.0.0.0:8888";
 pub const DEFAULT_PREFIX: &str = "/gpuplace";
-/// 64 MiB: a full-Nodes request for 5,000 nodes is about 25 MiB (a Node object is ~5 KiB).
-pub const DEFAULT_MAX_BODY_BYTES: usize = 64 << 20;
+/// 4 MiB: what kube-scheduler sends with `nodeCacheCapable: true` (the project's configuration) at
+/// 5,000 nodes: the names (at most 1.3 MB, 253-character names) and the pod (etcd keeps objects
+/// under 1.5 MiB). Without `nodeCacheCapable` it sends whole Node objects (~5 KiB each, ~25 MiB at
+/// 5,000 nodes): raise `--max-body-bytes` to about 6 KiB per node then.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 4 << 20;
 pub use crate::extender::wire::DEFAULT_MAX_REQUEST_NODES;
 /// Bodies above this are decided off the HTTP workers (about 60,000 node names, or 200 Node
 /// objects); kube-scheduler's names-only requests for a 5,000-node cluster stay below it.
@@ -50,6 +56,9 @@ pub struct HttpOptions {
     pub max_body_bytes: usize,
     /// Most nodes one request may name (candidates, or victims' nodes in preempt).
     pub max_request_nodes: usize,
+    /// Time before a body's pace is checked, and the slowest average rate accepted after it.
+    pub body_grace: Duration,
+    pub body_min_bytes_per_sec: u64,
 }
 
 impl Default for HttpOptions {
@@ -58,15 +67,18 @@ impl Default for HttpOptions {
             prefix: DEFAULT_PREFIX.into(),
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             max_request_nodes: DEFAULT_MAX_REQUEST_NODES,
+            body_grace: crate::extender::body::DEFAULT_GRACE,
+            body_min_bytes_per_sec: crate::extender::body::DEFAULT_MIN_BYTES_PER_SEC,
         }
     }
 }
 
-/// What every verb handler needs besides the extender: the node limit, and the gate that lets one
-/// large body at a time be decided.
+/// What every verb handler needs besides the extender: the node limit, the body's limits, and the
+/// gate that lets one large body at a time be read and decided.
 #[derive(Debug, Clone)]
 struct VerbLimits {
     max_request_nodes: usize,
+    body: BodyLimits,
     large: Arc<tokio::sync::Semaphore>,
 }
 
@@ -97,9 +109,15 @@ fn configure_with(
     opts: &HttpOptions,
     large: Arc<tokio::sync::Semaphore>,
 ) {
+    let body = BodyLimits {
+        max_bytes: opts.max_body_bytes,
+        large_bytes: LARGE_BODY_BYTES,
+        grace: opts.body_grace,
+        min_bytes_per_sec: opts.body_min_bytes_per_sec,
+        large_wait: crate::extender::body::DEFAULT_LARGE_WAIT,
+    };
     cfg.app_data(ext)
-        .app_data(web::PayloadConfig::new(opts.max_body_bytes))
-        .app_data(web::Data::new(VerbLimits { max_request_nodes: opts.max_request_nodes, large }))
+        .app_data(web::Data::new(VerbLimits { max_request_nodes: opts.max_request_nodes, body, large }))
         .route("/healthz", web::get().to(healthz))
         .route("/readyz", web::get().to(readyz))
         .route("/metrics", web::get().to(metrics))
@@ -263,17 +281,22 @@ fn json_body(body: Vec<u8>) -> HttpResponse {
     HttpResponse::Ok().content_type("application/json").body(body)
 }
 
-/// Reads the whole body within the configured limit; the error response names the limit.
-async fn body(req: &HttpRequest, payload: web::Payload) -> Result<web::Bytes, HttpResponse> {
-    let mut payload = payload.into_inner();
-    web::Bytes::from_request(req, &mut payload).await.map_err(|e| {
-        let status = e.as_response_error().status_code();
-        let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
-            "request body is larger than the extender accepts (--max-body-bytes)".to_string()
-        } else {
-            format!("reading the request body: {e}")
-        };
-        text(status, message)
+/// Reads the whole body under the server's limits ([`crate::extender::body`]); the error response
+/// says which limit.
+async fn body(req: &HttpRequest, payload: web::Payload) -> Result<Body, HttpResponse> {
+    let Some(limits) = req.app_data::<web::Data<VerbLimits>>() else {
+        return Err(text(StatusCode::INTERNAL_SERVER_ERROR, "the server's body limits are not configured"));
+    };
+    let declared =
+        req.headers().get(actix_web::http::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
+    read_body(payload.into_inner(), declared, &limits.body, &limits.large).await.map_err(|e| {
+        let status = StatusCode::from_u16(e.http_status()).unwrap_or(StatusCode::BAD_REQUEST);
+        let mut resp = text(status, e.to_string());
+        if status == StatusCode::REQUEST_TIMEOUT || status == StatusCode::PAYLOAD_TOO_LARGE {
+            // the rest of the body is not read: the connection cannot carry another request
+            resp.head_mut().set_connection_type(actix_web::http::ConnectionType::Close);
+        }
+        resp
     })
 }
 
@@ -328,7 +351,8 @@ where
     let resp = match unauthenticated(&req) {
         Some(refused) => refused,
         None => match body(&req, payload).await {
-            Ok(bytes) => match forward_to(&req) {
+            // a large body's permit is held until it is decided
+            Ok(Body { bytes, permit: _permit }) => match forward_to(&req) {
                 // a failed forward is answered here: not leading, that is the not-ready answer
                 Some((fwd, url)) => match fwd.forward(verb, &url, bytes.clone()).await {
                     Ok(answer) => relay(answer),
@@ -357,16 +381,6 @@ async fn run_sync_verb(
     decide: fn(&Extender, &[u8]) -> Answer,
 ) -> HttpResponse {
     let max_nodes = limits.max_request_nodes;
-    let declared =
-        req.headers().get(actix_web::http::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
-    // the gate is taken before the body is read, so at most one large body is held at once
-    let _permit = match declared {
-        Some(n) if n > LARGE_BODY_BYTES => match limits.large.clone().acquire_owned().await {
-            Ok(p) => Some(p),
-            Err(_) => return text(StatusCode::SERVICE_UNAVAILABLE, "shutting down"),
-        },
-        _ => None,
-    };
     run_verb(verb, ext, req, payload, move |ext, b| async move {
         if b.len() <= LARGE_BODY_BYTES {
             return crate::extender::wire::with_node_limit(max_nodes, || decide(&ext, &b)).into_response();

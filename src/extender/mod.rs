@@ -8,7 +8,8 @@
 //!   `nodeCacheCapable` modes.
 //! - [`service`]: the decisions of each verb over the engine, the node cache and the bind records.
 //! - [`binder`]: the seam to the API server for binds ([`binder::RecordingBinder`] in static mode).
-//! - [`http`]: actix-web routes, status codes, body limits; [`http_client`]: a small blocking HTTP/1.1 client (inspect, tests, the load generator).
+//! - [`http`]: actix-web routes, status codes; [`body`]: reading a body under its size, pace and
+//!   large-body limits; [`http_client`]: a small blocking HTTP/1.1 client (inspect, tests, the load generator).
 //! - [`forward`]: a replica that does not lead passes the verbs to the leader; [`tls`]: HTTPS and
 //!   client certificates on the extender's port.
 //! - [`reasons`]: the texts kube-scheduler shows (reasons that group across nodes, never a `%`).
@@ -22,6 +23,7 @@
 pub mod adapt;
 pub mod args_decoder;
 pub mod binder;
+pub mod body;
 pub mod clock;
 pub mod forward;
 pub mod groups;
