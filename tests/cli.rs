@@ -317,3 +317,94 @@ fn serve_logs_plain_text_to_a_pipe_and_json_when_asked() {
     let out = gpuplace(&["--log-format", "xml", "serve"]);
     assert!(!out.status.success() && text(&out.stderr).contains("--log-format"), "{}", text(&out.stderr));
 }
+
+/// Issue 29's H3 on the real binary: 16 clients upload 60 MiB chunked filter bodies at once (a
+/// deployment with `--max-body-bytes 64 MiB`, as for full-Nodes requests). One large body is read
+/// and decided at a time and each waiting client is held to the first MiB of its body, so the
+/// server stays far below its Deployment's 1 GiB limit, answers every upload, and answers probes
+/// meanwhile.
+#[test]
+fn concurrent_large_chunked_uploads_keep_the_server_small_and_answering() {
+    use std::io::{Read, Write};
+    use std::process::Stdio;
+    use std::time::{Duration, Instant};
+
+    let cluster = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/clusters/fixture-cluster.yaml");
+    let listen = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+    let child = Reap(
+        Command::new(env!("CARGO_BIN_EXE_gpuplace"))
+            .args(["serve", "--cluster", cluster, "--listen", &listen, "--workers", "2"])
+            .args(["--max-body-bytes", &(64u64 << 20).to_string()])
+            .env_remove("RUST_LOG")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("run gpuplace serve"),
+    );
+    let healthz = format!("http://{listen}/healthz");
+    let until = Instant::now() + Duration::from_secs(30);
+    while !gpuplace::extender::http_client::get(&healthz, Duration::from_secs(2)).is_ok_and(|r| r.status == 200) {
+        assert!(Instant::now() < until, "gpuplace serve never answered /healthz");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let rss_kib = |pid: u32| -> u64 {
+        std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .ok()
+            .and_then(|s| {
+                s.lines().find_map(|l| l.strip_prefix("VmRSS:").map(|v| v.trim().trim_end_matches(" kB").to_string()))
+            })
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    let pid = child.0.id();
+    let before = rss_kib(pid);
+    let pod = r#"{"metadata":{"name":"big","namespace":"default","uid":"big-1"},"spec":{"containers":[{"name":"main","resources":{"limits":{"gpuplace.io/gpu":"1"}}}]}}"#;
+    let head = format!("{{\"Pod\":{pod},\"NodeNames\":[\"gpu-node-0\"]");
+    let started = Instant::now();
+    let uploads: Vec<_> = (0..16)
+        .map(|_| {
+            let (listen, head) = (listen.clone(), head.clone());
+            std::thread::spawn(move || -> String {
+                let mut c = std::net::TcpStream::connect(&listen).expect("connect");
+                c.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+                let mut send = || -> std::io::Result<()> {
+                    c.write_all(b"POST /gpuplace/filter HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n")?;
+                    c.write_all(format!("{:x}\r\n{head}\r\n", head.len()).as_bytes())?;
+                    let spaces = vec![b' '; 1 << 20];
+                    for _ in 0..60 {
+                        c.write_all(format!("{:x}\r\n", spaces.len()).as_bytes())?;
+                        c.write_all(&spaces)?;
+                        c.write_all(b"\r\n")?;
+                    }
+                    c.write_all(b"1\r\n}\r\n0\r\n\r\n")
+                };
+                if let Err(e) = send() {
+                    return format!("send: {e}");
+                }
+                let mut out = Vec::new();
+                let _ = c.read_to_end(&mut out);
+                String::from_utf8_lossy(&out).lines().next().unwrap_or_default().to_string()
+            })
+        })
+        .collect();
+    let (mut peak, mut probes, mut slowest) = (before, 0, Duration::ZERO);
+    while uploads.iter().any(|u| !u.is_finished()) {
+        peak = peak.max(rss_kib(pid));
+        let t = Instant::now();
+        let ok = gpuplace::extender::http_client::get(&healthz, Duration::from_secs(5)).is_ok_and(|r| r.status == 200);
+        assert!(ok, "/healthz did not answer during the uploads");
+        slowest = slowest.max(t.elapsed());
+        probes += 1;
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let answers: Vec<String> = uploads.into_iter().map(|u| u.join().unwrap()).collect();
+    println!(
+        "figure: 16 concurrent 60 MiB chunked filter uploads answered in {:.1} s; server RSS {} MiB before, peak {} MiB; {probes} probes, slowest {:?}",
+        started.elapsed().as_secs_f64(),
+        before / 1024,
+        peak / 1024,
+        slowest
+    );
+    assert!(answers.iter().all(|a| a.starts_with("HTTP/1.1 200")), "{answers:?}");
+    assert!(peak < 300 << 10, "peak RSS {} MiB", peak / 1024);
+}
