@@ -23,6 +23,9 @@
 //! target/release/examples/http_load --mode names --concurrency 1 --duration 10
 //! ```
 //!
+//! `--mode nodes` sends whole Node objects, about 25 MiB a request at 5,000 nodes: start the server
+//! with `--max-body-bytes 67108864` for it (the default, 4 MiB, is sized for names).
+//!
 //! The client is gpuplace's own blocking HTTP/1.1 client (`extender::http_client`) on one thread per
 //! connection: no new dependency, and a thread per connection is what a closed loop needs.
 
