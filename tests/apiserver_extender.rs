@@ -827,6 +827,9 @@ async fn unsigned_assignments_count_only_with_the_migration_flag_and_are_then_si
     ready(&strict.ext).await;
     assert_eq!(total_held(&strict.ext), 0);
     assert_eq!(strict.ext.metrics().conflicts(ConflictKind::BadAssignment), 2);
+    let accepting =
+        |ext: &Extender| ext.render_metrics().lines().any(|l| l == "gpuplace_accept_unsigned_assignments 1");
+    assert!(!accepting(&strict.ext), "the alert's gauge is 0 without the flag");
     strict.ctl.stop();
     drop(strict);
 
@@ -840,6 +843,7 @@ async fn unsigned_assignments_count_only_with_the_migration_flag_and_are_then_si
     let api = ApiOptions { instance: "migrating".into(), keys, ..ApiOptions::default() };
     let _ctl = run::start(client, ext.clone(), leadership, api);
     ready(&ext).await;
+    assert!(accepting(&ext), "GpuplaceUnsignedAssignmentsAccepted's gauge is 1 while unsigned ones are counted");
     assert_eq!(holders(&ext, "n1"), ["ns/p"]);
     assert!(holders(&ext, "n2").is_empty(), "a bad sig is never 'unsigned'");
     assert_eq!(ext.metrics().conflicts(ConflictKind::BadAssignment), 1);

@@ -245,6 +245,8 @@ pub struct Metrics {
     /// Counted assignments whose MAC is not the primary key's (or that are unsigned): set from the
     /// state at scrape time.
     signed_with_old_key: AtomicU64,
+    /// `--accept-unsigned-assignments` is on: unsigned assignments are counted.
+    accept_unsigned: std::sync::atomic::AtomicBool,
     /// GPU pods counted into the learned mix, and entries of the mix in use: set at scrape time.
     mix_observed: AtomicU64,
     mix_entries: AtomicU64,
@@ -346,6 +348,10 @@ impl Metrics {
     }
 
     /// Counted assignments not signed with the primary key (an old key can leave the Secret at 0).
+    pub fn set_accept_unsigned(&self, on: bool) {
+        self.accept_unsigned.store(on, Ordering::Relaxed);
+    }
+
     pub fn set_signed_with_old_key(&self, n: u64) {
         self.signed_with_old_key.store(n, Ordering::Relaxed);
     }
@@ -535,6 +541,17 @@ impl Metrics {
             "Counted assignments not signed with the primary key (or unsigned); the leader re-signs them. Remove an old key only at 0.",
         );
         let _ = writeln!(out, "gpuplace_assignments_signed_with_old_key {}", ld(&self.signed_with_old_key));
+        header(
+            &mut out,
+            "gpuplace_accept_unsigned_assignments",
+            "gauge",
+            "1 while --accept-unsigned-assignments is on: assignments without a signature are counted, so anyone who can edit a pod can forge one (migration only).",
+        );
+        let _ = writeln!(
+            out,
+            "gpuplace_accept_unsigned_assignments {}",
+            u8::from(self.accept_unsigned.load(Ordering::Relaxed))
+        );
         header(
             &mut out,
             "gpuplace_mix_entries",

@@ -329,7 +329,11 @@ impl Extender {
             names: NameOrder::default(),
             clock: AtomicI64::new(SYSTEM_CLOCK),
             binder,
-            metrics: Metrics::new(),
+            metrics: {
+                let m = Metrics::new();
+                m.set_accept_unsigned(opts.accept_unsigned);
+                m
+            },
             log: None,
             ready: AtomicBool::new(opts.ready),
             keys: RwLock::new(ephemeral_keys()),
