@@ -11,7 +11,6 @@
 //! pods are counted by reason class, never listed: the series grow with the GPUs in use, not with
 //! the pods that come and go.
 
-use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
@@ -19,6 +18,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::core::cluster::Cluster;
+use crate::extender::exposition::{escape, gauge, header};
 
 /// The four extender verbs, as metric label values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -528,37 +528,27 @@ impl Metrics {
         }
 
         let s = ClusterSummary::of(cluster);
-        header(&mut out, "gpuplace_ready", "gauge", "1 when the extender answers from a complete state.");
-        let _ = writeln!(out, "gpuplace_ready {}", u8::from(ready));
-        header(&mut out, "gpuplace_nodes", "gauge", "GPU nodes known.");
-        let _ = writeln!(out, "gpuplace_nodes {}", s.nodes);
-        header(&mut out, "gpuplace_pods_bound", "gauge", "Pods holding gpuplace GPUs.");
-        let _ = writeln!(out, "gpuplace_pods_bound {bound_pods}");
-        header(
+        gauge(&mut out, "gpuplace_ready", "1 when the extender answers from a complete state.", u8::from(ready));
+        gauge(&mut out, "gpuplace_nodes", "GPU nodes known.", s.nodes);
+        gauge(&mut out, "gpuplace_pods_bound", "Pods holding gpuplace GPUs.", bound_pods);
+        gauge(
             &mut out,
             "gpuplace_assignments_signed_with_old_key",
-            "gauge",
             "Counted assignments not signed with the primary key (or unsigned); the leader re-signs them. Remove an old key only at 0.",
+            ld(&self.signed_with_old_key),
         );
-        let _ = writeln!(out, "gpuplace_assignments_signed_with_old_key {}", ld(&self.signed_with_old_key));
-        header(
+        gauge(
             &mut out,
             "gpuplace_accept_unsigned_assignments",
-            "gauge",
             "1 while --accept-unsigned-assignments is on: assignments without a signature are counted, so anyone who can edit a pod can forge one (migration only).",
+            u8::from(self.accept_unsigned.load(Ordering::Relaxed)),
         );
-        let _ = writeln!(
-            out,
-            "gpuplace_accept_unsigned_assignments {}",
-            u8::from(self.accept_unsigned.load(Ordering::Relaxed))
-        );
-        header(
+        gauge(
             &mut out,
             "gpuplace_mix_entries",
-            "gauge",
             "Request types in the mix fragmentation is scored against (0: fragmentation not scored).",
+            ld(&self.mix_entries),
         );
-        let _ = writeln!(out, "gpuplace_mix_entries {}", ld(&self.mix_entries));
         header(
             &mut out,
             "gpuplace_reserve_classes",
@@ -685,14 +675,6 @@ fn render_pod_gpus(out: &mut String, cluster: &Cluster) {
     }
 }
 
-/// A label value as the text format wants it: backslash, double quote and newline escaped.
-fn escape(v: &str) -> Cow<'_, str> {
-    if !v.contains(['\\', '"', '\n']) {
-        return Cow::Borrowed(v);
-    }
-    Cow::Owned(v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n"))
-}
-
 impl Metrics {
     /// API-server mode's families: watch staleness and errors, leadership. Left out in static mode.
     fn render_apiserver(&self, out: &mut String) {
@@ -738,10 +720,6 @@ impl Metrics {
             let _ = writeln!(out, "gpuplace_leader {leader}");
         }
     }
-}
-
-fn header(out: &mut String, name: &str, kind: &str, help: &str) {
-    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
 }
 
 /// Totals over the cluster, for gauges and `/inspect`.
@@ -910,6 +888,5 @@ mod tests {
         let types: Vec<&str> = page.lines().filter(|l| l.starts_with("# TYPE ")).collect();
         let names: std::collections::BTreeSet<&str> = types.iter().map(|l| l.split(' ').nth(2).unwrap()).collect();
         assert_eq!(names.len(), types.len());
-        assert_eq!(escape("a\"b\\c\nd"), r#"a\"b\\c\nd"#);
     }
 }

@@ -13,7 +13,8 @@
 //! - [`forward`]: a replica that does not lead passes the verbs to the leader; [`tls`]: HTTPS and
 //!   client certificates on the extender's port.
 //! - [`reasons`]: the texts kube-scheduler shows (reasons that group across nodes, never a `%`).
-//! - [`metrics`], [`placement_log`], [`inspect`]: what operators and planners see.
+//! - [`metrics`], [`placement_log`], [`inspect`]: what operators and planners see; [`exposition`]:
+//!   the Prometheus text format's primitives.
 //! - [`mix`]: the typical request mix, learned from the pods seen (or fixed), and its state file.
 //! - [`groups`]: groups placed whole (gangs and `gpuplace.io/group` jobs): their plans and the
 //!   reservations that hold the plans' GPUs.
@@ -25,6 +26,7 @@ pub mod args_decoder;
 pub mod binder;
 pub mod body;
 pub mod clock;
+pub mod exposition;
 pub mod forward;
 pub mod groups;
 pub mod http;
