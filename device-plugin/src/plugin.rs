@@ -215,26 +215,26 @@ impl Plugin {
     }
 
     /// `pending` narrowed to the pods `list` shows the kubelet admitting; unchanged without a list,
-    /// or when it lists none of them waiting (a kubelet that lists pods only once they run).
+    /// or when it lists none of them waiting. The flag is that last case: a list read, none of
+    /// `pending` shown waiting (the kubelet admits a pod gpuplace did not place, once it is known to
+    /// list the pod it admits).
     fn narrow_to_admitting(
         &self,
         list: Option<&ListPodResourcesResponse>,
         pending: Vec<PendingPod>,
-    ) -> Vec<PendingPod> {
-        let Some(list) = list else { return pending };
+    ) -> (Vec<PendingPod>, bool) {
+        let Some(list) = list else { return (pending, false) };
         let now = admitting(list, &self.config.resource_name, &pending);
-        if !now.is_empty() {
-            self.lists_admitting.store(true, std::sync::atomic::Ordering::Relaxed);
-        }
         if now.is_empty() {
             tracing::debug!(waiting = pending.len(), "pod-resources shows none of the waiting pods being admitted");
-            return pending;
+            return (pending, true);
         }
+        self.lists_admitting.store(true, std::sync::atomic::Ordering::Relaxed);
         if now.len() > 1 {
             let pods: Vec<String> = now.iter().map(ToString::to_string).collect();
             tracing::warn!(pods = ?pods, "pod-resources lists several waiting pods without their devices");
         }
-        pending.into_iter().filter(|p| now.contains(&p.key)).collect()
+        (pending.into_iter().filter(|p| now.contains(&p.key)).collect(), false)
     }
 
     pub fn slots(&self) -> &SlotTable {
@@ -577,7 +577,7 @@ impl Plugin {
         };
         // one List for both views below: the kubelet is admitting the same pod meanwhile
         let list = self.admission_list().await;
-        let pending = self.narrow_to_admitting(list.as_ref(), pending);
+        let (pending, _) = self.narrow_to_admitting(list.as_ref(), pending);
         let free_gpus: BTreeSet<u32> = free.keys().copied().collect();
         {
             let claims = self.claims.lock().await;
@@ -594,7 +594,7 @@ impl Plugin {
                 return None;
             }
         };
-        let fresh = self.narrow_to_admitting(list.as_ref(), fresh);
+        let (fresh, _) = self.narrow_to_admitting(list.as_ref(), fresh);
         let claims = self.claims.lock().await;
         match_preference(size, &free_gpus, required, &fresh, &claims.claimed, claims.sticky.as_ref())
     }
@@ -668,19 +668,15 @@ impl Plugin {
         let live: HashSet<PodKey> = pending.iter().map(|p| p.key.clone()).collect();
         claims.claimed.retain(|(k, _)| live.contains(k));
         let list = self.admission_list().await;
-        if let Some(l) = &list {
+        let (pending, none_of_ours) = self.narrow_to_admitting(list.as_ref(), pending);
+        if none_of_ours && self.lists_admitting.load(std::sync::atomic::Ordering::Relaxed) {
             // a kubelet known to list the pod it admits, listing none of ours waiting: the pod it
             // admits has no gpuplace assignment (bound by nodeName or by another scheduler); any
             // assignment matched now would be another pod's, so that pod would lose its slice
-            if self.lists_admitting.load(std::sync::atomic::Ordering::Relaxed)
-                && admitting(l, &self.config.resource_name, &pending).is_empty()
-            {
-                let e = MatchError::NotPlaced { gpus: gpus.to_vec(), waiting: pending.len() };
-                tracing::warn!(error = %e, "Allocate refused");
-                return Err(Status::failed_precondition(e.to_string()));
-            }
+            let e = MatchError::NotPlaced { gpus: gpus.to_vec(), waiting: pending.len() };
+            tracing::warn!(error = %e, "Allocate refused");
+            return Err(Status::failed_precondition(e.to_string()));
         }
-        let pending = self.narrow_to_admitting(list.as_ref(), pending);
         let grant = match_allocation(gpus, &pending, &claims.claimed, claims.sticky.as_ref()).map_err(|e| match e {
             MatchError::NoMatch { .. } | MatchError::Ambiguous { .. } | MatchError::NotPlaced { .. } => {
                 Status::failed_precondition(e.to_string())

@@ -40,11 +40,12 @@ impl FakeKubelet {
         Self(kubelet::FakeKubelet::start(dir).expect("start fake kubelet"))
     }
 
-    /// The next Register call.
+    /// A kubelet whose socket refuses dials for its first `late` ([`kubelet::FakeKubelet::start_late`]).
     pub fn start_late(dir: &Path, late: Duration) -> Self {
         Self(kubelet::FakeKubelet::start_late(dir, late).expect("start fake kubelet"))
     }
 
+    /// The next Register call.
     pub async fn next_registration(&mut self) -> RegisterRequest {
         self.0.next_registration(WAIT).await.expect("no registration in time")
     }
