@@ -13,6 +13,8 @@ mod fleet;
 mod groups;
 mod netns;
 mod node;
+#[path = "../support/proc_usage.rs"]
+mod proc_usage;
 mod real_node;
 mod scale;
 #[path = "../support/tls.rs"]

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use gpuplace::core::annotations::{AssignedGpu, AssignmentAnnotation};
 use gpuplace::extender::inspect::InspectReport;
+use gpuplace::extender::metrics::BindOutcome;
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -602,11 +603,10 @@ async fn gpuplace_from_its_chart_and_images_on_a_real_node() {
     // how often a bind waited for the plugin to see an earlier pod's Allocate (pods with other limits
     // on one GPU), from the replica the Service routes to (the leader: it made every bind so far)
     if let Some((200, page)) = crate::fleet::http_get(to_extender.addr.port(), "/metrics") {
-        let binds: Vec<String> = page
-            .lines()
-            .filter_map(|l| l.strip_prefix("gpuplace_binds_total{result=\""))
-            .filter_map(|l| l.split_once("\"} "))
-            .filter(|(_, n)| n.trim() != "0")
+        let binds: Vec<String> = BindOutcome::ALL
+            .iter()
+            .map(|o| (o.name(), crate::counter(&page, "gpuplace_binds_total", &format!("result=\"{}\"", o.name()))))
+            .filter(|(_, n)| *n > 0.0)
             .map(|(r, n)| format!("{r} {n}"))
             .collect();
         figure(&format!("real node: the leading extender's binds so far by result: {}", binds.join(", ")));
