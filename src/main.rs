@@ -8,7 +8,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use gpuplace::apiserver::binder::KubeBinder;
 use gpuplace::apiserver::connect::ConnectArgs;
-use gpuplace::apiserver::keys::{KeyOptions, KeySecret, DEFAULT_KEY_SECRET_NAME};
+use gpuplace::apiserver::keys::{KeyOptions, KeySecret, DEFAULT_KEY_SECRET_NAME, DEFAULT_PUBLIC_KEYS_NAME};
 use gpuplace::apiserver::leader::LeaderConfig;
 use gpuplace::apiserver::run::ApiOptions;
 use gpuplace::core::cluster::Cluster;
@@ -148,14 +148,19 @@ struct ServeArgs {
     /// API-server mode: watch only Nodes with these labels (e.g. `nvidia.com/gpu.present=true`).
     #[arg(long, value_name = "SELECTOR")]
     node_selector: Option<String>,
-    /// API-server mode: namespace of the device plugins' utilization ConfigMaps (default:
-    /// $POD_NAMESPACE, else gpuplace-system).
-    #[arg(long, value_name = "NAMESPACE")]
-    utilization_namespace: Option<String>,
+    /// API-server mode: namespace of the device plugins' utilization ConfigMaps, one of their own
+    /// (the device plugins' --utilization-namespace).
+    #[arg(long, value_name = "NAMESPACE", default_value = gpuplace::core::utilization_configmap::DEFAULT_UTILIZATION_NAMESPACE)]
+    utilization_namespace: String,
     /// API-server mode: the Secret holding the keys that sign assignments, NAMESPACE/NAME (default:
     /// $POD_NAMESPACE, else gpuplace-system, /gpuplace-assignment-keys); created when absent.
     #[arg(long, value_name = "NAMESPACE/NAME", conflicts_with = "cluster")]
     assignment_key_secret: Option<KeySecret>,
+    /// API-server mode: the ConfigMap the leader publishes the assignment keys' public halves in,
+    /// which the device plugins verify with, NAMESPACE/NAME (default: the key Secret's namespace,
+    /// /gpuplace-assignment-public-keys).
+    #[arg(long, value_name = "NAMESPACE/NAME", conflicts_with = "cluster")]
+    assignment_public_keys: Option<KeySecret>,
     /// API-server mode: also count assignments with no signature at all (never a bad one), for one
     /// upgrade from a version that did not sign; drop it once gpuplace_assignments_signed_with_old_key is 0.
     #[arg(long, conflicts_with = "cluster")]
@@ -357,8 +362,8 @@ fn env_nonempty(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.is_empty())
 }
 
-/// Where the Lease, the key Secret and the utilization ConfigMaps are when no flag says: the pod's
-/// own namespace, else gpuplace-system.
+/// Where the Lease and the key Secret are when no flag says: the pod's own namespace, else
+/// gpuplace-system.
 fn own_namespace() -> String {
     env_nonempty("POD_NAMESPACE").unwrap_or_else(|| gpuplace::core::DEFAULT_NAMESPACE.into())
 }
@@ -441,7 +446,7 @@ fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
         None
     };
     let elect = leader.is_some();
-    let utilization_namespace = args.utilization_namespace.clone().unwrap_or_else(own_namespace);
+    let utilization_namespace = args.utilization_namespace.clone();
     let key_secret = args
         .assignment_key_secret
         .clone()
@@ -455,7 +460,14 @@ fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
         leader,
         instance: identity.clone(),
         utilization_namespace: Some(utilization_namespace),
-        keys: KeyOptions { secret: key_secret.clone(), ..KeyOptions::default() },
+        keys: KeyOptions {
+            public_keys: args.assignment_public_keys.clone().unwrap_or_else(|| KeySecret {
+                namespace: key_secret.namespace.clone(),
+                name: DEFAULT_PUBLIC_KEYS_NAME.into(),
+            }),
+            secret: key_secret.clone(),
+            ..KeyOptions::default()
+        },
     };
     let http = HttpOptions {
         prefix: args.prefix.clone(),

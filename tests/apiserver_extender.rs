@@ -17,7 +17,7 @@ use gpuplace::core::annotations::{
     ANNOTATION_ASSIGNMENT, ANNOTATION_REQUEUED, ANNOTATION_UTILIZATION,
 };
 use gpuplace::core::cluster::Cluster;
-use gpuplace::core::signing::KeyRing;
+use gpuplace::core::signing::{KeyRing, PublicKeys};
 use gpuplace::core::utilization_configmap::{configmap_name, data, labels};
 use gpuplace::extender::binder::{BindError, BindRequest, Binder};
 use gpuplace::extender::clock::now_unix_ms;
@@ -562,7 +562,13 @@ fn put_keys(fake: &FakeApiServer, data: BTreeMap<String, Vec<u8>>) {
     fake.put(&secret);
 }
 
-/// The id of the key whose MAC the pod's assignment carries.
+/// The public-key ConfigMap the leader publishes.
+fn public_keys(fake: &FakeApiServer) -> Option<PublicKeys> {
+    let cm: ConfigMap = fake.get("gpuplace-system", "gpuplace-assignment-public-keys")?;
+    PublicKeys::from_configmap_data(&cm.data.unwrap_or_default()).ok()
+}
+
+/// The id of the key whose signature the pod's assignment carries.
 fn signer(fake: &FakeApiServer, pod: &str) -> Option<String> {
     let sig = AssignmentAnnotation::parse(&annotation(fake, pod)?).ok()?.sig?;
     sig.split_once(':').map(|(id, _)| id.to_string())
@@ -630,7 +636,7 @@ async fn forged_assignments_never_take_the_place_of_genuine_ones() {
     settle().await;
     let not_signed = "not signed by gpuplace's assignment key";
     for (pod, why) in [
-        ("a-forge", "the MAC does not match"),
+        ("a-forge", "the signature does not verify"),
         ("a-unsigned", "it has no `sig`"),
         ("a-badsig", "which is not in the key Secret"),
     ] {
@@ -698,7 +704,7 @@ async fn the_key_secret_is_created_when_absent_and_shared_by_two_replicas() {
     let keys = key_ring(&fake).expect("the Secret was created");
     assert_eq!(keys.ids(), [keys.primary()], "one key");
     let secret: Secret = fake.get("gpuplace-system", KEY_SECRET).unwrap();
-    assert_eq!(secret.data.unwrap()[&format!("key.{}", keys.primary())].0.len(), 32);
+    assert_eq!(secret.data.unwrap()[&format!("ed25519.{}", keys.primary())].0.len(), 32);
     assert_eq!(a.ext.key_ring().as_deref(), Some(&keys));
     assert_eq!(b.ext.key_ring().as_deref(), Some(&keys));
     let creates: Vec<u16> = fake
@@ -716,6 +722,8 @@ async fn the_key_secret_is_created_when_absent_and_shared_by_two_replicas() {
     }
 
     eventually("one ready", || a.ext.is_ready() || b.ext.is_ready()).await;
+    // the leader publishes the public halves, which the device plugins verify with
+    eventually("public keys published", || public_keys(&fake) == Some(keys.public_keys())).await;
     let (leader, standby) = if a.ext.is_ready() { (&a, &b) } else { (&b, &a) };
     assert_eq!(bind(&leader.ext, &p, "n1").await, "");
     eventually("the standby verifies and counts the leader's bind", || holders(&standby.ext, "n1") == ["ns/p"]).await;
@@ -728,19 +736,19 @@ async fn the_key_secret_is_created_when_absent_and_shared_by_two_replicas() {
 async fn a_malformed_key_secret_keeps_the_replica_unready() {
     let fake = FakeApiServer::start().await.unwrap();
     fake.put(&gpu_node("n1", 1));
-    put_keys(&fake, BTreeMap::from([("primary".into(), b"k1".to_vec()), ("key.k1".into(), vec![7; 16])]));
+    put_keys(&fake, BTreeMap::from([("primary".into(), b"k1".to_vec()), ("ed25519.k1".into(), vec![7; 16])]));
     let r = replica(&fake, None);
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!r.ext.is_ready() && !r.ctl.readiness.is_rebuilt() && !r.ctl.readiness.keys_loaded());
-    put_keys(&fake, BTreeMap::from([("key.k1".into(), vec![7; 32])]));
+    put_keys(&fake, BTreeMap::from([("ed25519.k1".into(), vec![7; 32])]));
     settle().await;
     assert!(!r.ext.is_ready(), "no primary");
-    put_keys(&fake, BTreeMap::from([("primary".into(), b"k1".to_vec()), ("key.k1".into(), vec![7; 32])]));
+    put_keys(&fake, BTreeMap::from([("primary".into(), b"k1".to_vec()), ("ed25519.k1".into(), vec![7; 32])]));
     ready(&r.ext).await;
     assert_eq!(r.ext.key_ring().unwrap().primary(), "k1");
     assert_eq!(key_ring(&fake).unwrap().primary(), "k1", "an existing Secret is never replaced");
     // broken again while running: unready, nothing counted is lost
-    put_keys(&fake, BTreeMap::from([("primary".into(), b"k2".to_vec()), ("key.k1".into(), vec![7; 32])]));
+    put_keys(&fake, BTreeMap::from([("primary".into(), b"k2".to_vec()), ("ed25519.k1".into(), vec![7; 32])]));
     eventually("unready", || !r.ext.is_ready()).await;
 }
 
@@ -785,7 +793,7 @@ async fn a_rotation_re_signs_old_records_which_survive_the_old_keys_removal() {
 
     // the old key leaves the Secret; a restarted replica counts every record
     let mut data = new.to_secret_data();
-    data.remove(&format!("key.{}", old.primary()));
+    data.remove(&format!("ed25519.{}", old.primary()));
     put_keys(&fake, data);
     eventually("old key gone", || r.ext.key_ring().is_some_and(|k| k.ids() == [new.primary()])).await;
     r.ctl.stop();
@@ -851,6 +859,54 @@ async fn unsigned_assignments_count_only_with_the_migration_flag_and_are_then_si
     eventually("p signed", || signer(&fake, "p").as_deref() == Some(primary.as_str())).await;
     eventually("nothing left to sign", || old_key_gauge(&ext) == "0").await;
     assert_eq!(holders(&ext, "n1"), ["ns/p"]);
+}
+
+/// The upgrade from a version that signed with HMAC: its Secret gets an Ed25519 primary (the HMAC
+/// key kept, verifying the records it made), every record stays counted, the leader re-signs them
+/// with the new key, and the plugins' ConfigMap holds only keys they can verify with.
+#[tokio::test]
+async fn a_legacy_hmac_ring_is_upgraded_and_its_records_re_signed() {
+    let fake = FakeApiServer::start().await.unwrap();
+    fake.put(&gpu_node("n1", 2));
+    let pods: Vec<Pod> = ["p", "q"].iter().map(|n| fake.put(&gpu_pod(n, whole(1)))).collect();
+    let first = replica(&fake, None);
+    ready(&first.ext).await;
+    for p in &pods {
+        assert_eq!(bind(&first.ext, p, "n1").await, "");
+    }
+    first.ctl.stop();
+    drop(first);
+    // what the HMAC version left: its Secret, and its MACs on the records
+    let legacy = vec![9u8; 48];
+    put_keys(&fake, BTreeMap::from([("primary".into(), b"old".to_vec()), ("key.old".into(), legacy.clone())]));
+    for name in ["p", "q"] {
+        let mut pod: Pod = fake.get("ns", name).unwrap();
+        let a = AssignmentAnnotation::parse(&annotation(&fake, name).unwrap()).unwrap();
+        let tag = ring::hmac::sign(&ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &legacy), &a.canonical_message());
+        let sig = format!("old:{}", base64::Engine::encode(&base64::engine::general_purpose::URL_SAFE_NO_PAD, tag));
+        let a = AssignmentAnnotation { sig: Some(sig), ..a };
+        pod.metadata.annotations.as_mut().unwrap().insert(ANNOTATION_ASSIGNMENT.into(), a.to_json());
+        fake.put(&pod);
+    }
+
+    let r = replica(&fake, None);
+    ready(&r.ext).await;
+    let ring = key_ring(&fake).expect("the Secret holds an upgraded ring");
+    assert_ne!(ring.primary(), "old");
+    assert_eq!(ring.to_secret_data()["key.old"], legacy, "the legacy key is kept");
+    assert_eq!(holders(&r.ext, "n1"), ["ns/p", "ns/q"], "HMAC records stay counted");
+    assert_eq!(r.ext.metrics().conflicts(ConflictKind::BadAssignment), 0);
+    eventually("re-signed", || {
+        ["p", "q"].iter().all(|n| signer(&fake, n).as_deref() == Some(ring.primary())) && old_key_gauge(&r.ext) == "0"
+    })
+    .await;
+    eventually("published", || public_keys(&fake).is_some_and(|k| k.ids() == [ring.primary()])).await;
+    let public = public_keys(&fake).unwrap();
+    for name in ["p", "q"] {
+        let a = AssignmentAnnotation::parse(&annotation(&fake, name).unwrap()).unwrap();
+        assert_eq!(a.verify(&public).unwrap(), ring.primary(), "{name}: a plugin verifies it");
+    }
+    assert_eq!(holders(&r.ext, "n1"), ["ns/p", "ns/q"]);
 }
 
 #[tokio::test]

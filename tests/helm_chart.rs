@@ -41,13 +41,16 @@ mod yaml_files;
 
 /// The plain files (under `scheduler-config/`) that the default rendering reproduces, and nothing else.
 const DEFAULT_FILES: &[&str] = &[
+    "extender/admission-policy.yaml",
     "extender/deployment.yaml",
     "extender/flowschema.yaml",
     "extender/networkpolicy.yaml",
     "extender/pdb.yaml",
     "extender/rbac.yaml",
     "extender/service.yaml",
+    "device-plugin/admission-policy.yaml",
     "device-plugin/daemonset.yaml",
+    "device-plugin/namespace.yaml",
     "device-plugin/rbac.yaml",
     "second-profile/gpuplace-scheduler.yaml",
 ];
@@ -324,9 +327,11 @@ fn every_plain_file_is_accounted_for() {
 fn the_default_rendering_is_the_plain_manifests() {
     let rendered = by_key(render(&[]), "helm template");
     assert_same_objects("default values", &plain_objects(DEFAULT_FILES), &rendered);
-    // nothing the default rendering applies needs a CRD, nor a namespace of its own
+    // nothing the default rendering applies needs a CRD; the only Namespace is the utilization one
+    // (the release's comes from `helm install --create-namespace`)
     for k in rendered.keys() {
-        assert!(!k.contains("monitoring.coreos.com") && !k.contains(" Namespace "), "{k} in the default rendering");
+        let other_namespace = k.contains(" Namespace ") && !k.contains("gpuplace-utilization");
+        assert!(!k.contains("monitoring.coreos.com") && !other_namespace, "{k} in the default rendering");
     }
     assert_extender_args_parse(find(&render(&[]), "Deployment", "gpuplace-extender"));
 }
@@ -508,7 +513,7 @@ fn every_option() -> Vec<String> {
     let mut v = values(&[
         "namespace.create=true",
         "imagePullSecrets[0].name=regcred",
-        "utilizationNamespace=gpuplace-utilization",
+        "utilizationNamespace=gpu-util",
         "extender.image.repository=registry.example.com/gpuplace",
         "extender.image.tag=v0.1.0",
         "extender.logFormat=json",
@@ -546,7 +551,7 @@ fn every_option_renders_and_the_extender_arguments_parse() {
     assert_extender_args_parse(dep);
     let args = strings(&dep["spec"]["template"]["spec"]["containers"][0]["args"]);
     for a in [
-        "--utilization-namespace=gpuplace-utilization",
+        "--utilization-namespace=gpu-util",
         "--assignment-key-secret=gpuplace-keys/keys",
         "--nodes-to-score=0",
         "--mix-state=/var/lib/gpuplace/mix-state.json",
@@ -555,17 +560,24 @@ fn every_option_renders_and_the_extender_arguments_parse() {
         assert!(args.iter().any(|x| x == a), "{a} not in {args:?}");
     }
     // the Roles follow the namespaces and the Secret's name the binaries are given
-    assert_eq!(find(&docs, "Role", "gpuplace-extender-utilization")["metadata"]["namespace"], "gpuplace-utilization");
+    assert_eq!(find(&docs, "Role", "gpuplace-extender-utilization")["metadata"]["namespace"], "gpu-util");
+    assert_eq!(find(&docs, "Role", "gpuplace-device-plugin-utilization")["metadata"]["namespace"], "gpu-util");
     assert_eq!(
-        find(&docs, "Role", "gpuplace-device-plugin-utilization")["metadata"]["namespace"],
-        "gpuplace-utilization"
+        find(&docs, "Namespace", "gpu-util")["metadata"]["labels"]["pod-security.kubernetes.io/enforce"],
+        "restricted"
     );
+    assert_eq!(find(&docs, "Role", "gpuplace-device-plugin-public-keys")["metadata"]["namespace"], "gpuplace-keys");
+    // the admission policy follows the key Secret's namespace and name
+    let policy = find(&docs, "ValidatingAdmissionPolicy", "gpuplace-extender-scope").to_string();
+    assert!(policy.contains("request.namespace == 'gpuplace-keys' && object.metadata.name == 'keys'"), "{policy}");
     let keys = find(&docs, "Role", "gpuplace-extender-assignment-keys");
     assert_eq!(keys["metadata"]["namespace"], "gpuplace-keys");
     assert!(keys["rules"].as_array().unwrap().iter().any(|r| strings(&r["resourceNames"]) == ["keys"]), "{keys}");
     let ds = find(&docs, "DaemonSet", "gpuplace-device-plugin");
     let dargs = strings(&ds["spec"]["template"]["spec"]["containers"][0]["args"]);
-    assert!(dargs.contains(&"--utilization-namespace=gpuplace-utilization".to_string()), "{dargs:?}");
+    assert!(dargs.contains(&"--utilization-namespace=gpu-util".to_string()), "{dargs:?}");
+    let public = "--assignment-public-keys=gpuplace-keys/gpuplace-assignment-public-keys".to_string();
+    assert!(dargs.contains(&public), "{dargs:?}");
     assert!(dargs.contains(&"--no-assignments".to_string()) && dargs.contains(&"--slots-per-gpu=20".to_string()));
     for kind in ["ServiceMonitor", "PodMonitor", "PrometheusRule"] {
         let o = docs.iter().find(|d| d["kind"] == kind).unwrap_or_else(|| panic!("{kind}"));

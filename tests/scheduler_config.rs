@@ -7,9 +7,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpuplace::apiserver::keys::{KeySecret, DEFAULT_KEY_SECRET_NAME};
+use gpuplace::apiserver::keys::{KeySecret, DEFAULT_KEY_SECRET_NAME, DEFAULT_PUBLIC_KEYS_NAME};
 use gpuplace::core::inventory::load_cluster;
 use gpuplace::core::resources::{RESOURCE_GPU, RESOURCE_GPU_CORE, RESOURCE_GPU_MEM};
+use gpuplace::core::utilization_configmap::DEFAULT_UTILIZATION_NAMESPACE;
 use gpuplace::core::DEFAULT_NAMESPACE;
 use gpuplace::extender::binder::RecordingBinder;
 use gpuplace::extender::http::{spawn, HttpOptions, DEFAULT_LISTEN, DEFAULT_PREFIX};
@@ -285,11 +286,12 @@ fn extender_deployment_service_and_device_plugin_agree_with_the_code() {
     let env = pod["containers"][0]["env"].as_sequence().unwrap();
     let node_name = env.iter().find(|e| e["name"].as_str() == Some("NODE_NAME")).expect("NODE_NAME");
     assert_eq!(node_name["valueFrom"]["fieldRef"]["fieldPath"].as_str(), Some("spec.nodeName"));
-    // the utilization ConfigMaps' namespace: the plugin's own, which is the one the extender watches
-    // (its POD_NAMESPACE) and the one the Roles below grant
-    let pod_ns = env.iter().find(|e| e["name"].as_str() == Some("POD_NAMESPACE")).expect("POD_NAMESPACE");
-    assert_eq!(pod_ns["valueFrom"]["fieldRef"]["fieldPath"].as_str(), Some("metadata.namespace"));
+    // the utilization ConfigMaps' namespace is both binaries' default, one of its own, which the
+    // Roles below grant and device-plugin/namespace.yaml creates
+    assert!(env.iter().all(|e| e["name"].as_str() != Some("POD_NAMESPACE")), "the plugin reads no POD_NAMESPACE");
     assert_eq!(ds["metadata"]["namespace"].as_str(), Some(NAMESPACE));
+    let util_ns = named(&docs, "Namespace", DEFAULT_UTILIZATION_NAMESPACE);
+    assert_eq!(util_ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"].as_str(), Some("restricted"));
     assert_eq!(DEFAULT_NAMESPACE, NAMESPACE);
     let tolerated: Vec<&str> =
         pod["tolerations"].as_sequence().unwrap().iter().filter_map(|t| t["key"].as_str()).collect();
@@ -315,19 +317,25 @@ fn extender_deployment_service_and_device_plugin_agree_with_the_code() {
         ("gpuplace-extender-utilization", SERVICE, vec!["list", "watch"]),
     ] {
         let r = named(&docs, "Role", role);
-        assert_eq!(r["metadata"]["namespace"].as_str(), Some(NAMESPACE), "{role}");
+        assert_eq!(r["metadata"]["namespace"].as_str(), Some(DEFAULT_UTILIZATION_NAMESPACE), "{role}");
         let verbs: Vec<String> = verbs.into_iter().map(String::from).collect();
         assert_eq!(role_rules(r), [("configmaps".to_string(), verbs)], "{role}");
         let rule = &r["rules"][0];
         assert_eq!(rule["apiGroups"][0].as_str(), Some(""), "{role}: the core group");
         assert!(rule["resourceNames"].is_null(), "{role}: the names are per node, not listable here");
         let b = named(&docs, "RoleBinding", role);
-        assert_eq!(b["metadata"]["namespace"].as_str(), Some(NAMESPACE), "{role}");
+        assert_eq!(b["metadata"]["namespace"].as_str(), Some(DEFAULT_UTILIZATION_NAMESPACE), "{role}");
         assert_eq!((b["roleRef"]["kind"].as_str(), b["roleRef"]["name"].as_str()), (Some("Role"), Some(role)));
         let subject = &b["subjects"][0];
         assert_eq!(subject["name"].as_str(), Some(account), "{role}");
         assert_eq!(subject["namespace"].as_str(), Some(NAMESPACE), "{role}");
     }
+
+    // the extender's public keys: read by name only, where the extender publishes them
+    let r = named(&docs, "Role", "gpuplace-device-plugin-public-keys");
+    assert_eq!(r["metadata"]["namespace"].as_str(), Some(NAMESPACE));
+    assert_eq!(role_rules(r), [("configmaps".to_string(), vec!["get".into(), "list".into(), "watch".into()])]);
+    assert_eq!(r["rules"][0]["resourceNames"][0].as_str(), Some(DEFAULT_PUBLIC_KEYS_NAME));
 
     // every ServiceAccount a workload runs as exists, in its namespace
     for (k, name) in
@@ -359,9 +367,10 @@ fn role_rules(role: &Value) -> Vec<(String, Vec<String>)> {
 }
 
 /// The extender's access to its key Secret is exactly what `src/apiserver/keys.rs` does: create it
-/// when absent (RBAC cannot name a create), and read it by name only (GET; LIST and WATCH with the
-/// field selector `metadata.name`, which is what lets `resourceNames` authorize them). Nothing
-/// else may touch Secrets: the ClusterRole has no rule on them.
+/// when absent (RBAC cannot name a create), read it by name only (GET; LIST and WATCH with the
+/// field selector `metadata.name`, which is what lets `resourceNames` authorize them), and update
+/// it once to upgrade a legacy ring; and it creates, reads and updates the public-key ConfigMap.
+/// Nothing else may touch Secrets: the ClusterRole has no rule on them.
 #[test]
 fn the_extender_reads_only_its_key_secret() {
     let docs = documents();
@@ -387,7 +396,9 @@ fn the_extender_reads_only_its_key_secret() {
         rules,
         [
             (s(&[""]), s(&["secrets"]), s(&[]), s(&["create"])),
-            (s(&[""]), s(&["secrets"]), s(&[DEFAULT_KEY_SECRET_NAME]), s(&["get", "list", "watch"])),
+            (s(&[""]), s(&["secrets"]), s(&[DEFAULT_KEY_SECRET_NAME]), s(&["get", "list", "watch", "update"])),
+            (s(&[""]), s(&["configmaps"]), s(&[]), s(&["create"])),
+            (s(&[""]), s(&["configmaps"]), s(&[DEFAULT_PUBLIC_KEYS_NAME]), s(&["get", "update"])),
         ]
     );
     let b = named(&docs, "RoleBinding", "gpuplace-extender-assignment-keys");

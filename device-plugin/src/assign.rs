@@ -132,6 +132,12 @@ pub trait AssignmentSource: Send + Sync {
     /// their devices (marked, and no longer unconfirmed), `unmark` did not (no longer marked, so
     /// their own admission matches them).
     async fn correct_allocated(&self, pod: &PodKey, confirm: &[String], unmark: &[String]) -> Result<(), SourceError>;
+    /// The pods the last [`refresh`](Self::refresh) left out because their assignment cannot be
+    /// applied (unsigned, altered, invalid, or a GPU another pod holds exclusively), as
+    /// `namespace/name: why`: what a refused Allocate tells the pod it may be about.
+    fn skipped(&self) -> Vec<String> {
+        Vec::new()
+    }
 }
 
 /// Containers a pod still waits to be allocated, in kubelet's order (`core::admission`), each with its

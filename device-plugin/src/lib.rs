@@ -6,6 +6,7 @@
 //! - [`plugin`]: the `DevicePlugin` gRPC service: ListAndWatch with health, GetPreferredAllocation
 //!   with the core's set search, Allocate.
 //! - [`assign`]: pod identity at admission: the [`assign::AssignmentSource`] seam and the matching rules.
+//! - [`exclusive`]: no GPU one pod holds exclusively is handed to another.
 //! - [`admitting`]: the pod the kubelet is admitting, from its pod-resources `List`.
 //! - [`server`]: the unix socket, registration with kubelet and re-registration.
 //! - [`unix_socket`]: a gRPC client channel over a unix socket.
@@ -27,6 +28,7 @@ pub mod admitting;
 pub mod assign;
 pub mod crosscheck;
 pub mod discover;
+pub mod exclusive;
 pub mod k8s;
 pub mod kubelet_api;
 pub mod metrics;

@@ -14,8 +14,10 @@ use gpuplace_device_plugin::assign::AssignmentSource;
 use gpuplace_device_plugin::k8s::assignments::KubeAssignments;
 use gpuplace_device_plugin::k8s::events::PluginEvents;
 use gpuplace_device_plugin::k8s::inventory::cluster_node;
+use gpuplace_device_plugin::k8s::keys::AssignmentKeys;
 use gpuplace_device_plugin::k8s::node::NodeSync;
 use gpuplace_device_plugin::k8s::utilization::KubeUtilizationSink;
+use gpuplace_device_plugin::k8s::CALL_TIMEOUT;
 use gpuplace_device_plugin::kubelet_api::DEFAULT_DEVICE_PLUGIN_DIR;
 use gpuplace_device_plugin::metrics::{self, MetricsSource, DEFAULT_METRICS_LISTEN};
 use gpuplace_device_plugin::nvml::fake::{FakeBackend, FakeScript};
@@ -100,10 +102,15 @@ struct Cli {
     /// Publish utilization at most this often, however much it moves (bounds API writes).
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration, global = true)]
     publish_min_interval: Duration,
-    /// Namespace of this node's utilization ConfigMap (default: $POD_NAMESPACE, set from the downward
-    /// API in the DaemonSet, else gpuplace-system); the extender watches the same one.
-    #[arg(long, value_name = "NAMESPACE", global = true)]
-    utilization_namespace: Option<String>,
+    /// Namespace of this node's utilization ConfigMap, one of their own; the extender watches the
+    /// same one (its --utilization-namespace).
+    #[arg(long, value_name = "NAMESPACE", default_value = gpuplace::core::utilization_configmap::DEFAULT_UTILIZATION_NAMESPACE, global = true)]
+    utilization_namespace: String,
+    /// The ConfigMap with the public keys that verify the extender's assignment signatures,
+    /// NAMESPACE/NAME (the extender's leader publishes it; an assignment that does not verify is
+    /// never applied).
+    #[arg(long, value_name = "NAMESPACE/NAME", default_value = "gpuplace-system/gpuplace-assignment-public-keys", value_parser = parse_namespaced, global = true)]
+    assignment_public_keys: (String, String),
     /// Log lines on stderr as text (ANSI colours only on a terminal) or as JSON objects, one per
     /// line, for a log collector. RUST_LOG filters either (default info).
     #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true)]
@@ -146,14 +153,11 @@ fn node_name(cli: &Cli) -> Option<String> {
     cli.node_name.clone().or_else(|| std::env::var("NODE_NAME").ok()).filter(|n| !n.trim().is_empty())
 }
 
-/// `--utilization-namespace`, else `POD_NAMESPACE`, else gpuplace-system.
-fn utilization_namespace(cli: &Cli) -> String {
-    let nonempty = |n: &String| !n.trim().is_empty();
-    cli.utilization_namespace
-        .clone()
-        .filter(nonempty)
-        .or_else(|| std::env::var("POD_NAMESPACE").ok().filter(nonempty))
-        .unwrap_or_else(|| gpuplace::core::DEFAULT_NAMESPACE.into())
+fn parse_namespaced(s: &str) -> Result<(String, String), String> {
+    match s.split_once('/') {
+        Some((ns, name)) if !ns.is_empty() && !name.is_empty() && !name.contains('/') => Ok((ns.into(), name.into())),
+        _ => Err(format!("{s:?} is not NAMESPACE/NAME")),
+    }
 }
 
 /// The `Hostname` label: the node name when known, as dcgm-exporter does under Kubernetes.
@@ -237,7 +241,9 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
         Some((client, node)) => {
             let model = cluster_node(&inventory, node, cli.slots_per_gpu)
                 .map_err(|e| format!("this node's GPUs as the extender sees them: {e}"))?;
-            Some(KubeAssignments::start(client.clone(), node, model, telemetry.clone()))
+            let (ns, name) = &cli.assignment_public_keys;
+            let keys = AssignmentKeys::watch(client.clone(), ns, name, telemetry.clone(), CALL_TIMEOUT);
+            Some(KubeAssignments::start(client.clone(), node, model, keys, telemetry.clone()))
         }
         None => None,
     };
@@ -274,7 +280,7 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
                 cli.node_sync_interval,
             );
             node_sync = Some(rt.spawn(sync.run()));
-            let namespace = utilization_namespace(cli);
+            let namespace = cli.utilization_namespace.clone();
             let sink = KubeUtilizationSink::new(client.clone(), node, &namespace, telemetry.clone());
             tracing::info!(namespace = %namespace, configmap = %sink.name(), "utilization published to a ConfigMap");
             Arc::new(sink)

@@ -159,6 +159,22 @@ fn status_from_slot(e: SlotError) -> Status {
     Status::invalid_argument(e.to_string())
 }
 
+/// Pods named in a refusal's message at most; the rest are counted.
+const SKIPPED_NAMED: usize = 4;
+
+/// `message`, plus the pods whose assignment is not applied (the refused pod may be one of them, and
+/// this says why).
+fn with_skipped(message: String, skipped: &[String]) -> String {
+    if skipped.is_empty() {
+        return message;
+    }
+    let mut named = skipped.iter().take(SKIPPED_NAMED).cloned().collect::<Vec<_>>().join("; ");
+    if skipped.len() > SKIPPED_NAMED {
+        named.push_str(&format!("; and {} more", skipped.len() - SKIPPED_NAMED));
+    }
+    format!("{message}. Assignments on this node not applied: {named}")
+}
+
 impl Plugin {
     /// `source`: where pod assignments come from; `None` runs without the extender (kubelet's slots
     /// decide the GPUs, no per-pod limits), as the plugin does until the Kubernetes source exists.
@@ -678,9 +694,8 @@ impl Plugin {
             return Err(Status::failed_precondition(e.to_string()));
         }
         let grant = match_allocation(gpus, &pending, &claims.claimed, claims.sticky.as_ref()).map_err(|e| match e {
-            MatchError::NoMatch { .. } | MatchError::Ambiguous { .. } | MatchError::NotPlaced { .. } => {
-                Status::failed_precondition(e.to_string())
-            }
+            MatchError::NoMatch { .. } => Status::failed_precondition(with_skipped(e.to_string(), &source.skipped())),
+            MatchError::Ambiguous { .. } | MatchError::NotPlaced { .. } => Status::failed_precondition(e.to_string()),
             MatchError::Source(e) => Status::unavailable(e.to_string()),
         })?;
         // not marked means a restarted plugin could match the container again: refuse instead

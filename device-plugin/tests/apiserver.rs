@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::kubelet::FakePodResources;
-use common::{allocate, topology, Harness, SlotIds, WAIT};
+use common::{allocate, assignment_keys, public_keys_configmap, topology, Harness, SlotIds, WAIT};
 use gpuplace::core::annotations::{
     AllocatedAnnotation, AllocationCounts, AssignmentAnnotation, GpuUtilization, NodeInventory, UtilizationAnnotation,
     ANNOTATION_ALLOCATED, ANNOTATION_ALLOCATION_COUNTS, ANNOTATION_ASSIGNMENT, ANNOTATION_INVENTORY,
@@ -24,6 +24,7 @@ use gpuplace_device_plugin::k8s::events::{
     PluginEvents, CONTROLLER, REASON_CORRECTED, REASON_MISMATCH, REASON_SKIPPED,
 };
 use gpuplace_device_plugin::k8s::inventory::cluster_node;
+use gpuplace_device_plugin::k8s::keys::AssignmentKeys;
 use gpuplace_device_plugin::k8s::node::{NodeSync, Reconciled};
 use gpuplace_device_plugin::k8s::utilization::KubeUtilizationSink;
 use gpuplace_device_plugin::kubelet_api::podresources::{
@@ -124,7 +125,7 @@ async fn bind(fake: &FakeApiServer, pod: Pod, containers: Vec<(&str, bool, Vec<G
         group: None,
     };
     let ann = AssignmentAnnotation::from_assignment(&record, &uid, &model(), seq).unwrap();
-    bind_raw(fake, &ns, &name, &ann.to_json()).await;
+    bind_raw(fake, &ns, &name, &ann.signed(&assignment_keys()).to_json()).await;
     uid
 }
 
@@ -191,18 +192,25 @@ async fn preferred(c: &mut DevicePluginClient<Channel>, available: Vec<String>, 
     c.get_preferred_allocation(req).await.unwrap().into_inner().container_responses.remove(0).device_i_ds
 }
 
-/// The plugin with a Kubernetes assignment source, serving the fake kubelet.
+/// The plugin with a Kubernetes assignment source, serving the fake kubelet; the extender's public
+/// keys published at the default place and watched there.
 async fn harness(fake: &FakeApiServer, k: u32) -> (Harness, Arc<KubeAssignments>, Arc<Telemetry>) {
     let telemetry = Telemetry::new(8, false);
     telemetry.enable_api();
+    if fake.get::<ConfigMap>("gpuplace-system", "gpuplace-assignment-public-keys").is_none() {
+        fake.put(&public_keys_configmap());
+    }
     // a short limit per call keeps the outage test short (the plugin's default is 5 s)
-    let source = KubeAssignments::start_with_timeout(
-        fake.client().unwrap(),
-        NODE,
-        model(),
+    let timeout = Duration::from_secs(1);
+    let client = fake.client().unwrap();
+    let keys = AssignmentKeys::watch(
+        client.clone(),
+        "gpuplace-system",
+        "gpuplace-assignment-public-keys",
         telemetry.clone(),
-        Duration::from_secs(1),
+        timeout,
     );
+    let source = KubeAssignments::start_with_timeout(client, NODE, model(), keys, telemetry.clone(), timeout);
     let config = PluginConfig { slots_per_gpu: k, ..PluginConfig::default() };
     let h = Harness::start("hgx-h100-8", config, Some(source.clone() as Arc<dyn AssignmentSource>)).await;
     (h, source, telemetry)
@@ -611,18 +619,29 @@ async fn corrupt_forged_and_mismatched_annotations_are_skipped_never_matched() {
     let mut rec = AssignmentAnnotation::parse(&donor.annotations()[ANNOTATION_ASSIGNMENT]).unwrap();
     rec.pod_uid = uid;
     rec.containers[0].gpus[0].memory_mib = 40960;
-    bind_raw(&fake, "bad", "greedy", &rec.to_json()).await;
+    // signed, as if the extender itself had written it: validation still refuses it
+    bind_raw(&fake, "bad", "greedy", &rec.signed(&assignment_keys()).to_json()).await;
     // names another node
     let uid = fake.put(&one("elsewhere")).uid().unwrap();
     let mut rec = AssignmentAnnotation::parse(&donor.annotations()[ANNOTATION_ASSIGNMENT]).unwrap();
     (rec.pod_uid, rec.node) = (uid, "other-node".into());
-    bind_raw(&fake, "bad", "elsewhere", &rec.to_json()).await;
+    bind_raw(&fake, "bad", "elsewhere", &rec.signed(&assignment_keys()).to_json()).await;
     // a GPU this node does not have
     let uid = fake.put(&one("forged-gpu")).uid().unwrap();
     let mut rec = AssignmentAnnotation::parse(&donor.annotations()[ANNOTATION_ASSIGNMENT]).unwrap();
     rec.pod_uid = uid;
     rec.containers[0].gpus[0].uuid = "GPU-00000000-forged".into();
-    bind_raw(&fake, "bad", "forged-gpu", &rec.to_json()).await;
+    bind_raw(&fake, "bad", "forged-gpu", &rec.signed(&assignment_keys()).to_json()).await;
+    // the donor's record re-targeted at this pod but not signed again, and one signed by a key
+    // the extender never published
+    let uid = fake.put(&one("edited")).uid().unwrap();
+    let mut rec = AssignmentAnnotation::parse(&donor.annotations()[ANNOTATION_ASSIGNMENT]).unwrap();
+    rec.pod_uid = uid;
+    bind_raw(&fake, "bad", "edited", &rec.to_json()).await;
+    let uid = fake.put(&one("self-signed")).uid().unwrap();
+    rec.pod_uid = uid;
+    let own = gpuplace::core::signing::KeyRing::generate().unwrap();
+    bind_raw(&fake, "bad", "self-signed", &rec.signed(&own).to_json()).await;
     // a corrupt allocated marker: it may be allocated already, so it is skipped too
     bind(&fake, one("bad-marker"), slice(2), 2).await;
     let mut p: Pod = fake.get("bad", "bad-marker").unwrap();
@@ -644,13 +663,16 @@ async fn corrupt_forged_and_mismatched_annotations_are_skipped_never_matched() {
     let (_, mut c) = h.register_and_connect().await;
     assert_eq!(pods_named(&source.pending().await.unwrap()), ["bad/donor", "bad/foreign-marker"]);
     // each skipped pod gets an Event saying why (once: asking again writes no more)
-    let skipped = ["garbage", "v9", "empty", "copy", "greedy", "elsewhere", "forged-gpu", "bad-marker"];
+    let skipped =
+        ["garbage", "v9", "empty", "copy", "greedy", "elsewhere", "forged-gpu", "edited", "self-signed", "bad-marker"];
     let events = events_of(&fake, REASON_SKIPPED, skipped.len()).await;
     assert_eq!(regarding(&events), skipped.iter().map(|n| format!("bad/{n}")).collect());
     let note = |name: &str| events.iter().find(|e| e["regarding"]["name"] == name).unwrap()["note"].to_string();
     assert!(note("greedy").contains("assigned 40960 MiB, 25%"), "{}", note("greedy"));
     assert!(note("garbage").contains("Allocate refuses its GPU containers"), "{}", note("garbage"));
     assert!(note("elsewhere").contains("other-node"), "{}", note("elsewhere"));
+    assert!(note("edited").contains("the signature does not verify"), "{}", note("edited"));
+    assert!(note("self-signed").contains("which is not in the key Secret"), "{}", note("self-signed"));
     source.pending().await.unwrap();
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(fake.events().iter().filter(|e| e["reason"] == REASON_SKIPPED).count(), skipped.len());
@@ -670,6 +692,59 @@ async fn corrupt_forged_and_mismatched_annotations_are_skipped_never_matched() {
     );
     // and the plugin is still serving
     assert!(c.get_device_plugin_options(gpuplace_device_plugin::kubelet_api::v1beta1::Empty {}).await.is_ok());
+    h.shutdown().await;
+}
+
+/// Issue 29's acceptance: a tenant who edits its own pod's assignment to name a GPU another pod
+/// holds exclusively gets nothing at Allocate, whether the edit is unsigned (any tenant) or carries
+/// a valid signature (a double assignment by the extender itself).
+#[tokio::test]
+async fn a_pod_that_edits_its_assignment_to_another_pods_exclusive_gpu_is_refused_at_allocate() {
+    const WHOLE_1: &[(&str, &str)] = &[("gpuplace.io/gpu", "1")];
+    let fake = FakeApiServer::start().await.unwrap();
+    fake.put(&k8s_node(NODE));
+    bind(&fake, gpu_pod("team-a", "holder", &[("main", false, WHOLE_1)]), vec![("main", false, vec![whole(5)])], 1)
+        .await;
+    bind(&fake, gpu_pod("team-b", "thief", &[("main", false, WHOLE_1)]), vec![("main", false, vec![whole(1)])], 2)
+        .await;
+    let (mut h, source, _) = harness(&fake, 2).await;
+    let (_, mut c) = h.register_and_connect().await;
+    let slots = SlotIds::of(&h);
+    assert_eq!(allocate(&mut c, vec![slots.slot(5, 0)]).await.unwrap().envs["GPUPLACE_POD"], "team-a/holder");
+
+    // the tenant rewrites GPU 1 to GPU 5 in its own annotation (a pod patch it is allowed)
+    let gpu5 = model().gpus[5].uuid.clone();
+    let thief: Pod = fake.get("team-b", "thief").unwrap();
+    let genuine = AssignmentAnnotation::parse(&thief.annotations()[ANNOTATION_ASSIGNMENT]).unwrap();
+    let mut edited = genuine.clone();
+    (edited.containers[0].gpus[0].uuid, edited.containers[0].gpus[0].index) = (gpu5.clone(), 5);
+    let put = |text: String| {
+        let mut p: Pod = fake.get("team-b", "thief").unwrap();
+        p.annotations_mut().insert(ANNOTATION_ASSIGNMENT.into(), text);
+        fake.put(&p);
+    };
+    put(edited.to_json());
+    let e = allocate(&mut c, vec![slots.slot(5, 1)]).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{}", e.message());
+    assert!(e.message().contains("team-b/thief: gpuplace.io/assignment: not signed"), "{}", e.message());
+    println!("edited, unsigned: Allocate answered {:?}: {}", e.code(), e.message());
+    let events = events_of(&fake, REASON_SKIPPED, 1).await;
+    let note = events[0]["note"].to_string();
+    assert!(note.contains("the signature does not verify"), "{note}");
+    println!("edited, unsigned: Event {}: {note}", REASON_SKIPPED);
+
+    // the same edit with a valid signature (the extender assigned GPU 5 twice): the holder keeps it
+    put(edited.signed(&assignment_keys()).to_json());
+    let e = allocate(&mut c, vec![slots.slot(5, 1)]).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{}", e.message());
+    // the refusal says why (the pod's Event series only counts a second problem)
+    assert!(e.message().contains("team-b/thief: GPU 5 is held exclusively by pod team-a/holder"), "{}", e.message());
+    println!("edited, signed: Allocate answered {:?}: {}", e.code(), e.message());
+    assert!(source.refresh().await.unwrap().is_empty(), "the thief is no candidate");
+
+    // back to its genuine record, the thief gets its own GPU 1
+    put(genuine.to_json());
+    assert_eq!(allocate(&mut c, vec![slots.slot(1, 0)]).await.unwrap().envs["GPUPLACE_POD"], "team-b/thief");
     h.shutdown().await;
 }
 

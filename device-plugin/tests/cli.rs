@@ -6,7 +6,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::kubelet::http_get;
-use common::{topology, FakeKubelet};
+use common::{assignment_keys, public_keys_configmap, topology, FakeKubelet};
 use gpuplace::core::topology::TopologyFile;
 use gpuplace_device_plugin::kubelet_api::v1beta1::device_plugin_client::DevicePluginClient;
 use gpuplace_device_plugin::kubelet_api::v1beta1::{
@@ -244,7 +244,11 @@ async fn binary_with_an_api_server_writes_the_node_and_applies_assignments() {
         memory_mib: 0,
         group: None,
     };
-    let ann = AssignmentAnnotation::from_assignment(&record, &uid, &model, 1).unwrap().to_json();
+    // the extender's leader publishes its public keys (after the plugin started: the plugin reads
+    // them when the first signature names a key it has not loaded)
+    fake.put(&public_keys_configmap());
+    let ann =
+        AssignmentAnnotation::from_assignment(&record, &uid, &model, 1).unwrap().signed(&assignment_keys()).to_json();
     let binding = Binding {
         metadata: ObjectMeta {
             name: Some("p".into()),

@@ -11,6 +11,15 @@
 //!   which keeps the replica unready; the last good ring stays installed for the records already
 //!   counted, and nothing is guessed.
 //!
+//! - Legacy (its primary an HMAC key, from a version that did not sign with Ed25519): replaced, with
+//!   the resourceVersion read as precondition, by the same ring plus a fresh Ed25519 primary
+//!   (`KeyRing::upgrade_legacy`); the watch then loads that, and the leader re-signs.
+//!
+//! The leader publishes the ring's public keys in a ConfigMap (`gpuplace-assignment-public-keys` by
+//! default, [`publish_public_keys`]): what the device plugins verify assignments with. Only the leader
+//! signs (it alone binds), so only it writes, and a key removed from the Secret leaves the ConfigMap
+//! as soon as the leader loads the change.
+//!
 //! Access is by name only: the watch lists and watches with the field selector `metadata.name=NAME`,
 //! which RBAC's `resourceNames` can authorize (scheduler-config/extender/rbac.yaml).
 
@@ -20,7 +29,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::ByteString;
 use kube::api::PostParams;
@@ -29,19 +38,25 @@ use kube::runtime::WatchStreamExt;
 use kube::Api;
 use tokio::sync::watch;
 
-use crate::core::signing::{KeyRing, KeyRingError};
+use crate::apiserver::leader::Leadership;
+use crate::core::signing::{KeyRing, KeyRingError, PublicKeys};
 use crate::core::DEFAULT_NAMESPACE;
 use crate::extender::service::Extender;
 
 /// Default name of the key Secret.
 pub const DEFAULT_KEY_SECRET_NAME: &str = "gpuplace-assignment-keys";
+/// Default name of the ConfigMap with the public keys (in the key Secret's namespace).
+pub const DEFAULT_PUBLIC_KEYS_NAME: &str = "gpuplace-assignment-public-keys";
+/// How often the leader compares the published public keys with its ring (a local comparison; the
+/// API server is called only when they differ or leadership changed).
+const PUBLISH_CHECK_EVERY: Duration = Duration::from_secs(1);
 /// How often the leader looks for records to re-sign, besides right after a key change.
 pub const DEFAULT_RESIGN_EVERY: Duration = Duration::from_secs(10);
 
 /// Longest wait between two tries to create the Secret.
 const MAX_CREATE_BACKOFF: Duration = Duration::from_secs(30);
 
-/// Where the key ring lives: `NAMESPACE/NAME`.
+/// Where the key ring (a Secret) or its public keys (a ConfigMap) live: `NAMESPACE/NAME`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KeySecret {
     pub namespace: String,
@@ -77,13 +92,19 @@ impl FromStr for KeySecret {
 #[derive(Debug, Clone)]
 pub struct KeyOptions {
     pub secret: KeySecret,
+    /// The ConfigMap the leader publishes the public keys in.
+    pub public_keys: KeySecret,
     /// How often the leader looks for records signed with a key that is no longer primary.
     pub resign_every: Duration,
 }
 
 impl Default for KeyOptions {
     fn default() -> Self {
-        Self { secret: KeySecret::default(), resign_every: DEFAULT_RESIGN_EVERY }
+        Self {
+            secret: KeySecret::default(),
+            public_keys: KeySecret { namespace: DEFAULT_NAMESPACE.into(), name: DEFAULT_PUBLIC_KEYS_NAME.into() },
+            resign_every: DEFAULT_RESIGN_EVERY,
+        }
     }
 }
 
@@ -113,15 +134,38 @@ pub enum KeySecretError {
     Create { secret: KeySecret, source: kube::Error },
     #[error("reading Secret {secret} (created by another replica): {source}")]
     Read { secret: KeySecret, source: kube::Error },
+    #[error("upgrading the legacy ring in Secret {secret}: {source}")]
+    Upgrade { secret: KeySecret, source: kube::Error },
+    #[error("publishing the public keys in ConfigMap {at}: {source}")]
+    Publish { at: KeySecret, source: kube::Error },
 }
 
 fn data_of(secret: &Secret) -> BTreeMap<String, Vec<u8>> {
     secret.data.iter().flatten().map(|(k, v)| (k.clone(), v.0.clone())).collect()
 }
 
-/// Installs the ring `secret` holds, or reports why it cannot (the replica then stays unready).
-pub fn apply(ext: &Extender, at: &KeySecret, secret: &Secret, status: &watch::Sender<KeyStatus>) {
-    match KeyRing::from_secret_data(&data_of(secret)) {
+/// Installs the ring `secret` holds, or reports why it cannot (the replica then stays unready). A
+/// legacy ring is upgraded in place first (see the module docs); the watch brings the result.
+pub async fn apply(
+    api: &Api<Secret>,
+    ext: &Extender,
+    at: &KeySecret,
+    secret: &Secret,
+    status: &watch::Sender<KeyStatus>,
+) {
+    let data = data_of(secret);
+    if let Err(KeyRingError::LegacyPrimary(id)) = KeyRing::from_secret_data(&data) {
+        match upgrade(api, at, secret, &data).await {
+            Ok(primary) => {
+                tracing::warn!(secret = %at, legacy = %id, %primary, "assignment key Secret had a legacy HMAC primary; added an Ed25519 key as primary (the legacy key still verifies until the leader has re-signed)");
+                return;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "the legacy key ring could not be upgraded; retried at the next change of the Secret")
+            }
+        }
+    }
+    match KeyRing::from_secret_data(&data) {
         Ok(keys) => {
             let loaded = KeyStatus::Loaded {
                 primary: keys.primary().to_string(),
@@ -137,6 +181,28 @@ pub fn apply(ext: &Extender, at: &KeySecret, secret: &Secret, status: &watch::Se
             tracing::error!(secret = %at, error = %e, "assignment key Secret is malformed; this replica stays unready until it is fixed");
             status.send_replace(KeyStatus::Invalid(e.to_string()));
         }
+    }
+}
+
+/// Replaces `secret` (resourceVersion as precondition: a replica that upgraded first wins, the other
+/// gets 409 and loads the winner's) with its ring plus a fresh Ed25519 primary; that primary's id.
+async fn upgrade(
+    api: &Api<Secret>,
+    at: &KeySecret,
+    secret: &Secret,
+    data: &BTreeMap<String, Vec<u8>>,
+) -> Result<String, KeySecretError> {
+    let keys =
+        KeyRing::upgrade_legacy(data).map_err(|source| KeySecretError::Generate { secret: at.clone(), source })?;
+    let mut new = secret.clone();
+    new.data = Some(keys.to_secret_data().into_iter().map(|(k, v)| (k, ByteString(v))).collect());
+    new.string_data = None;
+    match api.replace(&at.name, &PostParams::default(), &new).await {
+        Ok(_) => Ok(keys.primary().to_string()),
+        Err(kube::Error::Api(s)) if s.code == 409 => {
+            Ok(format!("(upgraded by another replica; not {})", keys.primary()))
+        }
+        Err(source) => Err(KeySecretError::Upgrade { secret: at.clone(), source }),
     }
 }
 
@@ -194,20 +260,80 @@ pub async fn watch_keys(api: Api<Secret>, at: KeySecret, ext: Arc<Extender>, sta
             Ok(Event::Init) => listed = false,
             Ok(Event::InitApply(s)) => {
                 listed = true;
-                apply(&ext, &at, &s, &status);
+                apply(&api, &ext, &at, &s, &status).await;
             }
             Ok(Event::InitDone) if !listed => {
                 let s = create_until_done(&api, &at).await;
-                apply(&ext, &at, &s, &status);
+                apply(&api, &ext, &at, &s, &status).await;
             }
             Ok(Event::InitDone) => {}
-            Ok(Event::Apply(s)) => apply(&ext, &at, &s, &status),
+            Ok(Event::Apply(s)) => apply(&api, &ext, &at, &s, &status).await,
             Ok(Event::Delete(_)) => {
                 tracing::warn!(secret = %at, "assignment key Secret deleted; creating a new key (the old ones no longer verify)");
                 let s = create_until_done(&api, &at).await;
-                apply(&ext, &at, &s, &status);
+                apply(&api, &ext, &at, &s, &status).await;
             }
         }
+    }
+}
+
+/// Makes ConfigMap `at` hold exactly `keys` (created when absent; replaced with the resourceVersion
+/// just read when different; left alone when equal). Its other metadata is kept.
+pub async fn publish_public_keys(
+    api: &Api<ConfigMap>,
+    at: &KeySecret,
+    keys: &PublicKeys,
+) -> Result<(), KeySecretError> {
+    let fail = |source| KeySecretError::Publish { at: at.clone(), source };
+    let data = keys.to_configmap_data();
+    match api.get_opt(&at.name).await.map_err(fail)? {
+        Some(cm) if cm.data.as_ref() == Some(&data) => Ok(()),
+        Some(mut cm) => {
+            cm.data = Some(data);
+            cm.binary_data = None;
+            api.replace(&at.name, &PostParams::default(), &cm).await.map(|_| ()).map_err(fail)
+        }
+        None => {
+            let cm = ConfigMap {
+                metadata: ObjectMeta {
+                    name: Some(at.name.clone()),
+                    namespace: Some(at.namespace.clone()),
+                    labels: Some(BTreeMap::from([("app.kubernetes.io/part-of".to_string(), "gpuplace".to_string())])),
+                    ..ObjectMeta::default()
+                },
+                data: Some(data),
+                ..ConfigMap::default()
+            };
+            api.create(&PostParams::default(), &cm).await.map(|_| ()).map_err(fail)
+        }
+    }
+}
+
+/// Runs forever: while this replica leads, keeps ConfigMap `at` equal to its ring's public keys.
+/// After a change of leadership the ConfigMap is compared afresh (the last leader may have written
+/// another ring's keys); failures are retried at the next check.
+pub async fn publish(api: Api<ConfigMap>, at: KeySecret, ext: Arc<Extender>, leadership: Arc<Leadership>) {
+    let mut published: Option<PublicKeys> = None;
+    loop {
+        let ring = ext.key_ring();
+        match ring {
+            Some(ring) if leadership.is_leader() => {
+                let keys = ring.public_keys();
+                if published.as_ref() != Some(&keys) {
+                    match publish_public_keys(&api, &at, &keys).await {
+                        Ok(()) => {
+                            tracing::info!(configmap = %at, keys = ?keys.ids(), "assignment public keys published");
+                            published = Some(keys);
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, "the device plugins cannot verify new assignments until this succeeds; retrying")
+                        }
+                    }
+                }
+            }
+            _ => published = None,
+        }
+        tokio::time::sleep(PUBLISH_CHECK_EVERY).await;
     }
 }
 

@@ -196,6 +196,9 @@ pub fn start(client: Client, ext: Arc<Extender>, leadership: Arc<Leadership>, op
     let secret = opts.keys.secret.clone();
     let secrets = Api::<Secret>::namespaced(client.clone(), &secret.namespace);
     tasks.push(tokio::spawn(keys::watch_keys(secrets, secret, ext.clone(), keys_tx)));
+    let public = opts.keys.public_keys.clone();
+    let configmaps = Api::<ConfigMap>::namespaced(client.clone(), &public.namespace);
+    tasks.push(tokio::spawn(keys::publish(configmaps, public, ext.clone(), leadership.clone())));
     let (r, mut status) = (readiness.clone(), keys_rx.clone());
     tasks.push(tokio::spawn(async move {
         loop {

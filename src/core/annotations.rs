@@ -93,8 +93,8 @@ pub enum SignatureProblem {
     Malformed(String),
     #[error("`sig` names key {0:?}, which is not in the key Secret (forged, or signed with a key since removed)")]
     UnknownKey(String),
-    #[error("the MAC does not match (key {0:?}): the assignment was altered, copied or forged")]
-    WrongMac(String),
+    #[error("the signature does not verify (key {0:?}): the assignment was altered, copied or forged")]
+    BadSignature(String),
     #[error("no assignment key is loaded to check it with")]
     NoKeys,
 }

@@ -10,6 +10,11 @@
 
 use std::collections::BTreeMap;
 
+/// The namespace of the utilization ConfigMaps unless `--utilization-namespace` says otherwise: one
+/// of their own, so that the device plugins' create and patch there reach no other ConfigMap
+/// (scheduler-config/device-plugin/namespace.yaml).
+pub const DEFAULT_UTILIZATION_NAMESPACE: &str = "gpuplace-utilization";
+
 /// Label on every utilization ConfigMap, with value `"true"`: what the extender's watch selects.
 pub const LABEL_UTILIZATION: &str = "gpuplace.io/utilization";
 /// The label selector of the extender's watch.

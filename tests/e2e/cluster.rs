@@ -396,6 +396,51 @@ impl ControlPlane {
         self.dir.join(user.file())
     }
 
+    /// A kubeconfig for the device plugin of `node`: its ServiceAccount with a token bound to the
+    /// Node (TokenRequest), which carries `authentication.kubernetes.io/node-name` as the projected
+    /// token of the plugin's pod does on a real node, so the node-scope admission policy
+    /// (scheduler-config/device-plugin/admission-policy.yaml) judges it as it would there.
+    pub async fn node_bound_kubeconfig(&self, node: &str) -> PathBuf {
+        let token = self.node_bound_token("gpuplace-device-plugin", node).await;
+        let path = self.dir.join(format!("device-plugin-{node}.kubeconfig"));
+        let text = format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: e2e\n  cluster:\n    server: {}\n    insecure-skip-tls-verify: true\n\
+             users:\n- name: u\n  user:\n    token: {token}\ncontexts:\n- name: e2e\n  context: {{cluster: e2e, user: u}}\n\
+             current-context: e2e\n",
+            self.url
+        );
+        fs::write(&path, text).expect("write a kubeconfig");
+        path
+    }
+
+    /// A token of ServiceAccount `gpuplace-system/account` bound to Node `node` (a day long).
+    pub async fn node_bound_token(&self, account: &str, node: &str) -> String {
+        use k8s_openapi::api::authentication::v1::TokenRequest;
+        use k8s_openapi::api::core::v1::{Node, ServiceAccount};
+        let admin = self.client(User::Admin).await;
+        let uid = Api::<Node>::all(admin.clone())
+            .get(node)
+            .await
+            .unwrap_or_else(|e| panic!("node {node}: {e}"))
+            .metadata
+            .uid
+            .expect("a node's UID");
+        let req: TokenRequest = serde_json::from_value(serde_json::json!({
+            "spec": {
+                "audiences": [],
+                "expirationSeconds": 86400,
+                "boundObjectRef": {"apiVersion": "v1", "kind": "Node", "name": node, "uid": uid},
+            }
+        }))
+        .expect("a TokenRequest");
+        let sa: Api<ServiceAccount> = Api::namespaced(admin, "gpuplace-system");
+        let resp = sa
+            .create_token_request(account, &Default::default(), &req)
+            .await
+            .unwrap_or_else(|e| panic!("a token for {account} bound to node {node}: {e}"));
+        resp.status.and_then(|s| s.token).expect("the token")
+    }
+
     /// A client as `user`, over one HTTP/2 connection as client-go's are: kube's default HTTP/1.1
     /// client opened a TLS connection per request in flight, so the storm's pod creates (25 at a
     /// time) began with 25 handshakes at the API server, just as the first binds arrived.

@@ -58,7 +58,7 @@ pub async fn start_nodes_of(cp: &ControlPlane, n: usize, boards: &[&'static str]
         out.push(GpuNode { name, board, gpus, plugin: None });
     }
     for node in &mut out {
-        node.plugin = Some(start_plugin(cp, &node.name, node.board));
+        node.plugin = Some(start_plugin(cp, &node.name, node.board).await);
     }
     out
 }
@@ -106,7 +106,10 @@ pub async fn set_kubelet_status(client: &Client, node: &str, gpus: u32) {
     nodes.patch_status(node, &PatchParams::default(), &Patch::Merge(status)).await.expect("node status");
 }
 
-pub fn start_plugin(cp: &ControlPlane, node: &str, board: &str) -> Proc {
+/// The device plugin of `node` (a fake topology of `board`), as its ServiceAccount with a token bound
+/// to the Node.
+pub async fn start_plugin(cp: &ControlPlane, node: &str, board: &str) -> Proc {
+    let kubeconfig = cp.node_bound_kubeconfig(node).await;
     let dir = cp.dir.join("device-plugins").join(node);
     std::fs::create_dir_all(&dir).expect("plugin folder");
     Proc::spawn(
@@ -116,7 +119,7 @@ pub fn start_plugin(cp: &ControlPlane, node: &str, board: &str) -> Proc {
             .arg(topology_file(board))
             .args(["--node-name", node])
             .arg("--kubeconfig")
-            .arg(cp.kubeconfig(User::DevicePlugin))
+            .arg(&kubeconfig)
             .arg("--device-plugin-dir")
             .arg(&dir)
             .arg("--pod-resources-socket")

@@ -17,6 +17,7 @@ mod node;
 mod proc_usage;
 mod real_node;
 mod scale;
+mod security;
 #[path = "../support/tls.rs"]
 mod tls;
 #[path = "../support/xz.rs"]
@@ -41,19 +42,22 @@ use yaml_files::yaml_files;
 
 /// One scenario at a time: each runs a whole control plane on CI's 2 cores. (tokio's lock: it is
 /// held across awaits, and a failed scenario does not poison it for the next.)
-static SERIAL: Mutex<()> = Mutex::const_new(());
+pub(crate) static SERIAL: Mutex<()> = Mutex::const_new(());
 
 const NODES: usize = 16;
-const NS: &str = "e2e";
+pub(crate) const NS: &str = "e2e";
 
 /// The project's manifests that a running install needs before the binaries start.
-const INSTALL: [&str; 3] = [
+const INSTALL: [&str; 6] = [
     "scheduler-config/extender/namespace.yaml",
+    "scheduler-config/device-plugin/namespace.yaml",
     "scheduler-config/extender/rbac.yaml",
     "scheduler-config/device-plugin/rbac.yaml",
+    "scheduler-config/extender/admission-policy.yaml",
+    "scheduler-config/device-plugin/admission-policy.yaml",
 ];
 
-async fn install(client: &Client) {
+pub(crate) async fn install(client: &Client) {
     for file in INSTALL {
         for obj in yaml_objects(&repo().join(file)) {
             apply(client, &obj, false).await.unwrap_or_else(|e| panic!("{file}: {e}"));
@@ -636,9 +640,11 @@ async fn manifests_and_scheduler_configs_are_accepted_by_the_real_control_plane(
     let _serial = SERIAL.lock().await;
     let cp = ControlPlane::start("manifests").await;
     let admin = cp.client(User::Admin).await;
-    // namespaced objects are dry-run into it, so it must exist
-    for obj in yaml_objects(&repo().join("scheduler-config/extender/namespace.yaml")) {
-        apply(&admin, &obj, false).await.expect("the namespace");
+    // namespaced objects are dry-run into them, so they must exist
+    for file in ["scheduler-config/extender/namespace.yaml", "scheduler-config/device-plugin/namespace.yaml"] {
+        for obj in yaml_objects(&repo().join(file)) {
+            apply(&admin, &obj, false).await.expect("the namespace");
+        }
     }
     let mut applied = Vec::new();
     let mut refused = Vec::new();

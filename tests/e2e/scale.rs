@@ -94,7 +94,7 @@ async fn create_nodes(cp: &ControlPlane, admin: &Client, s: &Scale) -> (Vec<GpuN
     });
     let mut nodes: Vec<GpuNode> = futures::stream::iter(creates).buffered(NODE_CREATES_IN_FLIGHT).collect().await;
     for node in nodes.iter_mut().take(s.plugins) {
-        node.plugin = Some(start_plugin(cp, &node.name, node.board));
+        node.plugin = Some(start_plugin(cp, &node.name, node.board).await);
     }
     wait_inventories(cp, &mut nodes).await;
     (nodes, started.elapsed().as_secs_f64())

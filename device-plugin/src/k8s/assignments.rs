@@ -4,11 +4,13 @@
 //!   call; [`refresh`](AssignmentSource::refresh) LISTs afresh (the plugin calls it when the cache has
 //!   no match: kubelet admits a pod moments after it is bound), and so does `pending` until the cache
 //!   has synced once.
-//! - Each pod's `gpuplace.io/assignment` is parsed and validated with the core schema against the
-//!   pod's own request, the node it is bound to and this node's GPUs. A pod whose annotation is
-//!   unparseable, written for another pod or node, or does not match its request is skipped with one
-//!   warning and one `AssignmentSkipped` Event per problem ([`super::events`]): never matched, never
-//!   a crash.
+//! - Each pod's `gpuplace.io/assignment` must carry the extender's signature, verified with the
+//!   public keys ([`super::keys`]; a key not loaded yet makes one reload first), and is then
+//!   validated with the core schema against the pod's own request, the node it is bound to and this
+//!   node's GPUs. A pod whose annotation is unsigned, forged or edited, unparseable, written for
+//!   another pod or node, or does not match its request, or that names a GPU another pod holds
+//!   exclusively ([`crate::exclusive`]), is skipped with one warning and one `AssignmentSkipped`
+//!   Event per problem ([`super::events`]): never matched, never a crash.
 //! - `gpuplace.io/allocated` lists the containers already given their GPUs; a fully allocated pod is
 //!   not pending. [`mark_allocated`](AssignmentSource::mark_allocated) merge-patches it with the pod's
 //!   UID as precondition (a re-created pod of the same name is not marked), and
@@ -24,11 +26,13 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use gpuplace::core::admission::admission_order;
+use gpuplace::core::annotations::SignatureProblem;
 use gpuplace::core::annotations::{
     AllocatedAnnotation, AnnotationError, AssignmentAnnotation, ANNOTATION_ALLOCATED, ANNOTATION_ASSIGNMENT,
 };
 use gpuplace::core::cluster::Node;
 use gpuplace::core::resources::{pod_request, ContainerResources, PodSpecView, RequestError};
+use gpuplace::core::signing::PublicKeys;
 use k8s_openapi::api::core::v1::{Container, Pod};
 use kube::api::{ListParams, Patch, PatchParams};
 use kube::runtime::reflector::{self, Store};
@@ -38,8 +42,10 @@ use serde_json::json;
 use tokio::task::JoinHandle;
 
 use super::events::PluginEvents;
+use super::keys::AssignmentKeys;
 use super::{call, CALL_TIMEOUT};
 use crate::assign::{AssignmentSource, PendingPod, PodKey, SourceError};
+use crate::exclusive::{conflicts, Conflict};
 use crate::sampler::Telemetry;
 
 /// How long a remembered marker outlives its pod's disappearance from the cache (the cache may not
@@ -59,6 +65,15 @@ pub enum PodProblem {
     Annotation(#[from] AnnotationError),
     #[error("its GPU request: {0}")]
     Request(#[from] RequestError),
+    #[error(transparent)]
+    Conflict(#[from] Conflict),
+}
+
+impl PodProblem {
+    /// A signature by a key this plugin has not loaded (yet): worth one reload of the keys.
+    fn unknown_key(&self) -> bool {
+        matches!(self, PodProblem::Annotation(AnnotationError::NotSigned(SignatureProblem::UnknownKey(_))))
+    }
 }
 
 fn resources(c: &Container) -> ContainerResources {
@@ -91,9 +106,15 @@ pub fn spec_view(pod: &Pod) -> PodSpecView {
 }
 
 /// A pod as a candidate: `Ok(None)` when it is not a gpuplace pod awaiting devices (no assignment,
-/// finished, being deleted); `Err` when it carries an assignment that must not be trusted. The
-/// allocated set is the pod's own marker only (the caller adds what it remembers).
-pub fn pending_pod(pod: &Pod, node_name: &str, node: &Node) -> Result<Option<PendingPod>, PodProblem> {
+/// finished, being deleted); `Err` when it carries an assignment that must not be trusted (not
+/// signed by one of `keys`, or not valid for this pod and node). The allocated set is the pod's own
+/// marker only (the caller adds what it remembers).
+pub fn pending_pod(
+    pod: &Pod,
+    node_name: &str,
+    node: &Node,
+    keys: &PublicKeys,
+) -> Result<Option<PendingPod>, PodProblem> {
     let Some(text) = pod.annotations().get(ANNOTATION_ASSIGNMENT) else { return Ok(None) };
     let finished =
         pod.status.as_ref().and_then(|s| s.phase.as_deref()).is_some_and(|p| p == "Succeeded" || p == "Failed");
@@ -106,6 +127,7 @@ pub fn pending_pod(pod: &Pod, node_name: &str, node: &Node) -> Result<Option<Pen
         return Err(PodProblem::OtherNode { bound, node: node_name.to_string() });
     }
     let annotation = AssignmentAnnotation::parse(text)?;
+    annotation.verify(keys)?;
     let request = pod_request(&spec_view(pod))?;
     let assignment = annotation.validate(&uid, &bound, &request, node)?;
     let (allocated, unconfirmed) = match pod.annotations().get(ANNOTATION_ALLOCATED) {
@@ -163,9 +185,12 @@ pub struct KubeAssignments {
     node_name: String,
     node: Node,
     store: Store<Pod>,
+    keys: Arc<AssignmentKeys>,
     telemetry: Arc<Telemetry>,
     known: Mutex<HashMap<String, Known>>,
     warned: Mutex<HashSet<String>>,
+    /// `namespace/name: why` of each pod the last full view left out.
+    skipped: Mutex<Vec<String>>,
     events: PluginEvents,
     /// Per API call: Allocate waits on it.
     timeout: Duration,
@@ -185,9 +210,16 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl KubeAssignments {
     /// Starts watching this node's pods. `node` is this node as the cluster model sees it (its GPUs
-    /// by UUID and index), what assignments are validated against. Needs a tokio runtime.
-    pub fn start(client: Client, node_name: &str, node: Node, telemetry: Arc<Telemetry>) -> Arc<Self> {
-        Self::start_with_timeout(client, node_name, node, telemetry, CALL_TIMEOUT)
+    /// by UUID and index), what assignments are validated against; `keys`, what their signatures are
+    /// verified with. Needs a tokio runtime.
+    pub fn start(
+        client: Client,
+        node_name: &str,
+        node: Node,
+        keys: Arc<AssignmentKeys>,
+        telemetry: Arc<Telemetry>,
+    ) -> Arc<Self> {
+        Self::start_with_timeout(client, node_name, node, keys, telemetry, CALL_TIMEOUT)
     }
 
     /// [`start`](Self::start) with another limit per API call (tests of outages).
@@ -195,6 +227,7 @@ impl KubeAssignments {
         client: Client,
         node_name: &str,
         node: Node,
+        keys: Arc<AssignmentKeys>,
         telemetry: Arc<Telemetry>,
         timeout: Duration,
     ) -> Arc<Self> {
@@ -230,9 +263,11 @@ impl KubeAssignments {
             node_name: node_name.to_string(),
             node,
             store,
+            keys,
             telemetry,
             known: Mutex::new(HashMap::new()),
             warned: Mutex::new(HashSet::new()),
+            skipped: Mutex::new(Vec::new()),
             events: PluginEvents::new(client.clone(), node_name),
             client,
             timeout,
@@ -258,26 +293,63 @@ impl KubeAssignments {
     }
 
     /// Candidates from a view of the node's pods, with what this source remembers added: only those
-    /// still waiting for a container's devices when `waiting_only`.
-    fn candidates<'a>(&self, pods: impl Iterator<Item = &'a Pod>, waiting_only: bool) -> Vec<PendingPod> {
-        let mut out = Vec::new();
+    /// still waiting for a container's devices when `waiting_only`. Pods that cannot be trusted are
+    /// warned about once each. A signature by a key not loaded makes the keys reload once first.
+    async fn candidates(&self, pods: &[&Pod], waiting_only: bool) -> Vec<PendingPod> {
+        let (mut out, mut problems) = self.evaluate(pods, waiting_only, &self.keys.current());
+        if problems.iter().any(|(_, p)| p.unknown_key()) && self.keys.reload().await {
+            (out, problems) = self.evaluate(pods, waiting_only, &self.keys.current());
+        }
+        if waiting_only {
+            *lock(&self.skipped) = problems
+                .iter()
+                .map(|(pod, problem)| format!("{}/{}: {problem}", pod.namespace().unwrap_or_default(), pod.name_any()))
+                .collect();
+        }
+        for (pod, problem) in problems {
+            self.warn_once(pod, &problem);
+        }
+        out
+    }
+
+    /// [`candidates`](Self::candidates) with `keys`, returning the problems.
+    fn evaluate<'a>(
+        &self,
+        pods: &[&'a Pod],
+        waiting_only: bool,
+        keys: &PublicKeys,
+    ) -> (Vec<PendingPod>, Vec<(&'a Pod, PodProblem)>) {
+        let mut live = Vec::new();
+        let mut problems = Vec::new();
         let mut known = lock(&self.known);
-        for pod in pods {
-            match pending_pod(pod, &self.node_name, &self.node) {
+        for &pod in pods {
+            match pending_pod(pod, &self.node_name, &self.node, keys) {
                 Ok(None) => {}
                 Ok(Some(mut p)) => {
                     let k = known.entry(p.key.uid.clone()).or_insert_with(Known::new);
                     k.merge(&p);
                     (p.allocated, p.unconfirmed) = (k.containers.clone(), k.unconfirmed.clone());
-                    if waiting_only && admission_order(&p.assignment).all(|c| p.allocated.contains(&c.name)) {
-                        continue;
-                    }
-                    out.push(p);
+                    live.push((pod, p));
                 }
-                Err(problem) => self.warn_once(pod, &problem),
+                Err(problem) => problems.push((pod, problem)),
             }
         }
-        out
+        drop(known);
+        // every live pod counts as a holder, waiting or not
+        let all: Vec<PendingPod> = live.iter().map(|(_, p)| p.clone()).collect();
+        let refused = conflicts(&all);
+        let mut out = Vec::new();
+        for (pod, p) in live {
+            if let Some(c) = refused.get(&p.key.uid) {
+                problems.push((pod, PodProblem::Conflict(c.clone())));
+                continue;
+            }
+            if waiting_only && admission_order(&p.assignment).all(|c| p.allocated.contains(&c.name)) {
+                continue;
+            }
+            out.push(p);
+        }
+        (out, problems)
     }
 
     fn warn_once(&self, pod: &Pod, problem: &PodProblem) {
@@ -310,12 +382,14 @@ impl AssignmentSource for KubeAssignments {
         }
         self.forget_gone();
         let pods = self.store.state();
-        Ok(self.candidates(pods.iter().map(|p| p.as_ref()), true))
+        let pods: Vec<&Pod> = pods.iter().map(|p| p.as_ref()).collect();
+        Ok(self.candidates(&pods, true).await)
     }
 
     async fn refresh(&self) -> Result<Vec<PendingPod>, SourceError> {
         let pods = self.list().await?;
-        Ok(self.candidates(pods.iter(), true))
+        let pods: Vec<&Pod> = pods.iter().collect();
+        Ok(self.candidates(&pods, true).await)
     }
 
     async fn mark_allocated(&self, pod: &PodKey, container: &str, unconfirmed: bool) -> Result<(), SourceError> {
@@ -329,12 +403,13 @@ impl AssignmentSource for KubeAssignments {
         let cached =
             self.store.state().into_iter().find(|p| p.namespace().as_deref() == Some(ns) && p.name_any() == name);
         let found = match cached {
-            Some(p) => self.candidates(std::iter::once(p.as_ref()), false),
+            Some(p) => self.candidates(&[p.as_ref()], false).await,
             // the cache may lag: the pod kubelet admitted was bound a moment ago
             None => {
                 let pods = self.list().await?;
-                let p = pods.iter().filter(|p| p.namespace().as_deref() == Some(ns) && p.name_any() == name);
-                self.candidates(p, false)
+                let p: Vec<&Pod> =
+                    pods.iter().filter(|p| p.namespace().as_deref() == Some(ns) && p.name_any() == name).collect();
+                self.candidates(&p, false).await
             }
         };
         Ok(found.into_iter().next())
@@ -342,6 +417,10 @@ impl AssignmentSource for KubeAssignments {
 
     async fn correct_allocated(&self, pod: &PodKey, confirm: &[String], unmark: &[String]) -> Result<(), SourceError> {
         self.write_marker(pod, confirm, &[], unmark).await.map(|_| ())
+    }
+
+    fn skipped(&self) -> Vec<String> {
+        lock(&self.skipped).clone()
     }
 }
 

@@ -10,6 +10,7 @@
 //!   node's utilization ConfigMap (not the Node: kube-scheduler requeues pods on every Node update).
 //! - [`events::PluginEvents`]: Events on pods whose assignment is skipped, and on both pods of an
 //!   allocation mismatch found by the pod-resources cross-check.
+//! - [`keys::AssignmentKeys`]: the extender's public keys, which every assignment must verify with.
 //! - [`inventory`]: what the node publishes, computed from the discovered GPUs and their health (pure).
 //!
 //! The calls, and so the RBAC (scheduler-config/device-plugin/rbac.yaml): pods list and watch (field
@@ -22,6 +23,7 @@
 pub mod assignments;
 pub mod events;
 pub mod inventory;
+pub mod keys;
 pub mod node;
 pub mod utilization;
 
@@ -29,7 +31,7 @@ use std::future::Future;
 use std::time::Duration;
 
 /// Labels of `gpuplace_apiserver_errors_total`, all exported from the start.
-pub const API_OPS: [&str; 8] = [
+pub const API_OPS: [&str; 9] = [
     "pods_list",
     "pods_watch",
     "pod_patch",
@@ -38,6 +40,7 @@ pub const API_OPS: [&str; 8] = [
     "node_status_patch",
     "configmap_patch",
     "configmap_create",
+    "configmap_get",
 ];
 
 /// How long one API call may take. kubelet waits on Allocate, so a hung API server must turn into a

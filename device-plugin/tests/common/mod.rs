@@ -25,6 +25,25 @@ use tokio::sync::oneshot;
 use tonic::transport::Channel;
 use tonic::Streaming;
 
+/// The extender's assignment key in these tests: what `bind` helpers sign with.
+pub fn assignment_keys() -> gpuplace::core::signing::KeyRing {
+    gpuplace::core::signing::KeyRing::new("test-key", [("test-key".to_string(), vec![7u8; 32])]).expect("a valid seed")
+}
+
+/// The public-key ConfigMap the extender's leader publishes for [`assignment_keys`], at the plugin's
+/// default place.
+pub fn public_keys_configmap() -> k8s_openapi::api::core::v1::ConfigMap {
+    k8s_openapi::api::core::v1::ConfigMap {
+        metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+            name: Some("gpuplace-assignment-public-keys".into()),
+            namespace: Some("gpuplace-system".into()),
+            ..Default::default()
+        },
+        data: Some(assignment_keys().public_keys().to_configmap_data()),
+        ..Default::default()
+    }
+}
+
 /// Generous for a loaded 2-core CI machine; the happy paths take milliseconds.
 pub const WAIT: Duration = Duration::from_secs(10);
 

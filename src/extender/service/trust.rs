@@ -150,7 +150,7 @@ impl Extender {
         let old = AssignmentAnnotation::parse(b.annotation.as_deref()?).ok()?;
         let new = AssignmentAnnotation::parse(text).ok().filter(|new| new.same_record(&old))?;
         // verified, not `trust`ed: a counted record never goes back to unsigned
-        match new.verify(&keys) {
+        match new.verify(keys.as_ref()) {
             Ok(id) => {
                 b.annotation = Some(text.to_string());
                 b.signed_by = Some(id);
