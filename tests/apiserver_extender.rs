@@ -909,6 +909,63 @@ async fn a_legacy_hmac_ring_is_upgraded_and_its_records_re_signed() {
     assert_eq!(holders(&r.ext, "n1"), ["ns/p", "ns/q"]);
 }
 
+/// Issue 29: in API-server mode bind places a pod as the API server has it. A filter body sent by
+/// anyone who reaches the port (another GPU request, no nodeSelector, a pod that does not exist)
+/// changes nothing bind does, and a node the pod's own nodeSelector or required node affinity rules
+/// out is refused.
+#[tokio::test]
+async fn bind_places_the_pod_the_api_server_has_not_the_one_a_filter_body_claims() {
+    let fake = FakeApiServer::start().await.unwrap();
+    for (name, pool) in [("n1", "a"), ("n2", "b")] {
+        let mut n = gpu_node(name, 2);
+        n.metadata.labels = Some(BTreeMap::from([("pool".to_string(), pool.to_string())]));
+        fake.put(&n);
+    }
+    let mut spec = gpu_pod("p", whole(1));
+    spec.spec.as_mut().unwrap().node_selector = Some(BTreeMap::from([("pool".to_string(), "a".to_string())]));
+    let p = fake.put(&spec);
+    let mut q = gpu_pod("q", share(4096));
+    q.spec.as_mut().unwrap().affinity = Some(
+        serde_json::from_value(json!({"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [{"key": "pool", "operator": "In", "values": ["b"]}]}]}}}))
+        .unwrap(),
+    );
+    let q = fake.put(&q);
+    let r = replica(&fake, None);
+    ready(&r.ext).await;
+    eventually("both pods watched", || r.ext.pods_watched()).await;
+    settle().await;
+
+    // another client's filter body for p: a small share, and no nodeSelector
+    let mut forged = gpu_pod("p", share(1024));
+    forged.metadata.uid = p.metadata.uid.clone();
+    assert_eq!(filter(&r.ext, &forged, &["n1", "n2"]), "");
+    // a node outside the pod's nodeSelector: refused, nothing counted, nothing written
+    let e = bind(&r.ext, &p, "n2").await;
+    assert!(e.contains("does not match the pod's nodeSelector pool=a"), "{e}");
+    assert!(node_of(&fake, "p").is_none() && holders(&r.ext, "n2").is_empty());
+    // the node kube-scheduler would choose: placed with the pod's own request, a whole GPU
+    assert_eq!(bind(&r.ext, &p, "n1").await, "");
+    let a = AssignmentAnnotation::parse(&annotation(&fake, "p").unwrap()).unwrap();
+    assert!(a.containers[0].gpus.iter().all(|g| g.exclusive), "{a:?}");
+    // required node affinity, the same way
+    let e = bind(&r.ext, &q, "n1").await;
+    assert!(e.contains("matches none of the pod's required node affinity terms"), "{e}");
+    assert_eq!(bind(&r.ext, &q, "n2").await, "");
+
+    // a pod the API server does not have: its filter body is not remembered, so no bind places it
+    let ghost = json!({"metadata": {"name": "ghost", "namespace": "ns", "uid": "ghost-uid"},
+        "spec": {"containers": [{"name": "c", "resources": {"limits": whole(1)}}]}});
+    let body = json!({ "Pod": ghost, "Nodes": null, "NodeNames": ["n1"] });
+    assert_eq!(r.ext.filter(body.to_string().as_bytes()).unwrap().error, "");
+    let started = std::time::Instant::now();
+    let body = json!({"PodName": "ghost", "PodNamespace": "ns", "PodUID": "ghost-uid", "Node": "n1"});
+    let e = r.ext.bind(body.to_string().as_bytes()).await.unwrap().error;
+    assert!(e.contains("was not seen by the pod watcher"), "{e}");
+    assert!(started.elapsed() >= Duration::from_secs(2), "it waited for the watch first");
+    assert_eq!(holders(&r.ext, "n1"), ["ns/p"]);
+}
+
 #[tokio::test]
 async fn an_api_server_outage_raises_staleness_and_recovers() {
     let fake = FakeApiServer::start().await.unwrap();

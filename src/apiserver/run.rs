@@ -188,6 +188,8 @@ impl Drop for Controller {
 /// `ext` must have been built with `ready: false` and a binder that checks `leadership`.
 pub fn start(client: Client, ext: Arc<Extender>, leadership: Arc<Leadership>, opts: ApiOptions) -> Controller {
     ext.set_ready(false);
+    // bind places pods as the API server has them, never as a filter body says (issue 29)
+    ext.set_pods_watched();
     let readiness = Arc::new(Readiness::new(ext.clone(), leadership.clone()));
     let events = (!opts.instance.is_empty()).then(|| EventSink::new(client.clone(), &opts.instance));
     let (synced_tx, synced_rx) = watch::channel(false);

@@ -9,6 +9,7 @@ pub mod annotations;
 pub mod assignment;
 pub mod cluster;
 pub mod inventory;
+pub mod node_constraints;
 pub mod quantity;
 pub mod resources;
 pub mod signing;

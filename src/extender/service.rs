@@ -32,6 +32,7 @@ use crate::core::annotations::{
 };
 use crate::core::assignment::PodAssignment;
 use crate::core::cluster::{Cluster, Node};
+use crate::core::node_constraints::NodeConstraints;
 use crate::core::resources::PodRequest;
 use crate::core::signing::{KeyId, KeyRing};
 use crate::extender::adapt::NodeListMode;
@@ -75,7 +76,7 @@ const SYSTEM_CLOCK: i64 = i64::MIN;
 /// [`State::gpu_memory_mib`] before it is computed.
 const UNKNOWN_GPU_MEMORY: u64 = u64::MAX;
 
-/// A pod as filter saw it: enough for bind to place it.
+/// A pod as filter, or the pod watcher, saw it: enough for bind to place it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SeenPod {
     /// `namespace/name`.
@@ -83,6 +84,9 @@ pub struct SeenPod {
     pub uid: String,
     /// The request, or the contract's refusal.
     pub request: Result<PodRequest, String>,
+    /// What it requires of its node (`nodeSelector`, required node affinity), or why that cannot
+    /// be read. Checked by bind in API-server mode, where node labels are the Node objects'.
+    pub constraints: Result<NodeConstraints, String>,
 }
 
 /// A pod gpuplace bound (or restored).
@@ -269,6 +273,8 @@ pub struct Extender {
     metrics: Metrics,
     log: Option<PlacementLog>,
     ready: AtomicBool,
+    /// API-server mode: the pod watcher remembers pods for bind, and filter bodies do not.
+    pods_watched: AtomicBool,
     /// Signs the assignments bind writes and verifies those read back (the `trust` submodule). A
     /// per-process random ring until [`Extender::set_key_ring`] installs the shared one; `None` only
     /// if the OS random generator failed, and then bind refuses rather than write unsigned records.
@@ -336,6 +342,7 @@ impl Extender {
             },
             log: None,
             ready: AtomicBool::new(opts.ready),
+            pods_watched: AtomicBool::new(false),
             keys: RwLock::new(ephemeral_keys()),
             accept_unsigned: opts.accept_unsigned,
             rejections: Mutex::new(RecentRejections::default()),
@@ -508,18 +515,31 @@ impl Extender {
         Ok((names, d))
     }
 
-    /// Remembers a pod for bind (filter does this; so will the pod watcher).
+    /// The pod's request, remembered for bind from this filter body, unless the pods are watched:
+    /// then only the pod watcher's view of the pod (the API server's) is remembered, so that a body
+    /// sent by anyone who reaches the port can never change what bind places.
     pub fn remember_pod(&self, pod: &Pod) -> Result<PodRequest, String> {
         let request = pod.request().map_err(|e| e.to_string());
-        if !pod.metadata.uid.is_empty() {
+        if !pod.metadata.uid.is_empty() && !self.pods_watched() {
             let key = pod.key();
             let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
             let known = seen.by_uid.get(&pod.metadata.uid).is_some_and(|s| s.key == key && s.request == request);
             if !known {
-                seen.insert(SeenPod { key, uid: pod.metadata.uid.clone(), request: request.clone() });
+                let constraints = pod.spec.node_constraints();
+                seen.insert(SeenPod { key, uid: pod.metadata.uid.clone(), request: request.clone(), constraints });
             }
         }
         request
+    }
+
+    /// From now on, the pod watcher alone tells bind what a pod requests and requires (API-server
+    /// mode): see [`remember_pod`](Self::remember_pod).
+    pub fn set_pods_watched(&self) {
+        self.pods_watched.store(true, Ordering::Relaxed);
+    }
+
+    pub fn pods_watched(&self) -> bool {
+        self.pods_watched.load(Ordering::Relaxed)
     }
 
     fn seen_pod(&self, uid: &str) -> Option<SeenPod> {
@@ -800,7 +820,7 @@ mod tests {
     use super::*;
 
     fn seen(uid: &str) -> SeenPod {
-        SeenPod { key: format!("ns/{uid}"), uid: uid.into(), request: Err("x".into()) }
+        SeenPod { key: format!("ns/{uid}"), uid: uid.into(), request: Err("x".into()), constraints: Err("x".into()) }
     }
 
     #[test]

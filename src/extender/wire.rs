@@ -38,6 +38,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::marker::PhantomData;
 
+use crate::core::node_constraints::NodeConstraints;
 use serde::de::{self, DeserializeOwned, Deserializer};
 use serde::{Deserialize, Serialize, Serializer};
 use serde_json::value::RawValue;
@@ -328,15 +329,24 @@ pub struct PodSpec {
     /// `schedulingGroup`: the kube-scheduler PodGroup (gang) the pod belongs to.
     #[serde(default, deserialize_with = "null_as_default", skip_serializing_if = "Option::is_none")]
     pub scheduling_group: Option<SchedulingGroup>,
-    /// `affinity`, kept only to see whether kube-scheduler's scoring has preferences to weigh
-    /// ([`PodSpec::has_soft_preferences`]).
+    /// `affinity`: whether kube-scheduler's scoring has preferences to weigh
+    /// ([`PodSpec::has_soft_preferences`]), and the required node affinity bind checks
+    /// ([`PodSpec::node_constraints`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub affinity: Option<serde_json::Value>,
+    /// `nodeSelector`, which bind checks ([`PodSpec::node_constraints`]).
+    #[serde(default, deserialize_with = "null_as_default", skip_serializing_if = "BTreeMap::is_empty")]
+    pub node_selector: BTreeMap<String, String>,
     #[serde(default, deserialize_with = "null_as_default", skip_serializing_if = "Vec::is_empty")]
     pub topology_spread_constraints: Vec<serde_json::Value>,
 }
 
 impl PodSpec {
+    /// What the pod requires of its node that bind can check (`core::node_constraints`).
+    pub fn node_constraints(&self) -> Result<NodeConstraints, String> {
+        NodeConstraints::new(self.node_selector.clone(), self.affinity.as_ref())
+    }
+
     /// Whether the pod states preferences that kube-scheduler's score plugins weigh between nodes
     /// that fit: preferred node affinity, preferred pod affinity or anti-affinity, or a topology
     /// spread constraint that may be broken (`ScheduleAnyway`).

@@ -3,6 +3,10 @@
 
 use super::*;
 
+/// How long bind waits for the pod watcher to deliver a pod it has not seen yet (API-server mode).
+const WATCH_WAIT: Duration = Duration::from_secs(2);
+const WATCH_POLL: Duration = Duration::from_millis(10);
+
 /// A bind ready for the [`Binder`], and the UIDs of the pods awaiting admission it must wait for.
 type Prepared = (BindRequest, Vec<String>);
 
@@ -20,6 +24,9 @@ impl Extender {
             candidates: 1,
             ..Decision::default()
         };
+        if self.is_ready() && self.pods_watched() && self.seen_pod(&args.pod_uid).is_none() {
+            self.await_watched(&args.pod_uid).await;
+        }
         let prepared = if self.is_ready() {
             self.prepare_bind(&args, &mut d)
         } else {
@@ -125,6 +132,15 @@ impl Extender {
 
     /// Re-checks and counts the allocation. `Ok(None)`: a retry of a bind already done. With the
     /// request, the pods awaiting admission it must wait for (the `admission` submodule).
+    /// Waits up to [`WATCH_WAIT`] for the pod watcher to see pod `uid`: kube-scheduler's own filter
+    /// and bind can come moments after the pod was created, before the watch delivered it.
+    async fn await_watched(&self, uid: &str) {
+        let deadline = Instant::now() + WATCH_WAIT;
+        while self.seen_pod(uid).is_none() && Instant::now() < deadline {
+            tokio::time::sleep(WATCH_POLL).await;
+        }
+    }
+
     fn prepare_bind(
         &self,
         args: &ExtenderBindingArgs,
@@ -146,9 +162,10 @@ impl Extender {
             };
         }
         let Some(seen) = seen else {
+            let seen_by = if self.pods_watched() { "the pod watcher" } else { "a filter request" };
             return fail(
                 BindOutcome::UnknownPod,
-                format!("pod {key} (UID {}) was not seen in a filter request, so its GPU request is unknown; it will be scheduled again", args.pod_uid),
+                format!("pod {key} (UID {}) was not seen by {seen_by}, so its GPU request is unknown; it will be scheduled again", args.pod_uid),
             );
         };
         if seen.key != key {
@@ -166,6 +183,18 @@ impl Extender {
         let Some(index) = st.cluster.node_index(&args.node) else {
             return fail(BindOutcome::UnknownNode, format!("node {} is not in gpuplace's node cache", args.node));
         };
+        if self.pods_watched() {
+            // the pod as the API server has it against the Node's labels: a bind kube-scheduler's
+            // own cycle would never send is refused, whoever sent it
+            let admits = match (&seen.constraints, st.cluster.node(&args.node)) {
+                (Ok(c), Some(node)) => c.admits(&node.name, &node.labels),
+                (Err(e), _) => Err(e.clone()),
+                (_, None) => Ok(()),
+            };
+            if let Err(why) = admits {
+                return fail(BindOutcome::Refused, format!("pod {key} cannot go to {}: {why}", args.node));
+            }
+        }
         if let Some(old) = st.uid_of.get(&key).cloned() {
             // two live pods cannot share a name: the old UID's pod is gone and its release was missed
             self.metrics.conflict(ConflictKind::StaleUid);

@@ -22,6 +22,7 @@
 //! - Refusals are logged and counted once per pod, annotation text and node, and returned so that
 //!   the caller raises a Kubernetes Event on the pod.
 
+use crate::core::node_constraints::NodeConstraints;
 use std::collections::{BTreeMap, HashSet};
 use std::time::Instant;
 
@@ -49,6 +50,8 @@ pub struct ObservedPod {
     pub annotation: Option<String>,
     /// The device plugin's `gpuplace.io/allocated` value: which GPU containers it has admitted.
     pub allocated: Option<String>,
+    /// Its `nodeSelector` and required node affinity, which bind checks.
+    pub constraints: Result<NodeConstraints, String>,
 }
 
 impl ObservedPod {
@@ -61,6 +64,7 @@ impl ObservedPod {
             request: pod.request().map_err(|e| e.to_string()),
             annotation: pod.metadata.annotations.get(ANNOTATION_ASSIGNMENT).cloned(),
             allocated: pod.metadata.annotations.get(ANNOTATION_ALLOCATED).cloned(),
+            constraints: pod.spec.node_constraints(),
         }
     }
 
@@ -417,9 +421,17 @@ impl Extender {
             return;
         }
         let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
-        let known = seen.by_uid.get(&pod.uid).is_some_and(|s| s.key == pod.key && s.request == pod.request);
+        let known = seen
+            .by_uid
+            .get(&pod.uid)
+            .is_some_and(|s| s.key == pod.key && s.request == pod.request && s.constraints == pod.constraints);
         if !known {
-            seen.insert(SeenPod { key: pod.key.clone(), uid: pod.uid.clone(), request: pod.request.clone() });
+            seen.insert(SeenPod {
+                key: pod.key.clone(),
+                uid: pod.uid.clone(),
+                request: pod.request.clone(),
+                constraints: pod.constraints.clone(),
+            });
         }
     }
 }
