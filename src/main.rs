@@ -204,6 +204,11 @@ struct ServeArgs {
     /// Address to listen on.
     #[arg(long, default_value = DEFAULT_LISTEN)]
     listen: String,
+    /// Also serve /metrics, /healthz and /readyz, and nothing else, on this address over plain
+    /// HTTP, so that scrapers and probes need no access to the verbs' port (the manifests use
+    /// 0.0.0.0:9090).
+    #[arg(long, value_name = "ADDR")]
+    metrics_listen: Option<String>,
     /// URL path before the verbs: kube-scheduler's urlPrefix is http://HOST:PORT<prefix>.
     #[arg(long, default_value = DEFAULT_PREFIX)]
     prefix: String,
@@ -473,6 +478,7 @@ fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
         prefix: args.prefix.clone(),
         max_body_bytes: args.max_body_bytes,
         max_request_nodes: args.max_request_nodes,
+        metrics_listen: args.metrics_listen.clone(),
         ..HttpOptions::default()
     };
     let group_timeout = std::time::Duration::from_secs(args.group_timeout);
@@ -554,6 +560,7 @@ fn serve(args: &ServeArgs) -> Result<(), String> {
         prefix: args.prefix.clone(),
         max_body_bytes: args.max_body_bytes,
         max_request_nodes: args.max_request_nodes,
+        metrics_listen: args.metrics_listen.clone(),
         ..HttpOptions::default()
     };
     tracing::info!(cluster = %cluster_file.display(), nodes, "static mode");

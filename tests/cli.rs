@@ -304,6 +304,42 @@ fn serve_log(before: &[&str], after: &[&str]) -> String {
     log
 }
 
+/// Issue 29: `--metrics-listen` serves `/metrics`, `/healthz` and `/readyz` on a port of its own and
+/// nothing else there, so that a scraper allowed to that port reaches no verb, `/inspect` or `/mix`.
+#[test]
+fn the_metrics_port_serves_metrics_and_probes_and_no_verb() {
+    use gpuplace::extender::http_client::get;
+    use std::time::Duration;
+
+    let cluster = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/clusters/fixture-cluster.yaml");
+    let free = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+    let (listen, metrics) = (free(), free());
+    let _child = Reap(
+        Command::new(env!("CARGO_BIN_EXE_gpuplace"))
+            .args(["serve", "--cluster", cluster, "--listen", &listen, "--metrics-listen", &metrics])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("run gpuplace serve"),
+    );
+    wait_healthy(&listen);
+    let t = Duration::from_secs(5);
+    let on = |addr: &str, path: &str| get(&format!("http://{addr}{path}"), t).map(|r| r.status).unwrap_or(0);
+    let m = get(&format!("http://{metrics}/metrics"), t).expect("the metrics port answers");
+    assert_eq!(m.status, 200);
+    assert!(String::from_utf8_lossy(&m.body).contains("gpuplace_requests_total"), "not the extender's metrics");
+    assert_eq!((on(&metrics, "/healthz"), on(&metrics, "/readyz")), (200, 200));
+    for path in ["/inspect", "/mix", "/gpuplace/filter", "/gpuplace/bind"] {
+        assert_eq!(on(&metrics, path), 404, "{path} on the metrics port");
+    }
+    let body = br#"{"PodName":"p","PodNamespace":"ns","PodUID":"u","Node":"n"}"#;
+    let bind =
+        gpuplace::extender::http_client::request(&metrics, "POST", "/gpuplace/bind", body, t).expect("an answer");
+    assert_eq!(bind.status, 404, "a verb on the metrics port");
+    // the verbs' port is unchanged
+    assert_eq!(on(&listen, "/inspect"), 200);
+}
+
 /// Logs to a pipe (a pod's log, a file) carry no ANSI colour codes; `--log-format json` writes one
 /// JSON object per line with the level and the event's fields, the flag on either side of the
 /// subcommand.

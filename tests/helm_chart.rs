@@ -51,6 +51,7 @@ const DEFAULT_FILES: &[&str] = &[
     "device-plugin/admission-policy.yaml",
     "device-plugin/daemonset.yaml",
     "device-plugin/namespace.yaml",
+    "device-plugin/networkpolicy.yaml",
     "device-plugin/rbac.yaml",
     "second-profile/gpuplace-scheduler.yaml",
 ];

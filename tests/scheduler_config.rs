@@ -209,12 +209,31 @@ fn rollout_disruption_budget_and_network_policy_fit_the_deployment() {
     assert_eq!(np["metadata"]["namespace"].as_str(), Some(NAMESPACE));
     assert!(selects(&np["spec"]["podSelector"]));
     let ingress = np["spec"]["ingress"].as_sequence().unwrap();
-    let ports: Vec<u64> = ingress
-        .iter()
-        .flat_map(|r| r["ports"].as_sequence().unwrap().iter().map(|p| p["port"].as_u64().unwrap()))
-        .collect();
-    assert_eq!(ports, [c["ports"][0]["containerPort"].as_u64().unwrap()], "only the extender's port");
-    let from: Vec<&Value> = ingress.iter().flat_map(|r| r["from"].as_sequence().unwrap()).collect();
+    let port_of = |name: &str| {
+        let p = c["ports"].as_sequence().unwrap().iter().find(|p| p["name"].as_str() == Some(name));
+        p.and_then(|p| p["containerPort"].as_u64()).unwrap_or_else(|| panic!("container port {name}"))
+    };
+    let ports_of = |r: &Value| -> Vec<u64> {
+        r["ports"].as_sequence().unwrap().iter().map(|p| p["port"].as_u64().unwrap()).collect()
+    };
+    // two rules: the verbs' port for the schedulers and the other replica; the metrics port, which
+    // serves no verb (--metrics-listen), for scrapers
+    assert_eq!(ingress.len(), 2, "{ingress:?}");
+    assert_eq!(ports_of(&ingress[0]), [port_of("http")], "the verbs' port");
+    assert_eq!(ports_of(&ingress[1]), [port_of("metrics")], "the metrics port");
+    let args: Vec<&str> = c["args"].as_sequence().unwrap().iter().filter_map(|a| a.as_str()).collect();
+    assert!(args.contains(&format!("--metrics-listen=0.0.0.0:{}", port_of("metrics")).as_str()), "{args:?}");
+    let scrapers: Vec<&Value> = ingress[1]["from"].as_sequence().unwrap().iter().collect();
+    assert!(
+        scrapers.len() == 1
+            && scrapers[0]["podSelector"]["matchLabels"]["gpuplace.io/scrape-extender"].as_str() == Some("true"),
+        "scrapers are let in to the metrics port only: {scrapers:?}"
+    );
+    let from: Vec<&Value> = ingress[0]["from"].as_sequence().unwrap().iter().collect();
+    assert!(
+        from.iter().all(|p| p["podSelector"]["matchLabels"]["gpuplace.io/scrape-extender"].is_null()),
+        "no scraper on the verbs' port"
+    );
     // a peer without namespaceSelector is in the policy's own namespace
     let same_ns = |p: &&Value| p["namespaceSelector"].is_null();
     assert!(

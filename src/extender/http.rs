@@ -5,6 +5,8 @@
 //!   400 with the decoding error for a body that cannot be used; 413 over `max_body_bytes`, or for
 //!   a body naming more than `max_request_nodes` nodes (refused while it is decoded); 404 for an unknown verb; 405 for a known verb with another method. While not ready, filter and
 //!   bind answer with `Error` set, prioritize and preempt with 503.
+//! - With `metrics_listen`, a second listener, plain HTTP, serves `/metrics`, `/healthz` and
+//!   `/readyz` and nothing else, so that scrapers and probes need no access to the verbs' port.
 //! - `GET /healthz` (the process answers), `/readyz` (503 until the state is complete),
 //!   `/metrics` (Prometheus text), `/inspect` and `/inspect/{node}` (JSON; 404 for an unknown node),
 //!   `/mix` (the learned mix's state as JSON, what `--mix-state` holds; 404 when the mix is fixed).
@@ -59,6 +61,9 @@ pub struct HttpOptions {
     /// Time before a body's pace is checked, and the slowest average rate accepted after it.
     pub body_grace: Duration,
     pub body_min_bytes_per_sec: u64,
+    /// A second, plain-HTTP listener with `/metrics`, `/healthz` and `/readyz` only: what scrapers and
+    /// probes reach without any access to the verbs (`serve --metrics-listen`).
+    pub metrics_listen: Option<String>,
 }
 
 impl Default for HttpOptions {
@@ -69,6 +74,7 @@ impl Default for HttpOptions {
             max_request_nodes: DEFAULT_MAX_REQUEST_NODES,
             body_grace: crate::extender::body::DEFAULT_GRACE,
             body_min_bytes_per_sec: crate::extender::body::DEFAULT_MIN_BYTES_PER_SEC,
+            metrics_listen: None,
         }
     }
 }
@@ -135,6 +141,51 @@ fn configure_with(
         .default_service(web::to(not_found));
 }
 
+/// The metrics listener's routes: `/metrics`, `/healthz`, `/readyz`; 404 for anything else.
+fn configure_probes(cfg: &mut web::ServiceConfig, ext: web::Data<Extender>, front: &Frontend) {
+    if let Some(f) = &front.forward {
+        cfg.app_data(web::Data::from(f.clone()));
+    }
+    cfg.app_data(ext)
+        .route("/healthz", web::get().to(healthz))
+        .route("/readyz", web::get().to(readyz))
+        .route("/metrics", web::get().to(metrics))
+        .default_service(web::to(not_found));
+}
+
+/// The metrics listener, bound and running (plain HTTP, one worker), and its address.
+fn metrics_server(
+    ext: web::Data<Extender>,
+    front: &Frontend,
+    listen: &str,
+) -> std::io::Result<(actix_web::dev::Server, Option<SocketAddr>)> {
+    let front = front.clone();
+    let server = actix_web::HttpServer::new(move || {
+        let (ext, front) = (ext.clone(), front.clone());
+        actix_web::App::new().configure(move |cfg| configure_probes(cfg, ext, &front))
+    })
+    .workers(1)
+    .disable_signals()
+    .shutdown_timeout(1)
+    .bind(listen)?;
+    let addr = server.addrs().first().copied();
+    for a in server.addrs() {
+        tracing::info!(addr = %a, "gpuplace metrics listening");
+    }
+    Ok((server.run(), addr))
+}
+
+/// Runs the verbs' server until it stops, then stops the metrics listener with it.
+async fn run_both(server: actix_web::dev::Server, probes: Option<actix_web::dev::Server>) -> std::io::Result<()> {
+    let Some(probes) = probes else { return server.await };
+    let handle = probes.handle();
+    let probes = actix_web::rt::spawn(probes);
+    let result = server.await;
+    handle.stop(true).await;
+    let _ = probes.await;
+    result
+}
+
 /// What API-server mode adds around the routes: TLS on the port, and the forward to the leader.
 #[derive(Debug, Clone, Default)]
 pub struct Frontend {
@@ -170,6 +221,8 @@ macro_rules! bind_frontend {
 #[derive(Debug)]
 pub struct Running {
     pub addr: SocketAddr,
+    /// The metrics listener's address, with `metrics_listen`.
+    pub metrics_addr: Option<SocketAddr>,
     pub handle: ServerHandle,
     pub thread: std::thread::JoinHandle<std::io::Result<()>>,
 }
@@ -196,8 +249,10 @@ pub fn spawn_with(
             let data = web::Data::from(ext);
             let large = Arc::new(tokio::sync::Semaphore::new(1));
             let app_front = front.clone();
+            let metrics_listen = opts.metrics_listen.clone();
+            let app_data = data.clone();
             let server = actix_web::HttpServer::new(move || {
-                let (data, prefix, opts, large) = (data.clone(), prefix.clone(), opts.clone(), large.clone());
+                let (data, prefix, opts, large) = (app_data.clone(), prefix.clone(), opts.clone(), large.clone());
                 let front = app_front.clone();
                 actix_web::App::new().configure(move |cfg| {
                     configure_with(cfg, data, &prefix, &opts, large);
@@ -207,8 +262,11 @@ pub fn spawn_with(
             .workers(workers.max(1))
             .disable_signals()
             .shutdown_timeout(1);
-            let bound = bind_frontend!(server, &listen, front);
-            let server = match bound {
+            let bound = bind_frontend!(server, &listen, front).and_then(|server| {
+                let probes = metrics_listen.as_deref().map(|l| metrics_server(data.clone(), &front, l)).transpose()?;
+                Ok((server, probes))
+            });
+            let (server, probes) = match bound {
                 Ok(s) => s,
                 Err(e) => {
                     let _ = tx.send(Err(std::io::Error::new(e.kind(), e.to_string())));
@@ -217,13 +275,20 @@ pub fn spawn_with(
             };
             let addr = server.addrs().first().copied();
             let server = server.run();
-            let _ =
-                tx.send(addr.map(|a| (a, server.handle())).ok_or_else(|| std::io::Error::other("no address bound")));
-            server.await
+            let (probes, metrics_addr) = match probes {
+                Some((p, a)) => (Some(p), a),
+                None => (None, None),
+            };
+            let _ = tx.send(
+                addr.map(|a| (a, metrics_addr, server.handle()))
+                    .ok_or_else(|| std::io::Error::other("no address bound")),
+            );
+            run_both(server, probes).await
         })
     })?;
-    let (addr, handle) = rx.recv().map_err(|_| std::io::Error::other("server thread ended before listening"))??;
-    Ok(Running { addr, handle, thread })
+    let (addr, metrics_addr, handle) =
+        rx.recv().map_err(|_| std::io::Error::other("server thread ended before listening"))??;
+    Ok(Running { addr, metrics_addr, handle, thread })
 }
 
 /// Serves until SIGINT or SIGTERM (the `gpuplace serve` command).
@@ -242,6 +307,8 @@ pub fn serve_forever_with(
     let prefix = opts.normalized_prefix().map_err(std::io::Error::other)?;
     actix_web::rt::System::new().block_on(async move {
         let data = web::Data::from(ext);
+        let metrics_data = data.clone();
+        let metrics_listen = opts.metrics_listen.clone();
         let large = Arc::new(tokio::sync::Semaphore::new(1));
         let app_front = front.clone();
         let mut server = actix_web::HttpServer::new(move || {
@@ -260,7 +327,11 @@ pub fn serve_forever_with(
         for a in server.addrs() {
             tracing::info!(addr = %a, "gpuplace extender listening");
         }
-        server.run().await
+        let probes = match &metrics_listen {
+            Some(l) => Some(metrics_server(metrics_data, &front, l)?.0),
+            None => None,
+        };
+        run_both(server.run(), probes).await
     })
 }
 
