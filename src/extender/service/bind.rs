@@ -162,10 +162,10 @@ impl Extender {
             };
         }
         let Some(seen) = seen else {
-            let seen_by = if self.pods_watched() { "the pod watcher" } else { "a filter request" };
+            let seen_by = if self.pods_watched() { "by the pod watcher" } else { "in a filter request" };
             return fail(
                 BindOutcome::UnknownPod,
-                format!("pod {key} (UID {}) was not seen by {seen_by}, so its GPU request is unknown; it will be scheduled again", args.pod_uid),
+                format!("pod {key} (UID {}) was not seen {seen_by}, so its GPU request is unknown; it will be scheduled again", args.pod_uid),
             );
         };
         if seen.key != key {
