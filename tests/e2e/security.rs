@@ -232,3 +232,47 @@ async fn a_nodes_device_plugin_credential_changes_only_its_own_node_and_the_exte
         answer(cms.create(&PostParams::default(), &cm).await),
     );
 }
+
+/// Issue 29's H1 probe on the real control plane: a pod whose nodeSelector matches no node, which
+/// kube-scheduler leaves Pending, once went to a node of the caller's choosing through one `/filter`
+/// (its body without the nodeSelector) and one `/bind` sent straight to the extender's port. Now the
+/// extender places pods as the API server has them: the bind is refused and the pod stays Pending,
+/// while kube-scheduler schedules the other pods as usual.
+#[tokio::test(flavor = "current_thread")]
+async fn a_filter_and_bind_from_another_client_never_bind_a_pod_kube_scheduler_left_pending() {
+    use std::collections::BTreeMap;
+    use std::time::Duration;
+
+    use crate::fleet::{http_post, Shape};
+    use crate::{scheduler_config, stage_with_extender, stays_pending, wait_bound};
+
+    let _serial = SERIAL.lock().await;
+    let (mut st, ext) = stage_with_extender("foreign-bind").await;
+    st.cp.start_scheduler(&scheduler_config(), Some(&ext.url()));
+    let pods: Api<Pod> = Api::namespaced(st.admin.clone(), NS);
+    let pp = PostParams::default();
+    let one = Shape { gpu: Some("1"), kind: "whole-1", ..Default::default() };
+    let mut stuck = one.pod("stuck");
+    stuck.spec.as_mut().expect("a spec").node_selector =
+        Some(BTreeMap::from([("gpuplace.io/pool".to_string(), "none".to_string())]));
+    let stuck = pods.create(&pp, &stuck).await.expect("create the stuck pod");
+    pods.create(&pp, &one.pod("fine")).await.expect("create the fine pod");
+    assert_eq!(wait_bound(&st.admin, NS, 1, Duration::from_secs(60)).await, 1, "kube-scheduler binds the fine pod");
+    assert!(stays_pending(&pods, "stuck", Duration::from_secs(3)).await, "kube-scheduler leaves it Pending");
+
+    // another client, with access to the port: a filter body without the nodeSelector, then a bind
+    let node = st.nodes[0].name.clone();
+    let mut forged = serde_json::to_value(&stuck).expect("the pod as JSON");
+    forged["spec"].as_object_mut().expect("a spec").remove("nodeSelector");
+    let filter = json!({"Pod": forged, "Nodes": null, "NodeNames": [node]});
+    let (status, answer) = http_post(ext.port, "/gpuplace/filter", &filter.to_string()).expect("filter answered");
+    figure(&format!("security: another client's /filter for the stuck pod on {node}: {status} {answer}"));
+    let uid = stuck.metadata.uid.clone().expect("a UID");
+    let bind = json!({"PodName": "stuck", "PodNamespace": NS, "PodUID": uid, "Node": node});
+    let (status, answer) = http_post(ext.port, "/gpuplace/bind", &bind.to_string()).expect("bind answered");
+    figure(&format!("security: another client's /bind of the stuck pod to {node}: {status} {answer}"));
+    assert_eq!(status, 200);
+    assert!(answer.contains("does not match the pod's nodeSelector gpuplace.io/pool=none"), "{answer}");
+    assert!(stays_pending(&pods, "stuck", Duration::from_secs(3)).await, "the stuck pod was bound");
+    figure("security: the stuck pod is still Pending; kube-scheduler bound the other pod as usual");
+}
