@@ -911,8 +911,8 @@ async fn a_legacy_hmac_ring_is_upgraded_and_its_records_re_signed() {
 
 /// Issue 29: in API-server mode bind places a pod as the API server has it. A filter body sent by
 /// anyone who reaches the port (another GPU request, no nodeSelector, a pod that does not exist)
-/// changes nothing bind does, and a node the pod's own nodeSelector or required node affinity rules
-/// out is refused.
+/// changes nothing bind does, and a node the pod's own nodeSelector, required node affinity or
+/// tolerations rule out is refused.
 #[tokio::test]
 async fn bind_places_the_pod_the_api_server_has_not_the_one_a_filter_body_claims() {
     let fake = FakeApiServer::start().await.unwrap();
@@ -921,6 +921,19 @@ async fn bind_places_the_pod_the_api_server_has_not_the_one_a_filter_body_claims
         n.metadata.labels = Some(BTreeMap::from([("pool".to_string(), pool.to_string())]));
         fake.put(&n);
     }
+    // a tainted node: only pods that tolerate it
+    let mut n3 = gpu_node("n3", 2);
+    n3.spec = Some(
+        serde_json::from_value(json!({"taints": [{"key": "team", "value": "ml", "effect": "NoSchedule"}]})).unwrap(),
+    );
+    fake.put(&n3);
+    let plain = fake.put(&gpu_pod("plain", whole(1)));
+    let mut tolerant = gpu_pod("tolerant", whole(1));
+    tolerant.spec.as_mut().unwrap().tolerations = Some(vec![serde_json::from_value(
+        json!({"key": "team", "operator": "Equal", "value": "ml", "effect": "NoSchedule"}),
+    )
+    .unwrap()]);
+    let tolerant = fake.put(&tolerant);
     let mut spec = gpu_pod("p", whole(1));
     spec.spec.as_mut().unwrap().node_selector = Some(BTreeMap::from([("pool".to_string(), "a".to_string())]));
     let p = fake.put(&spec);
@@ -952,6 +965,11 @@ async fn bind_places_the_pod_the_api_server_has_not_the_one_a_filter_body_claims
     let e = bind(&r.ext, &q, "n1").await;
     assert!(e.contains("matches none of the pod's required node affinity terms"), "{e}");
     assert_eq!(bind(&r.ext, &q, "n2").await, "");
+
+    // taints, as kube-scheduler's TaintToleration filter judges them
+    let e = bind(&r.ext, &plain, "n3").await;
+    assert!(e.contains("node n3 has the taint team=ml:NoSchedule, which the pod does not tolerate"), "{e}");
+    assert_eq!(bind(&r.ext, &tolerant, "n3").await, "");
 
     // a pod the API server does not have: its filter body is not remembered, so no bind places it
     let ghost = json!({"metadata": {"name": "ghost", "namespace": "ns", "uid": "ghost-uid"},

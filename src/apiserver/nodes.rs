@@ -15,9 +15,20 @@ use tokio::sync::watch;
 
 use crate::apiserver::events::{EventSink, REASON_INVENTORY};
 use crate::apiserver::watch::next_event;
+use crate::core::node_constraints::Taint;
 use crate::extender::metrics::Watched;
 use crate::extender::service::observe::NodeOutcome;
 use crate::extender::service::Extender;
+
+/// The Node's taints as the core model reads them.
+fn taints_of(node: &Node) -> Vec<Taint> {
+    let taints = node.spec.as_ref().and_then(|s| s.taints.as_ref());
+    taints
+        .into_iter()
+        .flatten()
+        .map(|t| Taint { key: t.key.clone(), value: t.value.clone().unwrap_or_default(), effect: t.effect.clone() })
+        .collect()
+}
 
 /// Applies one Node object; returns whether gpuplace now knows it as a GPU node.
 pub fn apply(ext: &Extender, node: &Node, events: Option<&EventSink>) -> bool {
@@ -25,6 +36,7 @@ pub fn apply(ext: &Extender, node: &Node, events: Option<&EventSink>) -> bool {
     let empty = BTreeMap::new();
     let labels = node.metadata.labels.as_ref().unwrap_or(&empty);
     let annotations = node.metadata.annotations.as_ref().unwrap_or(&empty);
+    ext.observe_node_taints(&name, Some(taints_of(node)));
     match ext.observe_node(&name, labels, annotations) {
         NodeOutcome::Refused(why) => {
             if let Some(ev) = events {
@@ -66,6 +78,7 @@ pub async fn watch_nodes(
             Event::InitDone => {
                 for gone in known.iter().filter(|n| !listed.contains(*n)) {
                     tracing::info!(node = %gone, "node no longer listed; removed");
+                    ext.observe_node_taints(gone, None);
                     ext.remove_node(gone);
                 }
                 known.retain(|n| listed.contains(n));
@@ -80,6 +93,7 @@ pub async fn watch_nodes(
             }
             Event::Delete(n) => {
                 known.remove(&n.name_any());
+                ext.observe_node_taints(&n.name_any(), None);
                 ext.remove_node(&n.name_any());
             }
         }

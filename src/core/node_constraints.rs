@@ -1,12 +1,14 @@
-//! What a pod requires of its node that gpuplace can see: `spec.nodeSelector` and the required node
-//! affinity (`requiredDuringSchedulingIgnoredDuringExecution`), judged on the node's name and
-//! labels with kube-scheduler's rules (NodeAffinity plugin): every `nodeSelector` pair must match,
-//! and at least one term of the required affinity, a term matching when all of its expressions and
-//! fields do. A term with neither matches no node; `matchFields` knows `metadata.name` only.
+//! What a pod requires of its node that gpuplace can see, judged with kube-scheduler's rules:
+//! - `spec.nodeSelector` and the required node affinity (`requiredDuringSchedulingIgnoredDuringExecution`),
+//!   on the node's name and labels (NodeAffinity plugin): every `nodeSelector` pair must match, and
+//!   at least one term of the required affinity, a term matching when all of its expressions and
+//!   fields do. A term with neither matches no node; `matchFields` knows `metadata.name` only.
+//! - `spec.tolerations` against the node's taints (TaintToleration plugin): every `NoSchedule` and
+//!   `NoExecute` taint must be tolerated (`PreferNoSchedule` only weighs). A cordoned node carries
+//!   `node.kubernetes.io/unschedulable:NoSchedule`, so this also covers NodeUnschedulable.
 //!
 //! Bind checks the node it is asked for against these, so that a bind from anyone but
-//! kube-scheduler's own cycle cannot put a pod where kube-scheduler never would. Taints and other
-//! node state gpuplace does not model are not judged here. Plain data, no I/O.
+//! kube-scheduler's own cycle cannot put a pod where kube-scheduler never would. Plain data, no I/O.
 
 use std::collections::BTreeMap;
 
@@ -42,12 +44,57 @@ pub struct Term {
     pub match_fields: Vec<Requirement>,
 }
 
+/// A node's taint (`spec.taints[]`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Taint {
+    pub key: String,
+    #[serde(default)]
+    pub value: String,
+    /// `NoSchedule`, `PreferNoSchedule` or `NoExecute`.
+    pub effect: String,
+}
+
+/// A pod's toleration (`spec.tolerations[]`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Toleration {
+    /// Empty with `Exists`: every key.
+    #[serde(default)]
+    pub key: String,
+    /// `Equal` (the default) or `Exists`.
+    #[serde(default)]
+    pub operator: String,
+    #[serde(default)]
+    pub value: String,
+    /// Empty: every effect.
+    #[serde(default)]
+    pub effect: String,
+}
+
+impl Toleration {
+    /// kube's `Toleration.ToleratesTaint`.
+    pub fn tolerates(&self, t: &Taint) -> bool {
+        if !self.effect.is_empty() && self.effect != t.effect {
+            return false;
+        }
+        if !self.key.is_empty() && self.key != t.key {
+            return false;
+        }
+        match self.operator.as_str() {
+            "Exists" => true,
+            "" | "Equal" => self.value == t.value,
+            _ => false,
+        }
+    }
+}
+
 /// The pod's hard node constraints.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct NodeConstraints {
     pub node_selector: BTreeMap<String, String>,
     /// `None`: no required node affinity.
     pub required_terms: Option<Vec<Term>>,
+    pub tolerations: Vec<Toleration>,
 }
 
 impl Requirement {
@@ -83,7 +130,8 @@ impl Term {
 }
 
 impl NodeConstraints {
-    /// From the pod's `nodeSelector` and `affinity` (the JSON object, as the API has it).
+    /// From the pod's `nodeSelector` and `affinity` (the JSON object, as the API has it); no
+    /// tolerations (see [`with_tolerations`](Self::with_tolerations)).
     pub fn new(node_selector: BTreeMap<String, String>, affinity: Option<&serde_json::Value>) -> Result<Self, String> {
         let required = affinity
             .and_then(|a| a.get("nodeAffinity"))
@@ -100,13 +148,27 @@ impl NodeConstraints {
                 )
             }
         };
-        Ok(Self { node_selector, required_terms })
+        Ok(Self { node_selector, required_terms, tolerations: Vec::new() })
     }
 
-    /// `Ok` when node `name` with `labels` satisfies every constraint; else which one it does not.
-    pub fn admits(&self, name: &str, labels: &BTreeMap<String, String>) -> Result<(), String> {
+    /// These constraints with the pod's `tolerations`.
+    pub fn with_tolerations(self, tolerations: Vec<Toleration>) -> Self {
+        Self { tolerations, ..self }
+    }
+
+    /// `Ok` when node `name` with `labels` and `taints` satisfies every constraint; else which one
+    /// it does not.
+    pub fn admits(&self, name: &str, labels: &BTreeMap<String, String>, taints: &[Taint]) -> Result<(), String> {
         if let Some((k, v)) = self.node_selector.iter().find(|(k, v)| labels.get(*k) != Some(*v)) {
             return Err(format!("node {name} does not match the pod's nodeSelector {k}={v}"));
+        }
+        let hard = |t: &&Taint| t.effect == "NoSchedule" || t.effect == "NoExecute";
+        if let Some(t) = taints.iter().filter(hard).find(|t| !self.tolerations.iter().any(|tol| tol.tolerates(t))) {
+            let value = if t.value.is_empty() { String::new() } else { format!("={}", t.value) };
+            return Err(format!(
+                "node {name} has the taint {}{value}:{}, which the pod does not tolerate",
+                t.key, t.effect
+            ));
         }
         match &self.required_terms {
             Some(terms) if !terms.iter().any(|t| t.matches(name, labels)) => {
@@ -135,7 +197,7 @@ mod tests {
     #[test]
     fn no_constraints_admit_every_node() {
         let c = NodeConstraints::new(BTreeMap::new(), None).unwrap();
-        assert_eq!(c.admits("n", &BTreeMap::new()), Ok(()));
+        assert_eq!(c.admits("n", &BTreeMap::new(), &[]), Ok(()));
         // preferred affinity only: nothing required
         let a = json!({"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}});
         assert_eq!(NodeConstraints::new(BTreeMap::new(), Some(&a)).unwrap(), c);
@@ -144,10 +206,10 @@ mod tests {
     #[test]
     fn every_node_selector_pair_must_match() {
         let c = NodeConstraints::new(labels(&[("pool", "a"), ("zone", "z1")]), None).unwrap();
-        assert_eq!(c.admits("n", &labels(&[("pool", "a"), ("zone", "z1"), ("x", "y")])), Ok(()));
-        let e = c.admits("n", &labels(&[("pool", "a"), ("zone", "z2")])).unwrap_err();
+        assert_eq!(c.admits("n", &labels(&[("pool", "a"), ("zone", "z1"), ("x", "y")]), &[]), Ok(()));
+        let e = c.admits("n", &labels(&[("pool", "a"), ("zone", "z2")]), &[]).unwrap_err();
         assert_eq!(e, "node n does not match the pod's nodeSelector zone=z1");
-        assert!(c.admits("n", &BTreeMap::new()).is_err());
+        assert!(c.admits("n", &BTreeMap::new(), &[]).is_err());
     }
 
     #[test]
@@ -157,11 +219,11 @@ mod tests {
                                   {"key": "spot", "operator": "DoesNotExist"}]},
             {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["special"]}]},
         ]));
-        assert_eq!(c.admits("n", &labels(&[("gpu", "h100")])), Ok(()));
-        assert!(c.admits("n", &labels(&[("gpu", "h100"), ("spot", "1")])).is_err());
-        assert!(c.admits("n", &labels(&[("gpu", "t4")])).is_err());
-        assert_eq!(c.admits("special", &BTreeMap::new()), Ok(()));
-        let e = c.admits("other", &BTreeMap::new()).unwrap_err();
+        assert_eq!(c.admits("n", &labels(&[("gpu", "h100")]), &[]), Ok(()));
+        assert!(c.admits("n", &labels(&[("gpu", "h100"), ("spot", "1")]), &[]).is_err());
+        assert!(c.admits("n", &labels(&[("gpu", "t4")]), &[]).is_err());
+        assert_eq!(c.admits("special", &BTreeMap::new(), &[]), Ok(()));
+        let e = c.admits("other", &BTreeMap::new(), &[]).unwrap_err();
         assert_eq!(e, "node other matches none of the pod's required node affinity terms");
     }
 
@@ -172,7 +234,7 @@ mod tests {
         };
         let on = |c: &NodeConstraints, v: Option<&str>| {
             let l = v.map(|v| labels(&[("k", v)])).unwrap_or_default();
-            c.admits("n", &l).is_ok()
+            c.admits("n", &l, &[]).is_ok()
         };
         let not_in = one("NotIn", json!(["a"]));
         assert!(on(&not_in, Some("b")) && on(&not_in, None) && !on(&not_in, Some("a")));
@@ -187,12 +249,46 @@ mod tests {
 
     #[test]
     fn empty_terms_match_nothing_and_unreadable_ones_are_an_error() {
-        assert!(with_affinity(json!([{}])).admits("n", &BTreeMap::new()).is_err());
-        assert!(with_affinity(json!([])).admits("n", &BTreeMap::new()).is_err());
+        assert!(with_affinity(json!([{}])).admits("n", &BTreeMap::new(), &[]).is_err());
+        assert!(with_affinity(json!([])).admits("n", &BTreeMap::new(), &[]).is_err());
         let fields =
             with_affinity(json!([{"matchFields": [{"key": "spec.unschedulable", "operator": "In", "values": ["n"]}]}]));
-        assert!(fields.admits("n", &BTreeMap::new()).is_err(), "only metadata.name is a field");
+        assert!(fields.admits("n", &BTreeMap::new(), &[]).is_err(), "only metadata.name is a field");
         let bad = json!({"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": [{"key": "k", "operator": "Near"}]}]}}});
         assert!(NodeConstraints::new(BTreeMap::new(), Some(&bad)).is_err());
+    }
+
+    fn taint(key: &str, value: &str, effect: &str) -> Taint {
+        Taint { key: key.into(), value: value.into(), effect: effect.into() }
+    }
+
+    fn tol(key: &str, operator: &str, value: &str, effect: &str) -> Toleration {
+        Toleration { key: key.into(), operator: operator.into(), value: value.into(), effect: effect.into() }
+    }
+
+    #[test]
+    fn hard_taints_must_be_tolerated_as_kube_matches_them() {
+        let none = NodeConstraints::default();
+        let gpu = taint("nvidia.com/gpu", "", "NoSchedule");
+        let e = none.admits("n", &BTreeMap::new(), &[gpu.clone()]).unwrap_err();
+        assert_eq!(e, "node n has the taint nvidia.com/gpu:NoSchedule, which the pod does not tolerate");
+        // PreferNoSchedule only weighs
+        assert_eq!(none.admits("n", &BTreeMap::new(), &[taint("k", "v", "PreferNoSchedule")]), Ok(()));
+        let with = |t: Vec<Toleration>| NodeConstraints::default().with_tolerations(t);
+        let cordoned = taint("node.kubernetes.io/unschedulable", "", "NoSchedule");
+        let spot = taint("spot", "yes", "NoExecute");
+        let admits = |c: &NodeConstraints, taints: &[Taint]| c.admits("n", &BTreeMap::new(), taints).is_ok();
+        assert!(admits(&with(vec![tol("nvidia.com/gpu", "Exists", "", "NoSchedule")]), &[gpu.clone()]));
+        assert!(admits(&with(vec![tol("nvidia.com/gpu", "", "", "")]), &[gpu.clone()]), "Equal to an empty value");
+        assert!(!admits(&with(vec![tol("nvidia.com/gpu", "Equal", "x", "")]), &[gpu.clone()]));
+        assert!(!admits(&with(vec![tol("nvidia.com/gpu", "Exists", "", "NoExecute")]), &[gpu.clone()]), "other effect");
+        assert!(
+            admits(&with(vec![tol("", "Exists", "", "")]), &[gpu.clone(), cordoned.clone(), spot.clone()]),
+            "tolerates all"
+        );
+        assert!(admits(&with(vec![tol("spot", "Equal", "yes", "NoExecute")]), &[spot.clone()]));
+        assert!(!admits(&with(vec![tol("spot", "Equal", "no", "NoExecute")]), &[spot]));
+        let e = none.admits("n", &BTreeMap::new(), &[cordoned]).unwrap_err();
+        assert!(e.contains("node.kubernetes.io/unschedulable:NoSchedule"), "{e}");
     }
 }

@@ -32,7 +32,7 @@ use crate::core::annotations::{
 };
 use crate::core::assignment::PodAssignment;
 use crate::core::cluster::{Cluster, Node};
-use crate::core::node_constraints::NodeConstraints;
+use crate::core::node_constraints::{NodeConstraints, Taint};
 use crate::core::resources::PodRequest;
 use crate::core::signing::{KeyId, KeyRing};
 use crate::extender::adapt::NodeListMode;
@@ -275,6 +275,9 @@ pub struct Extender {
     ready: AtomicBool,
     /// API-server mode: the pod watcher remembers pods for bind, and filter bodies do not.
     pods_watched: AtomicBool,
+    /// Each Node's taints as its watcher last saw them, for bind's check of the pod's tolerations.
+    /// Its own lock: a Node's status heartbeats must not take the state's.
+    node_taints: Mutex<HashMap<String, Vec<Taint>>>,
     /// Signs the assignments bind writes and verifies those read back (the `trust` submodule). A
     /// per-process random ring until [`Extender::set_key_ring`] installs the shared one; `None` only
     /// if the OS random generator failed, and then bind refuses rather than write unsigned records.
@@ -343,6 +346,7 @@ impl Extender {
             log: None,
             ready: AtomicBool::new(opts.ready),
             pods_watched: AtomicBool::new(false),
+            node_taints: Mutex::new(HashMap::new()),
             keys: RwLock::new(ephemeral_keys()),
             accept_unsigned: opts.accept_unsigned,
             rejections: Mutex::new(RecentRejections::default()),
@@ -540,6 +544,28 @@ impl Extender {
 
     pub fn pods_watched(&self) -> bool {
         self.pods_watched.load(Ordering::Relaxed)
+    }
+
+    /// The node watcher's word on a Node's taints (`None`: the Node is gone).
+    pub fn observe_node_taints(&self, name: &str, taints: Option<Vec<Taint>>) {
+        let mut all = self.node_taints.lock().unwrap_or_else(|e| e.into_inner());
+        match taints {
+            Some(t) if t.is_empty() => {
+                all.remove(name);
+            }
+            Some(t) => {
+                if all.get(name) != Some(&t) {
+                    all.insert(name.to_string(), t);
+                }
+            }
+            None => {
+                all.remove(name);
+            }
+        }
+    }
+
+    fn taints_of(&self, name: &str) -> Vec<Taint> {
+        self.node_taints.lock().unwrap_or_else(|e| e.into_inner()).get(name).cloned().unwrap_or_default()
     }
 
     fn seen_pod(&self, uid: &str) -> Option<SeenPod> {

@@ -38,7 +38,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::marker::PhantomData;
 
-use crate::core::node_constraints::NodeConstraints;
+use crate::core::node_constraints::{NodeConstraints, Toleration};
 use serde::de::{self, DeserializeOwned, Deserializer};
 use serde::{Deserialize, Serialize, Serializer};
 use serde_json::value::RawValue;
@@ -337,6 +337,9 @@ pub struct PodSpec {
     /// `nodeSelector`, which bind checks ([`PodSpec::node_constraints`]).
     #[serde(default, deserialize_with = "null_as_default", skip_serializing_if = "BTreeMap::is_empty")]
     pub node_selector: BTreeMap<String, String>,
+    /// `tolerations`, which bind checks against the node's taints ([`PodSpec::node_constraints`]).
+    #[serde(default, deserialize_with = "null_as_default", skip_serializing_if = "Vec::is_empty")]
+    pub tolerations: Vec<Toleration>,
     #[serde(default, deserialize_with = "null_as_default", skip_serializing_if = "Vec::is_empty")]
     pub topology_spread_constraints: Vec<serde_json::Value>,
 }
@@ -344,7 +347,8 @@ pub struct PodSpec {
 impl PodSpec {
     /// What the pod requires of its node that bind can check (`core::node_constraints`).
     pub fn node_constraints(&self) -> Result<NodeConstraints, String> {
-        NodeConstraints::new(self.node_selector.clone(), self.affinity.as_ref())
+        Ok(NodeConstraints::new(self.node_selector.clone(), self.affinity.as_ref())?
+            .with_tolerations(self.tolerations.clone()))
     }
 
     /// Whether the pod states preferences that kube-scheduler's score plugins weigh between nodes

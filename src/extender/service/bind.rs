@@ -187,7 +187,7 @@ impl Extender {
             // the pod as the API server has it against the Node's labels: a bind kube-scheduler's
             // own cycle would never send is refused, whoever sent it
             let admits = match (&seen.constraints, st.cluster.node(&args.node)) {
-                (Ok(c), Some(node)) => c.admits(&node.name, &node.labels),
+                (Ok(c), Some(node)) => c.admits(&node.name, &node.labels, &self.taints_of(&node.name)),
                 (Err(e), _) => Err(e.clone()),
                 (_, None) => Ok(()),
             };
