@@ -258,7 +258,9 @@ fn follow_endpoints(client: Client, targets: Arc<Mutex<Vec<SocketAddr>>>) {
             if let Ok(list) = api.list(&lp).await {
                 let mut ready = Vec::new();
                 for s in &list.items {
-                    let port = s.ports.iter().flatten().find_map(|p| p.port).unwrap_or(8888);
+                    // the verbs' port by name: the Service also has `metrics`, which serves no verb
+                    let http = s.ports.iter().flatten().find(|p| p.name.as_deref() == Some("http"));
+                    let port = http.and_then(|p| p.port).unwrap_or(8888);
                     for e in s.endpoints.iter().flatten() {
                         if e.conditions.as_ref().and_then(|c| c.ready) == Some(true) {
                             ready.extend(
