@@ -140,6 +140,16 @@ pub enum KeySecretError {
     Publish { at: KeySecret, source: kube::Error },
 }
 
+/// The name, namespace and `app.kubernetes.io/part-of: gpuplace` of an object gpuplace creates.
+fn own_metadata(at: &KeySecret) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(at.name.clone()),
+        namespace: Some(at.namespace.clone()),
+        labels: Some(BTreeMap::from([("app.kubernetes.io/part-of".to_string(), "gpuplace".to_string())])),
+        ..ObjectMeta::default()
+    }
+}
+
 fn data_of(secret: &Secret) -> BTreeMap<String, Vec<u8>> {
     secret.data.iter().flatten().map(|(k, v)| (k.clone(), v.0.clone())).collect()
 }
@@ -154,17 +164,6 @@ pub async fn apply(
     status: &watch::Sender<KeyStatus>,
 ) {
     let data = data_of(secret);
-    if let Err(KeyRingError::LegacyPrimary(id)) = KeyRing::from_secret_data(&data) {
-        match upgrade(api, at, secret, &data).await {
-            Ok(primary) => {
-                tracing::warn!(secret = %at, legacy = %id, %primary, "assignment key Secret had a legacy HMAC primary; added an Ed25519 key as primary (the legacy key still verifies until the leader has re-signed)");
-                return;
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "the legacy key ring could not be upgraded; retried at the next change of the Secret")
-            }
-        }
-    }
     match KeyRing::from_secret_data(&data) {
         Ok(keys) => {
             let loaded = KeyStatus::Loaded {
@@ -177,6 +176,18 @@ pub async fn apply(
             ext.set_key_ring(keys);
             status.send_replace(loaded);
         }
+        Err(KeyRingError::LegacyPrimary(id)) => match upgrade(api, at, secret, &data).await {
+            Ok(Some(primary)) => {
+                tracing::warn!(secret = %at, legacy = %id, %primary, "assignment key Secret had a legacy HMAC primary; added an Ed25519 key as primary (the legacy key still verifies until the leader has re-signed)");
+            }
+            Ok(None) => {
+                tracing::info!(secret = %at, legacy = %id, "another replica upgraded the legacy key ring first; loading its ring")
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "the legacy key ring could not be upgraded; this replica stays unready, and retries at the next change of the Secret");
+                status.send_replace(KeyStatus::Invalid(KeyRingError::LegacyPrimary(id).to_string()));
+            }
+        },
         Err(e) => {
             tracing::error!(secret = %at, error = %e, "assignment key Secret is malformed; this replica stays unready until it is fixed");
             status.send_replace(KeyStatus::Invalid(e.to_string()));
@@ -185,23 +196,22 @@ pub async fn apply(
 }
 
 /// Replaces `secret` (resourceVersion as precondition: a replica that upgraded first wins, the other
-/// gets 409 and loads the winner's) with its ring plus a fresh Ed25519 primary; that primary's id.
+/// gets 409 and loads the winner's) with its ring plus a fresh Ed25519 primary: that primary's id,
+/// or `None` when another replica's upgrade came first.
 async fn upgrade(
     api: &Api<Secret>,
     at: &KeySecret,
     secret: &Secret,
     data: &BTreeMap<String, Vec<u8>>,
-) -> Result<String, KeySecretError> {
+) -> Result<Option<String>, KeySecretError> {
     let keys =
         KeyRing::upgrade_legacy(data).map_err(|source| KeySecretError::Generate { secret: at.clone(), source })?;
     let mut new = secret.clone();
     new.data = Some(keys.to_secret_data().into_iter().map(|(k, v)| (k, ByteString(v))).collect());
     new.string_data = None;
     match api.replace(&at.name, &PostParams::default(), &new).await {
-        Ok(_) => Ok(keys.primary().to_string()),
-        Err(kube::Error::Api(s)) if s.code == 409 => {
-            Ok(format!("(upgraded by another replica; not {})", keys.primary()))
-        }
+        Ok(_) => Ok(Some(keys.primary().to_string())),
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(None),
         Err(source) => Err(KeySecretError::Upgrade { secret: at.clone(), source }),
     }
 }
@@ -211,12 +221,7 @@ async fn upgrade(
 pub async fn create(api: &Api<Secret>, at: &KeySecret) -> Result<Secret, KeySecretError> {
     let keys = KeyRing::generate().map_err(|source| KeySecretError::Generate { secret: at.clone(), source })?;
     let secret = Secret {
-        metadata: ObjectMeta {
-            name: Some(at.name.clone()),
-            namespace: Some(at.namespace.clone()),
-            labels: Some(BTreeMap::from([("app.kubernetes.io/part-of".to_string(), "gpuplace".to_string())])),
-            ..ObjectMeta::default()
-        },
+        metadata: own_metadata(at),
         type_: Some("Opaque".into()),
         data: Some(keys.to_secret_data().into_iter().map(|(k, v)| (k, ByteString(v))).collect()),
         ..Secret::default()
@@ -294,16 +299,7 @@ pub async fn publish_public_keys(
             api.replace(&at.name, &PostParams::default(), &cm).await.map(|_| ()).map_err(fail)
         }
         None => {
-            let cm = ConfigMap {
-                metadata: ObjectMeta {
-                    name: Some(at.name.clone()),
-                    namespace: Some(at.namespace.clone()),
-                    labels: Some(BTreeMap::from([("app.kubernetes.io/part-of".to_string(), "gpuplace".to_string())])),
-                    ..ObjectMeta::default()
-                },
-                data: Some(data),
-                ..ConfigMap::default()
-            };
+            let cm = ConfigMap { metadata: own_metadata(at), data: Some(data), ..ConfigMap::default() };
             api.create(&PostParams::default(), &cm).await.map(|_| ()).map_err(fail)
         }
     }

@@ -143,9 +143,8 @@ fn configure_with(
 
 /// The metrics listener's routes: `/metrics`, `/healthz`, `/readyz`; 404 for anything else.
 fn configure_probes(cfg: &mut web::ServiceConfig, ext: web::Data<Extender>, front: &Frontend) {
-    if let Some(f) = &front.forward {
-        cfg.app_data(web::Data::from(f.clone()));
-    }
+    // the forward's readiness and metrics; the client-certificate marker is read by no route here
+    configure_frontend(cfg, front);
     cfg.app_data(ext)
         .route("/healthz", web::get().to(healthz))
         .route("/readyz", web::get().to(readyz))

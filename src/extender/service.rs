@@ -549,15 +549,11 @@ impl Extender {
     /// The node watcher's word on a Node's taints (`None`: the Node is gone).
     pub fn observe_node_taints(&self, name: &str, taints: Option<Vec<Taint>>) {
         let mut all = self.node_taints.lock().unwrap_or_else(|e| e.into_inner());
-        match taints {
-            Some(t) if t.is_empty() => {
-                all.remove(name);
+        match taints.filter(|t| !t.is_empty()) {
+            Some(t) if all.get(name) != Some(&t) => {
+                all.insert(name.to_string(), t);
             }
-            Some(t) => {
-                if all.get(name) != Some(&t) {
-                    all.insert(name.to_string(), t);
-                }
-            }
+            Some(_) => {}
             None => {
                 all.remove(name);
             }

@@ -319,7 +319,8 @@ impl KubeAssignments {
         waiting_only: bool,
         keys: &PublicKeys,
     ) -> (Vec<PendingPod>, Vec<(&'a Pod, PodProblem)>) {
-        let mut live = Vec::new();
+        // the live pods and, in the same order, their objects
+        let (mut live, mut objects) = (Vec::new(), Vec::new());
         let mut problems = Vec::new();
         let mut known = lock(&self.known);
         for &pod in pods {
@@ -329,17 +330,17 @@ impl KubeAssignments {
                     let k = known.entry(p.key.uid.clone()).or_insert_with(Known::new);
                     k.merge(&p);
                     (p.allocated, p.unconfirmed) = (k.containers.clone(), k.unconfirmed.clone());
-                    live.push((pod, p));
+                    live.push(p);
+                    objects.push(pod);
                 }
                 Err(problem) => problems.push((pod, problem)),
             }
         }
         drop(known);
         // every live pod counts as a holder, waiting or not
-        let all: Vec<PendingPod> = live.iter().map(|(_, p)| p.clone()).collect();
-        let refused = conflicts(&all);
+        let refused = conflicts(&live);
         let mut out = Vec::new();
-        for (pod, p) in live {
+        for (pod, p) in objects.into_iter().zip(live) {
             if let Some(c) = refused.get(&p.key.uid) {
                 problems.push((pod, PodProblem::Conflict(c.clone())));
                 continue;

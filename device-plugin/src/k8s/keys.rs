@@ -69,7 +69,7 @@ impl AssignmentKeys {
         timeout: Duration,
     ) -> Arc<Self> {
         let api: Api<ConfigMap> = Api::namespaced(client, namespace);
-        let keys = Arc::new_cyclic(|weak: &std::sync::Weak<Self>| {
+        Arc::new_cyclic(|weak: &std::sync::Weak<Self>| {
             let weak = weak.clone();
             let (api2, name2) = (api.clone(), name.to_string());
             let watch = tokio::spawn(async move {
@@ -103,8 +103,7 @@ impl AssignmentKeys {
                 timeout,
                 watch: Some(watch),
             }
-        });
-        keys
+        })
     }
 
     /// The keys loaded now (a few dozen bytes each: cloned, not locked across an await).

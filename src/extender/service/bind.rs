@@ -130,8 +130,6 @@ impl Extender {
         }
     }
 
-    /// Re-checks and counts the allocation. `Ok(None)`: a retry of a bind already done. With the
-    /// request, the pods awaiting admission it must wait for (the `admission` submodule).
     /// Waits up to [`WATCH_WAIT`] for the pod watcher to see pod `uid`: kube-scheduler's own filter
     /// and bind can come moments after the pod was created, before the watch delivered it.
     async fn await_watched(&self, uid: &str) {
@@ -141,6 +139,8 @@ impl Extender {
         }
     }
 
+    /// Re-checks and counts the allocation. `Ok(None)`: a retry of a bind already done. With the
+    /// request, the pods awaiting admission it must wait for (the `admission` submodule).
     fn prepare_bind(
         &self,
         args: &ExtenderBindingArgs,
