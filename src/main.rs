@@ -256,14 +256,31 @@ struct ServeArgs {
     /// HTTP worker threads (0: one per core).
     #[arg(long, default_value_t = 0)]
     workers: usize,
+    /// API-server mode, mTLS with certificates the extender makes (the default install): the Secret
+    /// holding its CA, NAME (in $POD_NAMESPACE, else gpuplace-system) or NAMESPACE/NAME, created when
+    /// absent. Each replica serves HTTPS with a certificate this CA issues (renewed in memory), the
+    /// leader keeps kube-scheduler's client certificate in --tls-scheduler-secret, and the verbs,
+    /// /inspect and /mix need a client certificate the CA signed.
+    #[arg(long, value_name = "SECRET", conflicts_with_all = ["cluster", "tls_cert"])]
+    tls_ca_secret: Option<String>,
+    /// With --tls-ca-secret: the Secret where the leader keeps kube-scheduler's client certificate
+    /// (ca.crt, kube-scheduler.crt, kube-scheduler.key), in the CA Secret's namespace.
+    #[arg(long, value_name = "NAME", requires = "tls_ca_secret", default_value = gpuplace::apiserver::certificates::DEFAULT_SCHEDULER_SECRET_NAME)]
+    tls_scheduler_secret: String,
+    /// With --tls-ca-secret: the Service whose names the serving certificate carries (NAME,
+    /// NAME.NAMESPACE, NAME.NAMESPACE.svc, NAME.NAMESPACE.svc.cluster.local), besides the host of
+    /// --advertise-url ($POD_IP).
+    #[arg(long, value_name = "NAME", requires = "tls_ca_secret", default_value = "gpuplace-extender")]
+    tls_service: String,
     /// Serve HTTPS with this certificate (PEM; a chain, the leaf first). With --tls-key.
     #[arg(long, value_name = "FILE", requires = "tls_key")]
     tls_cert: Option<PathBuf>,
     /// The private key of --tls-cert (PEM).
     #[arg(long, value_name = "FILE", requires = "tls_cert")]
     tls_key: Option<PathBuf>,
-    /// Require client certificates signed by this CA (PEM) for the verbs, /inspect and /mix (403
-    /// without one); /healthz, /readyz and /metrics stay open for probes and scrapers.
+    /// Require client certificates signed by this CA (PEM) for the verbs, /inspect and /mix. With
+    /// --metrics-listen the handshake itself requires one; without it, /healthz, /readyz and
+    /// /metrics stay open on this port for probes and scrapers, and the rest answers 403.
     #[arg(long, value_name = "FILE", requires = "tls_cert")]
     tls_client_ca: Option<PathBuf>,
     /// API-server mode: the URL prefix at which the other replica reaches this one's verbs, written
@@ -384,6 +401,17 @@ fn host_identity() -> String {
     format!("{host}_{}", std::process::id())
 }
 
+/// Whether a TLS handshake without a client certificate is refused: yes when the probes and
+/// /metrics have a port of their own.
+fn client_auth(args: &ServeArgs) -> gpuplace::extender::tls::ClientAuth {
+    use gpuplace::extender::tls::ClientAuth;
+    if args.metrics_listen.is_some() {
+        ClientAuth::Required
+    } else {
+        ClientAuth::Optional
+    }
+}
+
 /// The serving TLS of `--tls-cert`, `--tls-key`, `--tls-client-ca`, if asked.
 fn server_tls(args: &ServeArgs) -> Result<Option<gpuplace::extender::tls::ServerTls>, String> {
     let (Some(cert), Some(key)) = (&args.tls_cert, &args.tls_key) else { return Ok(None) };
@@ -391,8 +419,50 @@ fn server_tls(args: &ServeArgs) -> Result<Option<gpuplace::extender::tls::Server
         cert: cert.clone(),
         key: key.clone(),
         client_ca: args.tls_client_ca.clone(),
+        client_auth: client_auth(args),
     };
     gpuplace::extender::tls::server_config(&files).map(Some).map_err(|e| format!("TLS: {e}"))
+}
+
+/// `--tls-ca-secret`'s Secret: NAME in the extender's namespace, or NAMESPACE/NAME.
+fn ca_secret_of(arg: &str) -> Result<KeySecret, String> {
+    if arg.contains('/') {
+        arg.parse::<KeySecret>().map_err(|e| format!("--tls-ca-secret: {e}"))
+    } else if arg.is_empty() {
+        Err("--tls-ca-secret: a Secret name is needed".into())
+    } else {
+        Ok(KeySecret { namespace: own_namespace(), name: arg.into() })
+    }
+}
+
+/// mTLS with the extender's own CA (`--tls-ca-secret`): the CA (read, or made and stored), this
+/// replica's certificate, and what the leader keeps for kube-scheduler.
+struct SelfIssuedTls {
+    identity: Arc<gpuplace::extender::tls::SelfIssued>,
+    scheduler: gpuplace::apiserver::run::SchedulerTls,
+}
+
+fn self_issued_tls(
+    args: &ServeArgs,
+    source: &gpuplace::apiserver::connect::Source,
+    advertise: Option<&str>,
+) -> Result<Option<SelfIssuedTls>, String> {
+    let Some(arg) = &args.tls_ca_secret else { return Ok(None) };
+    let at = ca_secret_of(arg)?;
+    let ca = Arc::new(
+        gpuplace::apiserver::certificates::load_or_create_ca_blocking(source, &at)
+            .map_err(|e| format!("the extender's CA: {e}"))?,
+    );
+    let names = gpuplace::extender::pki::replica_names(&args.tls_service, &own_namespace(), advertise);
+    let leaf = gpuplace::extender::pki::Leaf::replica(names);
+    let identity = gpuplace::extender::tls::SelfIssued::new(ca.clone(), leaf, std::time::SystemTime::now())
+        .map_err(|e| format!("TLS: {e}"))?;
+    let scheduler = gpuplace::apiserver::run::SchedulerTls {
+        secret: KeySecret { namespace: at.namespace.clone(), name: args.tls_scheduler_secret.clone() },
+        ca,
+        every: gpuplace::apiserver::certificates::SCHEDULER_CHECK_EVERY,
+    };
+    Ok(Some(SelfIssuedTls { identity, scheduler }))
 }
 
 /// The forward of a replica that does not lead (`role`: its readiness and election).
@@ -400,10 +470,17 @@ fn forwarder(
     args: &ServeArgs,
     role: Arc<gpuplace::apiserver::run::Readiness>,
     identity: &str,
+    self_issued: Option<&SelfIssuedTls>,
 ) -> Result<Forwarder, String> {
-    let ca = args.forward_ca.as_deref().or(args.tls_client_ca.as_deref());
-    let own = args.tls_cert.as_deref().zip(args.tls_key.as_deref());
-    let tls = gpuplace::extender::tls::client_config(ca, own).map_err(|e| format!("forward TLS: {e}"))?;
+    let tls = match self_issued {
+        Some(s) => gpuplace::extender::tls::self_issued_client_config(s.identity.clone()),
+        None => {
+            let ca = args.forward_ca.as_deref().or(args.tls_client_ca.as_deref());
+            let own = args.tls_cert.as_deref().zip(args.tls_key.as_deref());
+            gpuplace::extender::tls::client_config(ca, own)
+        }
+    }
+    .map_err(|e| format!("forward TLS: {e}"))?;
     let opts = ForwardOptions {
         timeout: Duration::from_millis(args.forward_timeout_ms.max(1)),
         identity: identity.to_string(),
@@ -416,21 +493,24 @@ fn forwarder(
 /// API-server mode: the kube side on its own thread (gpuplace::apiserver::run), HTTP on this one.
 fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
     let source = args.connect.source().map_err(|e| e.to_string())?;
-    let tls = server_tls(args)?;
-    let scheme = if tls.is_some() { "https" } else { "http" };
+    let https = args.tls_cert.is_some() || args.tls_ca_secret.is_some();
+    let scheme = if https { "https" } else { "http" };
     let prefix = HttpOptions { prefix: args.prefix.clone(), ..HttpOptions::default() }.normalized_prefix()?;
-    let advertise = advertise_url(
-        args.advertise_url.as_deref(),
-        env_nonempty("POD_IP").as_deref(),
-        &args.listen,
-        tls.is_some(),
-        &prefix,
-    );
+    let advertise =
+        advertise_url(args.advertise_url.as_deref(), env_nonempty("POD_IP").as_deref(), &args.listen, https, &prefix);
     if let Some(url) = &advertise {
         if !(url.starts_with("http://") || url.starts_with("https://")) {
             return Err(format!("--advertise-url must be an http:// or https:// URL, got {url:?}"));
         }
     }
+    let self_issued = self_issued_tls(args, &source, advertise.as_deref())?;
+    let tls = match &self_issued {
+        Some(s) => Some(
+            gpuplace::extender::tls::self_issued_server_config(s.identity.clone(), client_auth(args))
+                .map_err(|e| format!("TLS: {e}"))?,
+        ),
+        None => server_tls(args)?,
+    };
     let (engine, learner) = engine_of(args)?;
     let log = placement_log_of(args)?;
     let identity =
@@ -473,6 +553,7 @@ fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
             secret: key_secret.clone(),
             ..KeyOptions::default()
         },
+        scheduler_tls: self_issued.as_ref().map(|s| s.scheduler.clone()),
     };
     let http = HttpOptions {
         prefix: args.prefix.clone(),
@@ -504,12 +585,23 @@ fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
     .map_err(|e| e.to_string())?;
     let saver = mix_saver(args, &kube.ext)?;
     // with election, a replica that does not lead forwards the verbs to the one that does
-    let forward = if elect { Some(Arc::new(forwarder(args, kube.readiness.clone(), &identity)?)) } else { None };
+    let forward = if elect {
+        Some(Arc::new(forwarder(args, kube.readiness.clone(), &identity, self_issued.as_ref())?))
+    } else {
+        None
+    };
     let banner = format!(
         "gpuplace: API-server mode (leader election {}); listening on {scheme}://{}{prefix}{}; ready once the keys in Secret {key_secret} are loaded and allocations rebuilt{}",
         if elect { "on" } else { "off" },
         args.listen,
-        if args.tls_client_ca.is_some() { " (client certificates required)" } else { "" },
+        match &self_issued {
+            Some(s) => format!(
+                " (client certificates from the extender's CA required; kube-scheduler's in Secret {})",
+                s.scheduler.secret
+            ),
+            None if args.tls_client_ca.is_some() => " (client certificates required)".to_string(),
+            None => String::new(),
+        },
         match (&advertise, elect) {
             (Some(url), true) => format!("; the verbs go to the leader, this replica publishes {url} while it leads"),
             (None, true) => "; the verbs go to the leader".to_string(),

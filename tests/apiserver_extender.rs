@@ -24,8 +24,9 @@ use gpuplace::extender::clock::now_unix_ms;
 use gpuplace::extender::forward::{ForwardOptions, Forwarder, Role, Route, FORWARDED_HEADER};
 use gpuplace::extender::http::{self, Frontend, HttpOptions};
 use gpuplace::extender::metrics::{BindOutcome, ConflictKind, Watched};
+use gpuplace::extender::pki;
 use gpuplace::extender::service::{Extender, ServiceOptions};
-use gpuplace::extender::tls::ServerFiles;
+use gpuplace::extender::tls::{self, ClientAuth, ServerFiles};
 use gpuplace::placement::engine::Engine;
 use gpuplace::placement::mix::WorkloadMix;
 use gpuplace::placement::mix_learner::{bundled_prior, MixLearner};
@@ -85,7 +86,14 @@ fn start_replica(
     let ext = Arc::new(ext);
     let instance = leader.as_ref().map_or("solo".to_string(), |l| l.identity.clone());
     let keys = KeyOptions { resign_every: Duration::from_millis(100), ..KeyOptions::default() };
-    let opts = ApiOptions { node_selector: None, leader, instance, utilization_namespace: Some(UTIL_NS.into()), keys };
+    let opts = ApiOptions {
+        node_selector: None,
+        leader,
+        instance,
+        utilization_namespace: Some(UTIL_NS.into()),
+        keys,
+        scheduler_tls: None,
+    };
     let ctl = run::start(client, ext.clone(), leadership, opts);
     Replica { ext, binder, ctl }
 }
@@ -1317,11 +1325,19 @@ async fn a_pod_turned_away_from_gpus_then_freed_is_sent_back_to_the_queue() {
 /// The certificates of a TLS run (one CA: the replicas' serving certificates double as the forward's
 /// client certificates, and kube-scheduler's is a client certificate from the same CA).
 struct TlsSetup {
-    ca: Ca,
-    ca_file: std::path::PathBuf,
-    cert: std::path::PathBuf,
-    key: std::path::PathBuf,
+    /// What the callers trust.
+    ca_pem: String,
+    server: ServerCerts,
+    /// kube-scheduler's client certificate.
     scheduler: Identity,
+}
+
+/// Where the replicas' certificates come from.
+enum ServerCerts {
+    /// `--tls-cert`, `--tls-key`, `--tls-client-ca`: one serving certificate for every replica.
+    Files { ca_file: std::path::PathBuf, cert: std::path::PathBuf, key: std::path::PathBuf },
+    /// `--tls-ca-secret`: each replica issues its own from the extender's CA.
+    SelfIssued(Arc<pki::Ca>),
 }
 
 impl TlsSetup {
@@ -1331,11 +1347,24 @@ impl TlsSetup {
         let ca = Ca::new("gpuplace test CA");
         let server = ca.server();
         TlsSetup {
-            ca_file: write_pem(&dir, "ca.crt", &ca.cert_pem),
-            cert: write_pem(&dir, "tls.crt", &server.cert_pem),
-            key: write_pem(&dir, "tls.key", &server.key_pem),
+            server: ServerCerts::Files {
+                ca_file: write_pem(&dir, "ca.crt", &ca.cert_pem),
+                cert: write_pem(&dir, "tls.crt", &server.cert_pem),
+                key: write_pem(&dir, "tls.key", &server.key_pem),
+            },
             scheduler: ca.client("kube-scheduler"),
-            ca,
+            ca_pem: ca.cert_pem,
+        }
+    }
+
+    /// The default install's: the extender's CA, kube-scheduler's certificate as the leader issues it.
+    fn self_issued() -> TlsSetup {
+        let ca = pki::Ca::generate(std::time::SystemTime::now()).unwrap();
+        let issued = ca.issue(&pki::Leaf::scheduler(), std::time::SystemTime::now(), pki::LEAF_VALIDITY).unwrap();
+        TlsSetup {
+            ca_pem: ca.cert_pem.clone(),
+            server: ServerCerts::SelfIssued(Arc::new(ca)),
+            scheduler: Identity { cert_pem: issued.cert_pem, key_pem: issued.key_pem },
         }
     }
 }
@@ -1367,22 +1396,36 @@ fn served_replica(fake: &FakeApiServer, identity: &str, tls: Option<&TlsSetup>) 
     let scheme = if tls.is_some() { "https" } else { "http" };
     let mut cfg = election(identity);
     cfg.advertise_url = Some(format!("{scheme}://127.0.0.1:{port}/gpuplace"));
+    let (client, server_tls, server_name) = match tls.map(|t| &t.server) {
+        Some(ServerCerts::Files { ca_file, cert, key }) => {
+            let files = ServerFiles {
+                cert: cert.clone(),
+                key: key.clone(),
+                client_ca: Some(ca_file.clone()),
+                client_auth: ClientAuth::Optional,
+            };
+            (
+                tls::client_config(Some(ca_file), Some((cert, key))).unwrap(),
+                Some(tls::server_config(&files).unwrap()),
+                Some(SERVICE_NAME.to_string()),
+            )
+        }
+        // as `serve --tls-ca-secret` makes them: the replica's names are its Service's and the
+        // advertised host, so the forward verifies the leader by the URL on the Lease
+        Some(ServerCerts::SelfIssued(ca)) => {
+            let names = pki::replica_names("gpuplace-extender", "gpuplace-system", cfg.advertise_url.as_deref());
+            let id = tls::SelfIssued::new(ca.clone(), pki::Leaf::replica(names), std::time::SystemTime::now()).unwrap();
+            (
+                tls::self_issued_client_config(id.clone()).unwrap(),
+                Some(tls::self_issued_server_config(id, ClientAuth::Optional).unwrap()),
+                None,
+            )
+        }
+        None => (tls::client_config(None, None).unwrap(), None, None),
+    };
     let r = replica(fake, Some(cfg));
-    let client = match tls {
-        Some(t) => gpuplace::extender::tls::client_config(Some(&t.ca_file), Some((&t.cert, &t.key))).unwrap(),
-        None => gpuplace::extender::tls::client_config(None, None).unwrap(),
-    };
-    let opts = ForwardOptions {
-        timeout: Duration::from_secs(2),
-        identity: identity.into(),
-        tls: client,
-        server_name: tls.map(|_| SERVICE_NAME.to_string()),
-    };
+    let opts = ForwardOptions { timeout: Duration::from_secs(2), identity: identity.into(), tls: client, server_name };
     let forward = Forwarder::new(r.ctl.readiness.clone(), opts).unwrap();
-    let server_tls = tls.map(|t| {
-        let files = ServerFiles { cert: t.cert.clone(), key: t.key.clone(), client_ca: Some(t.ca_file.clone()) };
-        gpuplace::extender::tls::server_config(&files).unwrap()
-    });
     let front = Frontend { tls: server_tls, forward: Some(Arc::new(forward)) };
     let http = http::spawn_with(r.ext.clone(), HttpOptions::default(), &format!("127.0.0.1:{port}"), 2, front).unwrap();
     Served { r, port, http }
@@ -1406,7 +1449,7 @@ impl Served {
     ) -> (u16, String) {
         let port = self.port;
         let path = path.to_string();
-        let tls = tls.map(|t| (t.ca.cert_pem.clone(), t.scheduler.clone()));
+        let tls = tls.map(|t| (t.ca_pem.clone(), t.scheduler.clone()));
         let header = forwarded_by.map(|f| format!("{FORWARDED_HEADER}: {f}\r\n")).unwrap_or_default();
         tokio::task::spawn_blocking(move || {
             let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
@@ -1574,4 +1617,74 @@ async fn a_standby_forwards_every_verb_to_the_leader_over_http() {
 #[tokio::test]
 async fn a_standby_forwards_every_verb_to_the_leader_over_https() {
     a_standby_forwards_every_verb_to_the_leader(Some(TlsSetup::new("forward"))).await;
+}
+
+/// The same with the default install's certificates (`--tls-ca-secret`): each replica issues its own
+/// from the extender's CA, with the pod IP it advertises among its names, and presents it when it
+/// forwards; kube-scheduler presents the client certificate the leader keeps in its Secret.
+#[tokio::test]
+async fn a_standby_forwards_every_verb_to_the_leader_over_self_issued_https() {
+    a_standby_forwards_every_verb_to_the_leader(Some(TlsSetup::self_issued())).await;
+}
+
+/// `--tls-ca-secret`: the CA Secret is made once (two replicas racing get the same CA) and never
+/// overwritten when malformed; kube-scheduler's Secret is written by the leader when absent, not the
+/// current CA's, malformed or a third of its life from its end, and left alone otherwise, with its
+/// other entries kept.
+#[tokio::test]
+async fn the_extenders_ca_and_kube_schedulers_certificate_are_made_once_and_renewed_when_due() {
+    use gpuplace::apiserver::certificates::{
+        self as certs, ensure_scheduler_secret, load_or_create_ca, SchedulerSecret, CA_CERT, SCHEDULER_CERT,
+        SCHEDULER_KEY,
+    };
+    use gpuplace::apiserver::keys::KeySecret;
+    use std::time::SystemTime;
+    let fake = FakeApiServer::start().await.unwrap();
+    let api = kube::Api::<Secret>::namespaced(fake.client().unwrap(), "gpuplace-system");
+    let ca_at = KeySecret { namespace: "gpuplace-system".into(), name: certs::DEFAULT_CA_SECRET_NAME.into() };
+    let (a, b) = tokio::join!(load_or_create_ca(&api, &ca_at), load_or_create_ca(&api, &ca_at));
+    let (a, b) = (a.unwrap(), b.unwrap());
+    assert_eq!(a.cert_pem, b.cert_pem, "one CA for both replicas");
+    let stored: Secret = fake.get("gpuplace-system", certs::DEFAULT_CA_SECRET_NAME).unwrap();
+    assert_eq!(certs::ca_of(&stored, &ca_at).unwrap().cert_pem, a.cert_pem);
+    assert_eq!(load_or_create_ca(&api, &ca_at).await.unwrap().cert_pem, a.cert_pem, "read, not remade");
+
+    let at = KeySecret { namespace: "gpuplace-system".into(), name: certs::DEFAULT_SCHEDULER_SECRET_NAME.into() };
+    let now = SystemTime::now();
+    let day = Duration::from_secs(86_400);
+    assert_eq!(ensure_scheduler_secret(&api, &at, &a, now).await.unwrap(), SchedulerSecret::Written("absent".into()));
+    assert_eq!(ensure_scheduler_secret(&api, &at, &a, now + 200 * day).await.unwrap(), SchedulerSecret::Current);
+    let first: Secret = fake.get("gpuplace-system", &at.name).unwrap();
+    let entry = |s: &Secret, k: &str| s.data.as_ref().unwrap()[k].0.clone();
+    assert_eq!(entry(&first, CA_CERT), a.cert_pem.as_bytes());
+    assert!(pki::signed_by(&a, &entry(&first, SCHEDULER_CERT)));
+    // an operator's extra entry survives a renewal
+    let mut edited = first.clone();
+    edited.data.as_mut().unwrap().insert("note".into(), ByteString(b"kept".to_vec()));
+    fake.put(&edited);
+    match ensure_scheduler_secret(&api, &at, &a, now + 250 * day).await.unwrap() {
+        SchedulerSecret::Written(why) => assert!(why.contains("a third"), "{why}"),
+        other => panic!("not renewed: {other:?}"),
+    }
+    let renewed: Secret = fake.get("gpuplace-system", &at.name).unwrap();
+    assert_ne!(entry(&renewed, SCHEDULER_CERT), entry(&first, SCHEDULER_CERT));
+    assert_eq!(entry(&renewed, "note"), b"kept");
+    // a key that is not the certificate's, then another CA: written again
+    let mut broken = renewed.clone();
+    broken.data.as_mut().unwrap().insert(SCHEDULER_KEY.into(), ByteString(b"not a key".to_vec()));
+    fake.put(&broken);
+    let written = ensure_scheduler_secret(&api, &at, &a, now).await.unwrap();
+    assert_eq!(written, SchedulerSecret::Written("the key is not a PEM private key".into()));
+    let other = pki::Ca::generate(now).unwrap();
+    let written = ensure_scheduler_secret(&api, &at, &other, now).await.unwrap();
+    assert_eq!(written, SchedulerSecret::Written("its ca.crt is not the current CA".into()));
+
+    // a malformed CA Secret: an error that says what to do, and the Secret is left as it was
+    let mut bad = stored.clone();
+    bad.data.as_mut().unwrap().insert(CA_CERT.into(), ByteString(b"garbage".to_vec()));
+    fake.put(&bad);
+    let err = load_or_create_ca(&api, &ca_at).await.unwrap_err().to_string();
+    assert!(err.contains("malformed") && err.contains("delete it"), "{err}");
+    let after: Secret = fake.get("gpuplace-system", certs::DEFAULT_CA_SECRET_NAME).unwrap();
+    assert_eq!(entry(&after, CA_CERT), b"garbage");
 }

@@ -156,3 +156,64 @@ fn serve_over_https_without_client_ca_and_bad_files() {
     let out = Command::new(env!("CARGO_BIN_EXE_gpuplace")).arg("serve").arg("--tls-key").arg(&key).output().unwrap();
     assert!(!out.status.success());
 }
+
+/// With `--metrics-listen` the probes and /metrics have a port of their own, so the verbs' port
+/// refuses the handshake itself to a client without a certificate from the CA: a scraper (or anyone)
+/// without one gets no HTTP answer at all there, and still reaches /metrics and the probes.
+#[test]
+fn with_a_metrics_port_the_verbs_port_refuses_the_handshake_without_a_client_certificate() {
+    let dir = scratch("required");
+    let ca = Ca::new("gpuplace test CA");
+    let server = ca.server();
+    let ca_file = write(&dir, "ca.crt", &ca.cert_pem);
+    let cert = write(&dir, "tls.crt", &server.cert_pem);
+    let key = write(&dir, "tls.key", &server.key_pem);
+    let free = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let (addr, metrics) = (free(), free());
+    let _serve = Serve(
+        Command::new(env!("CARGO_BIN_EXE_gpuplace"))
+            .args(["serve", "--cluster", "examples/clusters/fixture-cluster.yaml", "--workers", "1"])
+            .args(["--listen", &addr.to_string(), "--metrics-listen", &metrics.to_string()])
+            .arg("--tls-cert")
+            .arg(&cert)
+            .arg("--tls-key")
+            .arg(&key)
+            .arg("--tls-client-ca")
+            .arg(&ca_file)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let name = "gpuplace-extender.gpuplace-system.svc";
+    let scheduler = ca.client("kube-scheduler");
+    let filter = fixture("cache/filter-002");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let (status, text) = loop {
+        match https(addr, name, &ca.cert_pem, Some(&scheduler), "POST", "/gpuplace/filter", &filter) {
+            Ok(r) => break r,
+            Err(e) => {
+                assert!(Instant::now() < deadline, "no HTTPS answer: {e}");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    };
+    assert_eq!(status, 200, "{text}");
+    for (method, path, body) in [
+        ("POST", "/gpuplace/filter", &filter[..]),
+        ("POST", "/gpuplace/bind", b"{}"),
+        ("GET", "/inspect", b""),
+        ("GET", "/mix", b""),
+        ("GET", "/readyz", b""),
+    ] {
+        let refused = https(addr, name, &ca.cert_pem, None, method, path, body);
+        assert!(refused.is_err(), "{method} {path} without a client certificate was answered: {refused:?}");
+    }
+    let probe = gpuplace::extender::http_client::get(&format!("http://{metrics}/readyz"), Duration::from_secs(5))
+        .expect("the metrics port answers");
+    assert_eq!(probe.status, 200, "{}", probe.text());
+    let scrape = gpuplace::extender::http_client::get(&format!("http://{metrics}/metrics"), Duration::from_secs(5))
+        .expect("scrape");
+    assert!(scrape.text().contains("gpuplace_"), "{}", scrape.text());
+}

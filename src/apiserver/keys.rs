@@ -141,7 +141,7 @@ pub enum KeySecretError {
 }
 
 /// The name, namespace and `app.kubernetes.io/part-of: gpuplace` of an object gpuplace creates.
-fn own_metadata(at: &KeySecret) -> ObjectMeta {
+pub(crate) fn own_metadata(at: &KeySecret) -> ObjectMeta {
     ObjectMeta {
         name: Some(at.name.clone()),
         namespace: Some(at.namespace.clone()),

@@ -1,12 +1,14 @@
 //! The Kubernetes API: building a client ([`connect()`]) and the extender's API-server mode as thin adapters around
 //! [`Extender`], one concern each: [`binder`] (one Binding
 //! that carries the assignment annotation), [`nodes`], [`pods`], [`utilization`] and [`pod_groups`] (watchers), [`leader`] (Lease election),
-//! [`events`] (Kubernetes Events), [`keys`] (the assignment key Secret), [`resign`] (re-signing after
+//! [`events`] (Kubernetes Events), [`keys`] (the assignment key Secret), [`certificates`] (the
+//! extender's CA and kube-scheduler's client certificate, mTLS by default), [`resign`] (re-signing after
 //! a key rotation), [`stale`] (assignments left on unbound pods), [`requeue`] (pending pods sent back
 //! to kube-scheduler's queue when GPUs are freed), [`run`] (wiring and readiness).
 //! Named `apiserver`, not `kube`, so the `kube` crate stays visible.
 
 pub mod binder;
+pub mod certificates;
 pub mod connect;
 pub mod events;
 pub mod keys;

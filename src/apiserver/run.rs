@@ -33,13 +33,15 @@ use kube::{Api, Client};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::apiserver::certificates;
 use crate::apiserver::connect::{connect, connect_with, ConnectError, Source, Transport};
 use crate::apiserver::events::EventSink;
-use crate::apiserver::keys::{self, KeyOptions, KeyStatus};
+use crate::apiserver::keys::{self, KeyOptions, KeySecret, KeyStatus};
 use crate::apiserver::leader::{self, LeaderConfig, Leadership};
 use crate::apiserver::stale;
 use crate::apiserver::{nodes, pod_groups, pods, requeue, resign, utilization};
 use crate::extender::forward::{Role, Route};
+use crate::extender::pki::Ca;
 use crate::extender::service::Extender;
 
 /// How long an assignment may sit on an unbound pod before the leader removes it ([`stale`]), at
@@ -60,6 +62,18 @@ pub struct ApiOptions {
     pub utilization_namespace: Option<String>,
     /// The Secret holding the assignment key ring, and how often the leader re-signs.
     pub keys: KeyOptions,
+    /// mTLS by default: the Secret where the leader keeps kube-scheduler's client certificate, and
+    /// the CA that signs it (`certificates`); `None`: certificates are the operator's.
+    pub scheduler_tls: Option<SchedulerTls>,
+}
+
+/// Where the leader keeps kube-scheduler's client certificate, and the CA that signs it.
+#[derive(Debug, Clone)]
+pub struct SchedulerTls {
+    pub secret: KeySecret,
+    pub ca: Arc<Ca>,
+    /// How often the leader checks the Secret.
+    pub every: Duration,
 }
 
 /// Whether this replica is synced (rebuilt, key ring loaded: `/readyz`), and whether it decides
@@ -241,6 +255,16 @@ pub fn start(client: Client, ext: Arc<Extender>, leadership: Arc<Leadership>, op
         keys_rx,
         opts.keys.resign_every,
     )));
+    if let Some(tls) = &opts.scheduler_tls {
+        let api = Api::<Secret>::namespaced(client.clone(), &tls.secret.namespace);
+        tasks.push(tokio::spawn(certificates::keep_scheduler_secret(
+            api,
+            tls.secret.clone(),
+            tls.ca.clone(),
+            leadership.clone(),
+            tls.every,
+        )));
+    }
     let (requeuer, requeue_rx) = requeue::channel();
     ext.set_requeuer(Arc::new(requeuer));
     tasks.push(tokio::spawn(requeue::run(client.clone(), ext.clone(), requeue_rx)));

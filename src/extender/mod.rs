@@ -34,6 +34,7 @@ pub mod http_client;
 pub mod inspect;
 pub mod metrics;
 pub mod mix;
+pub mod pki;
 pub mod reasons;
 pub mod requeue;
 pub mod service;

@@ -2,23 +2,39 @@
 //! standby's forward to the leader, with rustls and ring (the stack kube already builds; no OpenSSL,
 //! no aws-lc).
 //!
+//! Two sources of certificates:
+//! - files (`--tls-cert`, `--tls-key`, `--tls-client-ca`: [`ServerFiles`]), made by the operator or
+//!   cert-manager;
+//! - self-issued (`--tls-ca-secret`, the default install: [`SelfIssued`]): each replica's certificate
+//!   is issued in memory by the extender's own CA (`pki`; the CA is kept in a Secret by
+//!   `apiserver::certificates`), renewed in memory when a third of its life is left, and it is also
+//!   the certificate the replica presents when it forwards to the leader.
+//!
 //! Authentication is by client certificate: with a client CA, the handshake asks every client for a
 //! certificate and refuses one that the CA did not sign, and the verbs (`/bind` among them),
-//! `/inspect` and `/mix` answer 403 to a connection that presented none. `/healthz`, `/readyz` and
-//! `/metrics` stay open to clients without one, because kubelet's HTTPS probes and most scrapers
-//! present none. The marker [`ClientVerified`] is put in the connection's data by [`on_connect`]
-//! when the peer presented a verified certificate.
+//! `/inspect` and `/mix` answer 403 to a connection that presented none. When the probes and
+//! `/metrics` are served on a port of their own (`--metrics-listen`), the handshake itself requires a
+//! certificate ([`ClientAuth::Required`]): a client without one gets no HTTP answer at all. Otherwise
+//! `/healthz`, `/readyz` and `/metrics` stay open to clients without one
+//! ([`ClientAuth::Optional`]), because kubelet's HTTPS probes and most scrapers present none. The
+//! marker [`ClientVerified`] is put in the connection's data by [`on_connect`] when the peer
+//! presented a verified certificate.
 
 use std::any::Any;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
 
 use actix_web::dev::Extensions;
+use rustls::client::ResolvesClientCert;
 use rustls::crypto::CryptoProvider;
-use rustls::server::WebPkiClientVerifier;
-use rustls::{ClientConfig, RootCertStore, ServerConfig};
+use rustls::server::{ClientHello, ResolvesServerCert, WebPkiClientVerifier};
+use rustls::sign::CertifiedKey;
+use rustls::{ClientConfig, RootCertStore, ServerConfig, SignatureScheme};
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+
+use crate::extender::pki::{self, Ca, Leaf, PkiError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
@@ -32,6 +48,20 @@ pub enum TlsError {
     },
     #[error("client CA {path}: {message}")]
     Verifier { path: PathBuf, message: String },
+    #[error("the extender's CA: {message}")]
+    SelfIssuedVerifier { message: String },
+    #[error("issuing this replica's certificate: {0}")]
+    Issue(#[from] PkiError),
+}
+
+/// Whether the handshake asks for a client certificate, and what it does without one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClientAuth {
+    /// Asked for, and a connection without one is refused at the handshake (the probes and
+    /// `/metrics` are on a port of their own).
+    Required,
+    /// Asked for; without one the connection reaches the probes and `/metrics` only (403 elsewhere).
+    Optional,
 }
 
 /// The files of `serve --tls-cert --tls-key [--tls-client-ca]`.
@@ -41,6 +71,8 @@ pub struct ServerFiles {
     pub key: PathBuf,
     /// Require client certificates signed by this CA for the verbs, `/inspect` and `/mix`.
     pub client_ca: Option<PathBuf>,
+    /// With `client_ca`: whether a connection without a certificate is refused at the handshake.
+    pub client_auth: ClientAuth,
 }
 
 /// A serving configuration, and whether the verbs require a verified client certificate.
@@ -97,10 +129,13 @@ pub fn server_config(files: &ServerFiles) -> Result<ServerTls, TlsError> {
         .map_err(|source| TlsError::Rustls { what: "TLS versions", source })?;
     let builder = match &files.client_ca {
         Some(ca) => {
-            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots("client CA", ca)?), provider())
-                .allow_unauthenticated()
-                .build()
-                .map_err(|e| TlsError::Verifier { path: ca.clone(), message: e.to_string() })?;
+            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots("client CA", ca)?), provider());
+            let verifier = match files.client_auth {
+                ClientAuth::Required => verifier,
+                ClientAuth::Optional => verifier.allow_unauthenticated(),
+            };
+            let verifier =
+                verifier.build().map_err(|e| TlsError::Verifier { path: ca.clone(), message: e.to_string() })?;
             builder.with_client_cert_verifier(verifier)
         }
         None => builder.with_no_client_auth(),
@@ -131,6 +166,127 @@ pub fn client_config(ca: Option<&Path>, identity: Option<(&Path, &Path)>) -> Res
             .map_err(|source| TlsError::Rustls { what: "client certificate and key", source }),
         None => Ok(builder.with_no_client_auth()),
     }
+}
+
+/// A replica's certificate, issued by the extender's CA for `leaf` and renewed in memory once a third
+/// of its life is left: the serving certificate, and the client certificate of the forward.
+pub struct SelfIssued {
+    ca: Arc<Ca>,
+    leaf: Leaf,
+    provider: Arc<CryptoProvider>,
+    current: Mutex<Current>,
+}
+
+struct Current {
+    key: Arc<CertifiedKey>,
+    renew_at: SystemTime,
+}
+
+impl std::fmt::Debug for SelfIssued {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SelfIssued").field("leaf", &self.leaf).finish_non_exhaustive()
+    }
+}
+
+impl SelfIssued {
+    /// Issues the first certificate at `now`.
+    pub fn new(ca: Arc<Ca>, leaf: Leaf, now: SystemTime) -> Result<Arc<SelfIssued>, TlsError> {
+        let provider = provider();
+        let current = issue(&ca, &leaf, &provider, now)?;
+        Ok(Arc::new(SelfIssued { ca, leaf, provider, current: Mutex::new(current) }))
+    }
+
+    /// The CA, for the peers' trust.
+    pub fn ca(&self) -> &Ca {
+        &self.ca
+    }
+
+    /// The certificate to present at `now`: a new one once the current one is due for renewal. A
+    /// failed renewal is logged and the current one kept (it is still valid for a third of its life).
+    pub fn certified(&self, now: SystemTime) -> Arc<CertifiedKey> {
+        let mut current = self.current.lock().unwrap_or_else(|p| p.into_inner());
+        if now >= current.renew_at {
+            match issue(&self.ca, &self.leaf, &self.provider, now) {
+                Ok(fresh) => {
+                    tracing::info!(names = ?self.leaf.names, "renewed this replica's serving certificate");
+                    *current = fresh;
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "renewing this replica's serving certificate failed; the current one is kept")
+                }
+            }
+        }
+        current.key.clone()
+    }
+
+    /// When the current certificate is renewed.
+    pub fn renew_at(&self) -> SystemTime {
+        self.current.lock().unwrap_or_else(|p| p.into_inner()).renew_at
+    }
+}
+
+fn issue(ca: &Ca, leaf: &Leaf, provider: &CryptoProvider, now: SystemTime) -> Result<Current, TlsError> {
+    let issued = ca.issue(leaf, now, pki::LEAF_VALIDITY)?;
+    let info = pki::parse("the issued certificate", issued.cert_pem.as_bytes())?;
+    let chain = vec![CertificateDer::from_pem_slice(issued.cert_pem.as_bytes())
+        .map_err(|e| TlsError::Issue(PkiError::Parse { what: "the issued certificate", message: e.to_string() }))?];
+    let key = PrivateKeyDer::from_pem_slice(issued.key_pem.as_bytes())
+        .map_err(|e| TlsError::Issue(PkiError::Parse { what: "the issued key", message: e.to_string() }))?;
+    let key = CertifiedKey::from_der(chain, key, provider)
+        .map_err(|source| TlsError::Rustls { what: "the issued certificate and key", source })?;
+    Ok(Current { key: Arc::new(key), renew_at: pki::renew_at(info.not_before, info.not_after) })
+}
+
+impl ResolvesServerCert for SelfIssued {
+    fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        Some(self.certified(SystemTime::now()))
+    }
+}
+
+impl ResolvesClientCert for SelfIssued {
+    fn resolve(&self, _hints: &[&[u8]], _schemes: &[SignatureScheme]) -> Option<Arc<CertifiedKey>> {
+        Some(self.certified(SystemTime::now()))
+    }
+
+    fn has_certs(&self) -> bool {
+        true
+    }
+}
+
+fn ca_roots(ca: &Ca) -> Result<RootCertStore, TlsError> {
+    let mut roots = RootCertStore::empty();
+    roots
+        .add(CertificateDer::from(ca.cert_der()?))
+        .map_err(|source| TlsError::Rustls { what: "the extender's CA", source })?;
+    Ok(roots)
+}
+
+/// The serving configuration of a self-issued replica: its certificate from `identity`, client
+/// certificates verified against the same CA.
+pub fn self_issued_server_config(identity: Arc<SelfIssued>, client_auth: ClientAuth) -> Result<ServerTls, TlsError> {
+    let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(ca_roots(identity.ca())?), provider());
+    let verifier = match client_auth {
+        ClientAuth::Required => verifier,
+        ClientAuth::Optional => verifier.allow_unauthenticated(),
+    };
+    let verifier = verifier.build().map_err(|e| TlsError::SelfIssuedVerifier { message: e.to_string() })?;
+    let mut config = ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|source| TlsError::Rustls { what: "TLS versions", source })?
+        .with_client_cert_verifier(verifier)
+        .with_cert_resolver(identity);
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(ServerTls { config: Arc::new(config), require_client_cert: true })
+}
+
+/// The forward's client configuration of a self-issued replica: the leader verified against the
+/// extender's CA, and this replica's certificate presented to it.
+pub fn self_issued_client_config(identity: Arc<SelfIssued>) -> Result<ClientConfig, TlsError> {
+    Ok(ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|source| TlsError::Rustls { what: "TLS versions", source })?
+        .with_root_certificates(ca_roots(identity.ca())?)
+        .with_client_cert_resolver(identity))
 }
 
 /// actix-web's `on_connect` hook: marks a TLS connection whose peer presented a certificate (the
