@@ -9,12 +9,15 @@
 //!   keyed by apiVersion, kind, namespace and name: comments and key order are ignored, nothing else
 //!   (the chart adds no label of its own). Every other YAML file of `scheduler-config/` is named in
 //!   [`NOT_OBJECTS`] with what checks it instead.
-//! - TLS (`extender.tls.enabled`): the Deployment gets exactly the arguments, volume and mount that
-//!   `extender/deployment.yaml` has commented out, HTTPS probes, and both scheduler configurations
-//!   the extender stanza of `kube-scheduler-config-tls.yaml`; option A's kube-scheduler finds its
-//!   certificate files where that stanza says.
+//! - TLS: by default (`extender.tls.mode=selfIssued`) option A's kube-scheduler finds its
+//!   certificate files where `kube-scheduler-config.yaml`'s stanza says; with your own certificates
+//!   (`secret`) the Deployment gets exactly the arguments, volume and mount that
+//!   `extender/deployment.yaml` has commented out in place of `--tls-ca-secret`; without TLS (`off`)
+//!   neither, no certificates Role, and both scheduler configurations are
+//!   `kube-scheduler-config-http.yaml`'s. A values file from before (`extender.tls.enabled`) is
+//!   refused with what to set instead.
 //! - `scheduler.mode=config`: one ConfigMap whose KubeSchedulerConfiguration is
-//!   `kube-scheduler-config.yaml` (`-tls.yaml` with TLS), the URL following the release namespace.
+//!   `kube-scheduler-config.yaml` (`-http.yaml` without TLS), the URL following the release namespace.
 //! - `devicePlugin.fakeTopology`: the topology in a ConfigMap, mounted, `--fake-topology` on the
 //!   command line, no `NVIDIA_*` environment; otherwise the plain DaemonSet.
 //! - The chart's copy of the Grafana dashboard is `monitoring/grafana-dashboard.json`, byte for byte.
@@ -67,7 +70,7 @@ const NAMESPACE_FILE: &str = "extender/namespace.yaml";
 const NOT_OBJECTS: &[&str] = &[
     // scheduler.mode=config renders them into a ConfigMap (the_config_mode_is_the_reference_file)
     "kube-scheduler-config.yaml",
-    "kube-scheduler-config-tls.yaml",
+    "kube-scheduler-config-http.yaml",
     // kubeadm's ClusterConfiguration for option B, applied by kubeadm on the control-plane nodes
     "default-profile/kubeadm-cluster-configuration.yaml",
 ];
@@ -292,7 +295,8 @@ fn assert_extender_args_parse(deployment: &Value) {
 fn helm_lint_strict_is_clean() {
     let cases: Vec<(&str, Vec<String>)> = vec![
         ("default values", vec![]),
-        ("TLS", values(&["extender.tls.enabled=true"])),
+        ("own certificates", values(&["extender.tls.mode=secret"])),
+        ("no TLS", values(&["extender.tls.mode=off"])),
         ("scheduler.mode=config", values(&["scheduler.mode=config"])),
         ("fake topology", fake_topology_values()),
         ("everything optional", every_option()),
@@ -367,45 +371,16 @@ fn the_grafana_dashboard_configmap_holds_the_dashboard() {
     assert_same_objects("grafanaDashboard.enabled", &plain_objects(DEFAULT_FILES), &by_key(rest, "helm template"));
 }
 
+/// The default install's kube-scheduler (option A) finds its client certificate and the extender's CA
+/// where the reference configuration's `tlsConfig` says: the Secret the extender writes, projected
+/// under the configuration's directory.
 #[test]
-fn tls_uncomments_the_deployments_tls_and_uses_the_tls_scheduler_config() {
-    let text = fs::read_to_string(config_dir().join("extender/deployment.yaml")).unwrap();
-    let plain = plain_documents("extender/deployment.yaml").remove(0);
-    let docs = render(&values(&["extender.tls.enabled=true"]));
-    let dep = find(&docs, "Deployment", "gpuplace-extender");
-    let (pod, c) = (&dep["spec"]["template"]["spec"], &dep["spec"]["template"]["spec"]["containers"][0]);
-    let plain_c = &plain["spec"]["template"]["spec"]["containers"][0];
-
-    // the arguments: the plain ones, then exactly the commented-out TLS ones
-    let commented: Vec<String> = text
-        .lines()
-        .filter_map(|l| l.trim().strip_prefix("# - --"))
-        .filter(|a| a.starts_with("tls-") || a.starts_with("forward-server-name"))
-        .map(|a| format!("--{a}"))
-        .collect();
-    assert_eq!(commented.len(), 4, "the plain Deployment's commented TLS arguments: {commented:?}");
-    let mut want = strings(&plain_c["args"]);
-    want.extend(commented);
-    assert_eq!(strings(&c["args"]), want);
-    assert_extender_args_parse(dep);
-
-    // the volume and its mount, as commented out
-    assert_eq!(c["volumeMounts"], commented_block(&text, "volumeMounts"));
-    assert_eq!(pod["volumes"], commented_block(&text, "volumes"));
-    for probe in ["readinessProbe", "livenessProbe"] {
-        assert_eq!(c[probe]["httpGet"]["scheme"], "HTTPS", "{probe}");
-        let mut without = c[probe].clone();
-        without["httpGet"].as_object_mut().unwrap().remove("scheme");
-        assert_eq!(without, plain_c[probe], "{probe}: only the scheme changes");
-    }
-
-    // option A's configuration: kube-scheduler-config-tls.yaml's extender stanza
-    let reference = plain_documents("kube-scheduler-config-tls.yaml").remove(0);
+fn option_a_mounts_the_client_certificate_where_tls_config_reads_it() {
+    let docs = render(&[]);
+    let reference = plain_documents("kube-scheduler-config.yaml").remove(0);
     let config = embedded_config(find(&docs, "ConfigMap", "gpuplace-scheduler-config"));
     assert_eq!(config["extenders"], reference["extenders"]);
     assert_eq!(config["extenders"][0]["enableHTTPS"], true);
-    assert!(config["extenders"][0]["tlsConfig"].is_object());
-    // ... and option A's kube-scheduler has the files where tlsConfig names them
     let sched = find(&docs, "Deployment", "gpuplace-scheduler");
     let mount = &sched["spec"]["template"]["spec"]["containers"][0]["volumeMounts"][0];
     let dir = mount["mountPath"].as_str().expect("mountPath").to_string() + "/";
@@ -418,7 +393,17 @@ fn tls_uncomments_the_deployments_tls_and_uses_the_tls_scheduler_config() {
             paths.push("kube-scheduler-config.yaml".into());
         }
         for item in source["secret"]["items"].as_array().into_iter().flatten() {
-            assert_eq!(source["secret"]["name"], "gpuplace-scheduler-tls");
+            assert_eq!(source["secret"]["name"], gpuplace::apiserver::certificates::DEFAULT_SCHEDULER_SECRET_NAME);
+            let key = item["key"].as_str().unwrap();
+            assert!(
+                [
+                    gpuplace::apiserver::certificates::CA_CERT,
+                    gpuplace::apiserver::certificates::SCHEDULER_CERT,
+                    gpuplace::apiserver::certificates::SCHEDULER_KEY
+                ]
+                .contains(&key),
+                "{key}: an entry the extender writes"
+            );
             paths.push(item["path"].as_str().unwrap().into());
         }
     }
@@ -427,10 +412,83 @@ fn tls_uncomments_the_deployments_tls_and_uses_the_tls_scheduler_config() {
         let rel = file.strip_prefix(&dir).unwrap_or_else(|| panic!("{f} {file} is not under {dir}"));
         assert!(paths.contains(&rel.to_string()), "{f} {file}: not in the mounted volume ({paths:?})");
     }
+}
 
-    // option B over TLS: kube-scheduler-config-tls.yaml itself
-    let docs = render(&values(&["extender.tls.enabled=true", "scheduler.mode=config"]));
+/// Arguments of a rendered extender Deployment.
+fn extender_args(docs: &[Value]) -> Vec<String> {
+    strings(&find(docs, "Deployment", "gpuplace-extender")["spec"]["template"]["spec"]["containers"][0]["args"])
+}
+
+#[test]
+fn own_certificates_replace_the_ca_secret_with_the_commented_files() {
+    let text = fs::read_to_string(config_dir().join("extender/deployment.yaml")).unwrap();
+    let plain = plain_documents("extender/deployment.yaml").remove(0);
+    let docs = render(&values(&["extender.tls.mode=secret"]));
+    let dep = find(&docs, "Deployment", "gpuplace-extender");
+    let (pod, c) = (&dep["spec"]["template"]["spec"], &dep["spec"]["template"]["spec"]["containers"][0]);
+    let plain_c = &plain["spec"]["template"]["spec"]["containers"][0];
+
+    // the arguments: the plain ones without --tls-ca-secret, then exactly the commented-out TLS ones
+    let commented: Vec<String> = text
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("# - --"))
+        .filter(|a| a.starts_with("tls-") || a.starts_with("forward-server-name"))
+        .map(|a| format!("--{a}"))
+        .collect();
+    assert_eq!(commented.len(), 4, "the plain Deployment's commented TLS arguments: {commented:?}");
+    let mut want = strings(&plain_c["args"]);
+    let before = want.len();
+    want.retain(|a| !a.starts_with("--tls-ca-secret="));
+    assert_eq!(want.len(), before - 1, "the plain Deployment has --tls-ca-secret");
+    want.extend(commented);
+    assert_eq!(strings(&c["args"]), want);
+    assert_extender_args_parse(dep);
+
+    // the volume and its mount, as commented out; the probes as they are (the metrics port)
+    assert_eq!(c["volumeMounts"], commented_block(&text, "volumeMounts"));
+    assert_eq!(pod["volumes"], commented_block(&text, "volumes"));
+    for probe in ["readinessProbe", "livenessProbe"] {
+        assert_eq!(c[probe], plain_c[probe], "{probe}");
+    }
+    // kube-scheduler's side is the default's: HTTPS, the same Secret mounted; the extender makes no
+    // certificate, so it gets no Role for the Secrets
+    let default = render(&[]);
+    for name in ["gpuplace-scheduler-config", "gpuplace-scheduler"] {
+        let kind = if name == "gpuplace-scheduler" { "Deployment" } else { "ConfigMap" };
+        assert_eq!(find(&docs, kind, name), find(&default, kind, name), "{kind} {name}");
+    }
+    assert!(docs.iter().all(|d| d["metadata"]["name"] != "gpuplace-extender-certificates"));
+}
+
+#[test]
+fn tls_off_is_plain_http_everywhere() {
+    let docs = render(&values(&["extender.tls.mode=off"]));
+    let args = extender_args(&docs);
+    assert!(args.iter().all(|a| !a.starts_with("--tls")), "{args:?}");
+    let mut want = extender_args(&render(&[]));
+    want.retain(|a| !a.starts_with("--tls-ca-secret="));
+    assert_eq!(args, want);
+    assert!(docs.iter().all(|d| d["metadata"]["name"] != "gpuplace-extender-certificates"));
+    let reference = plain_documents("kube-scheduler-config-http.yaml").remove(0);
+    let config = embedded_config(find(&docs, "ConfigMap", "gpuplace-scheduler-config"));
+    assert_eq!(config["extenders"], reference["extenders"]);
+    let sched = find(&docs, "Deployment", "gpuplace-scheduler");
+    assert_eq!(sched["spec"]["template"]["spec"]["volumes"][0]["configMap"]["name"], "gpuplace-scheduler-config");
+    let docs = render(&values(&["extender.tls.mode=off", "scheduler.mode=config"]));
     assert_eq!(embedded_config(find(&docs, "ConfigMap", "gpuplace-kube-scheduler-config")), reference);
+    // the admission policy lets the extender write its key Secret only
+    let vap = find(&docs, "ValidatingAdmissionPolicy", "gpuplace-extender-scope").to_string();
+    assert!(!vap.contains("gpuplace-extender-ca"), "{vap}");
+}
+
+#[test]
+fn a_values_file_from_before_tls_modes_is_refused_with_what_to_set() {
+    let mut args = vec!["template".to_string(), "gpuplace".into(), chart().display().to_string()];
+    args.extend(values(&["extender.tls.enabled=true"]));
+    let out = Command::new(helm()).args(&args).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "rendered");
+    assert!(err.contains("extender.tls.mode"), "{err}");
 }
 
 #[test]
@@ -450,11 +508,14 @@ fn the_config_mode_is_the_reference_file() {
     // the URL follows the Service into another namespace, and scheduler.extenderURL overrides it
     let docs = render_in("gpu-sched", &values(&["scheduler.mode=config"]));
     let config = embedded_config(find(&docs, "ConfigMap", "gpuplace-kube-scheduler-config"));
-    assert_eq!(config["extenders"][0]["urlPrefix"], "http://gpuplace-extender.gpu-sched.svc:8888/gpuplace");
+    assert_eq!(config["extenders"][0]["urlPrefix"], "https://gpuplace-extender.gpu-sched.svc:8888/gpuplace");
+    assert_eq!(config["extenders"][0]["tlsConfig"]["serverName"], "gpuplace-extender.gpu-sched.svc");
     let mut substituted = config.clone();
     substituted["extenders"][0]["urlPrefix"] = reference["extenders"][0]["urlPrefix"].clone();
-    assert_eq!(substituted, reference, "only the URL changes with the namespace");
-    let url = "http://10.96.0.42:8888/gpuplace";
+    substituted["extenders"][0]["tlsConfig"]["serverName"] =
+        reference["extenders"][0]["tlsConfig"]["serverName"].clone();
+    assert_eq!(substituted, reference, "only the URL and the name verified change with the namespace");
+    let url = "https://10.96.0.42:8888/gpuplace";
     let docs = render(&values(&["scheduler.mode=config", &format!("scheduler.extenderURL={url}")]));
     let config = embedded_config(find(&docs, "ConfigMap", "gpuplace-kube-scheduler-config"));
     assert_eq!(config["extenders"][0]["urlPrefix"], url);
@@ -530,7 +591,8 @@ fn every_option() -> Vec<String> {
         "extender.policy.mixHalfLife=2000",
         "extender.policy.mixState.enabled=true",
         "extender.extraArgs[0]=--workers=4",
-        "extender.tls.enabled=true",
+        "extender.tls.mode=secret",
+        "scheduler.tls.secretName=sched-tls",
         "extender.networkPolicy.ipBlocks[0]=192.0.2.10/32",
         "devicePlugin.logFormat=json",
         "devicePlugin.noAssignments=true",

@@ -93,7 +93,7 @@ fn scheduler_configs_match_the_extender() {
     let want_url = format!("http://{SERVICE}.{NAMESPACE}.svc:{}{DEFAULT_PREFIX}", serve_port());
     let want_https = format!("https://{SERVICE}.{NAMESPACE}.svc:{}{DEFAULT_PREFIX}", serve_port());
     let mut scheduler_names = Vec::new();
-    let mut with_tls = 0;
+    let (mut with_tls, mut plain_http) = (Vec::new(), Vec::new());
     for (name, c) in &configs {
         assert_eq!(c["apiVersion"].as_str(), Some("kubescheduler.config.k8s.io/v1"), "{name}");
         assert_eq!(c["percentageOfNodesToScore"].as_u64(), Some(100), "{name}");
@@ -104,7 +104,7 @@ fn scheduler_configs_match_the_extender() {
             // serve --tls-cert/--tls-key/--tls-client-ca: kube-scheduler verifies the extender
             // against caFile (the Service's name, also when urlPrefix is a ClusterIP) and presents
             // its client certificate
-            with_tls += 1;
+            with_tls.push(name.to_string());
             assert_eq!(e["urlPrefix"].as_str(), Some(want_https.as_str()), "{name}");
             let tls = &e["tlsConfig"];
             for f in ["caFile", "certFile", "keyFile"] {
@@ -113,6 +113,7 @@ fn scheduler_configs_match_the_extender() {
             assert_eq!(tls["serverName"].as_str(), Some(&*format!("{SERVICE}.{NAMESPACE}.svc")), "{name}");
             assert_ne!(tls["insecure"].as_bool(), Some(true), "{name}: the extender must be verified");
         } else {
+            plain_http.push(name.to_string());
             assert_eq!(e["urlPrefix"].as_str(), Some(want_url.as_str()), "{name}");
             assert_eq!(e["enableHTTPS"].as_bool(), Some(false), "{name}");
             assert!(e["tlsConfig"].is_null(), "{name}");
@@ -147,13 +148,16 @@ fn scheduler_configs_match_the_extender() {
     scheduler_names.sort();
     scheduler_names.dedup();
     assert_eq!(scheduler_names, ["default-scheduler", "gpuplace-scheduler"]);
-    assert_eq!(with_tls, 1, "kube-scheduler-config-tls.yaml");
+    // secure by default: every configuration but the one for an extender without TLS
+    assert_eq!(plain_http.len(), 1, "only kube-scheduler-config-http.yaml is plain HTTP: {plain_http:?}");
+    assert!(plain_http[0].contains("kube-scheduler-config-http.yaml"), "{plain_http:?}");
+    assert_eq!(with_tls.len(), configs.len() - 1, "{with_tls:?}");
 }
 
-/// The TLS example is the reference config with only the extender's urlPrefix, enableHTTPS and
-/// tlsConfig changed.
+/// The plain-HTTP variant (an extender without TLS) is the reference config (HTTPS) with only the
+/// extender's urlPrefix, enableHTTPS and tlsConfig changed.
 #[test]
-fn the_tls_scheduler_config_is_the_reference_over_tls() {
+fn the_plain_http_scheduler_config_is_the_reference_without_tls() {
     let read = |f: &str| -> Value {
         let text = std::fs::read_to_string(root().join("scheduler-config").join(f)).unwrap();
         serde_norway::from_str(&text).unwrap()
@@ -167,8 +171,9 @@ fn the_tls_scheduler_config_is_the_reference_over_tls() {
         }
         v
     };
-    let (plain, tls) = (read("kube-scheduler-config.yaml"), read("kube-scheduler-config-tls.yaml"));
+    let (tls, plain) = (read("kube-scheduler-config.yaml"), read("kube-scheduler-config-http.yaml"));
     assert_eq!(tls["extenders"][0]["enableHTTPS"].as_bool(), Some(true));
+    assert_eq!(plain["extenders"][0]["enableHTTPS"].as_bool(), Some(false));
     assert_eq!(strip(plain), strip(tls));
 }
 
@@ -278,6 +283,13 @@ fn extender_deployment_service_and_device_plugin_agree_with_the_code() {
     let probes: Vec<&str> =
         ["readinessProbe", "livenessProbe"].iter().map(|p| c[*p]["httpGet"]["path"].as_str().unwrap()).collect();
     assert_eq!(probes, ["/readyz", "/healthz"]);
+    // secure by default: mTLS with the extender's own CA, so the verbs' port asks every client for
+    // a certificate and the probes go to the metrics port (plain HTTP, no verb there)
+    assert!(args.contains(&"--tls-ca-secret=gpuplace-extender-ca"), "{args:?}");
+    for p in ["readinessProbe", "livenessProbe"] {
+        assert_eq!(c[p]["httpGet"]["port"].as_str(), Some("metrics"), "{p}");
+        assert!(c[p]["httpGet"]["scheme"].is_null(), "{p}: plain HTTP");
+    }
 
     // the probe paths are routes of a real server (static mode, the fixture cluster) and answer 200
     let cluster = load_cluster(&root().join("examples/clusters/fixture-cluster.yaml")).unwrap();
@@ -434,6 +446,31 @@ fn the_extender_reads_only_its_key_secret() {
     for r in cluster_role["rules"].as_sequence().unwrap() {
         assert!(!strings(&r["resources"]).contains(&"secrets".to_string()), "the ClusterRole reads no Secret: {r:?}");
     }
+
+    // mTLS by default: the CA read by name (never updated), kube-scheduler's Secret read and
+    // written by name, under the names the code uses
+    use gpuplace::apiserver::certificates::{DEFAULT_CA_SECRET_NAME, DEFAULT_SCHEDULER_SECRET_NAME};
+    let role = named(&docs, "Role", "gpuplace-extender-certificates");
+    assert_eq!(role["metadata"]["namespace"].as_str(), Some(NAMESPACE));
+    let rules: Vec<Rule> = role["rules"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (strings(&r["apiGroups"]), strings(&r["resources"]), strings(&r["resourceNames"]), strings(&r["verbs"]))
+        })
+        .collect();
+    assert_eq!(
+        rules,
+        [
+            (s(&[""]), s(&["secrets"]), s(&[]), s(&["create"])),
+            (s(&[""]), s(&["secrets"]), s(&[DEFAULT_CA_SECRET_NAME]), s(&["get"])),
+            (s(&[""]), s(&["secrets"]), s(&[DEFAULT_SCHEDULER_SECRET_NAME]), s(&["get", "update"])),
+        ]
+    );
+    let b = named(&docs, "RoleBinding", "gpuplace-extender-certificates");
+    assert_eq!(b["roleRef"]["name"].as_str(), Some("gpuplace-extender-certificates"));
+    assert_eq!(b["subjects"][0]["name"].as_str(), Some(SERVICE));
 }
 
 /// The extender Deployment's `args:` parse with `gpuplace`'s own command-line definitions (the

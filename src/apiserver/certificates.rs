@@ -4,8 +4,9 @@
 //! - The CA Secret (`gpuplace-extender-ca` by default; `ca.crt`, `ca.key`) is read at start and
 //!   created when absent. Create is atomic: when two replicas race, one wins and the other (409) reads
 //!   the winner's. A malformed one is an error, never overwritten (delete it to start a new CA).
-//! - kube-scheduler's Secret (`gpuplace-scheduler-tls` by default; `ca.crt`, `kube-scheduler.crt`,
-//!   `kube-scheduler.key`, the file names of kube-scheduler-config.yaml's `tlsConfig`) is kept by the
+//! - kube-scheduler's Secret (`gpuplace-scheduler-tls` by default, type `kubernetes.io/tls`: `tls.crt`,
+//!   `tls.key` and `ca.crt`, as cert-manager writes one; option A mounts them where
+//!   kube-scheduler-config.yaml's `tlsConfig` reads them) is kept by the
 //!   leader ([`keep_scheduler_secret`]): written when absent, not signed by the current CA, malformed,
 //!   or with a third of its life left, and checked every [`SCHEDULER_CHECK_EVERY`]. A replace carries
 //!   the resourceVersion just read, so two writers never both win. kube-scheduler reads the files at
@@ -35,9 +36,9 @@ pub const DEFAULT_SCHEDULER_SECRET_NAME: &str = "gpuplace-scheduler-tls";
 /// The CA Secret's entries.
 pub const CA_CERT: &str = "ca.crt";
 pub const CA_KEY: &str = "ca.key";
-/// kube-scheduler's Secret's entries (with [`CA_CERT`]): the names its `tlsConfig` reads.
-pub const SCHEDULER_CERT: &str = "kube-scheduler.crt";
-pub const SCHEDULER_KEY: &str = "kube-scheduler.key";
+/// kube-scheduler's Secret's entries (with [`CA_CERT`]), a `kubernetes.io/tls` Secret's.
+pub const SCHEDULER_CERT: &str = "tls.crt";
+pub const SCHEDULER_KEY: &str = "tls.key";
 /// How often the leader checks kube-scheduler's Secret (one GET by name).
 pub const SCHEDULER_CHECK_EVERY: Duration = Duration::from_secs(60);
 

@@ -8,13 +8,18 @@ that the default rendering is those manifests; namespace-scoped objects go to .R
 gpuplace-extender.{{ .Release.Namespace }}.svc
 {{- end }}
 
+{{/* Whether kube-scheduler talks to the extender over HTTPS with a client certificate: "true" or "". */}}
+{{- define "gpuplace.tls" -}}
+{{- if ne .Values.extender.tls.mode "off" }}true{{ end }}
+{{- end }}
+
 {{/* kube-scheduler's urlPrefix: scheduler.extenderURL, else the Service, port 8888 (`gpuplace serve`
-default --listen) and the default --prefix /gpuplace; https:// with extender.tls.enabled. */}}
+default --listen) and the default --prefix /gpuplace; http:// with extender.tls.mode=off. */}}
 {{- define "gpuplace.extenderURL" -}}
 {{- if .Values.scheduler.extenderURL -}}
 {{ .Values.scheduler.extenderURL }}
 {{- else -}}
-{{ ternary "https" "http" .Values.extender.tls.enabled }}://{{ include "gpuplace.extenderHost" . }}:8888/gpuplace
+{{ ternary "https" "http" (eq (include "gpuplace.tls" .) "true") }}://{{ include "gpuplace.extenderHost" . }}:8888/gpuplace
 {{- end }}
 {{- end }}
 
@@ -35,6 +40,9 @@ default --listen) and the default --prefix /gpuplace; https:// with extender.tls
 
 {{/* Values that cannot work together; the schema checks types and enums. */}}
 {{- define "gpuplace.validate" -}}
+{{- if hasKey .Values.extender.tls "enabled" }}
+{{- fail "extender.tls.enabled is gone: TLS is on by default (extender.tls.mode=selfIssued); use extender.tls.mode=secret for your own certificates, off for plain HTTP" }}
+{{- end }}
 {{- if and (not .Values.extender.leaderElect) (gt (int .Values.extender.replicas) 1) }}
 {{- fail "extender.leaderElect=false runs one replica: set extender.replicas=1" }}
 {{- end }}

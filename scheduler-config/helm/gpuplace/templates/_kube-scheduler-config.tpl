@@ -1,30 +1,32 @@
 {{/*
 The KubeSchedulerConfiguration of option B (scheduler.mode=config): kube-scheduler-config.yaml, or
-kube-scheduler-config-tls.yaml with extender.tls.enabled, comments included, the extender's URL from
+kube-scheduler-config-http.yaml with extender.tls.mode=off, comments included, the extender's URL from
 the Service (scheduler.extenderURL overrides it). tests/helm_chart.rs holds both equal to the files.
 */}}
 {{- define "gpuplace.kubeSchedulerConfig" -}}
-{{- $tls := .Values.extender.tls.enabled -}}
+{{- $tls := eq (include "gpuplace.tls" .) "true" -}}
 {{- if $tls -}}
-# kube-scheduler (v1.36) configuration with the gpuplace extender over HTTPS, authenticated by a
-# client certificate: the reference file (kube-scheduler-config.yaml) with only urlPrefix,
-# enableHTTPS and tlsConfig changed (tests/scheduler_config.rs holds everything else equal).
-#
-# The extender then runs with --tls-cert, --tls-key and --tls-client-ca (docs/deploy.md, "TLS",
-# makes the certificates): kube-scheduler verifies the extender's serving certificate against
-# caFile, and presents certFile/keyFile, which the extender verifies against its --tls-client-ca
-# before it answers any verb. Install the three files on every control-plane node (option B: mount
-# /etc/kubernetes/gpuplace/tls into the static pod, as default-profile/ mounts the config file;
-# option A: a Secret mounted at that path in second-profile/'s Deployment). kube-scheduler reads
-# them at start and does not start without them.
-{{- else -}}
-# kube-scheduler (v1.36) configuration with the gpuplace extender: the reference file.
+# kube-scheduler (v1.36) configuration with the gpuplace extender: the reference file, over HTTPS
+# with a client certificate (mTLS, the default install).
 #
 # Used as-is by the default-profile option (default-profile/: the cluster's own kube-scheduler loads
 # it with --config). The second-profile option (second-profile/gpuplace-scheduler.yaml) embeds the
 # same extender stanza in a ConfigMap, under schedulerName gpuplace-scheduler.
 # tests/scheduler_config.rs checks every KubeSchedulerConfiguration under scheduler-config/ against
 # the code (resource names, port, prefix, verbs). docs/deploy.md walks through the install.
+#
+# kube-scheduler verifies the extender's serving certificate against caFile and presents
+# certFile/keyFile, which the extender verifies before it answers any verb. The three files come
+# from the Secret gpuplace-system/gpuplace-scheduler-tls (ca.crt, tls.crt, tls.key), which the
+# extender writes and renews (docs/deploy.md, "TLS"): option A mounts it at
+# /etc/kubernetes/gpuplace/tls, option B copies it there on every control-plane node.
+# kube-scheduler reads them at start and does not start without them.
+{{- else -}}
+# kube-scheduler (v1.36) configuration with the gpuplace extender over plain HTTP, for an extender
+# run without TLS (the chart's extender.tls.mode=off) only: nothing authenticates kube-scheduler,
+# and anyone who reaches the extender's port drives the verbs, bind included (docs/deploy.md,
+# "Security"). It is the reference file (kube-scheduler-config.yaml) with only urlPrefix,
+# enableHTTPS and tlsConfig changed (tests/scheduler_config.rs holds everything else equal).
 {{- end }}
 apiVersion: kubescheduler.config.k8s.io/v1
 kind: KubeSchedulerConfiguration
@@ -41,10 +43,10 @@ percentageOfNodesToScore: 100
 profiles:
 - schedulerName: default-scheduler
 extenders:
-{{- if $tls }}
-- # the extender's Service (extender/service.yaml), port 8888, over HTTPS
-{{- else }}
 - # the extender's Service (extender/service.yaml), port 8888 (`gpuplace serve` default
+{{- if $tls }}
+  # --listen 0.0.0.0:8888) and the default --prefix /gpuplace, over HTTPS
+{{- else }}
   # --listen 0.0.0.0:8888) and the default --prefix /gpuplace
 {{- end }}
   urlPrefix: {{ include "gpuplace.extenderURL" . | quote }}
@@ -61,10 +63,10 @@ extenders:
 {{- if $tls }}
   enableHTTPS: true
   tlsConfig:
-    # the CA that signed the extender's serving certificate
+    # the CA that signed the extender's serving certificate (the Secret's ca.crt)
     caFile: /etc/kubernetes/gpuplace/tls/ca.crt
-    # kube-scheduler's client certificate and key, signed by the CA the extender was given as
-    # --tls-client-ca: the extender answers no verb (/bind included) without it
+    # kube-scheduler's client certificate and key (the Secret's tls.crt and tls.key), signed by
+    # the CA the extender trusts: the extender answers no verb (/bind included) without them
     certFile: /etc/kubernetes/gpuplace/tls/kube-scheduler.crt
     keyFile: /etc/kubernetes/gpuplace/tls/kube-scheduler.key
     # the name verified in the extender's certificate, also when urlPrefix names the Service's
