@@ -506,8 +506,9 @@ impl ControlPlane {
     fn scheduler_config(&self, text: &str) -> Result<Value, String> {
         let mut doc: Value = serde_norway::from_str(text).map_err(|e| e.to_string())?;
         doc["clientConnection"]["kubeconfig"] = Value::String(self.kubeconfig(User::Scheduler).display().to_string());
-        // an extender over TLS (kube-scheduler-config-tls.yaml): kube-scheduler reads its tlsConfig
-        // files at start and does not start without them, so they become certificates made here
+        // an extender over TLS (kube-scheduler-config.yaml, the chart's): kube-scheduler reads its
+        // tlsConfig files at start and does not start without them, so they become files here (made
+        // by the test until it writes the extender's own: real_node.rs)
         if let Some(extenders) = doc.get_mut("extenders").and_then(Value::as_array_mut) {
             for e in extenders {
                 if let Some(tls) = e.get_mut("tlsConfig").and_then(Value::as_object_mut) {

@@ -107,8 +107,11 @@ async fn stage_with_extender_of(name: &str, n: usize, extra: &[&str]) -> (Stage,
     (st, ext)
 }
 
+/// The scenarios run the extender on the host over plain HTTP (`Extender::start`), so kube-scheduler
+/// gets the reference configuration's plain-HTTP twin (identical but for urlPrefix, enableHTTPS and
+/// tlsConfig: tests/scheduler_config.rs); the real-node scenario runs the chart's default, mTLS.
 fn scheduler_config() -> std::path::PathBuf {
-    repo().join("scheduler-config/kube-scheduler-config.yaml")
+    repo().join("scheduler-config/kube-scheduler-config-http.yaml")
 }
 
 /// A counter (summed over its label sets matching `filter`) from Prometheus text.

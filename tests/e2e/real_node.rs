@@ -353,7 +353,11 @@ async fn gpuplace_from_its_chart_and_images_on_a_real_node() {
     let to_extender = Forward::out_of_ns(&node.netns, targets.clone());
     let config_path = cp.dir.join("chart-kube-scheduler-config.yaml");
     std::fs::write(&config_path, scheduler_config_of(&objects)).expect("write the chart's scheduler config");
-    cp.start_scheduler(&config_path, Some(&format!("http://{}/gpuplace", to_extender.addr)));
+    // the chart's configuration is HTTPS with a client certificate (mTLS by default); until the
+    // extender has written kube-scheduler's certificate, kube-scheduler starts with one the test
+    // makes, which is enough to place the system pods (they ask for no gpuplace resource)
+    let extender_url = format!("https://{}/gpuplace", to_extender.addr);
+    cp.start_scheduler(&config_path, Some(&extender_url));
 
     let daemonsets: Api<DaemonSet> = Api::namespaced(admin.clone(), SYSTEM_NS);
     let deployments: Api<Deployment> = Api::namespaced(admin.clone(), SYSTEM_NS);
@@ -399,6 +403,18 @@ async fn gpuplace_from_its_chart_and_images_on_a_real_node() {
         "real node: installed from the chart (device plugin registered, extender ready) in {:.1} s",
         t.elapsed().as_secs_f64()
     ));
+
+    // ---- mTLS by default: kube-scheduler gets the client certificate the extender wrote, as an
+    // option B operator copies it (docs/deploy.md, "TLS"), and is restarted to read it
+    let t = Instant::now();
+    let mtls = scheduler_certificate(&admin).await;
+    mtls.install(&cp.dir.join("tls"));
+    cp.start_scheduler(&config_path, Some(&extender_url));
+    figure(&format!(
+        "real node: kube-scheduler restarted with the client certificate from Secret gpuplace-scheduler-tls ({:.1} s after the extender was ready)",
+        t.elapsed().as_secs_f64()
+    ));
+    tenant_scraper_gets_no_answer(&admin, &node, &targets, &to_extender, &mtls).await;
 
     // ---- share, multi-GPU, exclusive and gang pods
     create_pod_group(&admin, "gang", 2).await;
@@ -520,7 +536,7 @@ async fn gpuplace_from_its_chart_and_images_on_a_real_node() {
     assert!(problems.is_empty(), "containers without their own assignment's environment:\n{}", problems.join("\n"));
     let a = audit(&admin).await;
     assert!(a.over_commits.is_empty() && a.bad_assignments.is_empty(), "{:?} {:?}", a.over_commits, a.bad_assignments);
-    inspect_agrees(&admin, &to_extender).await;
+    inspect_agrees(&admin, &to_extender, &mtls).await;
 
     delete_all(&pods).await;
 
@@ -604,7 +620,7 @@ async fn gpuplace_from_its_chart_and_images_on_a_real_node() {
 
     // how often a bind waited for the plugin to see an earlier pod's Allocate (pods with other limits
     // on one GPU), from the replica the Service routes to (the leader: it made every bind so far)
-    if let Some((200, page)) = crate::fleet::http_get(to_extender.addr.port(), "/metrics") {
+    if let Some((200, page)) = mtls.get(&to_extender, "/metrics") {
         let binds: Vec<String> = BindOutcome::ALL
             .iter()
             .map(|o| (o.name(), crate::counter(&page, "gpuplace_binds_total", &format!("result=\"{}\"", o.name()))))
@@ -654,10 +670,141 @@ async fn gpuplace_from_its_chart_and_images_on_a_real_node() {
     assert_eq!(burst_times.len(), 12, "burst pods Running: {burst_times:?}\n{}", pending_report(&admin).await);
     assert!(problems.is_empty(), "after the extender's kill:\n{}", problems.join("\n"));
     assert!(a.over_commits.is_empty() && a.bad_assignments.is_empty(), "{:?} {:?}", a.over_commits, a.bad_assignments);
-    inspect_agrees(&admin, &to_extender).await;
+    inspect_agrees(&admin, &to_extender, &mtls).await;
     figure(&format!("real node: scenario done in {:.1} s", t0.elapsed().as_secs_f64()));
     drop(to_extender);
     drop(node);
+}
+
+/// kube-scheduler's side of mTLS, from the Secret the extender writes: the CA that signed the
+/// extender's serving certificates, and kube-scheduler's client certificate.
+struct Mtls {
+    ca_pem: String,
+    client: crate::tls::Identity,
+}
+
+/// The name kube-scheduler verifies in the extender's certificate (the chart's `serverName`).
+const EXTENDER_NAME: &str = "gpuplace-extender.gpuplace-system.svc";
+
+impl Mtls {
+    /// Writes the three files where the test's control plane points the configuration's tlsConfig
+    /// (`ControlPlane::start_scheduler`: ca.crt, kube-scheduler.crt, kube-scheduler.key).
+    fn install(&self, dir: &std::path::Path) {
+        crate::tls::write(dir, "ca.crt", &self.ca_pem);
+        crate::tls::write(dir, "kube-scheduler.crt", &self.client.cert_pem);
+        crate::tls::write(dir, "kube-scheduler.key", &self.client.key_pem);
+    }
+
+    /// A GET through the forward as kube-scheduler would send it: (status, body).
+    fn get(&self, to_extender: &Forward, path: &str) -> Option<(u16, String)> {
+        crate::tls::https(to_extender.addr, EXTENDER_NAME, &self.ca_pem, Some(&self.client), "GET", path, b"").ok()
+    }
+}
+
+/// The Secret `gpuplace-scheduler-tls`, once the leading extender has written it.
+async fn scheduler_certificate(client: &Client) -> Mtls {
+    use gpuplace::apiserver::certificates::{CA_CERT, DEFAULT_SCHEDULER_SECRET_NAME, SCHEDULER_CERT, SCHEDULER_KEY};
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> = Api::namespaced(client.clone(), SYSTEM_NS);
+    let until = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Ok(Some(s)) = secrets.get_opt(DEFAULT_SCHEDULER_SECRET_NAME).await {
+            let text =
+                |k: &str| s.data.as_ref().and_then(|d| d.get(k)).map(|v| String::from_utf8_lossy(&v.0).into_owned());
+            if let (Some(ca_pem), Some(cert_pem), Some(key_pem)) =
+                (text(CA_CERT), text(SCHEDULER_CERT), text(SCHEDULER_KEY))
+            {
+                return Mtls { ca_pem, client: crate::tls::Identity { cert_pem, key_pem } };
+            }
+        }
+        assert!(Instant::now() < until, "e2e: the extender wrote no Secret {DEFAULT_SCHEDULER_SECRET_NAME} in 60 s");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// Issue 29's acceptance: a tenant's pod in another namespace, labelled as a scraper, gets no answer
+/// from `/filter`, `/bind`, `/inspect` or `/mix` on any extender replica (its plain HTTP request gets
+/// no HTTP status line back: the port speaks TLS only), while it does reach `/metrics` on the
+/// metrics port, so it is the port's authentication that refuses it, not the network (this node's
+/// bridge CNI enforces no NetworkPolicy). Through the host's forward, HTTPS without a client
+/// certificate fails at the handshake, and with kube-scheduler's certificate it is answered.
+async fn tenant_scraper_gets_no_answer(
+    client: &Client,
+    node: &RealNode,
+    targets: &Arc<Mutex<Vec<SocketAddr>>>,
+    to_extender: &Forward,
+    mtls: &Mtls,
+) {
+    let ips: Vec<String> = targets.lock().map(|t| t.iter().map(|a| a.ip().to_string()).collect()).unwrap_or_default();
+    assert!(!ips.is_empty(), "no ready extender endpoint");
+    let tenant = "tenant";
+    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": tenant}})).expect("ns");
+    Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &ns)
+        .await
+        .expect("create the tenant's namespace");
+    // for each replica and route: what a plain HTTP request gets back (its first line, or nothing),
+    // and whether busybox's wget over HTTPS got an answer
+    // (nc only: this static busybox's wget crashes in the container)
+    let script = r#"
+ask() { printf '%s %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}' "$1" "$2" | nc -w 5 $3 $4 > /tmp/answer; }
+status() { if head -n 1 /tmp/answer | grep -q '^HTTP/'; then echo "answered: $(head -n 1 /tmp/answer | cut -c1-15)"; else echo "no-answer ($(wc -c < /tmp/answer) bytes, no HTTP status line)"; fi; }
+for ip in $IPS; do
+  for route in POST:/gpuplace/filter POST:/gpuplace/bind GET:/inspect GET:/mix; do
+    ask "${route%%:*}" "${route#*:}" $ip 8888; echo "verbs $ip ${route#*:} $(status)"
+  done
+  ask GET /metrics $ip 9090; echo "metrics $ip $(status)"
+done
+echo done
+exec sleep 1000000
+"#;
+    let scraper: Pod = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "scraper", "namespace": tenant, "labels": {"gpuplace.io/scrape-extender": "true"}},
+        "spec": {
+            "terminationGracePeriodSeconds": 0,
+            "automountServiceAccountToken": false,
+            "containers": [{
+                "name": "main", "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
+                "command": ["/bin/sh", "-c", script],
+                "env": [{"name": "IPS", "value": ips.join(" ")}],
+            }],
+        },
+    }))
+    .expect("the scraper pod");
+    let pods: Api<Pod> = Api::namespaced(client.clone(), tenant);
+    let created = pods.create(&PostParams::default(), &scraper).await.expect("create the scraper");
+    let uid = created.uid().unwrap_or_default();
+    let until = Instant::now() + Duration::from_secs(120);
+    let lines = loop {
+        let lines = node.container_log(tenant, "scraper", &uid, "main");
+        if lines.iter().any(|l| l == "done") {
+            break lines;
+        }
+        assert!(Instant::now() < until, "e2e: the scraper did not finish: {lines:?}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    let answered: Vec<&String> = lines.iter().filter(|l| l.starts_with("verbs") && l.contains(" answered")).collect();
+    let refused = lines.iter().filter(|l| l.starts_with("verbs") && l.contains("no-answer")).count();
+    let metrics = lines.iter().filter(|l| l.starts_with("metrics") && l.contains(" answered")).count();
+    figure(&format!(
+        "real node: a scraper-labelled pod in namespace {tenant}: {refused} of {} requests to /gpuplace/filter, /gpuplace/bind, /inspect, /mix on {} replica(s) got no HTTP answer; /metrics answered 200 on {metrics} of {} metrics ports",
+        4 * ips.len(),
+        ips.len(),
+        ips.len(),
+    ));
+    assert!(answered.is_empty(), "the tenant got answers: {answered:?}\n{lines:#?}");
+    assert_eq!(refused, 4 * ips.len(), "{lines:#?}");
+    assert_eq!(metrics, ips.len(), "the scraper reaches the metrics port: {lines:#?}");
+    let _ = pods.delete("scraper", &DeleteParams::default().grace_period(0)).await;
+
+    // through the host's forward: no certificate, no handshake; kube-scheduler's, an answer
+    for path in ["/inspect", "/mix"] {
+        let bare = crate::tls::https(to_extender.addr, EXTENDER_NAME, &mtls.ca_pem, None, "GET", path, b"");
+        assert!(bare.is_err(), "{path} without a client certificate: {bare:?}");
+        let (status, body) =
+            mtls.get(to_extender, path).unwrap_or_else(|| panic!("{path} with kube-scheduler's certificate"));
+        assert_eq!(status, 200, "{path}: {body}");
+    }
 }
 
 /// Device-plugin registrations the kubelet has logged so far.
@@ -722,13 +869,13 @@ async fn delete_all(pods: &Api<Pod>) {
     .await;
 }
 
-/// `/inspect` (through the forward, from whichever replica answers) agrees with the annotations.
-async fn inspect_agrees(client: &Client, to_extender: &Forward) {
-    let port = to_extender.addr.port();
+/// `/inspect` (through the forward, from whichever replica answers, with kube-scheduler's client
+/// certificate: it is behind the same authentication as the verbs) agrees with the annotations.
+async fn inspect_agrees(client: &Client, to_extender: &Forward, mtls: &Mtls) {
     let a = audit(client).await;
     let until = Instant::now() + Duration::from_secs(30);
     loop {
-        let diffs = match crate::fleet::http_get(port, "/inspect") {
+        let diffs = match mtls.get(to_extender, "/inspect") {
             Some((200, body)) => match serde_json::from_str::<InspectReport>(&body) {
                 Ok(report) => a.compare_inspect(&report),
                 Err(e) => vec![format!("/inspect: {e}")],
