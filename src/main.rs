@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use gpuplace::apiserver::binder::KubeBinder;
+use gpuplace::apiserver::certificates::SelfIssuedTls;
 use gpuplace::apiserver::connect::ConnectArgs;
 use gpuplace::apiserver::keys::{KeyOptions, KeySecret, DEFAULT_KEY_SECRET_NAME, DEFAULT_PUBLIC_KEYS_NAME};
 use gpuplace::apiserver::leader::LeaderConfig;
@@ -313,9 +314,23 @@ struct InspectArgs {
     /// Read a cluster file (no allocations) instead of asking a running extender.
     #[arg(long, conflicts_with = "url")]
     cluster: Option<PathBuf>,
-    /// A running extender's base URL.
+    /// A running extender's base URL (https:// for one with TLS: then --tls-ca, and with mTLS
+    /// --tls-cert and --tls-key, e.g. the files of Secret gpuplace-scheduler-tls).
     #[arg(long, default_value = "http://127.0.0.1:8888")]
     url: String,
+    /// The CA (PEM) that verifies the extender's certificate (the Secret's ca.crt).
+    #[arg(long, value_name = "FILE", conflicts_with = "cluster")]
+    tls_ca: Option<PathBuf>,
+    /// A client certificate (PEM) signed by the CA the extender trusts (the Secret's tls.crt).
+    #[arg(long, value_name = "FILE", requires = "tls_key", conflicts_with = "cluster")]
+    tls_cert: Option<PathBuf>,
+    /// The key of --tls-cert (the Secret's tls.key).
+    #[arg(long, value_name = "FILE", requires = "tls_cert", conflicts_with = "cluster")]
+    tls_key: Option<PathBuf>,
+    /// The name to verify in the extender's certificate instead of the URL's host (through
+    /// `kubectl port-forward`: gpuplace-extender.gpuplace-system.svc).
+    #[arg(long, value_name = "NAME", conflicts_with = "cluster")]
+    tls_server_name: Option<String>,
 }
 
 fn load_yaml<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, String> {
@@ -390,79 +405,28 @@ fn own_namespace() -> String {
     env_nonempty("POD_NAMESPACE").unwrap_or_else(|| gpuplace::core::DEFAULT_NAMESPACE.into())
 }
 
-/// The Lease identity outside a pod: the host name (`HOSTNAME`, which shells do not always export,
-/// else the kernel's) and the process id, as client-go adds a unique suffix: two replicas on one host
-/// must not both believe they hold the Lease.
-fn host_identity() -> String {
-    let host = env_nonempty("HOSTNAME")
-        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok().map(|h| h.trim().to_string()))
-        .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "gpuplace".into());
-    format!("{host}_{}", std::process::id())
-}
-
-/// Whether a TLS handshake without a client certificate is refused: yes when the probes and
-/// /metrics have a port of their own.
 fn client_auth(args: &ServeArgs) -> gpuplace::extender::tls::ClientAuth {
-    use gpuplace::extender::tls::ClientAuth;
-    if args.metrics_listen.is_some() {
-        ClientAuth::Required
-    } else {
-        ClientAuth::Optional
-    }
+    gpuplace::extender::tls::ClientAuth::with_metrics_port(args.metrics_listen.is_some())
 }
 
 /// The serving TLS of `--tls-cert`, `--tls-key`, `--tls-client-ca`, if asked.
 fn server_tls(args: &ServeArgs) -> Result<Option<gpuplace::extender::tls::ServerTls>, String> {
     let (Some(cert), Some(key)) = (&args.tls_cert, &args.tls_key) else { return Ok(None) };
-    let files = gpuplace::extender::tls::ServerFiles {
-        cert: cert.clone(),
-        key: key.clone(),
-        client_ca: args.tls_client_ca.clone(),
-        client_auth: client_auth(args),
-    };
+    let files = gpuplace::extender::tls::ServerFiles::new(cert, key, args.tls_client_ca.as_deref(), client_auth(args));
     gpuplace::extender::tls::server_config(&files).map(Some).map_err(|e| format!("TLS: {e}"))
 }
 
-/// `--tls-ca-secret`'s Secret: NAME in the extender's namespace, or NAMESPACE/NAME.
-fn ca_secret_of(arg: &str) -> Result<KeySecret, String> {
-    if arg.contains('/') {
-        arg.parse::<KeySecret>().map_err(|e| format!("--tls-ca-secret: {e}"))
-    } else if arg.is_empty() {
-        Err("--tls-ca-secret: a Secret name is needed".into())
-    } else {
-        Ok(KeySecret { namespace: own_namespace(), name: arg.into() })
-    }
-}
-
-/// mTLS with the extender's own CA (`--tls-ca-secret`): the CA (read, or made and stored), this
-/// replica's certificate, and what the leader keeps for kube-scheduler.
-struct SelfIssuedTls {
-    identity: Arc<gpuplace::extender::tls::SelfIssued>,
-    scheduler: gpuplace::apiserver::run::SchedulerTls,
-}
-
+/// mTLS with the extender's own CA (`--tls-ca-secret`), if asked: the CA read (or made and stored),
+/// this replica's certificate, and what the leader keeps for kube-scheduler.
 fn self_issued_tls(
     args: &ServeArgs,
     source: &gpuplace::apiserver::connect::Source,
     advertise: Option<&str>,
 ) -> Result<Option<SelfIssuedTls>, String> {
     let Some(arg) = &args.tls_ca_secret else { return Ok(None) };
-    let at = ca_secret_of(arg)?;
-    let ca = Arc::new(
-        gpuplace::apiserver::certificates::load_or_create_ca_blocking(source, &at)
-            .map_err(|e| format!("the extender's CA: {e}"))?,
-    );
-    let names = gpuplace::extender::pki::replica_names(&args.tls_service, &own_namespace(), advertise);
-    let leaf = gpuplace::extender::pki::Leaf::replica(names);
-    let identity = gpuplace::extender::tls::SelfIssued::new(ca.clone(), leaf, std::time::SystemTime::now())
-        .map_err(|e| format!("TLS: {e}"))?;
-    let scheduler = gpuplace::apiserver::run::SchedulerTls {
-        secret: KeySecret { namespace: at.namespace.clone(), name: args.tls_scheduler_secret.clone() },
-        ca,
-        every: gpuplace::apiserver::certificates::SCHEDULER_CHECK_EVERY,
-    };
-    Ok(Some(SelfIssuedTls { identity, scheduler }))
+    let at = KeySecret::in_namespace(arg, &own_namespace()).map_err(|e| format!("--tls-ca-secret: {e}"))?;
+    let service = KeySecret { namespace: own_namespace(), name: args.tls_service.clone() };
+    SelfIssuedTls::prepare(source, &at, &args.tls_scheduler_secret, &service, advertise).map(Some)
 }
 
 /// The forward of a replica that does not lead (`role`: its readiness and election).
@@ -513,8 +477,11 @@ fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
     };
     let (engine, learner) = engine_of(args)?;
     let log = placement_log_of(args)?;
-    let identity =
-        args.leader_elect_identity.clone().or_else(|| env_nonempty("POD_NAME")).unwrap_or_else(host_identity);
+    let identity = args
+        .leader_elect_identity
+        .clone()
+        .or_else(|| env_nonempty("POD_NAME"))
+        .unwrap_or_else(gpuplace::apiserver::leader::host_identity);
     let leader = if args.leader_elect {
         let namespace = args.leader_elect_namespace.clone().unwrap_or_else(own_namespace);
         let mut cfg = LeaderConfig::new(&namespace, &args.leader_elect_name, &identity);
@@ -686,7 +653,12 @@ fn inspect(args: &InspectArgs) -> Result<String, String> {
                 Some(n) => format!("{base}/inspect/{n}"),
                 None => format!("{base}/inspect"),
             };
-            let resp = gpuplace::extender::http_client::get(&url, Duration::from_secs(30))
+            let tls = gpuplace::extender::http_client::ClientTls {
+                ca: args.tls_ca.clone(),
+                identity: args.tls_cert.clone().zip(args.tls_key.clone()),
+                server_name: args.tls_server_name.clone(),
+            };
+            let resp = gpuplace::extender::http_client::get_url(&url, Duration::from_secs(30), &tls)
                 .map_err(|e| format!("{url}: {e}"))?;
             if resp.status != 200 {
                 return Err(format!("{url}: HTTP {}: {}", resp.status, resp.text().trim()));

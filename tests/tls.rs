@@ -216,4 +216,24 @@ fn with_a_metrics_port_the_verbs_port_refuses_the_handshake_without_a_client_cer
     let scrape = gpuplace::extender::http_client::get(&format!("http://{metrics}/metrics"), Duration::from_secs(5))
         .expect("scrape");
     assert!(scrape.text().contains("gpuplace_"), "{}", scrape.text());
+
+    // `gpuplace inspect` as an operator runs it with kube-scheduler's certificate files
+    let sched_cert = write(&dir, "kube-scheduler.crt", &scheduler.cert_pem);
+    let sched_key = write(&dir, "kube-scheduler.key", &scheduler.key_pem);
+    let inspect = |with_cert: bool| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_gpuplace"));
+        cmd.args(["inspect", "--url", &format!("https://{addr}"), "--tls-server-name", name])
+            .arg("--tls-ca")
+            .arg(&ca_file);
+        if with_cert {
+            cmd.arg("--tls-cert").arg(&sched_cert).arg("--tls-key").arg(&sched_key);
+        }
+        cmd.output().unwrap()
+    };
+    let out = inspect(true);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("gpu-node-0"), "the table names the nodes: {text}");
+    let out = inspect(false);
+    assert!(!out.status.success(), "answered without a client certificate");
 }

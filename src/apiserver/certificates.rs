@@ -97,6 +97,16 @@ pub async fn load_or_create_ca(api: &Api<Secret>, at: &KeySecret) -> Result<Ca, 
     }
 }
 
+/// Where the leader keeps kube-scheduler's client certificate, and the CA that signs it
+/// ([`keep_scheduler_secret`], started by `run::start`).
+#[derive(Debug, Clone)]
+pub struct SchedulerTls {
+    pub secret: KeySecret,
+    pub ca: Arc<Ca>,
+    /// How often the leader checks the Secret.
+    pub every: Duration,
+}
+
 /// What [`ensure_scheduler_secret`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SchedulerSecret {
@@ -205,4 +215,37 @@ pub fn load_or_create_ca_blocking(source: &crate::apiserver::connect::Source, at
             wait = (wait * 2).min(Duration::from_secs(30));
         }
     })
+}
+
+/// mTLS with the extender's own CA, set up before anything is served: the CA of Secret `at` (read,
+/// or made and stored), this replica's certificate from it, and where the leader keeps
+/// kube-scheduler's (run::SchedulerTls).
+#[derive(Debug)]
+pub struct SelfIssuedTls {
+    pub identity: Arc<crate::extender::tls::SelfIssued>,
+    pub scheduler: SchedulerTls,
+}
+
+impl SelfIssuedTls {
+    /// `scheduler_secret`: the name of kube-scheduler's Secret, in `at`'s namespace; `service`: the
+    /// Service (`NAMESPACE/NAME`) whose names the serving certificate carries, with `advertise_url`'s
+    /// host.
+    pub fn prepare(
+        source: &crate::apiserver::connect::Source,
+        at: &KeySecret,
+        scheduler_secret: &str,
+        service: &KeySecret,
+        advertise_url: Option<&str>,
+    ) -> Result<SelfIssuedTls, String> {
+        let ca = Arc::new(load_or_create_ca_blocking(source, at).map_err(|e| format!("the extender's CA: {e}"))?);
+        let leaf = Leaf::replica(pki::replica_names(&service.name, &service.namespace, advertise_url));
+        let identity = crate::extender::tls::SelfIssued::new(ca.clone(), leaf, SystemTime::now())
+            .map_err(|e| format!("TLS: {e}"))?;
+        let scheduler = SchedulerTls {
+            secret: KeySecret { namespace: at.namespace.clone(), name: scheduler_secret.to_string() },
+            ca,
+            every: SCHEDULER_CHECK_EVERY,
+        };
+        Ok(SelfIssuedTls { identity, scheduler })
+    }
 }

@@ -69,6 +69,17 @@ impl Default for KeySecret {
     }
 }
 
+impl KeySecret {
+    /// `NAMESPACE/NAME`, or a bare `NAME` in `namespace`.
+    pub fn in_namespace(s: &str, namespace: &str) -> Result<Self, String> {
+        match s {
+            "" => Err("a Secret name is needed".into()),
+            s if s.contains('/') => s.parse(),
+            name => Ok(Self { namespace: namespace.into(), name: name.into() }),
+        }
+    }
+}
+
 impl std::fmt::Display for KeySecret {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}/{}", self.namespace, self.name)
@@ -344,5 +355,9 @@ mod tests {
             assert!(bad.parse::<KeySecret>().is_err(), "{bad:?}");
         }
         assert_eq!(KeySecret::default().to_string(), "gpuplace-system/gpuplace-assignment-keys");
+        let at = |s| KeySecret::in_namespace(s, "own");
+        assert_eq!(at("ca"), Ok(KeySecret { namespace: "own".into(), name: "ca".into() }));
+        assert_eq!(at("ns/ca"), Ok(KeySecret { namespace: "ns".into(), name: "ca".into() }));
+        assert!(at("").is_err() && at("ns/").is_err());
     }
 }

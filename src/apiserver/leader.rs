@@ -422,6 +422,19 @@ async fn round(api: &LeaseApi<'_>, elector: &mut Elector, now: Instant) -> Resul
     Ok(if wrote { Round::Leading } else { Round::Following(None) })
 }
 
+/// The Lease identity outside a pod: the host name (`HOSTNAME`, which shells do not always export,
+/// else the kernel's) and the process id, as client-go adds a unique suffix: two replicas on one host
+/// must not both believe they hold the Lease.
+pub fn host_identity() -> String {
+    let host = std::env::var("HOSTNAME")
+        .ok()
+        .filter(|h| !h.is_empty())
+        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok().map(|h| h.trim().to_string()))
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "gpuplace".into());
+    format!("{host}_{}", std::process::id())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

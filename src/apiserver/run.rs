@@ -9,8 +9,9 @@
 //! synced *and* leading ([`Extender::set_ready`]), and a replica that does not lead forwards every
 //! verb to the leader at the URL the leader published on its Lease ([`Readiness`] is the forward's
 //! [`Role`]; `extender::forward`). The leader also re-signs records made with an old key (`resign`)
-//! and removes assignments left on unbound pods (`stale`); pods just turned away from GPUs that are
-//! then freed are sent back to kube-scheduler's queue (`requeue`). The utilization watch is not part
+//! and removes assignments left on unbound pods (`stale`), and with mTLS by default keeps
+//! kube-scheduler's client certificate in its Secret (`certificates`); pods just turned away from
+//! GPUs that are then freed are sent back to kube-scheduler's queue (`requeue`). The utilization watch is not part
 //! of readiness: samples are optional and age out by themselves. The standby keeps watching, so it is
 //! current when it takes over.
 //!
@@ -33,15 +34,14 @@ use kube::{Api, Client};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::apiserver::certificates;
+use crate::apiserver::certificates::{self, SchedulerTls};
 use crate::apiserver::connect::{connect, connect_with, ConnectError, Source, Transport};
 use crate::apiserver::events::EventSink;
-use crate::apiserver::keys::{self, KeyOptions, KeySecret, KeyStatus};
+use crate::apiserver::keys::{self, KeyOptions, KeyStatus};
 use crate::apiserver::leader::{self, LeaderConfig, Leadership};
 use crate::apiserver::stale;
 use crate::apiserver::{nodes, pod_groups, pods, requeue, resign, utilization};
 use crate::extender::forward::{Role, Route};
-use crate::extender::pki::Ca;
 use crate::extender::service::Extender;
 
 /// How long an assignment may sit on an unbound pod before the leader removes it ([`stale`]), at
@@ -65,15 +65,6 @@ pub struct ApiOptions {
     /// mTLS by default: the Secret where the leader keeps kube-scheduler's client certificate, and
     /// the CA that signs it (`certificates`); `None`: certificates are the operator's.
     pub scheduler_tls: Option<SchedulerTls>,
-}
-
-/// Where the leader keeps kube-scheduler's client certificate, and the CA that signs it.
-#[derive(Debug, Clone)]
-pub struct SchedulerTls {
-    pub secret: KeySecret,
-    pub ca: Arc<Ca>,
-    /// How often the leader checks the Secret.
-    pub every: Duration,
 }
 
 /// Whether this replica is synced (rebuilt, key ring loaded: `/readyz`), and whether it decides

@@ -1,8 +1,9 @@
 //! A minimal blocking HTTP/1.1 client over `std::net`, for `gpuplace inspect --url`, the tests and
-//! the load generator: plain HTTP to the extender only (it serves no TLS), so a client crate with
-//! TLS, pooling and redirects would be weight without use.
+//! the load generator: plain HTTP, and one request at a time over HTTPS with rustls ([`get_tls`]:
+//! `inspect` against an extender with mTLS), so a client crate with pooling and redirects would be
+//! weight without use.
 
-use std::io::{self, BufRead, BufReader, Read, Write};
+use std::io::{self, BufRead, BufReader, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
@@ -73,7 +74,7 @@ fn bad(m: String) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, m)
 }
 
-fn read_response(r: &mut BufReader<TcpStream>) -> io::Result<Response> {
+fn read_response<R: BufRead>(r: &mut R) -> io::Result<Response> {
     let mut line = String::new();
     if r.read_line(&mut line)? == 0 {
         return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed before a response"));
@@ -137,4 +138,56 @@ pub fn request(host: &str, method: &str, path: &str, body: &[u8], timeout: Durat
 pub fn get(url: &str, timeout: Duration) -> io::Result<Response> {
     let (host, path) = split_url(url)?;
     request(&host, "GET", &path, b"", timeout)
+}
+
+/// What an `https://` URL is fetched with ([`get_url`]): the CA (PEM file) that verifies the server,
+/// a client certificate and key (PEM files) for mTLS, and the name to verify instead of the host.
+#[derive(Debug, Clone, Default)]
+pub struct ClientTls {
+    pub ca: Option<std::path::PathBuf>,
+    pub identity: Option<(std::path::PathBuf, std::path::PathBuf)>,
+    pub server_name: Option<String>,
+}
+
+/// GET an `http://` URL, or an `https://` one with `tls` (its CA is then needed).
+pub fn get_url(url: &str, timeout: Duration, tls: &ClientTls) -> io::Result<Response> {
+    if !url.starts_with("https://") {
+        return get(url, timeout);
+    }
+    let ca = tls.ca.as_deref().ok_or_else(|| {
+        io::Error::new(io::ErrorKind::InvalidInput, "an https:// URL needs the server's CA (--tls-ca)")
+    })?;
+    let identity = tls.identity.as_ref().map(|(c, k)| (c.as_path(), k.as_path()));
+    let config = crate::extender::tls::client_config(Some(ca), identity).map_err(io::Error::other)?;
+    get_tls(url, timeout, std::sync::Arc::new(config), tls.server_name.as_deref())
+}
+
+/// GET a full `https://` URL with `tls` (its roots verify the server; its client certificate, if
+/// any, is presented), verifying `server_name` in the server's certificate (default: the URL's host).
+pub fn get_tls(
+    url: &str,
+    timeout: Duration,
+    tls: std::sync::Arc<rustls::ClientConfig>,
+    server_name: Option<&str>,
+) -> io::Result<Response> {
+    let rest = url
+        .strip_prefix("https://")
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, format!("expected an https:// URL, got {url:?}")))?;
+    let (host, path) = split_url(&format!("http://{rest}"))?;
+    let host = if rest.split('/').next().is_some_and(|h| h.contains(':')) { host } else { host.replace(":80", ":443") };
+    let name = match server_name {
+        Some(n) => n.to_string(),
+        None => host.rsplit_once(':').map_or(host.as_str(), |(h, _)| h).trim_matches(['[', ']']).to_string(),
+    };
+    let name = rustls_pki_types::ServerName::try_from(name.clone())
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("server name {name:?}: {e}")))?;
+    let stream = TcpStream::connect(&host)?;
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
+    let conn = rustls::ClientConnection::new(tls, name).map_err(io::Error::other)?;
+    let mut tls = rustls::StreamOwned::new(conn, stream);
+    let head = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nAccept: */*\r\nConnection: close\r\n\r\n");
+    tls.write_all(head.as_bytes())?;
+    tls.flush()?;
+    read_response(&mut BufReader::new(tls))
 }

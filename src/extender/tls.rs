@@ -64,6 +64,18 @@ pub enum ClientAuth {
     Optional,
 }
 
+impl ClientAuth {
+    /// Required when the probes and `/metrics` have a port of their own (`--metrics-listen`), so
+    /// nothing on the verbs' port needs to be reached without a certificate.
+    pub fn with_metrics_port(metrics_port: bool) -> ClientAuth {
+        if metrics_port {
+            ClientAuth::Required
+        } else {
+            ClientAuth::Optional
+        }
+    }
+}
+
 /// The files of `serve --tls-cert --tls-key [--tls-client-ca]`.
 #[derive(Debug, Clone)]
 pub struct ServerFiles {
@@ -73,6 +85,17 @@ pub struct ServerFiles {
     pub client_ca: Option<PathBuf>,
     /// With `client_ca`: whether a connection without a certificate is refused at the handshake.
     pub client_auth: ClientAuth,
+}
+
+impl ServerFiles {
+    pub fn new(cert: &Path, key: &Path, client_ca: Option<&Path>, client_auth: ClientAuth) -> ServerFiles {
+        ServerFiles {
+            cert: cert.to_path_buf(),
+            key: key.to_path_buf(),
+            client_ca: client_ca.map(Path::to_path_buf),
+            client_auth,
+        }
+    }
 }
 
 /// A serving configuration, and whether the verbs require a verified client certificate.
