@@ -50,21 +50,27 @@ pub struct ObservedPod {
     pub annotation: Option<String>,
     /// The device plugin's `gpuplace.io/allocated` value: which GPU containers it has admitted.
     pub allocated: Option<String>,
-    /// Its `nodeSelector` and required node affinity, which bind checks.
+    /// Its `nodeSelector`, required node affinity and tolerations, which bind checks: read for a GPU
+    /// pod not bound yet only (none for any other).
     pub constraints: Result<NodeConstraints, String>,
 }
 
 impl ObservedPod {
     pub fn from_wire(pod: &Pod) -> Self {
+        let node = Some(pod.spec.node_name.clone()).filter(|n| !n.is_empty());
+        let request = pod.request().map_err(|e| e.to_string());
+        // only a GPU pod not bound yet is remembered for bind (`remember`), which alone reads the
+        // constraints: the events of bound and GPU-free pods, most of a busy cluster's, skip the parse
+        let for_bind = node.is_none() && !request.as_ref().is_ok_and(PodRequest::is_gpu_free);
         Self {
             key: pod.key(),
             uid: pod.metadata.uid.clone(),
-            node: Some(pod.spec.node_name.clone()).filter(|n| !n.is_empty()),
+            node,
             finished: pod.is_finished(),
-            request: pod.request().map_err(|e| e.to_string()),
+            request,
             annotation: pod.metadata.annotations.get(ANNOTATION_ASSIGNMENT).cloned(),
             allocated: pod.metadata.annotations.get(ANNOTATION_ALLOCATED).cloned(),
-            constraints: pod.spec.node_constraints(),
+            constraints: if for_bind { pod.spec.node_constraints() } else { Ok(NodeConstraints::default()) },
         }
     }
 
