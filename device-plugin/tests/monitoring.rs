@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use common::kubelet::FakePodResources;
 use common::topology;
-use gpuplace::extender::http_client;
+use gpuplace::extender::{http_client, pki};
 use gpuplace_device_plugin::kubelet_api::podresources::{
     ContainerDevices, ContainerResources, ListPodResourcesResponse, PodResources,
 };
@@ -137,6 +137,24 @@ async fn scrape_all() -> Exported {
         FakePodResources::start(&socket, ListPodResourcesResponse { pod_resources: vec![holder] }).unwrap();
 
     let (static_addr, api_addr, plugin_addr) = (free_addr(), free_addr(), free_addr());
+    // the static extender serves the verbs over mTLS, as the default install does, so that the
+    // client-certificate series exist; /metrics from its metrics port
+    let static_metrics = free_addr();
+    let now = std::time::SystemTime::now();
+    let ca = pki::Ca::generate(now).expect("a CA");
+    let server = ca.issue(&pki::Leaf::replica(vec!["127.0.0.1".into()]), now, pki::LEAF_VALIDITY).expect("server");
+    let client = ca.issue(&pki::Leaf::scheduler(), now, pki::LEAF_VALIDITY).expect("client");
+    let file = |name: &str, text: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, text).expect("write a PEM file");
+        p
+    };
+    let (ca_file, server_cert, server_key) =
+        (file("ca.crt", &ca.cert_pem), file("tls.crt", &server.cert_pem), file("tls.key", &server.key_pem));
+    let (client_cert, client_key) = (file("client.crt", &client.cert_pem), file("client.key", &client.key_pem));
+    let client_tls = std::sync::Arc::new(
+        gpuplace::extender::tls::client_config(Some(&ca_file), Some((&client_cert, &client_key))).expect("client TLS"),
+    );
     let quiet = |c: &mut Command| {
         c.env_remove("RUST_LOG").stdout(Stdio::null()).stderr(Stdio::null());
     };
@@ -144,7 +162,13 @@ async fn scrape_all() -> Exported {
     c.arg("serve")
         .arg("--cluster")
         .arg(repo().join("examples/clusters/fixture-cluster.yaml"))
-        .args(["--listen", &static_addr.to_string()]);
+        .args(["--listen", &static_addr.to_string(), "--metrics-listen", &static_metrics.to_string()])
+        .arg("--tls-cert")
+        .arg(&server_cert)
+        .arg("--tls-key")
+        .arg(&server_key)
+        .arg("--tls-client-ca")
+        .arg(&ca_file);
     quiet(&mut c);
     let _static = Proc(c.spawn().expect("gpuplace serve --cluster"));
     let mut c = Command::new(&gpuplace);
@@ -171,7 +195,7 @@ async fn scrape_all() -> Exported {
     // kube-scheduler's recorded traffic: a 4-GPU pod filtered and bound, a preemption, and two pods
     // whose requests break the contract (pending, class contract): `c-frac` and `c-memonly` ask for
     // gpu-mem (and gpu-core) without `gpuplace.io/gpu`, so c-frac's recorded bind is refused too
-    scrape_when(static_addr, "static extender", |p| p.contains("gpuplace_ready 1"));
+    scrape_when(static_metrics, "static extender", |p| p.contains("gpuplace_ready 1"));
     for rel in [
         "cache/filter-001",
         "cache/prioritize-001",
@@ -184,13 +208,15 @@ async fn scrape_all() -> Exported {
         let verb = rel.split(['/', '-']).nth(1).unwrap_or_default();
         let body = fixture(&format!("{rel}.request.json"));
         let path = format!("/gpuplace/{verb}");
-        let r = http_client::request(&static_addr.to_string(), "POST", &path, &body, Duration::from_secs(10))
+        let url = format!("https://{static_addr}{path}");
+        let r = http_client::request_tls(&url, "POST", &body, Duration::from_secs(10), client_tls.clone(), None)
             .unwrap_or_else(|e| panic!("{rel}: {e}"));
         assert_eq!(r.status, 200, "{rel}: {}", r.text());
     }
     let mut exported = Exported::default();
-    exported.add(&scrape_when(static_addr, "static extender", |p| {
+    exported.add(&scrape_when(static_metrics, "static extender", |p| {
         p.contains("gpuplace_pod_gpu_memory_allocated_mib{")
+            && p.contains("gpuplace_client_certificate_expiry_timestamp_seconds{subject=\"gpuplace:kube-scheduler\"}")
             && p.contains("gpuplace_pending_pods{reason=\"contract\"} 2\n")
     }));
     exported.add(&scrape_when(api_addr, "API-server-mode extender", |p| {

@@ -418,6 +418,9 @@ where
     Fut: std::future::Future<Output = HttpResponse>,
 {
     let started = Instant::now();
+    if let Some(cert) = req.conn_data::<tls::ClientCertificate>() {
+        ext.metrics().client_certificate(&cert.subject, cert.not_after);
+    }
     let resp = match unauthenticated(&req) {
         Some(refused) => refused,
         None => match body(&req, payload).await {

@@ -170,6 +170,18 @@ pub fn get_tls(
     tls: std::sync::Arc<rustls::ClientConfig>,
     server_name: Option<&str>,
 ) -> io::Result<Response> {
+    request_tls(url, "GET", b"", timeout, tls, server_name)
+}
+
+/// One request to a full `https://` URL on a fresh connection (`Connection: close`); see [`get_tls`].
+pub fn request_tls(
+    url: &str,
+    method: &str,
+    body: &[u8],
+    timeout: Duration,
+    tls: std::sync::Arc<rustls::ClientConfig>,
+    server_name: Option<&str>,
+) -> io::Result<Response> {
     let rest = url
         .strip_prefix("https://")
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, format!("expected an https:// URL, got {url:?}")))?;
@@ -186,8 +198,14 @@ pub fn get_tls(
     stream.set_write_timeout(Some(timeout))?;
     let conn = rustls::ClientConnection::new(tls, name).map_err(io::Error::other)?;
     let mut tls = rustls::StreamOwned::new(conn, stream);
-    let head = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nAccept: */*\r\nConnection: close\r\n\r\n");
-    tls.write_all(head.as_bytes())?;
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nAccept: */*\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    let mut msg = Vec::with_capacity(head.len() + body.len());
+    msg.extend_from_slice(head.as_bytes());
+    msg.extend_from_slice(body);
+    tls.write_all(&msg)?;
     tls.flush()?;
     read_response(&mut BufReader::new(tls))
 }

@@ -260,7 +260,14 @@ pub struct Metrics {
     requeued: [AtomicU64; 2],
     /// UID → why every candidate turned the pod down at its last filter, and when.
     pending: Mutex<HashMap<String, (RejectClass, Instant)>>,
+    /// The client certificates that verbs came with (mTLS): subject common name to its end (Unix
+    /// seconds), the latest seen per subject; at most [`CLIENT_CERT_CAP`] subjects.
+    client_certs: Mutex<std::collections::BTreeMap<String, i64>>,
 }
+
+/// Subjects kept for `gpuplace_client_certificate_expiry_timestamp_seconds` (kube-scheduler's, the
+/// other replica's, a few more for operators' own certificates).
+const CLIENT_CERT_CAP: usize = 16;
 
 fn verb_index(v: Verb) -> usize {
     Verb::ALL.iter().position(|&x| x == v).unwrap_or(0)
@@ -271,6 +278,17 @@ impl Metrics {
         let m = Self::default();
         m.leader.store(-1, Ordering::Relaxed);
         m
+    }
+
+    /// A verb came with a verified client certificate for `subject`, valid until `not_after` (Unix
+    /// seconds): what kube-scheduler presents, so that an alert sees it near its end (kube-scheduler
+    /// reads a renewed one only when it restarts).
+    pub fn client_certificate(&self, subject: &str, not_after: i64) {
+        let mut certs = self.client_certs.lock().unwrap_or_else(|e| e.into_inner());
+        if certs.len() >= CLIENT_CERT_CAP && !certs.contains_key(subject) {
+            return;
+        }
+        certs.insert(subject.to_string(), not_after);
     }
 
     /// A watcher delivered an event or completed a (re)list at `now_ms` (Unix ms).
@@ -537,6 +555,22 @@ impl Metrics {
             "Counted assignments not signed with the primary key (or unsigned); the leader re-signs them. Remove an old key only at 0.",
             ld(&self.signed_with_old_key),
         );
+        let certs = self.client_certs.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        if !certs.is_empty() {
+            header(
+                &mut out,
+                "gpuplace_client_certificate_expiry_timestamp_seconds",
+                "gauge",
+                "When the client certificate the verbs last came with expires (Unix seconds), by its subject's common name: kube-scheduler's, the other replica's.",
+            );
+            for (subject, not_after) in certs {
+                let _ = writeln!(
+                    out,
+                    "gpuplace_client_certificate_expiry_timestamp_seconds{{subject=\"{}\"}} {not_after}",
+                    escape(&subject)
+                );
+            }
+        }
         gauge(
             &mut out,
             "gpuplace_accept_unsigned_assignments",

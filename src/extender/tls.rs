@@ -318,8 +318,28 @@ pub fn on_connect(conn: &dyn Any, data: &mut Extensions) {
     type Tls = actix_tls::accept::rustls_0_23::TlsStream<actix_web::rt::net::TcpStream>;
     if let Some(tls) = conn.downcast_ref::<Tls>() {
         let (_, session) = tls.get_ref();
-        if session.peer_certificates().is_some_and(|c| !c.is_empty()) {
+        if let Some(leaf) = session.peer_certificates().and_then(|c| c.first()) {
             data.insert(ClientVerified);
+            if let Some(cert) = ClientCertificate::of(leaf) {
+                data.insert(cert);
+            }
         }
+    }
+}
+
+/// The verified client certificate's subject (common name) and end (Unix seconds), for
+/// `gpuplace_client_certificate_expiry_timestamp_seconds` (connection data).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientCertificate {
+    pub subject: String,
+    pub not_after: i64,
+}
+
+impl ClientCertificate {
+    pub fn of(der: &CertificateDer<'_>) -> Option<ClientCertificate> {
+        let (_, cert) = x509_parser::parse_x509_certificate(der.as_ref()).ok()?;
+        let subject =
+            cert.subject().iter_common_name().next().and_then(|cn| cn.as_str().ok()).unwrap_or("").to_string();
+        Some(ClientCertificate { subject, not_after: cert.validity().not_after.timestamp() })
     }
 }
