@@ -13,5 +13,6 @@ pub mod node_constraints;
 pub mod quantity;
 pub mod resources;
 pub mod signing;
+pub mod summary;
 pub mod topology;
 pub mod utilization_configmap;

@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 use serde::{Deserialize, Serialize};
 
 use crate::core::cluster::{Cluster, Node};
-use crate::extender::metrics::ClusterSummary;
+use crate::core::summary::ClusterSummary;
 use crate::extender::mix::MixReport;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
