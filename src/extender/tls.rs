@@ -143,6 +143,20 @@ fn roots(what: &'static str, path: &Path) -> Result<RootCertStore, TlsError> {
     Ok(roots)
 }
 
+/// The verifier of client certificates signed by `roots`, refusing a connection without one at the
+/// handshake or letting it through to the routes that need none (`client_auth`).
+fn client_verifier(
+    roots: RootCertStore,
+    client_auth: ClientAuth,
+) -> Result<Arc<dyn rustls::server::danger::ClientCertVerifier>, String> {
+    let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider());
+    let verifier = match client_auth {
+        ClientAuth::Required => verifier,
+        ClientAuth::Optional => verifier.allow_unauthenticated(),
+    };
+    verifier.build().map_err(|e| e.to_string())
+}
+
 /// The serving configuration: TLS 1.2 and 1.3, HTTP/1.1 (kube-scheduler's extender client speaks
 /// it), and with a client CA, a verifier that asks for a certificate, refuses a bad one, and lets a
 /// client without one through to the routes that need none.
@@ -152,13 +166,8 @@ pub fn server_config(files: &ServerFiles) -> Result<ServerTls, TlsError> {
         .map_err(|source| TlsError::Rustls { what: "TLS versions", source })?;
     let builder = match &files.client_ca {
         Some(ca) => {
-            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots("client CA", ca)?), provider());
-            let verifier = match files.client_auth {
-                ClientAuth::Required => verifier,
-                ClientAuth::Optional => verifier.allow_unauthenticated(),
-            };
-            let verifier =
-                verifier.build().map_err(|e| TlsError::Verifier { path: ca.clone(), message: e.to_string() })?;
+            let verifier = client_verifier(roots("client CA", ca)?, files.client_auth)
+                .map_err(|message| TlsError::Verifier { path: ca.clone(), message })?;
             builder.with_client_cert_verifier(verifier)
         }
         None => builder.with_no_client_auth(),
@@ -287,12 +296,8 @@ fn ca_roots(ca: &Ca) -> Result<RootCertStore, TlsError> {
 /// The serving configuration of a self-issued replica: its certificate from `identity`, client
 /// certificates verified against the same CA.
 pub fn self_issued_server_config(identity: Arc<SelfIssued>, client_auth: ClientAuth) -> Result<ServerTls, TlsError> {
-    let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(ca_roots(identity.ca())?), provider());
-    let verifier = match client_auth {
-        ClientAuth::Required => verifier,
-        ClientAuth::Optional => verifier.allow_unauthenticated(),
-    };
-    let verifier = verifier.build().map_err(|e| TlsError::SelfIssuedVerifier { message: e.to_string() })?;
+    let verifier = client_verifier(ca_roots(identity.ca())?, client_auth)
+        .map_err(|message| TlsError::SelfIssuedVerifier { message })?;
     let mut config = ServerConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
         .map_err(|source| TlsError::Rustls { what: "TLS versions", source })?
