@@ -418,7 +418,7 @@ where
     Fut: std::future::Future<Output = HttpResponse>,
 {
     let started = Instant::now();
-    if let Some(cert) = req.conn_data::<tls::ClientCertificate>() {
+    if let Some(cert) = req.conn_data::<tls::ClientCertificate>().filter(|c| c.first_use()) {
         ext.metrics().client_certificate(&cert.subject, cert.not_after);
     }
     let resp = match unauthenticated(&req) {

@@ -334,10 +334,13 @@ pub fn on_connect(conn: &dyn Any, data: &mut Extensions) {
 
 /// The verified client certificate's subject (common name) and end (Unix seconds), for
 /// `gpuplace_client_certificate_expiry_timestamp_seconds` (connection data).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug)]
 pub struct ClientCertificate {
     pub subject: String,
     pub not_after: i64,
+    /// Taken by the connection's first verb: the metric is recorded once per connection, not on
+    /// every request of a keep-alive connection.
+    recorded: std::sync::atomic::AtomicBool,
 }
 
 impl ClientCertificate {
@@ -345,6 +348,15 @@ impl ClientCertificate {
         let (_, cert) = x509_parser::parse_x509_certificate(der.as_ref()).ok()?;
         let subject =
             cert.subject().iter_common_name().next().and_then(|cn| cn.as_str().ok()).unwrap_or("").to_string();
-        Some(ClientCertificate { subject, not_after: cert.validity().not_after.timestamp() })
+        Some(ClientCertificate {
+            subject,
+            not_after: cert.validity().not_after.timestamp(),
+            recorded: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+
+    /// True the first time it is asked on this connection.
+    pub fn first_use(&self) -> bool {
+        !self.recorded.swap(true, std::sync::atomic::Ordering::Relaxed)
     }
 }
