@@ -1655,6 +1655,7 @@ async fn the_extenders_ca_and_kube_schedulers_certificate_are_made_once_and_rene
     assert_eq!(ensure_scheduler_secret(&api, &at, &a, now).await.unwrap(), SchedulerSecret::Written("absent".into()));
     assert_eq!(ensure_scheduler_secret(&api, &at, &a, now + 200 * day).await.unwrap(), SchedulerSecret::Current);
     let first: Secret = fake.get("gpuplace-system", &at.name).unwrap();
+    assert_eq!(first.type_.as_deref(), Some("kubernetes.io/tls"), "cert-manager's type, as docs/deploy.md says");
     let entry = |s: &Secret, k: &str| s.data.as_ref().unwrap()[k].0.clone();
     assert_eq!(entry(&first, CA_CERT), a.cert_pem.as_bytes());
     assert!(pki::signed_by(&a, &entry(&first, SCHEDULER_CERT)));

@@ -25,7 +25,7 @@ use k8s_openapi::ByteString;
 use kube::api::PostParams;
 use kube::Api;
 
-use crate::apiserver::keys::{own_metadata, KeySecret};
+use crate::apiserver::keys::{own_secret, KeySecret};
 use crate::apiserver::leader::Leadership;
 use crate::extender::pki::{self, Ca, Leaf, PkiError};
 
@@ -80,12 +80,8 @@ pub async fn load_or_create_ca(api: &Api<Secret>, at: &KeySecret) -> Result<Ca, 
     }
     let ca =
         Ca::generate(SystemTime::now()).map_err(|source| CertSecretError::Generate { secret: at.clone(), source })?;
-    let data = BTreeMap::from([
-        (CA_CERT.to_string(), ByteString(ca.cert_pem.clone().into_bytes())),
-        (CA_KEY.to_string(), ByteString(ca.key_pem.clone().into_bytes())),
-    ]);
-    let secret =
-        Secret { metadata: own_metadata(at), type_: Some("Opaque".into()), data: Some(data), ..Secret::default() };
+    let data = [(CA_CERT, &ca.cert_pem), (CA_KEY, &ca.key_pem)].map(|(k, v)| (k.to_string(), v.clone().into_bytes()));
+    let secret = own_secret(at, "Opaque", data);
     match api.create(&PostParams::default(), &secret).await {
         Ok(_) => {
             tracing::info!(secret = %at, "created the extender's CA");
@@ -147,14 +143,9 @@ pub async fn ensure_scheduler_secret(
             api.replace(&at.name, &PostParams::default(), &secret).await
         }
         None => {
-            let data = fresh.into_iter().map(|(k, v)| (k.to_string(), ByteString(v.into_bytes()))).collect();
-            let secret = Secret {
-                metadata: own_metadata(at),
-                type_: Some("Opaque".into()),
-                data: Some(data),
-                ..Secret::default()
-            };
-            api.create(&PostParams::default(), &secret).await
+            let data = fresh.map(|(k, v)| (k.to_string(), v.into_bytes()));
+            // the type cert-manager writes (tls.crt and tls.key required), as docs/deploy.md says
+            api.create(&PostParams::default(), &own_secret(at, "kubernetes.io/tls", data)).await
         }
     };
     match written {

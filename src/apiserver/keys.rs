@@ -161,6 +161,16 @@ pub(crate) fn own_metadata(at: &KeySecret) -> ObjectMeta {
     }
 }
 
+/// A Secret gpuplace creates at `at` ([`own_metadata`]), of `type_`, holding `data`.
+pub(crate) fn own_secret(at: &KeySecret, type_: &str, data: impl IntoIterator<Item = (String, Vec<u8>)>) -> Secret {
+    Secret {
+        metadata: own_metadata(at),
+        type_: Some(type_.into()),
+        data: Some(data.into_iter().map(|(k, v)| (k, ByteString(v))).collect()),
+        ..Secret::default()
+    }
+}
+
 fn data_of(secret: &Secret) -> BTreeMap<String, Vec<u8>> {
     secret.data.iter().flatten().map(|(k, v)| (k.clone(), v.0.clone())).collect()
 }
@@ -231,12 +241,7 @@ async fn upgrade(
 /// reads that one instead. Returns the Secret that now exists.
 pub async fn create(api: &Api<Secret>, at: &KeySecret) -> Result<Secret, KeySecretError> {
     let keys = KeyRing::generate().map_err(|source| KeySecretError::Generate { secret: at.clone(), source })?;
-    let secret = Secret {
-        metadata: own_metadata(at),
-        type_: Some("Opaque".into()),
-        data: Some(keys.to_secret_data().into_iter().map(|(k, v)| (k, ByteString(v))).collect()),
-        ..Secret::default()
-    };
+    let secret = own_secret(at, "Opaque", keys.to_secret_data());
     match api.create(&PostParams::default(), &secret).await {
         Ok(created) => {
             tracing::info!(secret = %at, primary = keys.primary(), "assignment key Secret created");
