@@ -714,9 +714,14 @@ struct SimulateArgs {
     /// workload's mix is known in advance (reported as `gpuplace(what-if: trace mix)`).
     #[arg(long, default_value = "learned")]
     gpuplace_mix: gpuplace::sim::policies::MixSource,
+    /// How each seed's pods arrive: shuffled (the paper's protocol), shares-first (every job after
+    /// the rest), bursts (the jobs in 8 bursts through the stream of other pods) or jobs-late (the
+    /// jobs spread over the second half). A job is a group or a pod of 2 GPUs or more.
+    #[arg(long, default_value = "shuffled")]
+    arrival: gpuplace::sim::arrivals::Arrival,
     /// What-if: replay the pods of a placement log (`serve --placement-log`) in the log's order on
     /// --cluster, instead of a trace (docs/placement-log.md, "What if").
-    #[arg(long, value_name = "FILE", requires = "cluster", conflicts_with_all = ["trace", "workload", "tune", "offline_reference"])]
+    #[arg(long, value_name = "FILE", requires = "cluster", conflicts_with_all = ["trace", "workload", "tune", "offline_reference", "arrival"])]
     from_placement_log: Option<PathBuf>,
     /// The cluster file (examples/clusters/*.yaml) to replay a placement log on: the one the log
     /// came from, or a changed one (the log does not record which).
@@ -751,19 +756,7 @@ fn replay_placement_log(args: &SimulateArgs, log: &Path, cfg: &SimConfig) -> Exi
         }
         return ExitCode::SUCCESS;
     }
-    let w = &replayed.workload;
-    println!("placement log: {} replayed on {}", log.display(), cluster.display());
-    println!(
-        "{} pods in the order they first appeared: {} bound in the log, {} still waiting when it ended",
-        w.pods.len(),
-        w.bound,
-        w.pods.len() - w.bound
-    );
-    if !w.skipped.is_empty() {
-        let why: Vec<String> = w.skipped.iter().map(|(why, n)| format!("{n} {why}")).collect();
-        println!("left out: {}", why.join(", "));
-    }
-    print!("{}", gpuplace::sim::replay::table(&replayed.reports, w.pods.len(), replayed.capacity_gpus));
+    print!("{}", replayed.summary(log, cluster));
     ExitCode::SUCCESS
 }
 
@@ -864,6 +857,7 @@ fn main() -> ExitCode {
                 offline_reference: args.offline_reference,
                 unlimited_host: args.unlimited_host,
                 mix_source: args.gpuplace_mix,
+                arrival: args.arrival,
             };
             if !(cfg.tune > 0.0 && cfg.tune <= 10.0) {
                 eprintln!("error: --tune must be in (0, 10], got {}", cfg.tune);

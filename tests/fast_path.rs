@@ -252,6 +252,7 @@ fn engines(rng: &mut ChaCha8Rng) -> Vec<Engine> {
             utilization: 0.0,
             reserve: 0.0,
             model_supply: 0.0,
+            whole: 0.0,
         },
         ..ProfileConfig::default()
     };

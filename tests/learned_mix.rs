@@ -67,6 +67,7 @@ fn fragmentation_only() -> ProfileConfig {
         utilization: 0.0,
         reserve: 0.0,
         model_supply: 0.0,
+        whole: 0.0,
     };
     ProfileConfig { weights, requested_packing_weight: 0.0, ..ProfileConfig::default() }
 }

@@ -19,6 +19,7 @@ fn cfg(policies: Vec<PolicyKind>, seeds: Vec<u64>) -> SimConfig {
         tune: 1.3,
         profile: ProfileConfig::default(),
         offline_reference: false,
+        arrival: Default::default(),
         unlimited_host: false,
         mix_source: MixSource::Learned,
     }

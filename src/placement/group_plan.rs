@@ -172,6 +172,10 @@ struct Domain {
     name: String,
     nodes: Vec<usize>,
     room: (u64, u64),
+    /// The room of the network domain one level up (a node's ToR, a ToR's spine; the domain's own at
+    /// the top): between domains of equal room, the one whose enclosing domain is fuller goes first,
+    /// so that a whole spine is not broken while a broken one holds the group.
+    enclosing: (u64, u64),
 }
 
 /// Plans the whole group, or says why it cannot be placed now.
@@ -212,7 +216,15 @@ pub fn plan_group(
         let mut domains = domains_of(scratch, ask, scope);
         // best fit: the domain with the least free capacity that could hold the group goes first
         domains.retain(|d| d.room.0 >= total_need.0 && d.room.1 >= total_need.0 * 1000 + total_need.1);
-        domains.sort_by(|a, b| (a.room.1, a.room.0, &a.name).cmp(&(b.room.1, b.room.0, &b.name)));
+        domains.sort_by(|a, b| {
+            (a.room.1, a.room.0, a.enclosing.1, a.enclosing.0, &a.name).cmp(&(
+                b.room.1,
+                b.room.0,
+                b.enclosing.1,
+                b.enclosing.0,
+                &b.name,
+            ))
+        });
         let mut scope_best = 0usize;
         for d in &domains {
             match try_domain(engine, scratch, ask, &members, &d.nodes, now_unix_ms) {
@@ -291,6 +303,26 @@ fn domains_of(cluster: &Cluster, ask: &GroupAsk<'_>, scope: &Scope) -> Vec<Domai
             by_key.entry(key).or_default().push(i);
         }
     }
+    // the enclosing network domain: the first `up` levels of a node's path
+    let up = match *scope {
+        Scope::Node => Some(cluster.network_levels.len()),
+        Scope::Level(k) => Some(k),
+        Scope::Cluster => None,
+    };
+    let prefix = |i: usize| -> Option<Vec<&str>> {
+        let node = cluster.nodes().get(i)?;
+        cluster.network_path(node).take(up?).collect()
+    };
+    let mut enclosing: BTreeMap<Vec<&str>, (u64, u64)> = BTreeMap::new();
+    if up.is_some() {
+        for (i, node) in cluster.nodes().iter().enumerate() {
+            if let Some(p) = prefix(i).filter(|_| !ask.excluded.contains(&i)) {
+                let r = room(node);
+                let e = enclosing.entry(p).or_default();
+                *e = (e.0 + r.0, e.1 + r.1);
+            }
+        }
+    }
     by_key
         .into_iter()
         .filter(|(_, nodes)| ask.placed_nodes.iter().all(|p| nodes.contains(p)))
@@ -299,6 +331,7 @@ fn domains_of(cluster: &Cluster, ask: &GroupAsk<'_>, scope: &Scope) -> Vec<Domai
                 let r = room(&cluster.nodes()[i]);
                 (a.0 + r.0, a.1 + r.1)
             });
+            let outer = nodes.first().and_then(|&i| prefix(i)).and_then(|p| enclosing.get(&p).copied());
             let name = match *scope {
                 Scope::Node => format!("node {}", key.last().copied().unwrap_or("")),
                 Scope::Level(k) => format!(
@@ -313,7 +346,7 @@ fn domains_of(cluster: &Cluster, ask: &GroupAsk<'_>, scope: &Scope) -> Vec<Domai
                     key.last().copied().unwrap_or("")
                 ),
             };
-            Domain { name, nodes, room }
+            Domain { name, nodes, room, enclosing: outer.unwrap_or(room) }
         })
         .collect()
 }
@@ -447,6 +480,19 @@ mod tests {
             plan.slots.iter().map(|s| s.pod.as_str()).collect::<Vec<_>>(),
             ["ns/job#0", "ns/job#1", "ns/job#2", "ns/job#3"]
         );
+    }
+
+    #[test]
+    fn between_equal_tors_the_one_in_a_broken_spine_goes_first() {
+        // spine-0 = tor-0, tor-1; spine-1 = tor-2, tor-3. tor-2 is full, so a job of 4 x 8 GPUs
+        // fits tor-0, tor-1 and tor-3 alike: tor-3 (by name the last) keeps spine-0 whole
+        let mut c = cluster(16);
+        for n in ["gpu-08", "gpu-09", "gpu-10", "gpu-11"] {
+            fill(&mut c, n, 8);
+        }
+        let m = members("ns/job", 4, GpuDemand::Whole { gpus: 8 });
+        let plan = plan_group(&engine(), &mut c, &ask("ns/job", &m, &[]), 0).unwrap();
+        assert_eq!(plan.domain, "tor tor-3", "{plan:?}");
     }
 
     #[test]

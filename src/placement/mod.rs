@@ -12,3 +12,4 @@ pub mod scarcity;
 pub mod scorer;
 pub mod scorers;
 pub mod views;
+pub mod whole_units;

@@ -7,6 +7,7 @@ use crate::placement::scorer::Scorer;
 use crate::placement::scorers::{
     fragmentation::FragmentationScorer, model_supply::ModelSupplyScorer, network::NetworkScorer,
     packing::PackingScorer, reserve::ReserveScorer, topology::TopologyScorer, utilization::UtilizationScorer,
+    whole::WholeScorer,
 };
 
 /// Scorer weights; a weight of 0 switches a scorer off.
@@ -29,6 +30,10 @@ pub struct Weights {
     /// Keeping the GPUs of a model whose free GPUs run short for the pods bound to it
     /// (`scorers::model_supply`). It counts only for pods that could run elsewhere.
     pub model_supply: f64,
+    /// Keeping whole nodes, ToRs and spines for the node-sized pods and jobs the cluster is built
+    /// for (`scorers::whole`): a pod breaks one only when no broken node takes it. High, so that
+    /// live utilization or a fragmentation tie never spreads shares over empty nodes.
+    pub whole: f64,
 }
 
 impl Default for Weights {
@@ -41,6 +46,7 @@ impl Default for Weights {
             utilization: 1.0,
             reserve: 6.0,
             model_supply: 6.0,
+            whole: 6.0,
         }
     }
 }
@@ -102,6 +108,7 @@ impl Profile {
             (Box::new(UtilizationScorer), w.utilization),
             (Box::new(ReserveScorer), w.reserve),
             (Box::new(ModelSupplyScorer), w.model_supply),
+            (Box::new(WholeScorer), w.whole),
         ] {
             let is_packing = s.name() == PackingScorer.name();
             // packing stays (at its own weight, possibly 0) while pods may ask for a policy, so

@@ -1,6 +1,7 @@
-//! The cluster-wide facts behind the reserve and model-supply scorers, kept per cluster state: which
+//! The cluster-wide facts behind the reserve, model-supply and whole scorers, kept per cluster state: which
 //! reserve classes have at most `keep` free hosts left, and which lists of GPU models are short of
-//! free GPUs for the pods bound to them. Both depend on every node, not only on the one scored, so
+//! free GPUs for the pods bound to them, and which nodes and switches are whole
+//! (`placement::whole_units`). All depend on every node, not only on the one scored, so
 //! the engine works them out once per cluster state ([`ScarcityMemo`], updated only for the nodes
 //! whose stamp changed), and callers that cache per-node verdicts key them on the result
 //! ([`Engine::shared_key`](crate::placement::engine::Engine::shared_key)).
@@ -12,6 +13,7 @@ use crate::placement::mix::{BoundDemand, ReserveClass};
 use crate::placement::scorers::model_supply::{self, Supply};
 use crate::placement::scorers::reserve::inventory_classes;
 use crate::placement::views::{ReserveView, MAX_CLASSES};
+use crate::placement::whole_units::WholeUnits;
 
 /// The reserve for one cluster state, kept up to date incrementally: a cluster state is known by
 /// its node stamps ([`Cluster::stamps`], process-wide unique) and node indexing
@@ -45,6 +47,8 @@ struct MemoState {
     hosts: Vec<u64>,
     /// Per class, its free hosts.
     counts: Vec<u32>,
+    /// The whole nodes and switches (`scorers::whole`).
+    whole: WholeUnits,
 }
 
 fn host_bits(classes: &[ReserveClass], node: &Node) -> u64 {
@@ -79,6 +83,7 @@ impl MemoState {
         self.stamps = cluster.stamps().to_vec();
         self.shapes = nodes.iter().map(|n| (n.gpus.len(), n.cpu_milli)).collect();
         self.hosts = nodes.iter().map(|n| host_bits(&self.classes, n)).collect();
+        self.whole.rebuild(cluster);
         self.counts = vec![0; self.classes.len()];
         for &h in &self.hosts {
             for (k, c) in self.counts.iter_mut().enumerate() {
@@ -99,7 +104,8 @@ impl MemoState {
             .filter(|(_, (c, &n))| c.keep > 0 && n <= c.keep)
             .fold(0, |s, (k, _)| s | (1 << k));
         let short = model_supply::short_lists(&self.lists, &self.limits, &self.supply, &mut self.short);
-        ReserveView { classes: self.classes.clone(), scarce, short, models: self.models.clone() }
+        let whole = self.whole.view();
+        ReserveView { classes: self.classes.clone(), scarce, short, models: self.models.clone(), whole }
     }
 }
 
@@ -148,18 +154,21 @@ impl ScarcityMemo {
             || m.learned_bound != bound
             || m.layout != cluster.layout()
             || m.stamps.len() != stamps.len()
+            || !m.whole.has_levels(cluster)
         {
             m.rebuild(cluster, learned, bound);
         } else {
             let mut reshaped = false;
-            let MemoState { classes, lists, stamps: seen, shapes, hosts, counts, supply, node_supply, .. } = &mut *m;
+            let MemoState { classes, lists, stamps: seen, shapes, hosts, counts, supply, node_supply, whole, .. } =
+                &mut *m;
             for (i, (old, &new)) in seen.iter_mut().zip(stamps).enumerate() {
                 if *old == new {
                     continue;
                 }
                 *old = new;
                 let node = &nodes[i];
-                if shapes[i] != (node.gpus.len(), node.cpu_milli) {
+                // a node's capacity changed (the inventory's classes may have too), or its switches
+                if shapes[i] != (node.gpus.len(), node.cpu_milli) || !whole.update(cluster, i) {
                     reshaped = true;
                     break;
                 }
@@ -174,7 +183,6 @@ impl ScarcityMemo {
                 }
             }
             if reshaped {
-                // a node's capacity changed: the inventory's classes may have too
                 m.rebuild(cluster, learned, bound);
             }
         }

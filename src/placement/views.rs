@@ -1,9 +1,11 @@
 //! What scorers may read of the whole cluster besides the node they score, worked out once per pod
 //! (or per cluster state) rather than once per node: where the pod's group stands ([`GroupView`],
 //! for `scorers::network`) and which reserve classes and model lists are scarce ([`ReserveView`],
-//! for `scorers::reserve` and `scorers::model_supply`, kept by `placement::scarcity`).
+//! for `scorers::reserve` and `scorers::model_supply`, kept by `placement::scarcity`) and which nodes
+//! and switches are whole ([`WholeView`], for `scorers::whole`, kept by `placement::whole_units`).
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use crate::core::cluster::{Cluster, Node};
 use crate::core::resources::GroupSpec;
@@ -52,6 +54,20 @@ pub fn idle_gpus(node: &Node) -> usize {
     (0..node.gpus.len()).filter(|&g| node.is_gpu_free(g) && node.gpus[g].healthy).count()
 }
 
+/// What `scorers::whole` reads: per node, how many whole units a placement there would break.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct WholeView {
+    /// Per node index: 0 when the node is not whole; else 1 (the node) plus its whole switches.
+    pub breaks: Arc<[u8]>,
+    /// Units a node can be part of: itself and one switch per network level.
+    pub units: u8,
+    /// Some node built for jobs is whole (else nothing is left to keep and the scorer is left out).
+    pub any: bool,
+    /// Differs whenever a switch's wholeness or `any` does (a node's own wholeness is part of the
+    /// node's state, which a verdict cache already keys on).
+    pub key: u64,
+}
+
 /// At most this many reserve classes are looked at (a bit each in the scarcity mask).
 pub const MAX_CLASSES: usize = 64;
 
@@ -70,18 +86,21 @@ pub struct ReserveView {
     pub short: Vec<Vec<String>>,
     /// The GPU models of the cluster's nodes (each node's first GPU's), each once.
     pub models: Vec<String>,
+    /// The whole nodes and switches (`scorers::whole`).
+    pub whole: WholeView,
 }
 
 impl ReserveView {
-    /// A key that differs whenever scores may: the scarce classes (what the scorer reads; a
-    /// class's `keep` only decides whether it is scarce).
+    /// A key that differs whenever scores may: the whole switches, the scarce classes (what the
+    /// reserve scorer reads; a class's `keep` only decides whether it is scarce) and the short lists.
     pub fn key(&self) -> u64 {
         use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        self.whole.key.hash(&mut h);
         if self.scarce == 0 && self.short.is_empty() {
             // nothing scarce or short: both scorers are left out, whatever the classes
-            return 0;
+            return h.finish() | 1;
         }
-        let mut h = std::collections::hash_map::DefaultHasher::new();
         for (k, c) in self.classes.iter().enumerate().filter(|(k, _)| (self.scarce >> k) & 1 == 1) {
             (k, c.gpus, c.milli, c.cpu_milli, c.memory_mib, &c.models).hash(&mut h);
         }

@@ -1,6 +1,7 @@
 //! The trace simulator behind `gpuplace simulate`: replays a GPU-sharing workload on a cluster under
 //! several policies with the FGD paper's protocol, and reports unallocated GPU capacity.
 
+pub mod arrivals;
 pub mod generate;
 pub mod paper_results;
 pub mod policies;
@@ -37,6 +38,8 @@ pub struct SimConfig {
     pub offline_reference: bool,
     /// What-if: every node's host CPU and memory unlimited, so only GPUs limit placement.
     pub unlimited_host: bool,
+    /// How the seed's pods arrive (`sim::arrivals`; the paper's protocol shuffles them).
+    pub arrival: arrivals::Arrival,
 }
 
 /// Makes every node's host CPU and memory unlimited when `cfg` asks for it (`--unlimited-host`).
@@ -86,12 +89,17 @@ pub fn simulate(trace_dir: &Path, cfg: &SimConfig) -> Result<Vec<PolicyReport>, 
     let mix = protocol::typical_mix(&pods);
     let paper = paper_results::PaperResults::load(trace_dir).ok();
     let mut reports = Vec::new();
-    let runs = run_policies(cfg, |kind, setup, seed| run::run_seed(&nodes, &pods, &mix, kind, setup, seed, cfg.tune));
+    let runs = run_policies(cfg, |kind, setup, seed| {
+        run::run_seed(&nodes, &pods, &mix, kind, setup, seed, run::Size { tune: cfg.tune, arrival: cfg.arrival })
+    });
     for p in runs {
         let mut r = PolicyReport::new(p.name, &cfg.workload, &p.results, p.wall_s);
+        r.arrival = cfg.arrival.name().to_string();
         // rounded like every other figure (the mean of ten two-decimal figures is float noise)
+        // the paper's figures are of its protocol: shuffled arrivals
         r.paper_unallocated_gpu_pct_at_100 = paper
             .as_ref()
+            .filter(|_| cfg.arrival == arrivals::Arrival::Shuffled)
             .and_then(|paper| paper.unallocated_at(&cfg.workload, p.kind, 100, &cfg.seeds))
             .map(|x| (x * 100.0).round() / 100.0);
         reports.push(r);
@@ -104,7 +112,9 @@ pub fn simulate(trace_dir: &Path, cfg: &SimConfig) -> Result<Vec<PolicyReport>, 
             .map(|&seed| reference::offline_best_fit_decreasing(&nodes, &pods, &mix, seed, cfg.tune))
             .collect();
         let wall = start.elapsed().as_secs_f64();
-        reports.push(PolicyReport::new(reference::REFERENCE_NAME, &cfg.workload, &results, wall));
+        let mut r = PolicyReport::new(reference::REFERENCE_NAME, &cfg.workload, &results, wall);
+        r.arrival = cfg.arrival.name().to_string();
+        reports.push(r);
     }
     Ok(reports)
 }

@@ -72,6 +72,7 @@ pub fn offline_best_fit_decreasing(
         failed_pods: failed,
         wall_s: start.elapsed().as_secs_f64(),
         groups: Default::default(),
+        jobs: Default::default(),
     }
 }
 

@@ -170,6 +170,26 @@ pub struct Replayed {
     pub capacity_gpus: u32,
 }
 
+impl Replayed {
+    /// What `simulate --from-placement-log` prints: what was replayed, and the table.
+    pub fn summary(&self, log: &Path, cluster: &Path) -> String {
+        let w = &self.workload;
+        let mut out = format!("placement log: {} replayed on {}\n", log.display(), cluster.display());
+        out.push_str(&format!(
+            "{} pods in the order they first appeared: {} bound in the log, {} still waiting when it ended\n",
+            w.pods.len(),
+            w.bound,
+            w.pods.len() - w.bound
+        ));
+        if !w.skipped.is_empty() {
+            let why: Vec<String> = w.skipped.iter().map(|(why, n)| format!("{n} {why}")).collect();
+            out.push_str(&format!("left out: {}\n", why.join(", ")));
+        }
+        out.push_str(&table(&self.reports, w.pods.len(), self.capacity_gpus));
+        out
+    }
+}
+
 /// Reads the placement log and the cluster file and replays the log's pods under `cfg`'s policies
 /// and seeds. The results' workload is `placement-log:FILE NAME`.
 pub fn replay_log(log: &Path, cluster_file: &Path, cfg: &SimConfig) -> Result<Replayed, ReplayError> {
@@ -308,6 +328,7 @@ mod tests {
             profile: Default::default(),
             mix_source: Default::default(),
             offline_reference: false,
+            arrival: Default::default(),
             unlimited_host: false,
         };
         let reports = replay(&nodes, &pods, "placement-log:p", &cfg);

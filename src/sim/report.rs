@@ -16,6 +16,9 @@ pub const REPORT_COLUMNS: [usize; 12] = [75, 80, 85, 90, 95, 100, 105, 110, 115,
 pub struct PolicyReport {
     pub policy: String,
     pub workload: String,
+    /// How the pods arrived (`sim::arrivals`): `shuffled` is the paper's protocol.
+    #[serde(default = "shuffled", skip_serializing_if = "is_shuffled")]
+    pub arrival: String,
     pub seeds: Vec<u64>,
     /// Mean over seeds of the unallocated GPU share (%) by arrived-workload column ("75".."130"),
     /// only for columns the arrivals reached; written in numeric column order.
@@ -39,6 +42,50 @@ pub struct PolicyReport {
     /// How the workload's groups ended (`gangs=P` workloads only), means over seeds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub groups: Option<GroupsReport>,
+    /// How the jobs fared (groups and pods of two or more GPUs), means over seeds; none without jobs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub jobs: Option<JobsReport>,
+}
+
+fn shuffled() -> String {
+    crate::sim::arrivals::Arrival::Shuffled.name().to_string()
+}
+
+fn is_shuffled(a: &str) -> bool {
+    a == crate::sim::arrivals::Arrival::Shuffled.name()
+}
+
+/// Jobs' figures of one policy (groups, and pods of two or more GPUs), means over seeds. The replay
+/// has no retries: a job turned away waits for good.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobsReport {
+    pub jobs: f64,
+    /// Jobs not started whole.
+    pub waited: f64,
+    /// Jobs not started whole although the cluster had as many idle GPUs as they needed when they
+    /// arrived: room held in pieces.
+    pub waited_with_room: f64,
+    /// GPUs holding shares on nodes that hold nothing but shares, mean over job arrivals.
+    pub share_gpus_alone_at_job_arrival: f64,
+}
+
+impl JobsReport {
+    /// `None` when the replay had no jobs.
+    fn of(results: &[SeedResult]) -> Option<Self> {
+        if results.iter().all(|r| r.jobs.jobs == 0) {
+            return None;
+        }
+        let m = |f: fn(&crate::sim::run::JobOutcome) -> f64| round2(mean(results.iter().map(|r| f(&r.jobs))));
+        let arrivals: usize = results.iter().map(|r| r.jobs.jobs).sum();
+        let held: f64 = results.iter().map(|r| r.jobs.share_gpus_alone_sum).sum();
+        Some(Self {
+            jobs: m(|o| o.jobs as f64),
+            waited: m(|o| o.waited as f64),
+            waited_with_room: m(|o| o.waited_with_room as f64),
+            share_gpus_alone_at_job_arrival: round2(held / arrivals.max(1) as f64),
+        })
+    }
 }
 
 /// Groups' figures of one policy, means over seeds. The replay has no departures, so GPUs held by a
@@ -103,6 +150,7 @@ impl PolicyReport {
         Self {
             policy: policy.to_string(),
             workload: workload.to_string(),
+            arrival: shuffled(),
             seeds: results.iter().map(|r| r.seed).collect(),
             unallocated_gpu_pct: unallocated,
             frag_rate_pct_at_80: round2(mean(results.iter().filter_map(|r| r.frag_rate_pct[80]))),
@@ -113,6 +161,7 @@ impl PolicyReport {
             pods_per_s: if cpu_s > 0.0 { (pods as f64 / cpu_s).round() } else { 0.0 },
             paper_unallocated_gpu_pct_at_100: None,
             groups: GroupsReport::of(results),
+            jobs: JobsReport::of(results),
         }
     }
 }
@@ -141,7 +190,11 @@ impl GroupsReport {
 pub fn table(reports: &[PolicyReport]) -> String {
     let mut out = String::new();
     let cols = [75usize, 90, 100, 110, 130];
-    out.push_str("Unallocated GPU % by arrived workload (% of cluster GPU capacity), mean over seeds\n");
+    out.push_str("Unallocated GPU % by arrived workload (% of cluster GPU capacity), mean over seeds");
+    if let Some(r) = reports.iter().find(|r| !is_shuffled(&r.arrival)) {
+        out.push_str(&format!("; arrival order {}", r.arrival));
+    }
+    out.push('\n');
     // wide enough for the what-if's label and generated workload names
     let pw = reports.iter().map(|r| r.policy.len()).chain([11]).max().unwrap_or(11);
     let ww = reports.iter().map(|r| r.workload.len()).chain([9]).max().unwrap_or(9);
@@ -187,6 +240,20 @@ pub fn table(reports: &[PolicyReport]) -> String {
             ));
         }
     }
+    if reports.iter().any(|r| r.jobs.is_some()) {
+        out.push_str("\nJobs (groups and pods of 2 GPUs or more), mean over seeds\n");
+        out.push_str(&format!(
+            "{:<pw$} {:>8} {:>8} {:>17} {:>30}\n",
+            "policy", "jobs", "waited", "waited with room", "share-only GPUs at job arrival"
+        ));
+        for r in reports {
+            let Some(j) = &r.jobs else { continue };
+            out.push_str(&format!(
+                "{:<pw$} {:>8.1} {:>8.1} {:>17.1} {:>30.2}\n",
+                r.policy, j.jobs, j.waited, j.waited_with_room, j.share_gpus_alone_at_job_arrival
+            ));
+        }
+    }
     out
 }
 
@@ -198,6 +265,7 @@ mod tests {
         PolicyReport {
             policy: "fgd".into(),
             workload: "default".into(),
+            arrival: shuffled(),
             seeds: vec![1],
             unallocated_gpu_pct: columns.iter().map(|c| (c.to_string(), 1.5)).collect(),
             frag_rate_pct_at_80: frag,
@@ -208,6 +276,7 @@ mod tests {
             pods_per_s: 100.0,
             paper_unallocated_gpu_pct_at_100: None,
             groups: None,
+            jobs: None,
         }
     }
 

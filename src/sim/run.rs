@@ -8,6 +8,7 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::placement::mix::WorkloadMix;
 use crate::placement::profile::ProfileConfig;
+use crate::sim::arrivals::{is_job, rearrange, Arrival};
 use crate::sim::policies::{Choice, MixSource, Policy, PolicyKind};
 use crate::sim::protocol::{arrival_order, gpu_milli_total};
 use crate::sim::state::SimState;
@@ -38,6 +39,48 @@ pub struct SeedResult {
     pub wall_s: f64,
     /// Groups of the replay (none without `gangs=P`).
     pub groups: GroupOutcome,
+    /// Jobs of the replay: groups, and pods of two or more GPUs (`sim::arrivals`).
+    pub jobs: JobOutcome,
+}
+
+/// How a replay's jobs fared: groups and pods of two or more GPUs, each counted once.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct JobOutcome {
+    pub jobs: usize,
+    /// Not started whole (the replay has no retries: a job that is turned away waits for good).
+    pub waited: usize,
+    /// Of those, the ones that arrived while the cluster had as many idle GPUs as they need: room
+    /// that shares and other pods held in pieces.
+    pub waited_with_room: usize,
+    /// Summed over job arrivals: GPUs holding shares on nodes that hold nothing but shares.
+    pub share_gpus_alone_sum: f64,
+}
+
+impl JobOutcome {
+    /// GPUs holding shares on nodes that hold nothing but shares (pods of part of a GPU).
+    fn share_gpus_alone(state: &SimState) -> f64 {
+        let mut held = 0usize;
+        for n in state.cluster.nodes() {
+            let mut any = false;
+            let mut gpus = 0u64;
+            let only_shares = n.pods().all(|p| {
+                p.containers.iter().flat_map(|c| &c.slices).all(|s| {
+                    any = true;
+                    gpus |= 1u64 << (s.gpu % 64);
+                    !s.exclusive
+                })
+            });
+            if any && only_shares {
+                held += gpus.count_ones() as usize;
+            }
+        }
+        held as f64
+    }
+
+    /// Idle GPUs (nothing allocated on them) in the cluster.
+    fn idle_gpus(state: &SimState) -> u64 {
+        state.cluster.nodes().iter().map(|n| crate::placement::views::idle_gpus(n) as u64).sum()
+    }
 }
 
 /// How a replay's groups ended (no departures: a group partly placed holds its GPUs to the end).
@@ -66,7 +109,15 @@ pub struct GpuplaceSetup<'a> {
     pub mix: MixSource,
 }
 
-/// Replays `pods` on `nodes` under `kind` with the seed's arrival order. `mix` is the whole
+/// How much of the workload arrives (`tune` times the cluster's GPU capacity) and in which order.
+#[derive(Debug, Clone, Copy)]
+pub struct Size {
+    pub tune: f64,
+    pub arrival: Arrival,
+}
+
+/// Replays `pods` on `nodes` under `kind` with the seed's arrival order, resized and rearranged as
+/// `size` says (`sim::protocol`, `sim::arrivals`). `mix` is the whole
 /// workload's typical mix: FGD's (as the paper defines it), and the reported fragment rate's.
 pub fn run_seed(
     nodes: &[TraceNode],
@@ -75,12 +126,12 @@ pub fn run_seed(
     kind: PolicyKind,
     gpuplace: GpuplaceSetup<'_>,
     seed: u64,
-    tune: f64,
+    size: Size,
 ) -> SeedResult {
     let start = Instant::now();
     let state = SimState::new(nodes, mix.clone());
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let order = arrival_order(pods, state.capacity_milli, tune, &mut rng);
+    let order = rearrange(arrival_order(pods, state.capacity_milli, size.tune, &mut rng), size.arrival);
     place_in_order(state, &order, kind, gpuplace, seed, rng, start)
 }
 
@@ -114,6 +165,9 @@ fn place_in_order(
     let mut arrived = 0u64;
     let mut failed = 0usize;
     let mut groups = GroupOutcome::default();
+    let mut jobs = JobOutcome::default();
+    // the job arriving now: its last pod's index, whether it had room on arrival, its pods placed
+    let mut job: Option<(usize, bool, usize)> = None;
     // a group's members arrive together (`order[group_start..group_end]`): its plan, if the policy
     // makes plans, is made at the first; otherwise its members are placed one by one as they come
     let mut planned: Vec<Option<Choice>> = Vec::new();
@@ -138,6 +192,17 @@ fn place_in_order(
             }
         }
         let in_group = at < group_end;
+        if job.is_none_or(|(last, _, _)| at > last) {
+            let unit = if in_group { &order[group_start..group_end] } else { std::slice::from_ref(pod) };
+            let start_of_unit = !in_group || at == group_start;
+            if start_of_unit && is_job(unit) {
+                let need = unit.iter().map(gpu_milli_total).sum::<u64>().div_ceil(1000);
+                jobs.jobs += 1;
+                jobs.share_gpus_alone_sum += JobOutcome::share_gpus_alone(&state);
+                let room = JobOutcome::idle_gpus(&state) >= need;
+                job = Some((at + unit.len() - 1, room, 0));
+            }
+        }
         let choice = if in_group && !planned.is_empty() {
             planned.get(at - group_start).cloned().flatten()
         } else {
@@ -161,6 +226,18 @@ fn place_in_order(
         };
         if in_group && at + 1 == group_end {
             groups.record(&state, &order[group_start..group_end], &group_placed);
+        }
+        if let Some((last, room, placed_so_far)) = job.as_mut() {
+            if at <= *last {
+                *placed_so_far += usize::from(placed);
+                if at == *last {
+                    let members = if in_group { group_end - group_start } else { 1 };
+                    if *placed_so_far < members {
+                        jobs.waited += 1;
+                        jobs.waited_with_room += usize::from(*room);
+                    }
+                }
+            }
         }
         failed += usize::from(!placed);
         if !placed {
@@ -196,6 +273,7 @@ fn place_in_order(
         failed_pods: failed,
         wall_s: start.elapsed().as_secs_f64(),
         groups,
+        jobs,
     }
 }
 

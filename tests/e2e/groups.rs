@@ -20,14 +20,20 @@ use crate::{install, log_lines, scheduler_config, Stage, NS, SERIAL};
 
 const H100: &str = "hgx-h100-8";
 const TOR: &str = "network.gpuplace.io/tor";
+const SPINE: &str = "network.gpuplace.io/spine";
 
 /// 16 nodes of 8 H100s (4 per ToR), the extender ready, kube-scheduler with the project's config;
 /// `gangs`: the control plane serves PodGroups and kube-scheduler runs its gang plugins.
 async fn h100_stage(name: &str, gangs: bool) -> (Stage, Extender) {
+    h100_stage_of(name, gangs, 16).await
+}
+
+/// [`h100_stage`] with `n` nodes (4 per ToR, 8 per spine).
+async fn h100_stage_of(name: &str, gangs: bool, n: usize) -> (Stage, Extender) {
     let mut cp = if gangs { ControlPlane::start_with_gangs(name).await } else { ControlPlane::start(name).await };
     let admin = cp.client(User::Admin).await;
     install(&admin).await;
-    let mut nodes = start_nodes_of(&cp, 16, &[H100]).await;
+    let mut nodes = start_nodes_of(&cp, n, &[H100]).await;
     wait_inventories(&cp, &mut nodes).await;
     // a line per filter call: the figures count calls per second per waiting group from the log
     let mut ext = Extender::start(&cp, "replica-a", 0, &["--placement-log-every-call"]);
@@ -381,4 +387,70 @@ async fn a_planned_node_deleted_and_the_extender_killed_while_a_plan_waits() {
     ));
     assert_eq!(js["job"].bound, 4);
     assert!(!js["job"].nodes.contains(&gone));
+}
+
+/// Issue 30's sequence: 40 single-GPU shares of 20-40 GiB (15 GPUs of work) first, on 32 empty
+/// nodes of 8 H100s whose device plugins publish live utilization; then 4 jobs of 2 x 8 GPUs under
+/// one ToR and 2 of 8 x 8 under one spine, as PodGroups. The shares consolidate on at most 3 nodes
+/// and every job starts whole under its switch.
+#[tokio::test(flavor = "current_thread")]
+async fn shares_first_then_jobs_on_empty_nodes() {
+    let _serial = SERIAL.lock().await;
+    let (st, ext) = h100_stage_of("shares-first", true, 32).await;
+    const MIB: [&str; 5] = ["20480", "30720", "40960", "25600", "35840"];
+    let shares: Vec<Pod> = (0..40)
+        .map(|i| {
+            Shape { gpu: Some("1"), mem: Some(MIB[i % 5]), kind: "share", ..Shape::default() }
+                .pod(&format!("share-{i}"))
+        })
+        .collect();
+    let started = Instant::now();
+    create(&st.admin, shares).await;
+    wait_stable(&st.admin, 40, Duration::from_secs(3), Duration::from_secs(180)).await;
+    let s = snapshot(&st.admin, NS).await;
+    let share_nodes: BTreeSet<String> = s
+        .pods
+        .iter()
+        .filter(|p| p.name_any().starts_with("share-"))
+        .filter_map(|p| node_name(p).map(str::to_string))
+        .collect();
+    figure(&format!(
+        "groups: shares-first: 40 shares bound in {:.1} s on {} nodes {share_nodes:?}",
+        started.elapsed().as_secs_f64(),
+        share_nodes.len()
+    ));
+    // why each share went where it did: the filter line's best nodes and their parts
+    if let Some(last) = log_lines(&ext.placement_log, "filter")
+        .iter()
+        .rev()
+        .find(|d| d["pod"].as_str().is_some_and(|p| p.ends_with("/share-39")))
+    {
+        figure(&format!("groups: shares-first: share-39's filter line top: {}", last["top"]));
+    }
+    assert!(share_nodes.len() <= 3, "40 shares on {} nodes: {share_nodes:?}", share_nodes.len());
+    for j in 0..4 {
+        let name = format!("tor-job-{j}");
+        create_pod_group(&st.admin, &name, 2, Some(TOR)).await;
+        create(&st.admin, job_pods(&name, 2, &whole("8"), true)).await;
+    }
+    for j in 0..2 {
+        let name = format!("spine-job-{j}");
+        create_pod_group(&st.admin, &name, 8, Some(SPINE)).await;
+        create(&st.admin, job_pods(&name, 8, &whole("8"), true)).await;
+    }
+    let bound = wait_stable(&st.admin, 40 + 8 + 16, Duration::from_secs(6), Duration::from_secs(240)).await;
+    let s = snapshot(&st.admin, NS).await;
+    let js = sound("shares-first", &s, &ext);
+    let spine_of: BTreeMap<String, String> =
+        s.nodes.iter().map(|n| (n.name_any(), n.labels().get(SPINE).cloned().unwrap_or_default())).collect();
+    figure(&format!("groups: shares-first: {bound} pods bound after {:.1} s", started.elapsed().as_secs_f64()));
+    for (name, j) in &js {
+        assert_eq!(j.bound, j.pods, "{name}: {js:#?}");
+        if name.starts_with("tor-job") {
+            assert_eq!(j.tors.len(), 1, "{name} spread over {:?}", j.tors);
+        } else {
+            let spines: BTreeSet<&String> = j.nodes.iter().filter_map(|n| spine_of.get(n)).collect();
+            assert_eq!(spines.len(), 1, "{name} spread over {spines:?}");
+        }
+    }
 }

@@ -7,3 +7,4 @@ pub mod packing;
 pub mod reserve;
 pub mod topology;
 pub mod utilization;
+pub mod whole;

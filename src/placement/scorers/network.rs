@@ -161,6 +161,7 @@ mod tests {
             utilization: 0.0,
             reserve: 0.0,
             model_supply: 0.0,
+            whole: 0.0,
         };
         let engine =
             Engine::new(Profile::new(ProfileConfig { weights, ..ProfileConfig::default() }), WorkloadMix::default());

@@ -271,11 +271,11 @@ mod tests {
         assert!(hot.total > 0.0, "{hot:?}");
         let util = |s: &crate::placement::engine::NodeScore| s.parts.iter().find(|p| p.0 == "utilization").unwrap().1;
         assert!(close(util(hot), 0.0) && util(cool) > 0.0);
-        // the whole difference is the utilization scorer's weighted share (the reserve and the model
-        // supply have nothing to say here: no class is scarce, no list short, so their weights are
-        // left out)
+        // the whole difference is the utilization scorer's weighted share (the reserve, the model
+        // supply and the whole units have nothing to say here: no class is scarce, no list short, no
+        // NVLink board, so their weights are left out)
         let w = engine.profile.config.weights;
-        let share = w.utilization / (engine.profile.total_weight(false) - w.reserve - w.model_supply);
+        let share = w.utilization / (engine.profile.total_weight(false) - w.reserve - w.model_supply - w.whole);
         assert!(close(cool.total - hot.total, share), "{} vs {}", cool.total - hot.total, share);
         // with utilization as the only scorer the hot node scores 0 but is still feasible
         let weights = Weights {
@@ -286,6 +286,7 @@ mod tests {
             utilization: 1.0,
             reserve: 0.0,
             model_supply: 0.0,
+            whole: 0.0,
         };
         let only =
             Engine::new(Profile::new(ProfileConfig { weights, ..ProfileConfig::default() }), WorkloadMix::default());
