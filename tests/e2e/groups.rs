@@ -389,6 +389,16 @@ async fn a_planned_node_deleted_and_the_extender_killed_while_a_plan_waits() {
     assert!(!js["job"].nodes.contains(&gone));
 }
 
+/// Whether the extender restarts between the shares and the jobs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Restart {
+    No,
+    /// Stopped (SIGTERM) and started again, its learned mix kept in a `--mix-state` file.
+    WithMixState,
+    /// Killed (SIGKILL) and started again with a fresh mix.
+    Fresh,
+}
+
 /// Issue 30's sequence: 40 single-GPU shares of 20-40 GiB (15 GPUs of work) first, on 32 empty
 /// nodes of 8 H100s whose device plugins publish live utilization; then 4 jobs of 2 x 8 GPUs under
 /// one ToR and 2 of 8 x 8 under one spine, as PodGroups. The shares consolidate on at most 3 nodes
@@ -396,7 +406,28 @@ async fn a_planned_node_deleted_and_the_extender_killed_while_a_plan_waits() {
 #[tokio::test(flavor = "current_thread")]
 async fn shares_first_then_jobs_on_empty_nodes() {
     let _serial = SERIAL.lock().await;
-    let (st, ext) = h100_stage_of("shares-first", true, 32).await;
+    shares_first_then_jobs("shares-first", Restart::No).await;
+}
+
+/// The same with the extender restarted between the shares and the jobs: with its mix kept, and
+/// killed without it (the room it keeps comes from the cluster's state, not from the mix).
+#[tokio::test(flavor = "current_thread")]
+async fn shares_first_then_jobs_with_the_extender_restarted() {
+    let _serial = SERIAL.lock().await;
+    shares_first_then_jobs("shares-first-mix-state", Restart::WithMixState).await;
+    shares_first_then_jobs("shares-first-fresh", Restart::Fresh).await;
+}
+
+async fn shares_first_then_jobs(name: &str, restart: Restart) {
+    let (st, mut ext) = h100_stage_of(name, true, 32).await;
+    let mix_state = st.cp.dir.join("mix-state.json");
+    if restart == Restart::WithMixState {
+        ext.proc.kill();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let flag = format!("--mix-state={}", mix_state.display());
+        ext = Extender::start(&st.cp, "replica-a", ext.port, &["--placement-log-every-call", &flag]);
+        ext.wait_ready(Duration::from_secs(60)).await;
+    }
     const MIB: [&str; 5] = ["20480", "30720", "40960", "25600", "35840"];
     let shares: Vec<Pod> = (0..40)
         .map(|i| {
@@ -415,7 +446,7 @@ async fn shares_first_then_jobs_on_empty_nodes() {
         .filter_map(|p| node_name(p).map(str::to_string))
         .collect();
     figure(&format!(
-        "groups: shares-first: 40 shares bound in {:.1} s on {} nodes {share_nodes:?}",
+        "groups: {name}: 40 shares bound in {:.1} s on {} nodes {share_nodes:?}",
         started.elapsed().as_secs_f64(),
         share_nodes.len()
     ));
@@ -425,9 +456,27 @@ async fn shares_first_then_jobs_on_empty_nodes() {
         .rev()
         .find(|d| d["pod"].as_str().is_some_and(|p| p.ends_with("/share-39")))
     {
-        figure(&format!("groups: shares-first: share-39's filter line top: {}", last["top"]));
+        figure(&format!("groups: {name}: share-39's filter line top: {}", last["top"]));
     }
     assert!(share_nodes.len() <= 3, "40 shares on {} nodes: {share_nodes:?}", share_nodes.len());
+    match restart {
+        Restart::No => {}
+        Restart::WithMixState => {
+            ext.proc.terminate(Duration::from_secs(20));
+            assert!(mix_state.exists(), "the mix written at shutdown");
+            let flag = format!("--mix-state={}", mix_state.display());
+            ext = Extender::start(&st.cp, "replica-a", ext.port, &["--placement-log-every-call", &flag]);
+        }
+        Restart::Fresh => {
+            ext.proc.kill();
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            ext = Extender::start(&st.cp, "replica-a", ext.port, &["--placement-log-every-call"]);
+        }
+    }
+    if restart != Restart::No {
+        ext.wait_ready(Duration::from_secs(60)).await;
+        figure(&format!("groups: {name}: extender restarted ({restart:?}) between the shares and the jobs"));
+    }
     for j in 0..4 {
         let name = format!("tor-job-{j}");
         create_pod_group(&st.admin, &name, 2, Some(TOR)).await;
@@ -440,10 +489,10 @@ async fn shares_first_then_jobs_on_empty_nodes() {
     }
     let bound = wait_stable(&st.admin, 40 + 8 + 16, Duration::from_secs(6), Duration::from_secs(240)).await;
     let s = snapshot(&st.admin, NS).await;
-    let js = sound("shares-first", &s, &ext);
+    let js = sound(name, &s, &ext);
     let spine_of: BTreeMap<String, String> =
         s.nodes.iter().map(|n| (n.name_any(), n.labels().get(SPINE).cloned().unwrap_or_default())).collect();
-    figure(&format!("groups: shares-first: {bound} pods bound after {:.1} s", started.elapsed().as_secs_f64()));
+    figure(&format!("groups: {name}: {bound} pods bound after {:.1} s", started.elapsed().as_secs_f64()));
     for (name, j) in &js {
         assert_eq!(j.bound, j.pods, "{name}: {js:#?}");
         if name.starts_with("tor-job") {
