@@ -12,6 +12,7 @@ pub mod inventory;
 pub mod node_constraints;
 pub mod quantity;
 pub mod resources;
+pub mod room;
 pub mod signing;
 pub mod summary;
 pub mod topology;

@@ -7,6 +7,7 @@ use std::fmt::Write as _;
 use serde::{Deserialize, Serialize};
 
 use crate::core::cluster::{Cluster, Node};
+use crate::core::room::Room;
 use crate::core::summary::ClusterSummary;
 use crate::extender::mix::MixReport;
 
@@ -15,6 +16,9 @@ pub struct InspectReport {
     pub ready: bool,
     pub generated_unix_ms: i64,
     pub summary: ClusterSummary,
+    /// The room node-sized pods and jobs of them have (`core::room`).
+    #[serde(default)]
+    pub room: Room,
     pub nodes: Vec<NodeReport>,
     /// The request mix fragmentation is scored against (a running extender's; none for a cluster
     /// file).
@@ -83,6 +87,7 @@ impl InspectReport {
             ready,
             generated_unix_ms: now_unix_ms,
             summary: ClusterSummary::of(cluster),
+            room: Room::of(cluster),
             nodes,
             mix: None,
             groups: Vec::new(),
@@ -109,6 +114,7 @@ impl InspectReport {
             s.fragmentation(),
             if self.ready { "" } else { " (NOT READY)" }
         );
+        let _ = writeln!(out, "{}", self.room.summary());
         if let Some(mix) = &self.mix {
             let _ = writeln!(out, "{}", mix.summary());
         }

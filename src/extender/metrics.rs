@@ -18,6 +18,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::core::cluster::Cluster;
+use crate::core::room::Room;
 use crate::core::summary::ClusterSummary;
 use crate::extender::exposition::{escape, gauge, header};
 
@@ -661,6 +662,7 @@ impl Metrics {
         for (state, milli) in [("idle", s.free_milli_idle), ("partial", s.free_milli_partial)] {
             let _ = writeln!(out, "gpuplace_gpu_free_capacity_gpus{{state=\"{state}\"}} {}", milli as f64 / 1000.0);
         }
+        crate::extender::room_gauges::render(&mut out, &Room::of(cluster));
         render_pod_gpus(&mut out, cluster);
         out
     }

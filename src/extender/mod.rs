@@ -14,7 +14,7 @@
 //!   client certificates on the extender's port.
 //! - [`reasons`]: the texts kube-scheduler shows (reasons that group across nodes, never a `%`).
 //! - [`metrics`], [`placement_log`], [`inspect`]: what operators and planners see; [`exposition`]:
-//!   the Prometheus text format's primitives.
+//!   the Prometheus text format's primitives; [`room_gauges`]: the room jobs have, as gauges.
 //! - [`mix`]: the typical request mix, learned from the pods seen (or fixed), and its state file.
 //! - [`groups`]: groups placed whole (gangs and `gpuplace.io/group` jobs): their plans and the
 //!   reservations that hold the plans' GPUs.
@@ -37,6 +37,7 @@ pub mod mix;
 pub mod pki;
 pub mod reasons;
 pub mod requeue;
+pub mod room_gauges;
 pub mod service;
 pub mod tls;
 pub mod verdict_cache;

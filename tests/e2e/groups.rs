@@ -458,7 +458,12 @@ async fn shares_first_then_jobs(name: &str, restart: Restart) {
     {
         figure(&format!("groups: {name}: share-39's filter line top: {}", last["top"]));
     }
+    let room = crate::inspect(&ext).room;
+    figure(&format!("groups: {name}: before the jobs, {}", room.summary()));
     assert!(share_nodes.len() <= 3, "40 shares on {} nodes: {share_nodes:?}", share_nodes.len());
+    // 29 whole nodes; a whole ToR takes a job of 4 x 8 GPUs, a whole spine one of 8 x 8
+    assert_eq!(room.whole_nodes.get(&8).copied(), Some(32 - share_nodes.len() as u64), "{}", room.summary());
+    assert_eq!(room.levels.iter().map(|l| l.largest_job_pods).collect::<Vec<_>>(), [8, 4], "{}", room.summary());
     match restart {
         Restart::No => {}
         Restart::WithMixState => {
