@@ -192,8 +192,8 @@ pub fn capacity(samples: &[CapacitySample], axis: &TimeAxis) -> Result<String> {
     let title = "GPU capacity over time: allocated, fragmented and idle";
     let e = err(title);
     let pts = thin(samples, MAX_POINTS);
-    // room above the total for the legend
-    let top = pts.iter().map(|s| s.gpus).fold(1.0, f64::max) * 1.4;
+    // the axis ends at the GPUs there are (the layers add up to them; the legend has its own box)
+    let top = pts.iter().map(|s| s.gpus).fold(1.0, f64::max);
     let mut svg = String::new();
     {
         let root = SVGBackend::with_string(&mut svg, (WIDTH, HEIGHT)).into_drawing_area();

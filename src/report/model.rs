@@ -191,9 +191,12 @@ impl LogModel {
                 m.first_ts_unix_ms = m.first_ts_unix_ms.min(d.ts_unix_ms);
                 m.last_ts_unix_ms = m.last_ts_unix_ms.max(d.ts_unix_ms);
                 *m.verbs.entry(d.verb.clone()).or_default() += 1;
-                let acc = latencies.entry(d.verb.clone()).or_default();
-                acc.lines.push(d.latency_us);
-                acc.add(1, d.latency_us, d.latency_us);
+                // a group event (a plan made or given up) is not a call kube-scheduler timed
+                if d.group_event.is_none() {
+                    let acc = latencies.entry(d.verb.clone()).or_default();
+                    acc.lines.push(d.latency_us);
+                    acc.add(1, d.latency_us, d.latency_us);
+                }
                 if let Some(r) = d.repeats.filter(|r| r.count > 0) {
                     // filter calls that repeated the pod's verdict, counted instead of written
                     m.first_ts_unix_ms = m.first_ts_unix_ms.min(r.first_ts_unix_ms);
@@ -420,6 +423,19 @@ mod tests {
         assert_eq!(m.nodes["n1"].points, [(10, 4.0), (20, 8.5), (30, 8.5)]);
         assert_eq!(m.bind_outcomes["no_fit"], 1);
         assert_eq!((m.first_ts_unix_ms, m.last_ts_unix_ms), (0, 30));
+        // a group event is not a timed call: it makes no latency row (it showed 0 / 0 µs)
+        let event = crate::placement_log::GroupEvent {
+            group: "ns/job".into(),
+            event: "planned".into(),
+            domain: None,
+            nodes: Vec::new(),
+            reason: None,
+            totals: None,
+        };
+        let group = Decision { v: 1, verb: "group".into(), group_event: Some(event), ..Decision::default() };
+        let m = LogModel::build(vec![(PathBuf::from("p"), vec![line(filter("a", 1, &[])), line(group)])]);
+        assert_eq!(m.latency.keys().collect::<Vec<_>>(), ["filter"]);
+        assert_eq!(m.verbs["group"], 1);
     }
 
     /// A log as `--placement-log-every-call` writes it: pods retried by kube-scheduler (runs of the
