@@ -8,7 +8,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpuplace::core::cluster::{Cluster, DEFAULT_NETWORK_LEVELS};
+use gpuplace::core::cluster::{network_labels, Cluster};
 use gpuplace::core::inventory::Board;
 use gpuplace::extender::binder::{BindError, BindFuture, BindRequest, Binder, RecordingBinder};
 use gpuplace::extender::groups::PodGroupInfo;
@@ -27,11 +27,7 @@ fn cluster(n: usize) -> Cluster {
     let board = Board::Flat { gpus: 8, model: "H100".into(), memory_mib: 81920 }.resolve(Path::new(".")).unwrap();
     let nodes = (0..n)
         .map(|i| {
-            let labels: BTreeMap<String, String> = DEFAULT_NETWORK_LEVELS
-                .iter()
-                .zip([format!("spine-{}", i / 8), format!("tor-{}", i / 4)])
-                .map(|(k, v)| (k.to_string(), v))
-                .collect();
+            let labels = network_labels(format!("spine-{}", i / 8), format!("tor-{}", i / 4));
             board.node(&format!("gpu-{i:02}"), labels, 0, 0)
         })
         .collect();

@@ -8,7 +8,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
-use gpuplace::core::cluster::{Cluster, UtilSample, DEFAULT_NETWORK_LEVELS};
+use gpuplace::core::cluster::{network_labels, Cluster, UtilSample};
 use gpuplace::core::inventory::Board;
 use gpuplace::core::resources::{GpuDemand, MemoryDemand, PodRequest};
 use gpuplace::placement::engine::Engine;
@@ -33,11 +33,7 @@ fn cluster() -> Cluster {
     .expect("a board");
     let nodes = (0..32)
         .map(|i| {
-            let labels: BTreeMap<String, String> = DEFAULT_NETWORK_LEVELS
-                .iter()
-                .zip([format!("spine-{}", i / 8), format!("tor-{}", i / 4)])
-                .map(|(k, v)| (k.to_string(), v))
-                .collect();
+            let labels = network_labels(format!("spine-{}", i / 8), format!("tor-{}", i / 4));
             board.node(&format!("gpu-{i:02}"), labels, 192_000, 2_000_000)
         })
         .collect();

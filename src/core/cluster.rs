@@ -372,6 +372,16 @@ impl Node {
         self.usage[gpu].holders == 0
     }
 
+    /// GPUs nobody holds that are healthy.
+    pub fn idle_gpus(&self) -> usize {
+        (0..self.gpus.len()).filter(|&g| self.is_gpu_free(g) && self.gpus[g].healthy).count()
+    }
+
+    /// Every GPU idle and healthy (and at least one): what a node-sized pod needs.
+    pub fn is_whole(&self) -> bool {
+        !self.gpus.is_empty() && self.idle_gpus() == self.gpus.len()
+    }
+
     pub fn cpu_free(&self) -> u64 {
         self.cpu_milli.saturating_sub(self.cpu_used)
     }
@@ -639,6 +649,14 @@ impl PartialEq for Stamps {
 
 /// The default network levels: spine, then top-of-rack switch.
 pub const DEFAULT_NETWORK_LEVELS: [&str; 2] = ["network.gpuplace.io/spine", "network.gpuplace.io/tor"];
+
+/// The labels that put a node under `spine` and `tor` on the default network levels.
+pub fn network_labels(spine: impl Into<String>, tor: impl Into<String>) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (DEFAULT_NETWORK_LEVELS[0].to_string(), spine.into()),
+        (DEFAULT_NETWORK_LEVELS[1].to_string(), tor.into()),
+    ])
+}
 
 impl Default for Cluster {
     fn default() -> Self {

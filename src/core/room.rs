@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::core::cluster::{Cluster, Node};
+use crate::core::cluster::Cluster;
 
 /// One network level's room.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -37,8 +37,8 @@ pub struct Room {
 }
 
 impl Room {
-    /// One line: `room: 14 whole nodes of 8 GPUs (1 of 2 GPUs); tor: 2 of 4 whole, largest job 4 x 8
-    /// GPUs; ...; 14 idle GPUs stranded on broken 8-GPU nodes`.
+    /// One line: `room: whole nodes 14 of 8 GPUs, 1 of 2 GPUs; tor: 2 of 4 whole, largest job 4 x 8
+    /// GPUs; spine: ...; 14 idle GPUs stranded on broken 8-GPU nodes`.
     pub fn summary(&self) -> String {
         let sizes: Vec<String> = self.whole_nodes.iter().rev().map(|(g, n)| format!("{n} of {g} GPUs")).collect();
         let mut out =
@@ -56,13 +56,7 @@ impl Room {
         ));
         out
     }
-}
 
-fn whole(node: &Node) -> bool {
-    !node.gpus.is_empty() && (0..node.gpus.len()).all(|g| node.is_gpu_free(g) && node.gpus[g].healthy)
-}
-
-impl Room {
     pub fn of(cluster: &Cluster) -> Self {
         let nodes = cluster.nodes();
         let node_gpus = nodes.iter().map(|n| n.gpus.len() as u32).max().unwrap_or(0);
@@ -70,13 +64,12 @@ impl Room {
         // per level, per switch (its path down to that level): (GPU nodes broken, whole of the largest size)
         let mut switches: Vec<BTreeMap<Vec<&str>, (u64, u64)>> = vec![BTreeMap::new(); cluster.network_levels.len()];
         for n in nodes.iter().filter(|n| !n.gpus.is_empty()) {
-            let is_whole = whole(n);
+            let is_whole = n.is_whole();
             let largest = n.gpus.len() as u32 == node_gpus;
             if is_whole {
                 *room.whole_nodes.entry(n.gpus.len() as u32).or_default() += 1;
             } else if largest {
-                room.stranded_idle_gpus +=
-                    (0..n.gpus.len()).filter(|&g| n.is_gpu_free(g) && n.gpus[g].healthy).count() as u64;
+                room.stranded_idle_gpus += n.idle_gpus() as u64;
             }
             let path: Vec<Option<&str>> = cluster.network_path(n).collect();
             for (l, level) in switches.iter_mut().enumerate() {
@@ -108,7 +101,7 @@ mod tests {
 
     use super::*;
     use crate::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
-    use crate::core::cluster::DEFAULT_NETWORK_LEVELS;
+    use crate::core::cluster::{network_labels, Node, DEFAULT_NETWORK_LEVELS};
     use crate::core::inventory::Board;
 
     /// 16 nodes of 8 GPUs (4 per ToR, 8 per spine), and one of 2 GPUs without network labels.
@@ -117,11 +110,7 @@ mod tests {
         let small = Board::Flat { gpus: 2, model: "T4".into(), memory_mib: 15360 }.resolve(Path::new(".")).unwrap();
         let mut nodes: Vec<Node> = (0..16)
             .map(|i| {
-                let labels = DEFAULT_NETWORK_LEVELS
-                    .iter()
-                    .zip([format!("spine-{}", i / 8), format!("tor-{}", i / 4)])
-                    .map(|(k, v)| (k.to_string(), v))
-                    .collect();
+                let labels = network_labels(format!("spine-{}", i / 8), format!("tor-{}", i / 4));
                 big.node(&format!("gpu-{i:02}"), labels, 0, 0)
             })
             .collect();

@@ -418,11 +418,10 @@ fn place_members(
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeMap;
     use std::path::Path;
 
     use super::*;
-    use crate::core::cluster::DEFAULT_NETWORK_LEVELS;
+    use crate::core::cluster::network_labels;
     use crate::core::inventory::Board;
     use crate::core::resources::{GpuDemand, MemoryDemand};
     use crate::placement::mix::WorkloadMix;
@@ -433,11 +432,7 @@ mod tests {
         let board = Board::Flat { gpus: 8, model: "H100".into(), memory_mib: 81920 }.resolve(Path::new(".")).unwrap();
         let nodes = (0..n)
             .map(|i| {
-                let labels: BTreeMap<String, String> = DEFAULT_NETWORK_LEVELS
-                    .iter()
-                    .zip([format!("spine-{}", i / 8), format!("tor-{}", i / 4)])
-                    .map(|(k, v)| (k.to_string(), v))
-                    .collect();
+                let labels = network_labels(format!("spine-{}", i / 8), format!("tor-{}", i / 4));
                 board.node(&format!("gpu-{i:02}"), labels, 0, 0)
             })
             .collect();

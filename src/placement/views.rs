@@ -43,15 +43,11 @@ impl GroupView {
             // a node missing a label is under no known leaf: pooling all such nodes would promise room
             // near it that may be anywhere in the network
             if path.iter().all(Option::is_some) {
-                *v.idle_by_leaf.entry(path).or_default() += idle_gpus(n);
+                *v.idle_by_leaf.entry(path).or_default() += n.idle_gpus();
             }
         }
         v
     }
-}
-
-pub fn idle_gpus(node: &Node) -> usize {
-    (0..node.gpus.len()).filter(|&g| node.is_gpu_free(g) && node.gpus[g].healthy).count()
 }
 
 /// What `scorers::whole` reads: per node, how many whole units a placement there would break.

@@ -40,7 +40,7 @@ pub fn built_for_jobs(node: &Node) -> bool {
 fn state(node: &Node) -> State {
     if !built_for_jobs(node) {
         State::Neutral
-    } else if (0..node.gpus.len()).all(|g| node.is_gpu_free(g) && node.gpus[g].healthy) {
+    } else if node.is_whole() {
         State::Whole
     } else {
         State::Broken
@@ -92,11 +92,13 @@ impl WholeUnits {
         self.view = None;
     }
 
-    /// Node `i` of `cluster` changed. `false` when its switches may have (its labels, or the
-    /// cluster's levels): then only a rebuild will do.
+    /// Node `i` of `cluster` changed (for a `cluster` of the same network levels, see
+    /// [`WholeUnits::has_levels`]). `false` when its switches may have (its labels): then only a
+    /// rebuild will do.
     pub fn update(&mut self, cluster: &Cluster, i: usize) -> bool {
-        let Some(node) = cluster.nodes().get(i) else { return false };
-        if self.levels != cluster.network_levels || self.paths.get(i) != Some(&path_of(cluster, node)) {
+        let (Some(node), Some(path)) = (cluster.nodes().get(i), self.paths.get(i)) else { return false };
+        // compared in place: this runs for every node a placement changes
+        if !path.iter().map(Option::as_deref).eq(cluster.network_path(node)) {
             return false;
         }
         let (was, now) = (self.states[i], state(node));
@@ -149,11 +151,10 @@ impl WholeUnits {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeMap;
     use std::path::Path;
 
     use super::*;
-    use crate::core::cluster::DEFAULT_NETWORK_LEVELS;
+    use crate::core::cluster::network_labels;
     use crate::core::inventory::Board;
     use crate::core::resources::{GpuDemand, PodRequest};
     use crate::placement::engine::Engine;
@@ -172,13 +173,7 @@ mod tests {
         }
         .resolve(Path::new("."))
         .unwrap();
-        let labels = |i: usize| -> BTreeMap<String, String> {
-            DEFAULT_NETWORK_LEVELS
-                .iter()
-                .zip([format!("spine-{}", i / 8), format!("tor-{}", i / 4)])
-                .map(|(k, v)| (k.to_string(), v))
-                .collect()
-        };
+        let labels = |i: usize| network_labels(format!("spine-{}", i / 8), format!("tor-{}", i / 4));
         let mut nodes: Vec<Node> = (0..16).map(|i| hgx.node(&format!("hgx-{i:02}"), labels(i), 0, 0)).collect();
         nodes.extend((16..18).map(|i| pcie.node(&format!("pcie-{i}"), labels(i), 0, 0)));
         Cluster::new(nodes)

@@ -79,7 +79,7 @@ impl JobOutcome {
 
     /// Idle GPUs (nothing allocated on them) in the cluster.
     fn idle_gpus(state: &SimState) -> u64 {
-        state.cluster.nodes().iter().map(|n| crate::placement::views::idle_gpus(n) as u64).sum()
+        state.cluster.nodes().iter().map(|n| n.idle_gpus() as u64).sum()
     }
 }
 

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use crate::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
-use crate::core::cluster::{Cluster, Gpu, Node, DEFAULT_NETWORK_LEVELS};
+use crate::core::cluster::{network_labels, Cluster, Gpu, Node};
 use crate::core::inventory::synthetic_uuid;
 use crate::core::topology::GpuTopology;
 use crate::placement::mix::WorkloadMix;
@@ -113,10 +113,7 @@ impl SimState {
                 .collect();
             // the trace has no network: a synthetic one, in node-list order (see `SYNTHETIC_TOR`)
             let i = nodes.len();
-            let labels = BTreeMap::from([
-                (DEFAULT_NETWORK_LEVELS[0].to_string(), format!("spine-{}", i / SYNTHETIC_SPINE)),
-                (DEFAULT_NETWORK_LEVELS[1].to_string(), format!("tor-{}", i / SYNTHETIC_TOR)),
-            ]);
+            let labels = network_labels(format!("spine-{}", i / SYNTHETIC_SPINE), format!("tor-{}", i / SYNTHETIC_TOR));
             nodes.push(Node::new(t.name.clone(), labels, gpus, topo, t.cpu_milli, t.memory_mib));
             sim.push(SimNode {
                 model: t.model.clone(),

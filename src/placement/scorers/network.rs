@@ -4,7 +4,7 @@
 use crate::core::cluster::Node;
 use crate::placement::feasibility::Placement;
 use crate::placement::scorer::{ScoreContext, Scorer};
-use crate::placement::views::{idle_gpus, path_of};
+use crate::placement::views::path_of;
 
 #[derive(Debug, Default, Clone, Copy)]
 pub struct NetworkScorer;
@@ -32,7 +32,7 @@ impl Scorer for NetworkScorer {
         let leaf_idle = if path.iter().all(Option::is_some) {
             view.idle_by_leaf.get(&path).copied().unwrap_or(0)
         } else {
-            idle_gpus(node)
+            node.idle_gpus()
         };
         let near = leaf_idle.saturating_sub(per_pod);
         let room = if remaining == 0 { 1.0 } else { (near as f64 / (remaining * per_pod) as f64).min(1.0) };
