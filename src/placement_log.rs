@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::core::cluster::Cluster;
 use crate::core::resources::ContainerDemand;
+use crate::core::room::Room;
 
 /// Schema version of a line (`"v"`); bumped on incompatible changes, fields may be added.
 pub const PLACEMENT_LOG_VERSION: u32 = 1;
@@ -211,6 +212,10 @@ pub struct CapacitySummary {
     pub by_model: BTreeMap<String, ModelCapacity>,
     /// The bind's node after the bind; null when it is not in the model.
     pub node: Option<NodeCapacity>,
+    /// The room jobs have after the bind: whole nodes, whole switches, the largest job of node-sized
+    /// pods under one switch, idle GPUs stranded (`core::room`). Absent in logs written before it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub room: Option<Room>,
 }
 
 /// One GPU model's figures in a [`CapacitySummary`].
@@ -314,6 +319,7 @@ impl CapacitySummary {
                 })
                 .collect(),
             node: this,
+            room: Some(Room::of(cluster)),
         }
     }
 }

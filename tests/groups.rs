@@ -394,11 +394,23 @@ enum Op {
     Node { n: usize, back: bool },
 }
 
+/// Member `i` of job `j` (job 3 is elastic, under one ToR).
+fn job_member(j: usize, i: usize) -> Value {
+    let (name, size, limits) = job(j);
+    if j == 3 {
+        elastic(name, i, size, 2)
+    } else {
+        member(name, i, size, limits)
+    }
+}
+
 /// (name, pods, each pod's limits)
 fn job(j: usize) -> (&'static str, usize, Value) {
     match j {
         0 => ("big", 2, whole(8)),
         1 => ("mid", 3, whole(4)),
+        // elastic: needs 2 of 4 to start (see `job_member`)
+        3 => ("el", 4, whole(8)),
         _ => ("trials", 4, json!({ "gpuplace.io/gpu": "1", "gpuplace.io/gpu-core": "50" })),
     }
 }
@@ -406,9 +418,9 @@ fn job(j: usize) -> (&'static str, usize, Value) {
 fn op() -> impl proptest::strategy::Strategy<Value = Op> {
     use proptest::prelude::*;
     prop_oneof![
-        4 => (0usize..3, 0usize..4, any::<bool>()).prop_map(|(job, i, bind)| Op::Member { job, i, bind }),
+        4 => (0usize..4, 0usize..4, any::<bool>()).prop_map(|(job, i, bind)| Op::Member { job, i, bind }),
         2 => prop::sample::select(vec![1u32, 2, 4, 8]).prop_map(|gpus| Op::Single { gpus }),
-        1 => (0usize..3, 0usize..4).prop_map(|(job, i)| Op::Delete { job, i }),
+        1 => (0usize..4, 0usize..4).prop_map(|(job, i)| Op::Delete { job, i }),
         1 => (0usize..8, any::<bool>()).prop_map(|(n, back)| Op::Node { n, back }),
     ]
 }
@@ -430,11 +442,11 @@ proptest::proptest! {
         for op in ops {
             match op {
                 Op::Member { job: j, i, bind: b } => {
-                    let (name, size, limits) = job(j);
+                    let (name, size, _) = job(j);
                     if i >= size || bound.contains(&(j, i)) {
                         continue;
                     }
-                    let pod = member(name, i, size, limits);
+                    let pod = job_member(j, i);
                     let p = passed(&filter(&e, &pod));
                     let planned = e.inspect(None).unwrap().groups.iter().any(|g| g.group == format!("ml/{name}") && g.domain.is_some());
                     proptest::prop_assert!(p.len() <= 1 || !planned, "a member with a plan passed {p:?}");
@@ -493,4 +505,116 @@ proptest::proptest! {
             proptest::prop_assert_eq!(&held, &planned);
         }
     }
+}
+
+/// An elastic member (`gpuplace.io/group-min`) of a job of `size` pods that needs `min` to start,
+/// under one ToR.
+fn elastic(job: &str, i: usize, size: usize, min: usize) -> Value {
+    let mut p = member(job, i, size, whole(8));
+    p["metadata"]["annotations"]["gpuplace.io/group-min"] = json!(min.to_string());
+    p["metadata"]["annotations"]["gpuplace.io/group-topology"] = json!(TOR);
+    p
+}
+
+/// 8 nodes, 2 ToRs: tor-0 keeps gpu-02 and gpu-03 whole, tor-1 only gpu-07.
+fn two_whole_nodes_in_tor_0() -> Extender {
+    let e = extender(cluster(8));
+    for (i, n) in ["gpu-00", "gpu-01", "gpu-04", "gpu-05", "gpu-06"].iter().enumerate() {
+        fill(&e, &format!("busy-{i}"), n, 8);
+    }
+    e
+}
+
+/// The one reason every node got.
+fn reason(r: &ExtenderFilterResult) -> String {
+    let reasons: BTreeSet<&String> = r.failed_and_unresolvable_nodes.values().collect();
+    assert_eq!(reasons.len(), 1, "{r:?}");
+    reasons.into_iter().next().cloned().unwrap_or_default()
+}
+
+#[test]
+fn an_elastic_group_starts_its_minimum_and_the_rest_join_under_its_tor_as_room_appears() {
+    let e = two_whole_nodes_in_tor_0();
+    let job: Vec<Value> = (0..4).map(|i| elastic("el", i, 4, 2)).collect();
+    // room for 2 of 4 under one ToR: the 2 start there
+    let a = place(&e, &job[0]);
+    let b = place(&e, &job[1]);
+    assert_eq!([tor_of(&e, &a), tor_of(&e, &b)], ["tor-0", "tor-0"]);
+    // the other 2 wait, though gpu-07 in tor-1 is whole
+    for m in &job[2..] {
+        let r = filter(&e, m);
+        assert!(passed(&r).is_empty() && r.error.is_empty(), "{r:?}");
+        assert_eq!(reason(&r), "gpuplace: group el has 2 of 4 pods placed; its tor has no room for more");
+    }
+    assert_eq!(reserved_gpus(&e), 0.0, "members that wait hold nothing");
+    // room appears under tor-0, one node at a time: each waiting member joins there
+    e.release_pod("uid-busy-0");
+    assert_eq!(place(&e, &job[2]), "gpu-00");
+    assert!(passed(&filter(&e, &job[3])).is_empty());
+    e.release_pod("uid-busy-1");
+    assert_eq!(place(&e, &job[3]), "gpu-01");
+    let g = &e.inspect(None).unwrap().groups[0];
+    assert_eq!((g.size, g.min, g.members_bound), (4, 2, 4), "{g:?}");
+}
+
+#[test]
+fn an_elastic_group_with_room_for_all_starts_all_and_one_short_of_its_minimum_starts_none() {
+    let e = extender(cluster(8));
+    let job: Vec<Value> = (0..4).map(|i| elastic("all", i, 4, 2)).collect();
+    let nodes: Vec<String> = job.iter().map(|m| place(&e, m)).collect();
+    assert_eq!(nodes.iter().map(|n| tor_of(&e, n)).collect::<BTreeSet<_>>().len(), 1, "{nodes:?}");
+    // one whole node left per ToR: a job that needs 2 to start starts none
+    let e = two_whole_nodes_in_tor_0();
+    fill(&e, "busy-x", "gpu-03", 8);
+    let r = filter(&e, &elastic("el", 0, 4, 2));
+    assert_eq!(reason(&r), "gpuplace: group el needs 2 pods of 8 GPUs under one tor; best tor holds 1");
+    assert_eq!(reserved_gpus(&e), 0.0);
+}
+
+#[test]
+fn a_gang_beyond_its_min_count_waits_with_plain_rejections_while_its_quorum_is_placed() {
+    let e = two_whole_nodes_in_tor_0();
+    e.observe_pod_group("ml/pg", PodGroupInfo { min_count: Some(2), topology_keys: vec![TOR.into()] });
+    let gang: Vec<Value> = (0..4).map(|i| gang_member("pg", i, whole(8))).collect();
+    // kube-scheduler's group cycle filters all four: two get the ToR's nodes, two are rejected on
+    // every node without an error (an error would end the cycle for the two that fit)
+    let planned: Vec<String> = gang[..2].iter().map(|m| passed(&filter(&e, m))[0].clone()).collect();
+    for m in &gang[2..] {
+        let r = filter(&e, m);
+        assert!(r.error.is_empty() && passed(&r).is_empty(), "{r:?}");
+    }
+    for (m, n) in gang[..2].iter().zip(&planned) {
+        assert_eq!(bind(&e, m, n), "");
+    }
+    // started: a retry with no room is an error (kube-scheduler's error back-off), then room appears
+    let r = filter(&e, &gang[2]);
+    assert_eq!(r.error, "gpuplace: group pg has 2 of 4 pods placed; its tor has no room for more");
+    e.release_pod("uid-busy-0");
+    e.release_pod("uid-busy-1");
+    let joined: Vec<String> = gang[2..].iter().map(|m| place(&e, m)).collect();
+    assert_eq!(joined, ["gpu-00", "gpu-01"]);
+}
+
+#[test]
+fn members_beyond_a_quorum_leave_the_room_a_whole_waiting_group_needs() {
+    let e = two_whole_nodes_in_tor_0();
+    let el: Vec<Value> = (0..4).map(|i| elastic("el", i, 4, 2)).collect();
+    place(&e, &el[0]);
+    place(&e, &el[1]);
+    // a job of 2 whole nodes under one ToR waits: no ToR has 2 whole nodes now
+    let job: Vec<Value> = (0..2)
+        .map(|i| {
+            let mut p = member("job", i, 2, whole(8));
+            p["metadata"]["annotations"]["gpuplace.io/group-topology"] = json!(TOR);
+            p
+        })
+        .collect();
+    assert!(passed(&filter(&e, &job[0])).is_empty());
+    // tor-0 gets 2 whole nodes back: the elastic group's extra member does not take one of them
+    e.release_pod("uid-busy-0");
+    e.release_pod("uid-busy-1");
+    let r = filter(&e, &el[2]);
+    assert_eq!(reason(&r), "gpuplace: group el has 2 of 4 pods placed; room for more is kept for group job");
+    let nodes: BTreeSet<String> = job.iter().map(|m| place(&e, m)).collect();
+    assert_eq!(nodes, BTreeSet::from(["gpu-00".to_string(), "gpu-01".to_string()]));
 }

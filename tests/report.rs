@@ -235,7 +235,7 @@ fn report_of_a_real_placement_log_and_simulation() {
     assert!(summary.contains("pods turned away: 2 (2 still pending, 0 bound later)"), "{summary}");
 
     // every chart: an inline SVG with its title and axis labels
-    assert_eq!(html.matches("<svg").count(), 7, "seven charts");
+    assert_eq!(html.matches("<svg").count(), 9, "nine charts");
     assert!(
         !html.contains("<script") && !html.contains("src=\"http") && !html.contains("href=\"http"),
         "self-contained"
@@ -253,6 +253,29 @@ fn report_of_a_real_placement_log_and_simulation() {
     }
     let frag = figure(&html, "chart-fragmentation");
     assert!(frag.contains(&svg_text("Fragmented, % of free GPU capacity")));
+    // the room jobs had, as the last bind line recorded it
+    let last_room = &lines.iter().rev().find(|l| l["verb"] == "bind" && l["cluster"]["room"].is_object()).unwrap()
+        ["cluster"]["room"];
+    let whole8 = last_room["whole_nodes"]["8"].as_u64().map_or("none".to_string(), |n| format!("{n} of 8 GPUs"));
+    let tor = last_room["levels"].as_array().unwrap().last().unwrap();
+    let row = format!(
+        "whole nodes {whole8}; tor: {} of {} whole, largest job {} x 8 GPUs",
+        tor["whole"], tor["switches"], tor["largest_job_pods"]
+    );
+    assert!(html.contains(&format!("id=\"room-last\">{row}")), "room row {row:?}");
+    assert!(summary.contains(&format!("at the last bind, room: {row}")), "{summary}");
+    let room = figure(&html, "chart-room");
+    for s in [
+        "Room for jobs over time: whole nodes and whole switches",
+        "whole 8-GPU nodes (every GPU free)",
+        "whole tors, of 2 (every node under it whole)",
+    ] {
+        assert!(room.contains(&svg_text(s)), "room chart lacks {s:?}");
+    }
+    let job = figure(&html, "chart-largest-job");
+    for s in ["largest job under one tor (pods of 8 GPUs)", "idle GPUs stranded on broken 8-GPU nodes"] {
+        assert!(job.contains(&svg_text(s)), "largest-job chart lacks {s:?}");
+    }
     let models = figure(&html, "chart-models");
     assert!(
         models.contains(&svg_text("NVIDIA H100 80GB HBM3"))

@@ -17,6 +17,8 @@ pub const ANNOTATION_GPU_POLICY: &str = "gpuplace.io/gpu-policy";
 pub const ANNOTATION_NUMA: &str = "gpuplace.io/numa";
 pub const ANNOTATION_GPU_MODEL: &str = "gpuplace.io/gpu-model";
 pub const ANNOTATION_GROUP_SIZE: &str = "gpuplace.io/group-size";
+/// The members an elastic group needs to start (TorchElastic's `min_nodes`, a PodGroup's `minCount`).
+pub const ANNOTATION_GROUP_MIN: &str = "gpuplace.io/group-min";
 pub const LABEL_GROUP: &str = "gpuplace.io/group";
 pub const ANNOTATION_GROUP_TOPOLOGY: &str = "gpuplace.io/group-topology";
 
@@ -113,6 +115,10 @@ pub struct GroupSpec {
     /// `gpuplace.io/group-size`: how many pods the group has (0 when only a PodGroup names the
     /// group: its `minCount` says).
     pub size: u32,
+    /// `gpuplace.io/group-min`: the members the group needs to start (0: all of them); the rest
+    /// join as room appears. A PodGroup's `minCount` says the same for a gang.
+    #[serde(default)]
+    pub min: u32,
     /// The group is kube-scheduler's PodGroup (a gang that kube-scheduler schedules in one cycle).
     #[serde(default)]
     pub pod_group: bool,
@@ -125,7 +131,7 @@ pub struct GroupSpec {
 impl GroupSpec {
     /// A group of `gpuplace.io/group` and `gpuplace.io/group-size` alone.
     pub fn labelled(key: impl Into<String>, size: u32) -> Self {
-        Self { key: key.into(), size, pod_group: false, required: Vec::new() }
+        Self { key: key.into(), size, min: 0, pod_group: false, required: Vec::new() }
     }
 }
 
@@ -249,6 +255,8 @@ pub enum RequestError {
         "label {LABEL_GROUP} {group:?} needs annotation {ANNOTATION_GROUP_SIZE} with the number of pods in the group"
     )]
     MissingGroupSize { group: String },
+    #[error("annotation {ANNOTATION_GROUP_MIN}: {value:?} must be a whole number from 1 to the group's size ({size})")]
+    BadGroupMin { value: String, size: u32 },
 }
 
 const MAX_MIB_PER_GPU: i128 = 1 << 20;
@@ -430,9 +438,21 @@ pub fn pod_request(pod: &PodSpecView) -> Result<PodRequest, RequestError> {
                 required.push(key.to_string());
             }
         }
+        let min = match pod.annotations.get(ANNOTATION_GROUP_MIN) {
+            None => 0,
+            Some(raw) => {
+                let limit = if size > 0 { size } else { MAX_GROUP_SIZE };
+                raw.trim()
+                    .parse()
+                    .ok()
+                    .filter(|m| (1..=limit).contains(m))
+                    .ok_or_else(|| RequestError::BadGroupMin { value: raw.clone(), size: limit })?
+            }
+        };
         req.group = Some(GroupSpec {
             key: format!("{}/{}", pod.namespace, name),
             size,
+            min,
             pod_group: pod.pod_group.is_some(),
             required,
         });
@@ -545,6 +565,22 @@ mod tests {
         assert!(matches!(pod_request(&pod), Err(RequestError::BadGroupSize { .. })));
         pod.annotations.remove(ANNOTATION_GROUP_SIZE);
         assert!(matches!(pod_request(&pod), Err(RequestError::MissingGroupSize { .. })));
+    }
+
+    #[test]
+    fn an_elastic_group_names_the_members_it_needs_to_start() {
+        let mut pod = PodSpecView { namespace: "ml".into(), name: "el-0".into(), ..Default::default() };
+        pod.containers.push(container(&[(RESOURCE_GPU, "8")]));
+        pod.labels.insert(LABEL_GROUP.into(), "el".into());
+        pod.annotations.insert(ANNOTATION_GROUP_SIZE.into(), "4".into());
+        pod.annotations.insert(ANNOTATION_GROUP_MIN.into(), "2".into());
+        let g = pod_request(&pod).unwrap().group.unwrap();
+        assert_eq!((g.size, g.min), (4, 2));
+        for bad in ["0", "5", "two", "-1"] {
+            pod.annotations.insert(ANNOTATION_GROUP_MIN.into(), bad.into());
+            let err = pod_request(&pod).unwrap_err();
+            assert!(matches!(err, RequestError::BadGroupMin { size: 4, .. }), "{bad}: {err}");
+        }
     }
 
     #[test]

@@ -14,6 +14,11 @@
 //! allocation with the same GPUs. No plan: every member is turned away with one reason, and none is
 //! bound.
 //!
+//! An elastic group (a quorum below its size: a PodGroup's `minCount` below the pods that name it,
+//! `gpuplace.io/group-min`) starts with the most members that fit, at least its quorum, and the rest
+//! join one by one beside the members placed as room appears ([`Verdict::Waits`] while they cannot),
+//! never taking room that a whole waiting group could use now.
+//!
 //! A plan's unbound reservations end when the group is bound, when every member is deleted, after
 //! the time-out (kube-scheduler's own gang wait at Permit is 5 minutes, `permitTimeoutDuration` in
 //! its GangScheduling plugin; the default here is the same), or when a planned node leaves or loses
@@ -22,131 +27,26 @@
 //! Reservations live in memory only: a restart (or a new leader) starts without them, counts the
 //! bound members from their assignment annotations, and plans the rest again at their next filter.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
 use crate::core::assignment::PodAssignment;
 use crate::core::cluster::Cluster;
-use crate::core::resources::{GroupSpec, PodRequest};
+use crate::core::resources::PodRequest;
 use crate::placement::engine::Engine;
-use crate::placement::group_plan::{group_name, plan_group, GroupAsk, GroupPlan};
 use crate::placement_log::{GroupEvent, GroupTotals};
+
+mod model;
+mod planning;
+
+pub use model::{fingerprint, is_reservation, reservation_key, Arrival, PodGroupInfo, Verdict};
+use model::{free_holder, Group, Member};
+use planning::{decide, Planning};
 
 /// kube-scheduler v1.36's gang time-out (GangScheduling's Permit wait).
 pub const DEFAULT_GROUP_TIMEOUT: Duration = Duration::from_secs(300);
-
-/// What the PodGroup object says (watched from scheduling.k8s.io/v1alpha2).
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize)]
-pub struct PodGroupInfo {
-    /// `spec.schedulingPolicy.gang.minCount` (none for a `basic` policy).
-    pub min_count: Option<u32>,
-    /// `spec.schedulingConstraints.topology[].key`.
-    pub topology_keys: Vec<String>,
-}
-
-/// A member as filter sees it.
-#[derive(Debug, Clone)]
-pub struct Arrival<'a> {
-    pub uid: &'a str,
-    pub request: &'a PodRequest,
-}
-
-/// What filter answers a member.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Verdict {
-    /// Fits on this node only (its slot of the group's plan).
-    Planned { node: String },
-    /// No plan: every node is turned away with this reason.
-    NoPlan { reason: String },
-    /// Not placed by a plan (a member beyond the planned size, or a group of one): judged as a single.
-    Single,
-}
-
-impl GroupEvent {
-    fn new(group: &str, event: &'static str) -> Self {
-        Self {
-            group: group.to_string(),
-            event: event.to_string(),
-            domain: None,
-            nodes: Vec::new(),
-            reason: None,
-            totals: None,
-        }
-    }
-}
-
-#[derive(Debug, Clone)]
-struct Member {
-    key: String,
-    request: PodRequest,
-    slot: Option<usize>,
-    /// The node it is bound to (by gpuplace's bind or counted from the API server).
-    bound: Option<String>,
-}
-
-#[derive(Debug, Clone)]
-struct Slot {
-    /// The reservation (pod = the reservation key) while unbound.
-    reservation: PodAssignment,
-    /// The request the slot was planned for.
-    request: PodRequest,
-    /// The member it is kept for.
-    holder: Option<String>,
-    /// The holder's bind took it (the reservation is no longer in the cluster).
-    taken: bool,
-}
-
-#[derive(Debug, Clone)]
-struct Plan {
-    domain: String,
-    slots: Vec<Slot>,
-    made: Instant,
-}
-
-#[derive(Debug, Clone)]
-struct Failure {
-    fingerprint: (u64, u64, usize),
-    reason: String,
-}
-
-#[derive(Debug, Clone)]
-struct Group {
-    /// `namespace/name`.
-    key: String,
-    /// A kube-scheduler PodGroup (gang): turned away with the filter's `Error` (see [`Verdict`]).
-    gang: bool,
-    /// How many pods to plan for.
-    size: usize,
-    required: Vec<String>,
-    /// UID → member.
-    members: BTreeMap<String, Member>,
-    plan: Option<Plan>,
-    failure: Option<Failure>,
-    /// Its last plan timed out: planned again only once every member exists.
-    expired: bool,
-    /// Nodes kube-scheduler would not place a member on.
-    excluded: BTreeSet<String>,
-}
-
-impl Group {
-    /// A group first seen through one of its pods (its size and keys are settled at its members'
-    /// filters, with the PodGroup's).
-    fn new(spec: &GroupSpec) -> Self {
-        Self {
-            key: spec.key.clone(),
-            gang: spec.pod_group,
-            size: spec.size as usize,
-            required: spec.required.clone(),
-            members: BTreeMap::new(),
-            plan: None,
-            failure: None,
-            expired: false,
-            excluded: BTreeSet::new(),
-        }
-    }
-}
 
 /// One group as `/inspect` shows it.
 #[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
@@ -154,6 +54,9 @@ pub struct GroupReport {
     pub group: String,
     pub gang: bool,
     pub size: usize,
+    /// Members it needs to start (the size unless it is elastic).
+    #[serde(default)]
+    pub min: usize,
     pub members_seen: usize,
     pub members_bound: usize,
     /// The plan's domain, while one holds reservations.
@@ -186,30 +89,6 @@ pub struct GroupStats {
     pub oldest_plan_s: f64,
 }
 
-/// The reservation key of a slot: a pod key no real pod can have (`#` is not allowed in names).
-pub fn reservation_key(group: &str, slot: usize) -> String {
-    format!("{group}#{slot}")
-}
-
-/// Whether a pod key in the cluster model is a reservation.
-pub fn is_reservation(pod: &str) -> bool {
-    pod.contains('#')
-}
-
-/// A cheap fingerprint of the cluster's state: equal fingerprints mean no node changed since.
-pub fn fingerprint(cluster: &Cluster) -> (u64, u64, usize) {
-    (cluster.layout(), cluster.stamps().iter().fold(0u64, |a, s| a.wrapping_add(*s)), cluster.nodes().len())
-}
-
-/// Two requests that a slot planned for one can serve for the other (same containers and rules).
-fn same_shape(a: &PodRequest, b: &PodRequest) -> bool {
-    a.containers == b.containers
-        && a.init_containers == b.init_containers
-        && a.allowed_models == b.allowed_models
-        && a.numa == b.numa
-        && a.gpu_policy == b.gpu_policy
-}
-
 /// Every group's members and plan.
 #[derive(Debug)]
 pub struct Groups {
@@ -235,6 +114,7 @@ impl Groups {
         if let Some(g) = self.groups.get_mut(key) {
             if let Some(m) = info.min_count {
                 g.size = g.size.max(m as usize);
+                g.min = m as usize;
             }
             g.required = info.topology_keys.clone();
         }
@@ -274,7 +154,12 @@ impl Groups {
             if now.duration_since(plan.made) >= self.timeout {
                 return None;
             }
-            let slot = plan.slots.get(m.slot?)?;
+            let Some(i) = m.slot else {
+                // a member beyond the plan whose last try to join failed on this same state
+                let f = g.failure.as_ref()?;
+                return (f.fingerprint == fingerprint(cluster)).then(|| Verdict::Waits { reason: f.reason.clone() });
+            };
+            let slot = plan.slots.get(i)?;
             return (!slot.taken).then(|| Verdict::Planned { node: slot.reservation.node.clone() });
         }
         let f = g.failure.as_ref()?;
@@ -295,78 +180,56 @@ impl Groups {
         let Some(spec) = arrival.request.group.clone() else { return (Verdict::Single, events) };
         self.expire(cluster, now, &mut events);
         let info = self.pod_groups.get(&spec.key).cloned();
-        let g = self.groups.entry(spec.key.clone()).or_insert_with(|| Group::new(&spec));
-        g.gang |= spec.pod_group;
-        g.size = group_size(&spec, info.as_ref()).max(g.size);
-        g.required = required_keys(&spec, info.as_ref());
-        if g.gang && info.is_none() && spec.size == 0 {
-            return (
-                Verdict::NoPlan { reason: format!("PodGroup {} is not known to gpuplace yet; retry", spec.key) },
-                events,
-            );
+        // out of the map while it is decided, so that the other groups can be read (room kept for them)
+        let mut g = self.groups.remove(&spec.key).unwrap_or_else(|| Group::new(&spec));
+        g.settle_spec(&spec, info.as_ref());
+        let ctx = Planning { cluster, engine, others: &self.groups, now, now_unix_ms };
+        let verdict = if g.gang && info.is_none() && spec.size == 0 {
+            Verdict::NoPlan { reason: format!("PodGroup {} is not known to gpuplace yet; retry", spec.key) }
+        } else if g.size <= 1 {
+            Verdict::Single
+        } else {
+            g.register(&mut self.member_of, arrival.uid, arrival.request);
+            decide(&mut g, ctx, arrival.uid, &mut events)
+        };
+        self.groups.insert(spec.key, g);
+        (verdict, events)
+    }
+
+    /// A member seen pending on the API server before any filter: a gang's size is every pod that
+    /// names its PodGroup, so a plan is made for all of them, not only `minCount`.
+    pub fn observe_pending(&mut self, uid: &str, request: &PodRequest) {
+        let Some(spec) = &request.group else { return };
+        if self.groups.get(&spec.key).and_then(|g| g.members.get(uid)).is_some_and(|m| m.request == *request) {
+            return;
         }
-        if g.size <= 1 {
-            return (Verdict::Single, events);
-        }
-        // register (a pod of the same name under a new UID replaces the old one)
-        let key = arrival.request.key.clone();
-        if !g.members.contains_key(arrival.uid) {
-            let stale: Vec<String> =
-                g.members.iter().filter(|(_, m)| m.key == key && m.bound.is_none()).map(|(u, _)| u.clone()).collect();
-            for u in stale {
-                free_holder(g, &u);
-                g.members.remove(&u);
-                self.member_of.remove(&u);
-            }
-            g.members.insert(
-                arrival.uid.to_string(),
-                Member { key, request: arrival.request.clone(), slot: None, bound: None },
-            );
-            self.member_of.insert(arrival.uid.to_string(), spec.key.clone());
-        } else if let Some(m) = g.members.get_mut(arrival.uid) {
-            m.request = arrival.request.clone();
-        }
-        if g.members.get(arrival.uid).is_some_and(|m| m.bound.is_some()) {
-            return (Verdict::Single, events);
-        }
-        // a slot already held for it, or a free one of its shape
-        if let Some(v) = take_slot(g, arrival.uid) {
-            return (v, events);
-        }
-        if g.plan.is_some() {
-            // the plan is full (more members than planned): judged as a single
-            return (Verdict::Single, events);
-        }
-        if g.expired && g.members.len() < g.size {
-            let reason = format!(
-                "group {} waits for all {} pods ({} exist) after its reservation timed out",
-                group_name(&g.key),
-                g.size,
-                g.members.len()
-            );
-            return (Verdict::NoPlan { reason }, events);
-        }
-        let fp = fingerprint(cluster);
-        if let Some(f) = g.failure.as_ref().filter(|f| f.fingerprint == fp) {
-            return (Verdict::NoPlan { reason: f.reason.clone() }, events);
-        }
-        match make_plan(g, cluster, engine, now, now_unix_ms) {
-            Ok(ev) => {
-                g.failure = None;
-                events.push(ev);
-                let v = take_slot(g, arrival.uid).unwrap_or(Verdict::Single);
-                (v, events)
-            }
-            Err(reason) => {
-                let mut ev = GroupEvent::new(&g.key, "no_plan");
-                ev.reason = Some(reason.clone());
-                if g.failure.as_ref().is_none_or(|f| f.reason != reason) {
-                    events.push(ev);
-                }
-                g.failure = Some(Failure { fingerprint: fingerprint(cluster), reason: reason.clone() });
-                (Verdict::NoPlan { reason }, events)
-            }
-        }
+        let info = self.pod_groups.get(&spec.key).cloned();
+        let g = self.groups.entry(spec.key.clone()).or_insert_with(|| Group::new(spec));
+        g.settle_spec(spec, info.as_ref());
+        g.register(&mut self.member_of, uid, request);
+    }
+
+    /// Whether the pending pod is a member already registered with this request.
+    pub fn knows_pending(&self, uid: &str, request: &PodRequest) -> bool {
+        request.group.as_ref().is_none_or(|spec| {
+            self.groups.get(&spec.key).and_then(|g| g.members.get(uid)).is_some_and(|m| m.request == *request)
+        })
+    }
+
+    /// After a re-list: members that never bound and that the list no longer shows are forgotten.
+    pub fn retain_listed(
+        &mut self,
+        cluster: &mut Cluster,
+        listed: &std::collections::HashSet<String>,
+    ) -> Vec<GroupEvent> {
+        let gone: Vec<String> = self
+            .groups
+            .values()
+            .flat_map(|g| {
+                g.members.iter().filter(|(u, m)| m.bound.is_none() && !listed.contains(*u)).map(|(u, _)| u.clone())
+            })
+            .collect();
+        gone.iter().flat_map(|u| self.forget_member(cluster, u)).collect()
     }
 
     /// Bind of a member to `node`: the reservation its slot holds there (`Some`), which the caller
@@ -611,6 +474,7 @@ impl Groups {
                 group: g.key.clone(),
                 gang: g.gang,
                 size: g.size,
+                min: g.quorum(),
                 members_seen: g.members.len(),
                 members_bound: g.members.values().filter(|m| m.bound.is_some()).count(),
                 domain: g.plan.as_ref().map(|p| p.domain.clone()),
@@ -652,21 +516,6 @@ impl Groups {
     }
 }
 
-fn group_size(spec: &GroupSpec, info: Option<&PodGroupInfo>) -> usize {
-    let min = info.and_then(|i| i.min_count).unwrap_or(0) as usize;
-    (spec.size as usize).max(min)
-}
-
-fn required_keys(spec: &GroupSpec, info: Option<&PodGroupInfo>) -> Vec<String> {
-    let mut keys: Vec<String> = info.map(|i| i.topology_keys.clone()).unwrap_or_default();
-    for k in &spec.required {
-        if !keys.contains(k) {
-            keys.push(k.clone());
-        }
-    }
-    keys
-}
-
 /// GPUs' worth a reservation holds.
 fn reserved_share(cluster: &Cluster, a: &PodAssignment) -> f64 {
     let Some(node) = cluster.node(&a.node) else { return 0.0 };
@@ -693,98 +542,4 @@ fn drop_plan(cluster: &mut Cluster, g: &mut Group) {
     for m in g.members.values_mut() {
         m.slot = None;
     }
-}
-
-/// Frees the slot a member held (its reservation stays, for a replacement).
-fn free_holder(g: &mut Group, uid: &str) {
-    let Some(m) = g.members.get(uid) else { return };
-    if let (Some(i), Some(plan)) = (m.slot, g.plan.as_mut()) {
-        if let Some(s) = plan.slots.get_mut(i) {
-            if s.holder.as_deref() == Some(uid) && !s.taken {
-                s.holder = None;
-            }
-        }
-    }
-}
-
-/// The member's slot (held already, or a free one of its shape).
-fn take_slot(g: &mut Group, uid: &str) -> Option<Verdict> {
-    let plan = g.plan.as_mut()?;
-    let m = g.members.get_mut(uid)?;
-    if let Some(i) = m.slot {
-        let s = plan.slots.get(i)?;
-        if s.holder.as_deref() == Some(uid) && !s.taken && same_shape(&s.request, &m.request) {
-            return Some(Verdict::Planned { node: s.reservation.node.clone() });
-        }
-    }
-    let i = plan.slots.iter().position(|s| s.holder.is_none() && !s.taken && same_shape(&s.request, &m.request))?;
-    plan.slots[i].holder = Some(uid.to_string());
-    m.slot = Some(i);
-    Some(Verdict::Planned { node: plan.slots[i].reservation.node.clone() })
-}
-
-/// Plans every member not bound yet and counts the reservations. `Err(reason)` when no plan exists.
-fn make_plan(
-    g: &mut Group,
-    cluster: &mut Cluster,
-    engine: &Engine,
-    now: Instant,
-    now_unix_ms: i64,
-) -> Result<GroupEvent, String> {
-    let bound: Vec<&Member> = g.members.values().filter(|m| m.bound.is_some()).collect();
-    let placed_nodes: Vec<usize> = {
-        let mut v: Vec<usize> = bound.iter().filter_map(|m| cluster.node_index(m.bound.as_deref()?)).collect();
-        v.sort_unstable();
-        v.dedup();
-        v
-    };
-    let to_place = g.size.saturating_sub(bound.len());
-    if to_place == 0 {
-        return Err(format!("group {} has every pod bound", group_name(&g.key)));
-    }
-    // the known unbound members' requests, then the first one's shape for members not seen yet
-    let mut requests: Vec<PodRequest> =
-        g.members.values().filter(|m| m.bound.is_none()).map(|m| m.request.clone()).take(to_place).collect();
-    let template =
-        requests.first().cloned().ok_or_else(|| format!("group {} has no pod to plan", group_name(&g.key)))?;
-    while requests.len() < to_place {
-        requests.push(template.clone());
-    }
-    for (i, r) in requests.iter_mut().enumerate() {
-        r.key = reservation_key(&g.key, i);
-    }
-    let excluded: Vec<usize> = g.excluded.iter().filter_map(|n| cluster.node_index(n)).collect();
-    let ask = GroupAsk {
-        key: &g.key,
-        members: &requests,
-        placed_nodes: &placed_nodes,
-        required_keys: &g.required,
-        excluded: &excluded,
-    };
-    let plan: GroupPlan = plan_group(engine, cluster, &ask, now_unix_ms).map_err(|e| e.reason)?;
-    let mut counted: Vec<String> = Vec::new();
-    for s in &plan.slots {
-        if let Err(e) = cluster.allocate(s.clone()) {
-            for k in &counted {
-                let _ = cluster.release(k);
-            }
-            return Err(format!("group {} plan could not be reserved: {e}", group_name(&g.key)));
-        }
-        counted.push(s.pod.clone());
-    }
-    let mut ev = GroupEvent::new(&g.key, "planned");
-    ev.domain = Some(plan.domain.clone());
-    ev.nodes = plan.slots.iter().map(|s| s.node.clone()).collect();
-    g.plan = Some(Plan {
-        domain: plan.domain,
-        slots: plan
-            .slots
-            .into_iter()
-            .zip(requests)
-            .map(|(reservation, request)| Slot { reservation, request, holder: None, taken: false })
-            .collect(),
-        made: now,
-    });
-    g.expired = false;
-    Ok(ev)
 }

@@ -7,7 +7,7 @@ use plotters::coord::ranged1d::SegmentValue;
 use plotters::prelude::*;
 
 use crate::placement_log::ModelCapacity;
-use crate::report::model::{curve, CapacitySample, GroupSample, NodeTrack, SimModel, TurnedAway};
+use crate::report::model::{curve, CapacitySample, GroupSample, NodeTrack, RoomSample, SimModel, TurnedAway};
 
 /// Why a chart could not be drawn (plotters' own error, which cannot happen on a string backend
 /// short of a bug, but is reported rather than unwrapped).
@@ -262,15 +262,20 @@ pub fn fragmentation(samples: &[CapacitySample], axis: &TimeAxis) -> Result<Stri
     Ok(svg)
 }
 
-/// One line of the groups chart: its value at a sample.
-type GroupLine = fn(&GroupSample) -> f64;
+/// One line of a step chart: its legend name, colour and (time, value) points.
+pub struct StepLine {
+    pub name: String,
+    pub color: RGBColor,
+    pub points: Vec<(i64, f64)>,
+}
 
-/// Groups waiting for room and GPUs held for groups' members not bound yet, over time.
-pub fn groups(samples: &[GroupSample], axis: &TimeAxis) -> Result<String> {
-    let title = "Groups over time: groups waiting for room, GPUs reserved for their members";
+/// Lines whose figures hold until their next point, the last one to the log's end (figures taken at
+/// events: group lines, binds).
+fn step_chart(title: &str, y_desc: &str, lines: &[StepLine], axis: &TimeAxis) -> Result<String> {
     let e = err(title);
-    // headroom above the highest figure for the legend
-    let top = samples.iter().map(|s| (s.waiting as f64).max(s.reserved_gpus)).fold(1.0, f64::max) * 1.6;
+    let high = lines.iter().flat_map(|l| l.points.iter().map(|p| p.1)).fold(1.0, f64::max);
+    // headroom above the highest figure for the legend, a row per line
+    let top = high * (1.3 + 0.1 * lines.len() as f64);
     let mut svg = String::new();
     {
         let root = SVGBackend::with_string(&mut svg, (WIDTH, HEIGHT)).into_drawing_area();
@@ -281,35 +286,101 @@ pub fn groups(samples: &[GroupSample], axis: &TimeAxis) -> Result<String> {
             x_label: &|v| axis_number(*v, axis.end),
             y_label: &|v| axis_number(*v, top),
             x_desc: &axis.label(),
-            y_desc: "groups waiting; GPUs reserved",
+            y_desc,
         };
         let mut c = xy_chart(&root, title, axes).map_err(&e)?;
-        let lines: [(&str, RGBColor, GroupLine); 2] = [
-            ("groups waiting (members to place, no plan)", FRAGMENTED, |s| s.waiting as f64),
-            ("GPUs reserved by plans", ALLOCATED, |s| s.reserved_gpus),
-        ];
-        for (name, color, value) in lines {
-            // a step line: each figure holds until the next line, the last one to the log's end
-            let mut pts: Vec<(f64, f64)> = Vec::with_capacity(samples.len() * 2 + 1);
-            for s in samples {
-                let x = axis.at(s.ts_unix_ms);
-                if let Some(&(_, y)) = pts.last() {
-                    pts.push((x, y));
+        for line in lines {
+            let mut pts: Vec<(f64, f64)> = Vec::with_capacity(line.points.len() * 2 + 1);
+            for &(ts, y) in &line.points {
+                let x = axis.at(ts);
+                if let Some(&(_, before)) = pts.last() {
+                    pts.push((x, before));
                 }
-                pts.push((x, value(s)));
+                pts.push((x, y));
             }
             if let Some(&(_, y)) = pts.last() {
                 pts.push((axis.end, y));
             }
+            let color = line.color;
             c.draw_series(LineSeries::new(pts, color.stroke_width(2)))
                 .map_err(&e)?
-                .label(name)
+                .label(line.name.as_str())
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
         }
         legend_box(&mut c, SeriesLabelPosition::UpperRight).map_err(&e)?;
         root.present().map_err(&e)?;
     }
     Ok(svg)
+}
+
+/// Groups waiting for room and GPUs held for groups' members not bound yet, over time.
+pub fn groups(samples: &[GroupSample], axis: &TimeAxis) -> Result<String> {
+    let series = |f: fn(&GroupSample) -> f64| samples.iter().map(|s| (s.ts_unix_ms, f(s))).collect();
+    let lines = [
+        StepLine {
+            name: "groups waiting (members to place, no plan)".into(),
+            color: FRAGMENTED,
+            points: series(|s| s.waiting as f64),
+        },
+        StepLine { name: "GPUs reserved by plans".into(), color: ALLOCATED, points: series(|s| s.reserved_gpus) },
+    ];
+    step_chart(
+        "Groups over time: groups waiting for room, GPUs reserved for their members",
+        "groups waiting; GPUs reserved",
+        &lines,
+        axis,
+    )
+}
+
+/// The room's figures at each sample, thinned to what a chart can show.
+fn room_series(samples: &[RoomSample], f: impl Fn(&RoomSample) -> f64) -> Vec<(i64, f64)> {
+    thin(&samples.iter().collect::<Vec<_>>(), MAX_POINTS).into_iter().map(|s| (s.ts_unix_ms, f(s))).collect()
+}
+
+/// A level's short name (`network.gpuplace.io/tor` → `tor`).
+fn level_word(key: &str) -> &str {
+    key.rsplit('/').next().unwrap_or(key)
+}
+
+/// Whole nodes of the largest size and whole switches per network level, over time.
+pub fn whole_room(samples: &[RoomSample], axis: &TimeAxis) -> Result<String> {
+    let Some(last) = samples.last() else { return step_chart("Room for jobs", "", &[], axis) };
+    let g = last.room.node_gpus;
+    let mut lines = vec![StepLine {
+        name: format!("whole {g}-GPU nodes (every GPU free)"),
+        color: ALLOCATED,
+        points: room_series(samples, |s| s.room.whole_nodes.get(&g).copied().unwrap_or(0) as f64),
+    }];
+    // levels finest first; a level no node is labelled with has no line
+    for (i, l) in last.room.levels.iter().enumerate().rev().filter(|(_, l)| l.switches > 0) {
+        lines.push(StepLine {
+            name: format!("whole {}s, of {} (every node under it whole)", level_word(&l.level), l.switches),
+            color: PALETTE[(1 + lines.len()) % PALETTE.len()],
+            points: room_series(samples, |s| s.room.levels.get(i).map_or(0.0, |x| x.whole as f64)),
+        });
+    }
+    step_chart("Room for jobs over time: whole nodes and whole switches", "nodes; switches", &lines, axis)
+}
+
+/// The largest job of node-sized pods one switch can take, per level, and the idle GPUs stranded on
+/// broken nodes of the largest size, over time.
+pub fn largest_job(samples: &[RoomSample], axis: &TimeAxis) -> Result<String> {
+    let Some(last) = samples.last() else { return step_chart("Largest job", "", &[], axis) };
+    let g = last.room.node_gpus;
+    let mut lines = Vec::new();
+    for (i, l) in last.room.levels.iter().enumerate().rev().filter(|(_, l)| l.switches > 0) {
+        lines.push(StepLine {
+            name: format!("largest job under one {} (pods of {g} GPUs)", level_word(&l.level)),
+            color: PALETTE[(2 + lines.len()) % PALETTE.len()],
+            points: room_series(samples, |s| s.room.levels.get(i).map_or(0.0, |x| x.largest_job_pods as f64)),
+        });
+    }
+    lines.push(StepLine {
+        name: format!("idle GPUs stranded on broken {g}-GPU nodes"),
+        color: PENDING,
+        points: room_series(samples, |s| s.room.stranded_idle_gpus as f64),
+    });
+    step_chart("The largest job that fits now, and idle GPUs no node-sized pod can use", "pods; GPUs", &lines, axis)
 }
 
 /// One stacked bar per category, horizontal (category names can be long), one colour per series.

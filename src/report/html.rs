@@ -144,6 +144,20 @@ fn log_section(p: &mut Page, m: &LogModel) -> Result<(), ChartError> {
         p.row("allocated-peak", "Peak allocated GPUs", &num(peak.allocated));
         p.row("allocated-peak-at", "… at", &utc(peak.ts_unix_ms));
     }
+    if let Some(last) = m.rooms.last() {
+        let text = last.room.summary();
+        p.row("room-last", "Room for jobs at the last bind", text.strip_prefix("room: ").unwrap_or(&text));
+        // the tightest moment for the jobs the cluster is built for: the finest level's largest job
+        let finest = |s: &crate::report::model::RoomSample| s.room.levels.last().map(|l| l.largest_job_pods);
+        if let Some(low) = m.rooms.iter().filter(|s| finest(s).is_some()).min_by_key(|s| finest(s)) {
+            let l = low.room.levels.last().map_or("", |l| l.level.rsplit('/').next().unwrap_or(""));
+            p.row(
+                "room-largest-job-min",
+                &format!("Smallest largest job under one {l}"),
+                &format!("{} x {} GPUs at {}", finest(low).unwrap_or(0), low.room.node_gpus, utc(low.ts_unix_ms)),
+            );
+        }
+    }
     for (verb, l) in &m.latency {
         // repeats counted in a line keep a sum and a max, not their spread: percentiles are of the
         // lines written, the mean and max of every call
@@ -175,6 +189,18 @@ fn log_section(p: &mut Page, m: &LogModel) -> Result<(), ChartError> {
             "Fragmented GPUs as a share of all free GPU capacity (fragmented plus idle): capacity that a pod asking for a whole GPU cannot use.",
         );
         p.figure("chart-models", &charts::models(&m.models)?, "Per GPU model, from the last bind's cluster summary.");
+    }
+    if !m.rooms.is_empty() {
+        p.figure(
+            "chart-room",
+            &charts::whole_room(&m.rooms, &axis)?,
+            "Right after each bind: nodes of the largest size with every GPU free and healthy, and network switches (ToR, spine) whose every GPU node is whole: the room node-sized pods and jobs of them have, which GPU fractions do not show.",
+        );
+        p.figure(
+            "chart-largest-job",
+            &charts::largest_job(&m.rooms, &axis)?,
+            "Right after each bind: the most whole nodes under one switch (the largest job of node-sized pods that could start there now), and idle GPUs on broken nodes of the largest size, which no node-sized pod can use.",
+        );
     }
     if !m.groups.is_empty() {
         p.figure(
@@ -306,6 +332,9 @@ pub fn summary(log: Option<&LogModel>, sim: Option<&SimModel>) -> String {
                 );
             }
             _ => out.push_str("  no cluster summary on any bind line (a log from before the report existed)\n"),
+        }
+        if let Some(last) = m.rooms.last() {
+            let _ = writeln!(out, "  at the last bind, {}", last.room.summary());
         }
     }
     if let Some(s) = sim {

@@ -5,6 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 
 use crate::core::resources::{GpuDemand, MemoryDemand};
+use crate::core::room::Room;
 use crate::placement_log::read::LogLine;
 use crate::placement_log::{Decision, ModelCapacity, Requests};
 use crate::sim::report::PolicyReport;
@@ -41,6 +42,14 @@ pub struct GroupSample {
     pub waiting: usize,
     /// GPUs held by plans for members not bound yet.
     pub reserved_gpus: f64,
+}
+
+/// One point of the room charts: the room jobs had right after a bind (whole nodes and switches,
+/// the largest job of node-sized pods, idle GPUs stranded).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RoomSample {
+    pub ts_unix_ms: i64,
+    pub room: Room,
 }
 
 /// A node's allocation as the binds to it showed it.
@@ -115,6 +124,8 @@ pub struct LogModel {
     pub pods_bound: usize,
     /// Bind lines that carry a cluster summary (the capacity charts' points).
     pub samples: Vec<CapacitySample>,
+    /// Bind lines that carry the room jobs had (logs written since issue 30; empty before).
+    pub rooms: Vec<RoomSample>,
     /// Per GPU model, from the last cluster summary.
     pub models: BTreeMap<String, ModelCapacity>,
     pub nodes: BTreeMap<String, NodeTrack>,
@@ -243,6 +254,9 @@ impl LogModel {
                                 idle: f64::from(c.idle_gpus),
                             });
                             m.models = c.by_model.clone();
+                            if let Some(room) = &c.room {
+                                m.rooms.push(RoomSample { ts_unix_ms: d.ts_unix_ms, room: room.clone() });
+                            }
                             if let Some(n) = &c.node {
                                 let t = m.nodes.entry(n.name.clone()).or_default();
                                 t.model = n.model.clone();

@@ -508,3 +508,131 @@ async fn shares_first_then_jobs(name: &str, restart: Restart) {
         }
     }
 }
+
+/// Pods of the namespace whose name starts with `prefix`, by name: the node of each bound one.
+async fn placed(client: &Client, prefix: &str) -> BTreeMap<String, Option<String>> {
+    let api: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let pods = api.list(&Default::default()).await.expect("list pods").items;
+    pods.iter()
+        .filter(|p| p.name_any().starts_with(prefix))
+        .map(|p| (p.name_any(), node_name(p).map(str::to_string)))
+        .collect()
+}
+
+/// Waits until `n` pods of `prefix` are bound; returns their nodes.
+async fn wait_bound(client: &Client, prefix: &str, n: usize, limit: Duration) -> BTreeSet<String> {
+    let until = Instant::now() + limit;
+    loop {
+        let now = placed(client, prefix).await;
+        let bound = now.values().filter(|n| n.is_some()).count();
+        let nodes: BTreeSet<String> = now.into_values().flatten().collect();
+        if bound >= n {
+            return nodes;
+        }
+        assert!(Instant::now() < until, "{bound} of {n} pods of {prefix} bound in {limit:?}");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+async fn delete_now(client: &Client, names: &[String]) {
+    let api: Api<Pod> = Api::namespaced(client.clone(), NS);
+    for n in names {
+        api.delete(n, &DeleteParams::default().grace_period(0)).await.unwrap_or_else(|e| panic!("delete {n}: {e}"));
+    }
+}
+
+/// Issue 30's elastic job, through both front doors: 4 pods of 8 GPUs that need 2 to start, under one
+/// ToR, on 8 nodes where tor-0 has 2 whole nodes and tor-1 one. 2 start at once under tor-0 (the
+/// whole node of tor-1 is not used), the other 2 wait holding nothing, and join under tor-0 once its
+/// busy nodes are freed. As a kube-scheduler PodGroup (`minCount` 2; the pods name it and nothing
+/// else, so gpuplace learns the gang's size from the pods it sees pending), then with gpuplace's
+/// labels (`gpuplace.io/group-size` 4, `gpuplace.io/group-min` 2).
+#[tokio::test(flavor = "current_thread")]
+async fn elastic_groups_start_their_minimum_and_the_rest_join_as_room_appears() {
+    let _serial = SERIAL.lock().await;
+    let (st, ext) = h100_stage_of("elastic", true, 8).await;
+    for door in ["podgroup", "labels"] {
+        // tor-0 keeps gpu-02 and gpu-03 whole, tor-1 only gpu-07
+        let busy_nodes = ["gpu-00", "gpu-01", "gpu-04", "gpu-05", "gpu-06"];
+        let busy: Vec<String> = busy_nodes.iter().map(|n| format!("busy-{door}-{n}")).collect();
+        for (name, node) in busy.iter().zip(busy_nodes) {
+            pin(&st.admin, name, node, whole("8")).await;
+        }
+        let job = format!("el-{door}");
+        let pods: Vec<Pod> = (0..4)
+            .map(|i| {
+                let mut s = whole("8");
+                if door == "labels" {
+                    s.labels.push(("gpuplace.io/group", job.clone()));
+                    s.annotations.push(("gpuplace.io/group-size", "4".into()));
+                    s.annotations.push(("gpuplace.io/group-min", "2".into()));
+                    s.annotations.push(("gpuplace.io/group-topology", TOR.into()));
+                }
+                let mut pod = s.pod(&format!("{job}-{i}"));
+                if door == "podgroup" {
+                    if let Some(spec) = pod.spec.as_mut() {
+                        spec.scheduling_group = Some(PodSchedulingGroup { pod_group_name: Some(job.clone()) });
+                    }
+                }
+                pod
+            })
+            .collect();
+        if door == "podgroup" {
+            create_pod_group(&st.admin, &job, 2, Some(TOR)).await;
+        }
+        let started = Instant::now();
+        create(&st.admin, pods).await;
+        let first = wait_bound(&st.admin, &job, 2, Duration::from_secs(90)).await;
+        let t_first = started.elapsed().as_secs_f64();
+        // the other two stay pending (a quiet spell), holding nothing
+        tokio::time::sleep(Duration::from_secs(8)).await;
+        let now = placed(&st.admin, &job).await;
+        let s = snapshot(&st.admin, NS).await;
+        let reasons: BTreeSet<String> = now
+            .iter()
+            .filter(|(_, n)| n.is_none())
+            .filter_map(|(p, _)| s.failed_scheduling.get(p).and_then(|m| m.last().cloned()))
+            .collect();
+        let inspect = crate::inspect(&ext);
+        let g = inspect.groups.iter().find(|g| g.group == format!("{NS}/{job}")).expect("the group in /inspect");
+        figure(&format!(
+            "groups: elastic {door}: 2 bound on {first:?} after {t_first:.1} s; pending {:?}; /inspect size {} min {} \
+             reserved {}; kube-scheduler says {reasons:?}",
+            now.iter().filter(|(_, n)| n.is_none()).map(|(p, _)| p).collect::<Vec<_>>(),
+            g.size,
+            g.min,
+            g.reserved.len()
+        ));
+        assert_eq!(first, BTreeSet::from(["gpu-02".to_string(), "gpu-03".to_string()]), "{now:?}");
+        assert_eq!(now.values().filter(|n| n.is_some()).count(), 2, "{now:?}");
+        assert_eq!((g.size, g.min), (4, 2), "{g:?}");
+        assert!(g.reserved.is_empty(), "waiting members hold nothing: {g:?}");
+        assert!(reasons.iter().any(|r| r.contains("has 2 of 4 pods placed")), "{reasons:?}");
+        let audit = Audit::of(&s);
+        assert!(audit.over_commits.is_empty(), "{:#?}", audit.over_commits);
+        // room appears under tor-0: the other two join there
+        let freed = Instant::now();
+        delete_now(&st.admin, &busy[..2]).await;
+        let all = wait_bound(&st.admin, &job, 4, Duration::from_secs(120)).await;
+        figure(&format!(
+            "groups: elastic {door}: the other 2 bound {:.1} s after tor-0's busy nodes were freed; all on {all:?}",
+            freed.elapsed().as_secs_f64()
+        ));
+        let tor0: BTreeSet<String> = (0..4).map(|i| format!("gpu-{i:02}")).collect();
+        assert_eq!(all, tor0, "all 4 under tor-0");
+        let s = snapshot(&st.admin, NS).await;
+        let audit = Audit::of(&s);
+        assert!(audit.over_commits.is_empty(), "{:#?}", audit.over_commits);
+        let diffs = audit.compare_inspect(&crate::inspect(&ext));
+        assert!(diffs.is_empty(), "/inspect differs from the annotations: {diffs:#?}");
+        // clean slate for the next door
+        let mut everything: Vec<String> = placed(&st.admin, "").await.into_keys().collect();
+        everything.retain(|p| !p.starts_with("lonely"));
+        delete_now(&st.admin, &everything).await;
+        let until = Instant::now() + Duration::from_secs(30);
+        while crate::inspect(&ext).nodes.iter().any(|n| n.gpus.iter().any(|g| !g.holders.is_empty())) {
+            assert!(Instant::now() < until, "the extender still counts deleted pods");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+}

@@ -45,7 +45,7 @@ impl Extender {
 
     /// Changes the groups under the state's write lock, then logs what happened, each event with
     /// every group's totals right after the change.
-    fn change_groups<T>(&self, change: impl FnOnce(&mut State) -> (T, Vec<GroupEvent>)) -> T {
+    pub(super) fn change_groups<T>(&self, change: impl FnOnce(&mut State) -> (T, Vec<GroupEvent>)) -> T {
         let (out, events) = {
             let mut guard = self.write();
             let st = &mut *guard;
@@ -98,7 +98,7 @@ impl Extender {
                 self.metrics.pod_filtered(uid, Some(RejectClass::Unresolvable), Instant::now());
                 return Some(Filtered::Error(text));
             }
-            Verdict::NoPlan { reason } => {
+            Verdict::NoPlan { reason } | Verdict::Waits { reason } => {
                 let r = Arc::new(Reason::new(RejectClass::Unresolvable, prefixed(&reason)));
                 (names.iter().map(|_| Answer::No(r.clone())).collect::<Vec<_>>(), r.text.clone())
             }
@@ -141,7 +141,7 @@ impl Extender {
         let st = self.read();
         match st.groups.settled(&st.cluster, &Arrival { uid, request: req }, Instant::now())? {
             Verdict::Planned { node } => Some(names.iter().map(|n| if *n == node { 10 } else { 0 }).collect()),
-            Verdict::NoPlan { .. } => Some(vec![0; names.len()]),
+            Verdict::NoPlan { .. } | Verdict::Waits { .. } => Some(vec![0; names.len()]),
             Verdict::Single => None,
         }
     }

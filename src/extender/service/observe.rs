@@ -360,6 +360,7 @@ impl Extender {
         drop(guard);
         // pending pods deleted while the watch was broken too (a pod listed late only gets a line early)
         self.log_with(|log| log.forget_unlisted(listed));
+        self.change_groups(|st| ((), st.groups.retain_listed(&mut st.cluster, listed)));
         for uid in &gone {
             self.forget_group_member(uid);
         }
@@ -438,6 +439,13 @@ impl Extender {
                 request: pod.request.clone(),
                 constraints: pod.constraints.clone(),
             });
+        }
+        drop(seen);
+        // a gang is every pod that names its PodGroup: its plan counts the members not filtered yet
+        if let Ok(req) = &pod.request {
+            if req.group.is_some() && !self.read().groups.knows_pending(&pod.uid, req) {
+                self.write().groups.observe_pending(&pod.uid, req);
+            }
         }
     }
 }
