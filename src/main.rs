@@ -719,9 +719,13 @@ struct SimulateArgs {
     /// jobs spread over the second half). A job is a group or a pod of 2 GPUs or more.
     #[arg(long, default_value = "shuffled")]
     arrival: gpuplace::sim::arrivals::Arrival,
+    /// The nodes' boards: flat (the paper's), or hgx, a what-if training cluster whose 8-GPU nodes are
+    /// HGX boards (NVSwitch), so that the room they keep for node-sized jobs counts.
+    #[arg(long, value_enum, default_value = "flat")]
+    boards: gpuplace::sim::state::Boards,
     /// What-if: replay the pods of a placement log (`serve --placement-log`) in the log's order on
     /// --cluster, instead of a trace (docs/placement-log.md, "What if").
-    #[arg(long, value_name = "FILE", requires = "cluster", conflicts_with_all = ["trace", "workload", "tune", "offline_reference", "arrival"])]
+    #[arg(long, value_name = "FILE", requires = "cluster", conflicts_with_all = ["trace", "workload", "tune", "offline_reference", "arrival", "boards"])]
     from_placement_log: Option<PathBuf>,
     /// The cluster file (examples/clusters/*.yaml) to replay a placement log on: the one the log
     /// came from, or a changed one (the log does not record which).
@@ -858,6 +862,7 @@ fn main() -> ExitCode {
                 unlimited_host: args.unlimited_host,
                 mix_source: args.gpuplace_mix,
                 arrival: args.arrival,
+                boards: args.boards,
             };
             if !(cfg.tune > 0.0 && cfg.tune <= 10.0) {
                 eprintln!("error: --tune must be in (0, 10], got {}", cfg.tune);

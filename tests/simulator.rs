@@ -20,6 +20,7 @@ fn cfg(policies: Vec<PolicyKind>, seeds: Vec<u64>) -> SimConfig {
         profile: ProfileConfig::default(),
         offline_reference: false,
         arrival: Default::default(),
+        boards: Default::default(),
         unlimited_host: false,
         mix_source: MixSource::Learned,
     }
@@ -168,4 +169,24 @@ fn the_published_gpuspec_construction_on_the_openb_trace() {
             }
         }
     }
+}
+
+/// `--boards hgx` is a labelled what-if: the baselines ignore boards (their figures stay as they are),
+/// the report says which boards, and the paper's column is left out.
+#[test]
+fn hgx_boards_are_a_labelled_what_if_the_baselines_ignore() {
+    use gpuplace::sim::state::Boards;
+    let dir = root().join("examples/traces/demo");
+    let flat = simulate(&dir, &cfg(vec![PolicyKind::Fgd, PolicyKind::Gpuplace], vec![1, 2])).unwrap();
+    let hgx = simulate(
+        &dir,
+        &SimConfig { boards: Boards::Hgx, ..cfg(vec![PolicyKind::Fgd, PolicyKind::Gpuplace], vec![1, 2]) },
+    )
+    .unwrap();
+    assert_eq!(flat[0].unallocated_gpu_pct, hgx[0].unallocated_gpu_pct, "fgd places by GPUs, not boards");
+    assert!(hgx.iter().all(|r| r.boards == "hgx" && r.paper_unallocated_gpu_pct_at_100.is_none()));
+    let json = serde_json::to_value(&hgx[1]).unwrap();
+    assert_eq!(json["boards"], "hgx");
+    assert!(serde_json::to_value(&flat[1]).unwrap().get("boards").is_none(), "flat is the default, not written");
+    assert!(gpuplace::sim::report::table(&hgx).lines().next().unwrap().contains("boards hgx (what-if)"));
 }

@@ -271,7 +271,8 @@ pub struct StepLine {
 
 /// Lines whose figures hold until their next point, the last one to the log's end (figures taken at
 /// events: group lines, binds).
-fn step_chart(title: &str, y_desc: &str, lines: &[StepLine], axis: &TimeAxis) -> Result<String> {
+/// `counts`: the figures are whole numbers, and so are the axis labels.
+fn step_chart(title: &str, y_desc: &str, lines: &[StepLine], axis: &TimeAxis, counts: bool) -> Result<String> {
     let e = err(title);
     let high = lines.iter().flat_map(|l| l.points.iter().map(|p| p.1)).fold(1.0, f64::max);
     // headroom above the highest figure for the legend, a row per line
@@ -284,7 +285,11 @@ fn step_chart(title: &str, y_desc: &str, lines: &[StepLine], axis: &TimeAxis) ->
             x: 0.0..axis.end,
             y: 0.0..top,
             x_label: &|v| axis_number(*v, axis.end),
-            y_label: &|v| axis_number(*v, top),
+            y_label: &|v| match counts {
+                true if v.fract().abs() > 1e-9 => String::new(),
+                true => format!("{v:.0}"),
+                false => axis_number(*v, top),
+            },
             x_desc: &axis.label(),
             y_desc,
         };
@@ -329,6 +334,7 @@ pub fn groups(samples: &[GroupSample], axis: &TimeAxis) -> Result<String> {
         "groups waiting; GPUs reserved",
         &lines,
         axis,
+        false,
     )
 }
 
@@ -344,7 +350,7 @@ fn level_word(key: &str) -> &str {
 
 /// Whole nodes of the largest size and whole switches per network level, over time.
 pub fn whole_room(samples: &[RoomSample], axis: &TimeAxis) -> Result<String> {
-    let Some(last) = samples.last() else { return step_chart("Room for jobs", "", &[], axis) };
+    let Some(last) = samples.last() else { return step_chart("Room for jobs", "", &[], axis, true) };
     let g = last.room.node_gpus;
     let mut lines = vec![StepLine {
         name: format!("whole {g}-GPU nodes (every GPU free)"),
@@ -359,13 +365,13 @@ pub fn whole_room(samples: &[RoomSample], axis: &TimeAxis) -> Result<String> {
             points: room_series(samples, |s| s.room.levels.get(i).map_or(0.0, |x| x.whole as f64)),
         });
     }
-    step_chart("Room for jobs over time: whole nodes and whole switches", "nodes; switches", &lines, axis)
+    step_chart("Room for jobs over time: whole nodes and whole switches", "nodes; switches", &lines, axis, true)
 }
 
 /// The largest job of node-sized pods one switch can take, per level, and the idle GPUs stranded on
 /// broken nodes of the largest size, over time.
 pub fn largest_job(samples: &[RoomSample], axis: &TimeAxis) -> Result<String> {
-    let Some(last) = samples.last() else { return step_chart("Largest job", "", &[], axis) };
+    let Some(last) = samples.last() else { return step_chart("Largest job", "", &[], axis, true) };
     let g = last.room.node_gpus;
     let mut lines = Vec::new();
     for (i, l) in last.room.levels.iter().enumerate().rev().filter(|(_, l)| l.switches > 0) {
@@ -380,7 +386,13 @@ pub fn largest_job(samples: &[RoomSample], axis: &TimeAxis) -> Result<String> {
         color: PENDING,
         points: room_series(samples, |s| s.room.stranded_idle_gpus as f64),
     });
-    step_chart("The largest job that fits now, and idle GPUs no node-sized pod can use", "pods; GPUs", &lines, axis)
+    step_chart(
+        "The largest job that fits now, and idle GPUs no node-sized pod can use",
+        "pods; GPUs",
+        &lines,
+        axis,
+        true,
+    )
 }
 
 /// One stacked bar per category, horizontal (category names can be long), one colour per series.

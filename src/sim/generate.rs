@@ -404,6 +404,7 @@ mod tests {
             memory_mib: 262144,
             gpu,
             model: model.into(),
+            nvswitch: false,
         };
         vec![n("a", 8, "G2"), n("b", 2, "T4"), n("c", 2, "T4")]
     }
@@ -457,6 +458,7 @@ mod tests {
             memory_mib: 393216,
             gpu,
             model: model.into(),
+            nvswitch: false,
         };
         let every_model = vec![
             n("g2", 8, "G2"),

@@ -40,6 +40,8 @@ pub struct SimConfig {
     pub unlimited_host: bool,
     /// How the seed's pods arrive (`sim::arrivals`; the paper's protocol shuffles them).
     pub arrival: arrivals::Arrival,
+    /// The nodes' boards (the paper's: flat; `hgx`: a training cluster's what-if).
+    pub boards: state::Boards,
 }
 
 /// Makes every node's host CPU and memory unlimited when `cfg` asks for it (`--unlimited-host`).
@@ -84,6 +86,7 @@ where
 pub fn simulate(trace_dir: &Path, cfg: &SimConfig) -> Result<Vec<PolicyReport>, TraceError> {
     let mut nodes = trace::load_nodes(trace_dir)?;
     apply_host_limits(&mut nodes, cfg);
+    cfg.boards.apply(&mut nodes);
     let (base, steps) = generate::parse_workload(&cfg.workload)?;
     let pods = generate::generate(&trace::load_pods(trace_dir, &base)?, &nodes, &steps)?;
     let mix = protocol::typical_mix(&pods);
@@ -95,11 +98,12 @@ pub fn simulate(trace_dir: &Path, cfg: &SimConfig) -> Result<Vec<PolicyReport>, 
     for p in runs {
         let mut r = PolicyReport::new(p.name, &cfg.workload, &p.results, p.wall_s);
         r.arrival = cfg.arrival.name().to_string();
+        r.boards = cfg.boards.name().to_string();
         // rounded like every other figure (the mean of ten two-decimal figures is float noise)
         // the paper's figures are of its protocol: shuffled arrivals
         r.paper_unallocated_gpu_pct_at_100 = paper
             .as_ref()
-            .filter(|_| cfg.arrival == arrivals::Arrival::Shuffled)
+            .filter(|_| cfg.arrival == arrivals::Arrival::Shuffled && cfg.boards == state::Boards::Flat)
             .and_then(|paper| paper.unallocated_at(&cfg.workload, p.kind, 100, &cfg.seeds))
             .map(|x| (x * 100.0).round() / 100.0);
         reports.push(r);
@@ -114,6 +118,7 @@ pub fn simulate(trace_dir: &Path, cfg: &SimConfig) -> Result<Vec<PolicyReport>, 
         let wall = start.elapsed().as_secs_f64();
         let mut r = PolicyReport::new(reference::REFERENCE_NAME, &cfg.workload, &results, wall);
         r.arrival = cfg.arrival.name().to_string();
+        r.boards = cfg.boards.name().to_string();
         reports.push(r);
     }
     Ok(reports)

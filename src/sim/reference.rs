@@ -102,7 +102,14 @@ mod tests {
     use crate::sim::trace::tests::pod;
 
     fn node(name: &str, gpus: u32) -> TraceNode {
-        TraceNode { name: name.into(), cpu_milli: 64_000, memory_mib: 262_144, gpu: gpus, model: "V100M16".into() }
+        TraceNode {
+            name: name.into(),
+            cpu_milli: 64_000,
+            memory_mib: 262_144,
+            gpu: gpus,
+            model: "V100M16".into(),
+            nvswitch: false,
+        }
     }
 
     #[test]

@@ -135,6 +135,8 @@ pub fn nodes_of(cluster: &Cluster, path: &Path) -> Result<Vec<TraceNode>, Replay
             memory_mib: if n.memory_mib == 0 { UNLIMITED } else { n.memory_mib },
             gpu: n.gpus.len() as u32,
             model: n.gpus[0].model.clone(),
+            // the simulator's boards are flat or NVSwitch: an NVLink board counts as the latter
+            nvswitch: crate::placement::whole_units::built_for_jobs(n),
         });
     }
     if out.is_empty() {
@@ -308,6 +310,7 @@ mod tests {
             memory_mib: UNLIMITED,
             gpu: 8,
             model: "H100".into(),
+            nvswitch: false,
         }];
         let pods: Vec<TracePod> = (0..3)
             .map(|i| TracePod {
@@ -329,6 +332,7 @@ mod tests {
             mix_source: Default::default(),
             offline_reference: false,
             arrival: Default::default(),
+            boards: Default::default(),
             unlimited_host: false,
         };
         let reports = replay(&nodes, &pods, "placement-log:p", &cfg);

@@ -19,6 +19,9 @@ pub struct PolicyReport {
     /// How the pods arrived (`sim::arrivals`): `shuffled` is the paper's protocol.
     #[serde(default = "shuffled", skip_serializing_if = "is_shuffled")]
     pub arrival: String,
+    /// The nodes' boards (`sim::state::Boards`): `flat` is the paper's protocol.
+    #[serde(default = "flat", skip_serializing_if = "is_flat")]
+    pub boards: String,
     pub seeds: Vec<u64>,
     /// Mean over seeds of the unallocated GPU share (%) by arrived-workload column ("75".."130"),
     /// only for columns the arrivals reached; written in numeric column order.
@@ -53,6 +56,14 @@ fn shuffled() -> String {
 
 fn is_shuffled(a: &str) -> bool {
     a == crate::sim::arrivals::Arrival::Shuffled.name()
+}
+
+fn flat() -> String {
+    crate::sim::state::Boards::Flat.name().to_string()
+}
+
+fn is_flat(b: &str) -> bool {
+    b == crate::sim::state::Boards::Flat.name()
 }
 
 /// Jobs' figures of one policy (groups, and pods of two or more GPUs), means over seeds. The replay
@@ -151,6 +162,7 @@ impl PolicyReport {
             policy: policy.to_string(),
             workload: workload.to_string(),
             arrival: shuffled(),
+            boards: flat(),
             seeds: results.iter().map(|r| r.seed).collect(),
             unallocated_gpu_pct: unallocated,
             frag_rate_pct_at_80: round2(mean(results.iter().filter_map(|r| r.frag_rate_pct[80]))),
@@ -193,6 +205,9 @@ pub fn table(reports: &[PolicyReport]) -> String {
     out.push_str("Unallocated GPU % by arrived workload (% of cluster GPU capacity), mean over seeds");
     if let Some(r) = reports.iter().find(|r| !is_shuffled(&r.arrival)) {
         out.push_str(&format!("; arrival order {}", r.arrival));
+    }
+    if let Some(r) = reports.iter().find(|r| !is_flat(&r.boards)) {
+        out.push_str(&format!("; boards {} (what-if)", r.boards));
     }
     out.push('\n');
     // wide enough for the what-if's label and generated workload names
@@ -266,6 +281,7 @@ mod tests {
             policy: "fgd".into(),
             workload: "default".into(),
             arrival: shuffled(),
+            boards: flat(),
             seeds: vec![1],
             unallocated_gpu_pct: columns.iter().map(|c| (c.to_string(), 1.5)).collect(),
             frag_rate_pct_at_80: frag,

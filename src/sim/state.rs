@@ -7,7 +7,7 @@ use std::sync::Arc;
 use crate::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
 use crate::core::cluster::{network_labels, Cluster, Gpu, Node};
 use crate::core::inventory::synthetic_uuid;
-use crate::core::topology::GpuTopology;
+use crate::core::topology::{GpuTopology, Link, NvlinkFabric, PcieLevel};
 use crate::placement::mix::WorkloadMix;
 use crate::sim::trace::{model_memory_mib, TraceNode, TracePod};
 
@@ -78,6 +78,45 @@ impl SimNode {
 pub const SYNTHETIC_TOR: usize = 16;
 pub const SYNTHETIC_SPINE: usize = 128;
 
+/// The boards the simulated nodes have. The trace publishes no topology, and its replays treat every
+/// node as flat (the paper's protocol); `Hgx` is a what-if of a training cluster, in which every
+/// 8-GPU node is an HGX board (8 GPUs joined by NVSwitch), so that the room such nodes keep for
+/// node-sized jobs counts (`placement::whole_units`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Boards {
+    /// Every node flat: its GPUs on one host bridge, no NVLink.
+    #[default]
+    Flat,
+    /// 8-GPU nodes are HGX boards (NVSwitch); the others flat.
+    Hgx,
+}
+
+impl Boards {
+    pub fn name(self) -> &'static str {
+        match self {
+            Boards::Flat => "flat",
+            Boards::Hgx => "hgx",
+        }
+    }
+
+    /// Marks the nodes the what-if makes HGX boards.
+    pub fn apply(self, nodes: &mut [TraceNode]) {
+        if self == Boards::Hgx {
+            for n in nodes.iter_mut().filter(|n| n.gpu == 8) {
+                n.nvswitch = true;
+            }
+        }
+    }
+}
+
+/// `n` GPUs joined by NVSwitch, each pair with 18 NVLinks (an HGX H100 board's, as
+/// `core::inventory`'s `nvswitch` board).
+fn nvswitch_board(n: usize) -> GpuTopology {
+    let links =
+        (0..n as u32).flat_map(|a| (a + 1..n as u32).map(move |b| (a, b, Link { nvlinks: 18, pcie: PcieLevel::Sys })));
+    GpuTopology::new(n, NvlinkFabric::Nvswitch, links, PcieLevel::Sys).unwrap_or_else(|_| GpuTopology::flat(n))
+}
+
 /// The cluster under simulation.
 #[derive(Debug, Clone)]
 pub struct SimState {
@@ -93,12 +132,15 @@ pub struct SimState {
 
 impl SimState {
     pub fn new(trace_nodes: &[TraceNode], mix: WorkloadMix) -> Self {
-        let mut boards: BTreeMap<usize, Arc<GpuTopology>> = BTreeMap::new();
+        let mut boards: BTreeMap<(usize, bool), Arc<GpuTopology>> = BTreeMap::new();
         let mut nodes = Vec::with_capacity(trace_nodes.len());
         let mut sim = Vec::with_capacity(trace_nodes.len());
         for t in trace_nodes {
             let n = t.gpu as usize;
-            let topo = boards.entry(n).or_insert_with(|| Arc::new(GpuTopology::flat(n))).clone();
+            let topo = boards
+                .entry((n, t.nvswitch))
+                .or_insert_with(|| Arc::new(if t.nvswitch { nvswitch_board(n) } else { GpuTopology::flat(n) }))
+                .clone();
             let mem = model_memory_mib(&t.model);
             let gpus = (0..t.gpu)
                 .map(|i| Gpu {
@@ -193,5 +235,36 @@ impl SimState {
         self.frag_total += f - self.frag[node];
         self.frag[node] = f;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::placement::whole_units::built_for_jobs;
+
+    fn node(name: &str, gpu: u32) -> TraceNode {
+        TraceNode {
+            name: name.into(),
+            cpu_milli: 64_000,
+            memory_mib: 262_144,
+            gpu,
+            model: "V100M32".into(),
+            nvswitch: false,
+        }
+    }
+
+    #[test]
+    fn the_hgx_what_if_makes_8_gpu_nodes_nvswitch_boards_and_leaves_the_others_flat() {
+        let mut nodes = vec![node("a", 8), node("b", 4), node("c", 8)];
+        Boards::Flat.apply(&mut nodes);
+        assert!(nodes.iter().all(|n| !n.nvswitch));
+        Boards::Hgx.apply(&mut nodes);
+        let state = SimState::new(&nodes, WorkloadMix::default());
+        let jobs: Vec<bool> = state.cluster.nodes().iter().map(built_for_jobs).collect();
+        assert_eq!(jobs, [true, false, true]);
+        let t = &state.cluster.nodes()[0].topology;
+        assert_eq!(t.fabric(), NvlinkFabric::Nvswitch);
+        assert!(t.links().all(|(_, _, l)| l.nvlinks == 18));
     }
 }

@@ -35,6 +35,10 @@ pub struct TraceNode {
     pub gpu: u32,
     #[serde(default)]
     pub model: String,
+    /// Its GPUs are joined by NVLink through an NVSwitch (the trace publishes no topology: set by the
+    /// `--boards hgx` what-if, or from a cluster file's board).
+    #[serde(skip)]
+    pub nvswitch: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]

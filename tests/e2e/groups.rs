@@ -507,6 +507,22 @@ async fn shares_first_then_jobs(name: &str, restart: Restart) {
             assert_eq!(spines.len(), 1, "{name} spread over {spines:?}");
         }
     }
+    // what a capacity planner reads afterwards: the report names the room over time
+    let html = st.cp.dir.join("report.html");
+    let out = std::process::Command::new(crate::cluster::workspace_bin("gpuplace"))
+        .args(["report", "--placement-log"])
+        .arg(&ext.placement_log)
+        .arg("-o")
+        .arg(&html)
+        .output()
+        .expect("run gpuplace report");
+    let summary = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "report: {}", String::from_utf8_lossy(&out.stderr));
+    let room_line = summary.lines().find(|l| l.contains("at the last bind, room:")).unwrap_or("").trim().to_string();
+    figure(&format!("groups: {name}: report: {room_line}"));
+    assert!(room_line.contains("tor: ") && room_line.contains("spine: "), "{summary}");
+    let page = std::fs::read_to_string(&html).expect("the report");
+    assert!(page.contains("id=\"chart-room\"") && page.contains("id=\"chart-largest-job\""), "room charts");
 }
 
 /// Pods of the namespace whose name starts with `prefix`, by name: the node of each bound one.
