@@ -544,7 +544,7 @@ fn an_elastic_group_starts_its_minimum_and_the_rest_join_under_its_tor_as_room_a
     for m in &job[2..] {
         let r = filter(&e, m);
         assert!(passed(&r).is_empty() && r.error.is_empty(), "{r:?}");
-        assert_eq!(reason(&r), "gpuplace: group el has 2 of 4 pods placed; its tor has no room for more");
+        assert_eq!(reason(&r), "gpuplace: group el has 2 pods placed; its tor has no room for more");
     }
     assert_eq!(reserved_gpus(&e), 0.0, "members that wait hold nothing");
     // room appears under tor-0, one node at a time: each waiting member joins there
@@ -588,7 +588,7 @@ fn a_gang_beyond_its_min_count_waits_with_plain_rejections_while_its_quorum_is_p
     }
     // started: a retry with no room is an error (kube-scheduler's error back-off), then room appears
     let r = filter(&e, &gang[2]);
-    assert_eq!(r.error, "gpuplace: group pg has 2 of 4 pods placed; its tor has no room for more");
+    assert_eq!(r.error, "gpuplace: group pg has 2 pods placed; its tor has no room for more");
     e.release_pod("uid-busy-0");
     e.release_pod("uid-busy-1");
     let joined: Vec<String> = gang[2..].iter().map(|m| place(&e, m)).collect();
@@ -614,7 +614,7 @@ fn members_beyond_a_quorum_leave_the_room_a_whole_waiting_group_needs() {
     e.release_pod("uid-busy-0");
     e.release_pod("uid-busy-1");
     let r = filter(&e, &el[2]);
-    assert_eq!(reason(&r), "gpuplace: group el has 2 of 4 pods placed; room for more is kept for group job");
+    assert_eq!(reason(&r), "gpuplace: group el has 2 pods placed; room for more is kept for group job");
     let nodes: BTreeSet<String> = job.iter().map(|m| place(&e, m)).collect();
     assert_eq!(nodes, BTreeSet::from(["gpu-00".to_string(), "gpu-01".to_string()]));
 }

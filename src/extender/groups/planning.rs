@@ -204,21 +204,20 @@ fn room_kept_for(ctx: &mut Planning<'_>, slots: &[PodAssignment]) -> Option<Stri
 }
 
 /// Why no more members of a group that has `placed` of them placed (its quorum or more) join now.
+/// The count is of pods placed only: a gang's size grows as its pods are seen, so a total could read
+/// low for a moment.
 fn more_reason(g: &Group, placed: usize) -> String {
     let name = group_name(&g.key);
     match g.required.last() {
-        Some(k) => {
-            format!("group {name} has {placed} of {} pods placed; its {} has no room for more", g.size, level_name(k))
-        }
-        None => format!("group {name} has {placed} of {} pods placed; no room for more now", g.size),
+        Some(k) => format!("group {name} has {placed} pods placed; its {} has no room for more", level_name(k)),
+        None => format!("group {name} has {placed} pods placed; no room for more now"),
     }
 }
 
 fn kept_reason(g: &Group, placed: usize, waiting: &str) -> String {
     format!(
-        "group {} has {placed} of {} pods placed; room for more is kept for group {}",
+        "group {} has {placed} pods placed; room for more is kept for group {}",
         group_name(&g.key),
-        g.size,
         group_name(waiting)
     )
 }
