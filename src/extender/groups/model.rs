@@ -141,6 +141,11 @@ impl Group {
         self.members.values().filter(|m| m.bound.is_some()).count()
     }
 
+    /// Members bound, plus slots reserved for members not bound yet.
+    pub(super) fn placed(&self) -> usize {
+        self.bound() + self.plan.as_ref().map_or(0, |p| p.slots.iter().filter(|s| !s.taken).count())
+    }
+
     /// Its size, quorum and required keys from the member's spec and the PodGroup (the larger size
     /// wins: a gang is every pod that names it, so one seen beyond the PodGroup's `minCount` counts).
     pub(super) fn settle_spec(&mut self, spec: &GroupSpec, info: Option<&PodGroupInfo>) {

@@ -10,7 +10,7 @@ use crate::core::assignment::PodAssignment;
 use crate::core::cluster::Cluster;
 use crate::core::resources::PodRequest;
 use crate::placement::engine::Engine;
-use crate::placement::group_plan::{group_name, level_name, plan_group, GroupAsk, GroupPlan};
+use crate::placement::group_plan::{group_name, level_name, plan_group, GroupAsk, GroupPlan, NoPlan};
 use crate::placement_log::GroupEvent;
 
 /// Two requests that a slot planned for one can serve for the other (same containers and rules).
@@ -58,8 +58,8 @@ pub(super) fn decide(g: &mut Group, mut ctx: Planning<'_>, uid: &str, events: &m
         return v;
     }
     let fp = fingerprint(ctx.cluster);
-    if let Some(plan) = &g.plan {
-        if g.bound() + plan.slots.iter().filter(|s| !s.taken).count() >= g.size {
+    if g.plan.is_some() {
+        if g.placed() >= g.size {
             // more members than the group's size: judged as a single
             return Verdict::Single;
         }
@@ -144,17 +144,23 @@ fn plan_members(
     for (i, r) in requests.iter_mut().enumerate() {
         r.key = reservation_key(&g.key, first_slot + i);
     }
+    let plan = plan_around(g, ctx, &requests).map_err(|e| e.reason)?;
+    Ok((plan, requests))
+}
+
+/// Plans `requests` for `g` around its members placed (bound or reserved), under its required keys,
+/// off the nodes kube-scheduler turned down; nothing is counted.
+fn plan_around(g: &Group, ctx: &mut Planning<'_>, requests: &[PodRequest]) -> Result<GroupPlan, NoPlan> {
     let placed = placed_nodes(g, ctx.cluster);
     let excluded: Vec<usize> = g.excluded.iter().filter_map(|n| ctx.cluster.node_index(n)).collect();
     let ask = GroupAsk {
         key: &g.key,
-        members: &requests,
+        members: requests,
         placed_nodes: &placed,
         required_keys: &g.required,
         excluded: &excluded,
     };
-    let plan = plan_group(ctx.engine, ctx.cluster, &ask, ctx.now_unix_ms).map_err(|e| e.reason)?;
-    Ok((plan, requests))
+    plan_group(ctx.engine, ctx.cluster, &ask, ctx.now_unix_ms)
 }
 
 /// Counts `slots` in the cluster, all or none.
@@ -293,21 +299,12 @@ fn make_plan(g: &mut Group, ctx: &mut Planning<'_>) -> Result<GroupEvent, String
 /// the room.
 fn grow_plan(g: &mut Group, ctx: &mut Planning<'_>, uid: &str) -> Result<GroupEvent, String> {
     let Some(plan) = g.plan.as_ref() else { return Err(format!("group {} has no plan", group_name(&g.key))) };
-    let placed = g.bound() + plan.slots.iter().filter(|s| !s.taken).count();
+    let placed = g.placed();
     let next = plan.slots.len();
     let Some(m) = g.members.get(uid) else { return Err(format!("group {} does not know the pod", group_name(&g.key))) };
     let mut request = m.request.clone();
     request.key = reservation_key(&g.key, next);
-    let placed_idx = placed_nodes(g, ctx.cluster);
-    let excluded: Vec<usize> = g.excluded.iter().filter_map(|n| ctx.cluster.node_index(n)).collect();
-    let ask = GroupAsk {
-        key: &g.key,
-        members: std::slice::from_ref(&request),
-        placed_nodes: &placed_idx,
-        required_keys: &g.required,
-        excluded: &excluded,
-    };
-    let grown = plan_group(ctx.engine, ctx.cluster, &ask, ctx.now_unix_ms).map_err(|_| more_reason(g, placed))?;
+    let grown = plan_around(g, ctx, std::slice::from_ref(&request)).map_err(|_| more_reason(g, placed))?;
     if let Some(w) = room_kept_for(ctx, &grown.slots) {
         return Err(kept_reason(g, placed, &w));
     }

@@ -51,10 +51,8 @@ pub fn host_keeps_up(node: &Node, placement: &Placement) -> bool {
     if n == 0 {
         return true;
     }
-    let mut taken = placement.gpus();
-    taken.sort_unstable();
-    taken.dedup();
-    let newly = taken.iter().filter(|&&g| node.is_gpu_free(g as usize)).count() as u64;
+    // distinct GPUs (`PodAssignment::gpus` sorts and dedups)
+    let newly = placement.gpus().iter().filter(|&&g| node.is_gpu_free(g as usize)).count() as u64;
     let idle_after = (node.idle_gpus() as u64).saturating_sub(newly);
     let a = &placement.assignment;
     let fed = |total: u64, free: u64, used: u64| total == 0 || free.saturating_sub(used) * n >= idle_after * total;
