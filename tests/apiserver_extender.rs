@@ -30,7 +30,10 @@ use gpuplace::extender::tls::{self, ClientAuth, ServerFiles};
 use gpuplace::placement::engine::Engine;
 use gpuplace::placement::mix::WorkloadMix;
 use gpuplace::placement::mix_learner::{bundled_prior, MixLearner};
-use gpuplace::placement::profile::{Profile, ProfileConfig, Weights};
+use gpuplace::placement::{
+    profile::{Profile, ProfileConfig},
+    registry::Weights,
+};
 use gpuplace_testkit::apiserver::FakeApiServer;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Secret};
@@ -1162,7 +1165,7 @@ async fn utilization_comes_from_configmaps_is_scored_and_goes_with_them() {
     unlabelled.metadata.labels = None;
     fake.put(&unlabelled);
     // utilization weighs as much as everything else, so a busy node shows in the 0..10 scores
-    let profile = ProfileConfig { weights: Weights { utilization: 12.0, ..Weights::default() }, ..Default::default() };
+    let profile = ProfileConfig { weights: Weights::default().with("utilization", 12.0), ..Default::default() };
     let r = replica_with(&fake, None, profile);
     ready(&r.ext).await;
     let pod = fake.put(&gpu_pod("p", whole(1)));

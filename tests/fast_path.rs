@@ -16,10 +16,13 @@ use gpuplace::placement::engine::Engine;
 use gpuplace::placement::feasibility::{place_on_node, Placement};
 use gpuplace::placement::mix::ReserveClass;
 use gpuplace::placement::mix::{HostFree, MixEntry, WorkloadMix};
-use gpuplace::placement::profile::{Profile, ProfileConfig, Weights};
 use gpuplace::placement::scorers::fragmentation::fragmentation_delta;
 use gpuplace::placement::scorers::packing::load_after;
 use gpuplace::placement::views::GroupView;
+use gpuplace::placement::{
+    profile::{Profile, ProfileConfig},
+    registry::Weights,
+};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -244,16 +247,7 @@ fn engines(rng: &mut ChaCha8Rng) -> Vec<Engine> {
     let packing_only = ProfileConfig {
         share_by_fragmentation: false,
         numa: NumaPolicy::None,
-        weights: Weights {
-            fragmentation: 0.0,
-            packing: 1.0,
-            topology: 0.5,
-            network: 0.0,
-            utilization: 0.0,
-            reserve: 0.0,
-            model_supply: 0.0,
-            whole: 0.0,
-        },
+        weights: Weights::none().with("packing", 1.0).with("topology", 0.5),
         ..ProfileConfig::default()
     };
     vec![

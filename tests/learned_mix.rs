@@ -29,7 +29,10 @@ use gpuplace::placement::mix::WorkloadMix;
 use gpuplace::placement::mix_learner::{
     bundled_prior, typical_gpu_memory_mib, LearnerConfig, MixLearner, MixLearnerState,
 };
-use gpuplace::placement::profile::{Profile, ProfileConfig, Weights};
+use gpuplace::placement::{
+    profile::{Profile, ProfileConfig},
+    registry::Weights,
+};
 use serde_json::{json, Value};
 
 const NOW: i64 = 1_700_000_000_000;
@@ -59,16 +62,7 @@ fn node_names(c: &Cluster) -> Vec<String> {
 /// Only fragmentation counts: every change of the mix shows in the 0..10 scores (with the default
 /// weights most changes round away, and a stale cached score could go unnoticed).
 fn fragmentation_only() -> ProfileConfig {
-    let weights = Weights {
-        fragmentation: 1.0,
-        packing: 0.0,
-        topology: 0.0,
-        network: 0.0,
-        utilization: 0.0,
-        reserve: 0.0,
-        model_supply: 0.0,
-        whole: 0.0,
-    };
+    let weights = Weights::none().with("fragmentation", 1.0);
     ProfileConfig { weights, requested_packing_weight: 0.0, ..ProfileConfig::default() }
 }
 

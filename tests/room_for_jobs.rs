@@ -118,9 +118,9 @@ fn shares_first_consolidate_and_the_jobs_after_them_start_whole() {
 /// utilization samples break the ties across empty nodes of every ToR.
 #[test]
 fn without_the_whole_scorer_live_utilization_spreads_the_shares() {
-    use gpuplace::placement::profile::{ProfileConfig, Weights};
+    use gpuplace::placement::{profile::ProfileConfig, registry::Weights};
     let mut c = cluster();
-    let weights = Weights { whole: 0.0, ..Weights::default() };
+    let weights = Weights::default().with("whole", 0.0);
     let mut engine = Engine::new(Profile::new(ProfileConfig { weights, ..ProfileConfig::default() }), bundled_prior());
     let mut learner = MixLearner::new(LearnerConfig::default(), bundled_prior());
     let nodes = place_shares(&mut engine, &mut learner, &mut c);
@@ -134,7 +134,7 @@ fn without_the_whole_scorer_live_utilization_spreads_the_shares() {
 /// and the ranking is the one without it.
 #[test]
 fn pcie_only_nodes_are_left_to_fragmentation() {
-    use gpuplace::placement::profile::{ProfileConfig, Weights};
+    use gpuplace::placement::{profile::ProfileConfig, registry::Weights};
     let board = Board::Pcie {
         model: "NVIDIA L40S".into(),
         memory_mib: 46068,
@@ -146,10 +146,7 @@ fn pcie_only_nodes_are_left_to_fragmentation() {
     .expect("a board");
     let mut c = Cluster::new((0..4).map(|i| board.node(&format!("l40s-{i}"), BTreeMap::new(), 0, 0)).collect());
     let off = Engine::new(
-        Profile::new(ProfileConfig {
-            weights: Weights { whole: 0.0, ..Weights::default() },
-            ..ProfileConfig::default()
-        }),
+        Profile::new(ProfileConfig { weights: Weights::default().with("whole", 0.0), ..ProfileConfig::default() }),
         bundled_prior(),
     );
     let on = Engine::new(Profile::gpuplace(), bundled_prior());

@@ -17,7 +17,10 @@ use gpuplace::extender::wire::{decode, ExtenderFilterResult, HostPriorityList, P
 use gpuplace::placement::engine::Engine;
 use gpuplace::placement::mix::ReserveClass;
 use gpuplace::placement::mix::WorkloadMix;
-use gpuplace::placement::profile::{Profile, ProfileConfig, Weights};
+use gpuplace::placement::{
+    profile::{Profile, ProfileConfig},
+    registry::Weights,
+};
 use proptest::prelude::*;
 use serde_json::{json, Value};
 
@@ -60,7 +63,7 @@ fn service_with(shape_cache: usize, mix: WorkloadMix) -> Extender {
         ServiceOptions { shape_cache, eval_cache: if shape_cache == 0 { 0 } else { 64 }, ..ServiceOptions::default() };
     // utilization weighs as much as everything else together, so a stale sample shows in the 0..10
     // scores (with the default weights it often rounds away)
-    let weights = Weights { utilization: 12.0, ..Weights::default() };
+    let weights = Weights::default().with("utilization", 12.0);
     let engine = Engine::new(Profile::new(ProfileConfig { weights, ..ProfileConfig::default() }), mix);
     let ext = Extender::new(cluster, engine, Arc::new(RecordingBinder::new()), opts);
     ext.set_clock(Some(NOW));

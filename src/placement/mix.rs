@@ -20,9 +20,9 @@
 //! look fine for 11-core pods although 7 of those GPUs can never be fed. Here the GPUs that `t` could
 //! use are capped by how many `t` requests the node's free CPU and host memory can still hold; the
 //! rest count as fragment. On the Alibaba trace this alone cuts FGD's unallocated GPUs by a tenth
-//! (docs/performance.md). It also weighs each type by its popularity over the square root of the
-//! GPUs it takes ([`MixEntry::gap_weight`]), not by popularity alone. The paper's own measure stays
-//! available as [`WorkloadMix::fgd_fragmentation`] for the FGD baseline and for reporting
+//! (docs/performance-journal.md). It also weighs each type by its popularity over the square root of
+//! the GPUs it takes ([`MixEntry::gap_weight`]), not by popularity alone. The paper's own measure
+//! stays available as [`WorkloadMix::fgd_fragmentation`] for the FGD baseline and for reporting
 //! comparable fragment rates.
 
 use serde::{Deserialize, Serialize};
@@ -194,7 +194,7 @@ impl WorkloadMix {
     /// GPUs to pods that could run anywhere: with a third of the GPU pods bound to a model
     /// (`default+gpuspec=33`, seeds 42-51) the bound pods then failed from a quarter of the cluster
     /// free on, and gpuplace left 29.68 percent unallocated at 75 percent arrival against FGD's
-    /// 29.16 (29.30 with FGD's measure on such models; docs/performance.md).
+    /// 29.16 (29.30 with FGD's measure on such models; docs/performance-journal.md).
     pub fn fragmentation(&self, free_milli: &[u32], host: HostFree, model: &str) -> f64 {
         let n = free_milli.len().min(64);
         if self.binds_model(model) {
@@ -253,9 +253,9 @@ impl MixEntry {
     /// as fragment, so popularity weights let the few 4- and 8-GPU types pull every share toward
     /// the already used nodes, although the reserve scorer keeps their hosts back anyway. The gaps
     /// that a share leaves are filled by the many small requests, and they are what the measure
-    /// should protect. Exponents tried on 26 workloads and two seed sets (docs/performance.md,
-    /// "Weighting the measure toward small requests"): 0 (popularity) left `default` at 4.46
-    /// percent unallocated at 100 percent arrival, -0.5 at 4.29, -0.7 at 4.22; -1 began to turn
+    /// should protect. Exponents tried on 26 workloads and two seed sets
+    /// (docs/performance-journal.md, "The fragmentation measure"): 0 (popularity) left `default` at
+    /// 4.46 percent unallocated at 100 percent arrival, -0.5 at 4.29, -0.7 at 4.22; -1 began to turn
     /// multi-GPU pods away before 75 percent arrival where FGD places them (`multigpu=40`, `=45`).
     pub fn gap_weight(&self) -> f64 {
         let gpus = f64::from(self.gpus) * f64::from(self.milli) / 1000.0;

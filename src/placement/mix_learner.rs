@@ -44,7 +44,7 @@ pub const REFRESH_EVERY: u64 = 1024;
 
 /// See [`MixLearner::refreshed`]: a change of the mix smaller than this (total variation) is not
 /// taken. Replaying the openb `default` trace (seeds 42-51): 0.02 gave 4.48 percent unallocated at
-/// 100 percent arrival, 0.05 gave 4.50-4.53 and 0.1 gave 4.65 (docs/performance.md).
+/// 100 percent arrival, 0.05 gave 4.50-4.53 and 0.1 gave 4.65 (docs/performance-journal.md).
 pub const MIX_CHANGE: f64 = 0.02;
 
 /// The reserve (`scorers::reserve`) is kept for at most this many of the largest request types seen.
@@ -56,7 +56,7 @@ pub const RESERVE_MAX_KEEP: u32 = 8;
 /// A list of GPU models keeps back at most this many free hosts for the requests bound to it. With
 /// a third of the GPU pods bound to a model (`default+gpuspec=33`, seeds 42-51), a cap of 8 gave
 /// 29.19 percent unallocated at 75 percent arrival, 32 gave 29.08, 64 gave 29.06 and none 29.12
-/// (FGD: 29.16; docs/performance.md).
+/// (FGD: 29.16; docs/performance-journal.md).
 pub const MODEL_RESERVE_MAX_KEEP: u32 = 32;
 
 /// At most this many lists of GPU models get a reserve class.

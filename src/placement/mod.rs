@@ -8,6 +8,7 @@ pub mod group_plan;
 pub mod mix;
 pub mod mix_learner;
 pub mod profile;
+pub mod registry;
 pub mod scarcity;
 pub mod scorer;
 pub mod scorers;

@@ -3,53 +3,9 @@
 use serde::{Deserialize, Serialize};
 
 use crate::core::resources::{NumaPolicy, PackingPolicy};
+use crate::placement::registry::{Weights, REGISTRY};
 use crate::placement::scorer::Scorer;
-use crate::placement::scorers::{
-    fragmentation::FragmentationScorer, model_supply::ModelSupplyScorer, network::NetworkScorer,
-    packing::PackingScorer, reserve::ReserveScorer, topology::TopologyScorer, utilization::UtilizationScorer,
-    whole::WholeScorer,
-};
-
-/// Scorer weights; a weight of 0 switches a scorer off.
-///
-/// Packing is only a tie-break by default: on the Alibaba trace even a weight of 0.1 next to
-/// fragmentation's 6 costs half a point of unallocated GPUs (docs/performance.md), because
-/// consolidating nodes and avoiding fragments pull apart. A pod that asks for `binpack` or `spread`
-/// gets [`ProfileConfig::requested_packing_weight`] instead.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct Weights {
-    pub fragmentation: f64,
-    pub packing: f64,
-    pub topology: f64,
-    pub network: f64,
-    pub utilization: f64,
-    /// Keeping back the last free hosts of the largest requests seen (`scorers::reserve`). It counts
-    /// only for pods that would take one; high, so that such a pod goes elsewhere whenever it can.
-    pub reserve: f64,
-    /// Keeping the GPUs of a model whose free GPUs run short for the pods bound to it
-    /// (`scorers::model_supply`). It counts only for pods that could run elsewhere.
-    pub model_supply: f64,
-    /// Keeping whole nodes, ToRs and spines for the node-sized pods and jobs the cluster is built
-    /// for (`scorers::whole`): a pod breaks one only when no broken node takes it. High, so that
-    /// live utilization or a fragmentation tie never spreads shares over empty nodes.
-    pub whole: f64,
-}
-
-impl Default for Weights {
-    fn default() -> Self {
-        Self {
-            fragmentation: 6.0,
-            packing: 0.01,
-            topology: 2.0,
-            network: 3.0,
-            utilization: 1.0,
-            reserve: 6.0,
-            model_supply: 6.0,
-            whole: 6.0,
-        }
-    }
-}
+use crate::placement::scorers::packing;
 
 /// Policies and weights, as written in a config file.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -100,24 +56,15 @@ impl Profile {
         let requested = config.requested_packing_weight;
         let mut scorers: Vec<(Box<dyn Scorer>, f64)> = Vec::new();
         let mut packing = None;
-        for (s, weight) in [
-            (Box::new(FragmentationScorer) as Box<dyn Scorer>, w.fragmentation),
-            (Box::new(PackingScorer), w.packing),
-            (Box::new(TopologyScorer), w.topology),
-            (Box::new(NetworkScorer), w.network),
-            (Box::new(UtilizationScorer), w.utilization),
-            (Box::new(ReserveScorer), w.reserve),
-            (Box::new(ModelSupplyScorer), w.model_supply),
-            (Box::new(WholeScorer), w.whole),
-        ] {
-            let is_packing = s.name() == PackingScorer.name();
+        for (r, (_, weight)) in REGISTRY.iter().zip(w.iter()) {
+            let is_packing = r.name == packing::NAME;
             // packing stays (at its own weight, possibly 0) while pods may ask for a policy, so
             // the annotation always works
             if usable(weight) || (is_packing && usable(requested)) {
                 if is_packing {
                     packing = Some(scorers.len());
                 }
-                scorers.push((s, if weight.is_finite() { weight.max(0.0) } else { 0.0 }));
+                scorers.push(((r.build)(), if weight.is_finite() { weight.max(0.0) } else { 0.0 }));
             }
         }
         Self { config, scorers, packing }

@@ -6,8 +6,8 @@
 //! NVSwitch). That is what the inventory says of a training cluster (HGX and DGX boards under a ToR
 //! and spine fabric) before its first job arrives. PCIe-only boards (L40S, T4, the Alibaba trace's
 //! nodes) serve inference and shares; there the fragmentation measure alone decides, as consolidating
-//! shares on them cost 0.7 points of unallocated GPUs on the trace (docs/performance.md, "Room for
-//! jobs"). Such nodes are neutral: they neither break a switch nor keep one whole.
+//! shares on them cost 0.7 points of unallocated GPUs on the trace (docs/performance-journal.md,
+//! "Room for jobs"). Such nodes are neutral: they neither break a switch nor keep one whole.
 //!
 //! Whether a switch is whole depends on every node under it, so this is kept per cluster state,
 //! beside the reserve's scarcity (`placement::scarcity`), and updated only for the nodes whose stamp

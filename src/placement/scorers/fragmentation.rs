@@ -8,6 +8,12 @@ use crate::placement::feasibility::Placement;
 use crate::placement::mix::{HostFree, WorkloadMix};
 use crate::placement::scorer::{ScoreContext, Scorer};
 
+/// The scorer's name in profiles, weights and placement logs.
+pub const NAME: &str = "fragmentation";
+
+/// How much a placement raising its node's fragmentation counts; the profile's main concern.
+pub const DEFAULT_WEIGHT: f64 = 6.0;
+
 /// Rates a placement by how little it adds to the node's fragmentation.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct FragmentationScorer;
@@ -26,7 +32,7 @@ const DELTA_SPAN_MILLI: f64 = 8000.0;
 
 impl Scorer for FragmentationScorer {
     fn name(&self) -> &'static str {
-        "fragmentation"
+        NAME
     }
 
     fn score(&self, ctx: &ScoreContext<'_>, node: &Node, placement: &Placement) -> f64 {

@@ -6,7 +6,7 @@
 //! the pods that could run anywhere from taking the GPUs of a model first: on the openb trace with
 //! model-bound pods (`gpuspec-openb=5`, seeds 42-51) the 2-GPU `T4` and `P100` nodes, the best fit
 //! for a 1-GPU pod, were nearly full by 75 percent arrival, mostly with pods that named no model,
-//! and the `T4` and `P100` pods that came after had nowhere to go (docs/performance.md,
+//! and the `T4` and `P100` pods that came after had nowhere to go (docs/performance-journal.md,
 //! "Model-bound pods").
 //!
 //! The learned mix carries, per list of models, the share of the arriving GPU demand (in GPUs)
@@ -34,7 +34,7 @@ use crate::placement::scorer::{ScoreContext, Scorer};
 
 /// A list is short while the GPUs it could use are less than this many times what the pods bound
 /// within it would take of the cluster's free GPUs, plus [`FLOOR_PODS`] of its pods
-/// (docs/performance.md, "Model-bound pods").
+/// (docs/performance-journal.md, "Model-bound pods").
 pub const HEADROOM: f64 = 2.0;
 
 /// However small its share, a list keeps room for this many of its typical pods, each counted as
@@ -43,7 +43,7 @@ pub const HEADROOM: f64 = 2.0;
 /// for the average `P100` pod). Counted at their average size, the first `P100` pods of the
 /// published `gpuspec05` (seed 45: small shares, 0.22 GPU each) kept 7 GPUs, unbound pods took the
 /// `P100` nodes down to 11 usable GPUs by 13 percent arrival, and seven `P100` pods failed from 63
-/// percent on (docs/performance.md, "Model-bound pods").
+/// percent on (docs/performance-journal.md, "Model-bound pods").
 pub const FLOOR_PODS: f64 = 32.0;
 
 /// Each GPU model of the node inventory that no learned list names alone is a list of its own,
@@ -263,13 +263,19 @@ fn guarded<'a>(ctx: &'a ScoreContext<'_>) -> impl Iterator<Item = &'a Vec<String
     ctx.reserve.short.iter().filter(move |l| !bound_within(pod, l))
 }
 
+/// The scorer's name in profiles, weights and placement logs.
+pub const NAME: &str = "model_supply";
+
+/// It counts only for pods that could run elsewhere than on a model whose free GPUs run short.
+pub const DEFAULT_WEIGHT: f64 = 6.0;
+
 /// Keeps the GPUs of short model lists for the pods bound to them (module documentation).
 #[derive(Debug, Default, Clone, Copy)]
 pub struct ModelSupplyScorer;
 
 impl Scorer for ModelSupplyScorer {
     fn name(&self) -> &'static str {
-        "model_supply"
+        NAME
     }
 
     fn applies(&self, ctx: &ScoreContext<'_>) -> bool {
@@ -453,8 +459,11 @@ mod tests {
         let free = pod("ns/free", &[]);
         // without the scorer the pod goes where packing puts it
         let plain = {
-            use crate::placement::profile::{Profile, ProfileConfig, Weights};
-            let weights = Weights { model_supply: 0.0, ..Weights::default() };
+            use crate::placement::{
+                profile::{Profile, ProfileConfig},
+                registry::Weights,
+            };
+            let weights = Weights::default().with("model_supply", 0.0);
             crate::placement::engine::Engine::new(
                 Profile::new(ProfileConfig { weights, ..ProfileConfig::default() }),
                 Default::default(),

@@ -6,6 +6,12 @@ use crate::placement::feasibility::Placement;
 use crate::placement::scorer::{ScoreContext, Scorer};
 use crate::placement::views::path_of;
 
+/// The scorer's name in profiles, weights and placement logs.
+pub const NAME: &str = "network";
+
+/// How much closeness to a group's placed pods and room under its switch count.
+pub const DEFAULT_WEIGHT: f64 = 3.0;
+
 #[derive(Debug, Default, Clone, Copy)]
 pub struct NetworkScorer;
 
@@ -16,7 +22,7 @@ pub fn shared_levels(a: &[Option<String>], b: &[Option<String>]) -> usize {
 
 impl Scorer for NetworkScorer {
     fn name(&self) -> &'static str {
-        "network"
+        NAME
     }
 
     fn score(&self, ctx: &ScoreContext<'_>, node: &Node, placement: &Placement) -> f64 {
@@ -63,8 +69,11 @@ mod tests {
     use crate::core::resources::{GpuDemand, PackingPolicy, PodRequest};
     use crate::placement::engine::Engine;
     use crate::placement::mix::WorkloadMix;
-    use crate::placement::profile::{Profile, ProfileConfig, Weights};
     use crate::placement::views::GroupView;
+    use crate::placement::{
+        profile::{Profile, ProfileConfig},
+        registry::Weights,
+    };
 
     fn node(name: &str, gpus: u32, spine: Option<&str>, tor: Option<&str>) -> Node {
         let board = Board::Flat { gpus, model: "A100".into(), memory_mib: 40960 }.resolve(Path::new(".")).unwrap();
@@ -153,16 +162,7 @@ mod tests {
     #[test]
     fn the_engine_ranks_by_locality() {
         let c = locality_cluster();
-        let weights = Weights {
-            fragmentation: 0.0,
-            packing: 0.0,
-            topology: 0.0,
-            network: 1.0,
-            utilization: 0.0,
-            reserve: 0.0,
-            model_supply: 0.0,
-            whole: 0.0,
-        };
+        let weights = Weights::none().with("network", 1.0);
         let engine =
             Engine::new(Profile::new(ProfileConfig { weights, ..ProfileConfig::default() }), WorkloadMix::default());
         let ev = engine.evaluate_all(&c, &member(2, 4), 0);

@@ -4,8 +4,8 @@
 //! too rare to be in the mix get no protection. On the Alibaba trace, pods of 8 GPUs with 120 cores
 //! and 625-720 GiB of host memory fit only on a nearly empty 128-core node; the host-aware measure
 //! rates shares on exactly those nodes as the cheapest, so all of them take a share long before the
-//! next such pod arrives, and it fails in a three-quarters-full cluster (docs/performance.md,
-//! "Early failures").
+//! next such pod arrives, and it fails in a three-quarters-full cluster
+//! (docs/performance-journal.md, "Early failures").
 //!
 //! The mix therefore carries, besides its entries, a few *reserve classes*
 //! ([`WorkloadMix::reserve`](crate::placement::mix::WorkloadMix::reserve)): the largest request types seen recently, each with how many free
@@ -42,7 +42,7 @@ use crate::placement::scorer::{ScoreContext, Scorer};
 /// A quarter was enough while such requests were rare (`default`), but with more multi-GPU pods
 /// (`default+multigpu=30` and `=40`, seeds 42-51) 8-GPU pods of 120 cores failed from 63 percent
 /// arrival on: 25.09 and 25.33 percent unallocated at 75 percent against FGD's 25.02 and 24.96.
-/// Half gave 25.02 and 24.96, and left `default` as it was (docs/performance.md).
+/// Half gave 25.02 and 24.96, and left `default` as it was (docs/performance-journal.md).
 pub const INVENTORY_KEEP_SHARE: f64 = 0.5;
 
 /// Classes that only the nodes with the most host CPU can host, read from the node inventory alone
@@ -74,6 +74,13 @@ pub fn inventory_classes(cluster: &Cluster) -> Vec<ReserveClass> {
     }
     out
 }
+
+/// The scorer's name in profiles, weights and placement logs.
+pub const NAME: &str = "reserve";
+
+/// It counts only for pods that would take one of the last free hosts of the largest requests; high,
+/// so that such a pod goes elsewhere whenever it can.
+pub const DEFAULT_WEIGHT: f64 = 6.0;
 
 /// Keeps back the last free hosts of the reserve's scarce classes (module documentation).
 #[derive(Debug, Default, Clone, Copy)]
@@ -111,7 +118,7 @@ fn hosted_after(class: &ReserveClass, node: &Node, placement: &Placement) -> boo
 
 impl Scorer for ReserveScorer {
     fn name(&self) -> &'static str {
-        "reserve"
+        NAME
     }
 
     fn applies(&self, ctx: &ScoreContext<'_>) -> bool {

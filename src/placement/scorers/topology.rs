@@ -6,12 +6,18 @@ use crate::core::cluster::Node;
 use crate::placement::feasibility::Placement;
 use crate::placement::scorer::{ScoreContext, Scorer};
 
+/// The scorer's name in profiles, weights and placement logs.
+pub const NAME: &str = "topology";
+
+/// How much the chosen GPUs' links count against the board's best set of that size.
+pub const DEFAULT_WEIGHT: f64 = 2.0;
+
 #[derive(Debug, Default, Clone, Copy)]
 pub struct TopologyScorer;
 
 impl Scorer for TopologyScorer {
     fn name(&self) -> &'static str {
-        "topology"
+        NAME
     }
 
     fn score(&self, _ctx: &ScoreContext<'_>, node: &Node, placement: &Placement) -> f64 {

@@ -6,6 +6,12 @@ use crate::core::cluster::Node;
 use crate::placement::feasibility::Placement;
 use crate::placement::scorer::{ScoreContext, Scorer};
 
+/// The scorer's name in profiles, weights and placement logs.
+pub const NAME: &str = "utilization";
+
+/// How much GPUs measured busier than allocated count; bounded, never a filter.
+pub const DEFAULT_WEIGHT: f64 = 1.0;
+
 #[derive(Debug, Default, Clone, Copy)]
 pub struct UtilizationScorer;
 
@@ -62,7 +68,7 @@ pub fn stable_window(node: &Node, now: i64, max_age_ms: i64) -> (i64, i64) {
 
 impl Scorer for UtilizationScorer {
     fn name(&self) -> &'static str {
-        "utilization"
+        NAME
     }
 
     fn score(&self, ctx: &ScoreContext<'_>, node: &Node, placement: &Placement) -> f64 {
@@ -84,7 +90,10 @@ mod tests {
     use crate::core::resources::{GpuDemand, PackingPolicy, PodRequest};
     use crate::placement::engine::Engine;
     use crate::placement::mix::WorkloadMix;
-    use crate::placement::profile::{Profile, ProfileConfig, Weights};
+    use crate::placement::{
+        profile::{Profile, ProfileConfig},
+        registry::Weights,
+    };
 
     const MEM: u64 = 16000;
     const NOW: i64 = 1_700_000_000_000;
@@ -275,19 +284,11 @@ mod tests {
         // supply and the whole units have nothing to say here: no class is scarce, no list short, no
         // NVLink board, so their weights are left out)
         let w = engine.profile.config.weights;
-        let share = w.utilization / (engine.profile.total_weight(false) - w.reserve - w.model_supply - w.whole);
+        let w = |name| w.get(name).expect("a registered scorer");
+        let share = w(NAME) / (engine.profile.total_weight(false) - w("reserve") - w("model_supply") - w("whole"));
         assert!(close(cool.total - hot.total, share), "{} vs {}", cool.total - hot.total, share);
         // with utilization as the only scorer the hot node scores 0 but is still feasible
-        let weights = Weights {
-            fragmentation: 0.0,
-            packing: 0.0,
-            topology: 0.0,
-            network: 0.0,
-            utilization: 1.0,
-            reserve: 0.0,
-            model_supply: 0.0,
-            whole: 0.0,
-        };
+        let weights = Weights::none().with("utilization", 1.0);
         let only =
             Engine::new(Profile::new(ProfileConfig { weights, ..ProfileConfig::default() }), WorkloadMix::default());
         let ev = only.evaluate_all(&c, &req, NOW);

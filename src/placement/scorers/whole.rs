@@ -16,13 +16,20 @@
 //! host-aware fragmentation scorer would have avoided. So a placement that leaves a broken node's idle
 //! GPUs less than their share of its host is rated as breaking the node (on the Alibaba trace with its
 //! 8-GPU nodes as HGX boards, the scorer without this cost 0.79 points, with it 0.52; with unlimited
-//! hosts it cost nothing: docs/performance.md).
+//! hosts it cost nothing: docs/performance-journal.md, "The same on an NVLink training cluster").
 //!
 //! While no node is whole the scorer has nothing to say and is left out ([`Scorer::applies`]).
 
 use crate::core::cluster::Node;
 use crate::placement::feasibility::Placement;
 use crate::placement::scorer::{ScoreContext, Scorer};
+
+/// The scorer's name in profiles, weights and placement logs.
+pub const NAME: &str = "whole";
+
+/// A pod breaks a whole node, ToR or spine only when no broken node takes it. High, so that live
+/// utilization or a fragmentation tie never spreads shares over empty nodes.
+pub const DEFAULT_WEIGHT: f64 = 6.0;
 
 #[derive(Debug, Default, Clone, Copy)]
 pub struct WholeScorer;
@@ -61,7 +68,7 @@ pub fn host_keeps_up(node: &Node, placement: &Placement) -> bool {
 
 impl Scorer for WholeScorer {
     fn name(&self) -> &'static str {
-        "whole"
+        NAME
     }
 
     fn applies(&self, ctx: &ScoreContext<'_>) -> bool {
