@@ -173,7 +173,7 @@ struct ServeArgs {
     /// How many of the nodes that fit a pod the filter answer names, the best first by gpuplace's
     /// ranking (0: every one). kube-scheduler scores only those, and with one left it skips its
     /// score plugins and the prioritize call: at 1,000 nodes they were most of a pod's scheduling
-    /// time (docs/performance.md, "Scale"). Pods with preferences kube-scheduler weighs get
+    /// time (docs/performance-journal.md, "Scale"). Pods with preferences kube-scheduler weighs get
     /// --nodes-to-score-soft instead.
     #[arg(long, value_name = "N", default_value_t = 1)]
     nodes_to_score: usize,

@@ -6,7 +6,7 @@
 //! checks the UID as a precondition (409 Conflict when a pod was re-created under the name). So a
 //! pod is bound with its assignment or not at all: there is no window in which an unbound pod carries
 //! an assignment, and no second call to undo. One call instead of a patch and a Binding also halves
-//! the bind's time on a busy API server (measured in tests/e2e, docs/performance.md).
+//! the bind's time on a busy API server (measured in tests/e2e, docs/performance-journal.md).
 //!
 //! When the Binding fails, the pod is read back: bound to this node with this assignment (a retry of
 //! a bind that went through, or an answer lost on the way) is success; anything else is the error,
@@ -17,9 +17,9 @@
 //! In `gpuplace serve` the calls run on the thread that drives the bind client's connection
 //! ([`KubeBinder::run_calls_on`]): the request is encoded, sent, answered and decoded there, and the
 //! HTTP worker that took kube-scheduler's bind only awaits the outcome. Measured on the real control
-//! plane (tests/e2e, docs/performance.md): with the response handed across to the HTTP worker, which
-//! was busy deciding filters, the storm's bind p99 was 48-103 ms; with the whole call on the bind
-//! thread, 28-77 ms in paired runs.
+//! plane (tests/e2e, docs/performance-journal.md): with the response handed across to the HTTP
+//! worker, which was busy deciding filters, the storm's bind p99 was 48-103 ms; with the whole call
+//! on the bind thread, 28-77 ms in paired runs.
 
 use std::sync::Arc;
 
@@ -34,8 +34,8 @@ use crate::extender::binder::{BindError, BindFuture, BindRequest, Binder};
 
 /// How many binds talk to the API server at once (the rest wait in turn). Each one in flight holds
 /// an HTTP/1.1 connection, and each connection beyond the pooled ones costs a TLS handshake. Measured
-/// on the real control plane (tests/e2e, docs/performance.md): a cap of 8 halved the throughput of a
-/// 100-pod burst, so the cap only guards against an unbounded number of connections.
+/// on the real control plane (tests/e2e, docs/performance-journal.md): a cap of 8 halved the
+/// throughput of a 100-pod burst, so the cap only guards against an unbounded number of connections.
 pub const DEFAULT_BIND_CONCURRENCY: usize = 64;
 
 /// How long one API call of a bind may take. kube-scheduler gives up on the extender's bind after its

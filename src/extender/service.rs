@@ -214,9 +214,9 @@ pub struct ServiceOptions {
 /// How many of the nodes that fit a filter answer names, the best first by the engine's ranking (0:
 /// every one). kube-scheduler scores only the nodes an extender's filter passes, and skips scoring
 /// and prioritize altogether when one is left: at 1,000 nodes its scoring and the prioritize call
-/// were most of a pod's scheduling cycle (docs/performance.md, "Scale"). Pods whose preferences
-/// kube-scheduler weighs (preferred affinity, `ScheduleAnyway` spread) get `soft` nodes to choose
-/// from. The library's default is every node; `gpuplace serve` offers 1 and 16.
+/// were most of a pod's scheduling cycle (docs/performance-journal.md, "Scale"). Pods whose
+/// preferences kube-scheduler weighs (preferred affinity, `ScheduleAnyway` spread) get `soft` nodes
+/// to choose from. The library's default is every node; `gpuplace serve` offers 1 and 16.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct NodesToScore {
     pub plain: usize,

@@ -1,4 +1,4 @@
-//! The hot path of filter and prioritize (docs/performance.md, "filter+prioritize load"):
+//! The hot path of filter and prioritize (docs/performance-journal.md, "filter+prioritize load"):
 //!
 //! - `ShapeCache`: each node's verdict (fits with a score, or the rejection and its reason) per
 //!   request *shape*, reused by later pods of the same shape while the node is unchanged.

@@ -1,4 +1,4 @@
-//! Thousands of nodes on the real control plane (docs/performance.md, "Scale").
+//! Thousands of nodes on the real control plane (docs/performance-journal.md, "Scale").
 //!
 //! The nodes are Node objects as kubelet and the device plugin keep them: kubelet's capacity and
 //! Ready condition, and the device plugin's `gpuplace.io/inventory` annotation, written by the test
