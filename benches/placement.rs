@@ -8,18 +8,18 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
-use gpuplace::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
-use gpuplace::core::cluster::Cluster;
-use gpuplace::core::inventory::Board;
-use gpuplace::core::resources::{GpuDemand, MemoryDemand, PodRequest};
-use gpuplace::core::resources::{NumaPolicy, PackingPolicy};
 use gpuplace::placement::engine::Engine;
 use gpuplace::placement::gpu_select::{choose_one, choose_set, FreeState, ShareChoice};
 use gpuplace::placement_log::CapacitySummary;
+use gpuplace_core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
+use gpuplace_core::cluster::Cluster;
+use gpuplace_core::inventory::Board;
+use gpuplace_core::resources::{GpuDemand, MemoryDemand, PodRequest};
+use gpuplace_core::resources::{NumaPolicy, PackingPolicy};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-fn h100_board(gpus: u32) -> gpuplace::core::inventory::ResolvedBoard {
+fn h100_board(gpus: u32) -> gpuplace_core::inventory::ResolvedBoard {
     Board::Nvswitch { gpus, model: "H100".into(), memory_mib: 81559, numa_nodes: 2, nvlinks: 18 }
         .resolve(Path::new("."))
         .expect("generated board")

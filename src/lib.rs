@@ -1,21 +1,20 @@
 //! gpuplace: fractional and topology-aware GPU placement for Kubernetes.
 //!
-//! - [`core`]: the cluster model, the resource contract and GPU topologies (pure data).
+//! What the device plugin shares with this crate (the cluster model, the resource contract, logs,
+//! the clock, the Kubernetes client) is the crate `gpuplace-core` (`core/`). Here:
 //! - [`placement`]: the placement engine and its scorers (pure, deterministic).
+//! - [`placement_log`]: the placement log's line schema, its writer, compaction and reader.
+//! - [`extender`]: the kube-scheduler extender: wire format, pod adaptation, and the `serve` service.
 //! - [`sim`]: the trace simulator behind `gpuplace simulate`.
 //! - [`report`]: `gpuplace report`, charts of placement logs and simulation results as one HTML file.
-//! - [`extender`]: the kube-scheduler extender: wire format, pod adaptation, and the `serve` service.
-//! - [`placement_log`]: the placement log's line schema, its writer, compaction and reader.
-//! - [`apiserver`]: the Kubernetes API client both binaries share, and the extender's API-server mode.
-//! - [`logging`]: both binaries' log output (`--log-format text|json`).
+//! - [`k8s`]: the extender's side of the Kubernetes API: watchers, binder, leader election, keys and
+//!   certificates, and `serve`'s API-server mode wired.
 //!
-//! Layers, lowest first: `core`, `logging` < `placement`, `placement_log` < `extender`, `sim` <
-//! `report`, `apiserver` < the binaries (docs/architecture.md, "Module map"; tests/layering.rs).
+//! Layers, lowest first: `gpuplace-core` < `placement`, `placement_log` < `extender`, `sim` <
+//! `report`, `k8s` < the binaries (docs/architecture.md, "Module map"; tests/layering.rs).
 
-pub mod apiserver;
-pub mod core;
 pub mod extender;
-pub mod logging;
+pub mod k8s;
 pub mod placement;
 pub mod placement_log;
 pub mod report;

@@ -6,14 +6,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use gpuplace::apiserver::binder::KubeBinder;
-use gpuplace::apiserver::certificates::SelfIssuedTls;
-use gpuplace::apiserver::connect::ConnectArgs;
-use gpuplace::apiserver::keys::{KeyOptions, KeySecret, DEFAULT_KEY_SECRET_NAME, DEFAULT_PUBLIC_KEYS_NAME};
-use gpuplace::apiserver::leader::LeaderConfig;
-use gpuplace::apiserver::run::ApiOptions;
-use gpuplace::core::cluster::Cluster;
-use gpuplace::core::inventory::load_cluster;
 use gpuplace::extender::binder::RecordingBinder;
 use gpuplace::extender::forward::{advertise_url, ForwardOptions, Forwarder};
 use gpuplace::extender::http::{
@@ -22,7 +14,11 @@ use gpuplace::extender::http::{
 use gpuplace::extender::inspect::InspectReport;
 use gpuplace::extender::mix::{load_learner, MixSaver, SAVE_EVERY};
 use gpuplace::extender::service::{Extender, NodesToScore, ServiceOptions};
-use gpuplace::logging::LogFormat;
+use gpuplace::k8s::binder::KubeBinder;
+use gpuplace::k8s::certificates::SelfIssuedTls;
+use gpuplace::k8s::keys::{KeyOptions, KeySecret, DEFAULT_KEY_SECRET_NAME, DEFAULT_PUBLIC_KEYS_NAME};
+use gpuplace::k8s::leader::LeaderConfig;
+use gpuplace::k8s::run::ApiOptions;
 use gpuplace::placement::engine::Engine;
 use gpuplace::placement::mix::WorkloadMix;
 use gpuplace::placement::mix_learner::MixLearner;
@@ -31,6 +27,10 @@ use gpuplace::placement_log::compact::CompactOptions;
 use gpuplace::placement_log::writer::PlacementLog;
 use gpuplace::sim::policies::PolicyKind;
 use gpuplace::sim::{simulate, SimConfig};
+use gpuplace_core::api_client::connect::ConnectArgs;
+use gpuplace_core::cluster::Cluster;
+use gpuplace_core::inventory::load_cluster;
+use gpuplace_core::logging::LogFormat;
 
 #[derive(Parser, Debug)]
 #[command(name = "gpuplace", version, about = "Fractional and topology-aware GPU placement for Kubernetes")]
@@ -151,7 +151,7 @@ struct ServeArgs {
     node_selector: Option<String>,
     /// API-server mode: namespace of the device plugins' utilization ConfigMaps, one of their own
     /// (the device plugins' --utilization-namespace).
-    #[arg(long, value_name = "NAMESPACE", default_value = gpuplace::core::utilization_configmap::DEFAULT_UTILIZATION_NAMESPACE)]
+    #[arg(long, value_name = "NAMESPACE", default_value = gpuplace_core::utilization_configmap::DEFAULT_UTILIZATION_NAMESPACE)]
     utilization_namespace: String,
     /// API-server mode: the Secret holding the keys that sign assignments, NAMESPACE/NAME (default:
     /// $POD_NAMESPACE, else gpuplace-system, /gpuplace-assignment-keys); created when absent.
@@ -266,7 +266,7 @@ struct ServeArgs {
     tls_ca_secret: Option<String>,
     /// With --tls-ca-secret: the Secret where the leader keeps kube-scheduler's client certificate
     /// (ca.crt, kube-scheduler.crt, kube-scheduler.key), in the CA Secret's namespace.
-    #[arg(long, value_name = "NAME", requires = "tls_ca_secret", default_value = gpuplace::apiserver::certificates::DEFAULT_SCHEDULER_SECRET_NAME)]
+    #[arg(long, value_name = "NAME", requires = "tls_ca_secret", default_value = gpuplace::k8s::certificates::DEFAULT_SCHEDULER_SECRET_NAME)]
     tls_scheduler_secret: String,
     /// With --tls-ca-secret: the Service whose names the serving certificate carries (NAME,
     /// NAME.NAMESPACE, NAME.NAMESPACE.svc, NAME.NAMESPACE.svc.cluster.local), besides the host of
@@ -402,7 +402,7 @@ fn env_nonempty(name: &str) -> Option<String> {
 /// Where the Lease and the key Secret are when no flag says: the pod's own namespace, else
 /// gpuplace-system.
 fn own_namespace() -> String {
-    env_nonempty("POD_NAMESPACE").unwrap_or_else(|| gpuplace::core::DEFAULT_NAMESPACE.into())
+    env_nonempty("POD_NAMESPACE").unwrap_or_else(|| gpuplace_core::DEFAULT_NAMESPACE.into())
 }
 
 fn client_auth(args: &ServeArgs) -> gpuplace::extender::tls::ClientAuth {
@@ -420,7 +420,7 @@ fn server_tls(args: &ServeArgs) -> Result<Option<gpuplace::extender::tls::Server
 /// this replica's certificate, and what the leader keeps for kube-scheduler.
 fn self_issued_tls(
     args: &ServeArgs,
-    source: &gpuplace::apiserver::connect::Source,
+    source: &gpuplace_core::api_client::connect::Source,
     advertise: Option<&str>,
 ) -> Result<Option<SelfIssuedTls>, String> {
     let Some(arg) = &args.tls_ca_secret else { return Ok(None) };
@@ -432,7 +432,7 @@ fn self_issued_tls(
 /// The forward of a replica that does not lead (`role`: its readiness and election).
 fn forwarder(
     args: &ServeArgs,
-    role: Arc<gpuplace::apiserver::run::Readiness>,
+    role: Arc<gpuplace::k8s::run::Readiness>,
     identity: &str,
     self_issued: Option<&SelfIssuedTls>,
 ) -> Result<Forwarder, String> {
@@ -454,7 +454,7 @@ fn forwarder(
     Forwarder::new(role, opts)
 }
 
-/// API-server mode: the kube side on its own thread (gpuplace::apiserver::run), HTTP on this one.
+/// API-server mode: the kube side on its own thread (gpuplace::k8s::run), HTTP on this one.
 fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
     let source = args.connect.source().map_err(|e| e.to_string())?;
     let https = args.tls_cert.is_some() || args.tls_ca_secret.is_some();
@@ -481,7 +481,7 @@ fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
         .leader_elect_identity
         .clone()
         .or_else(|| env_nonempty("POD_NAME"))
-        .unwrap_or_else(gpuplace::apiserver::leader::host_identity);
+        .unwrap_or_else(gpuplace::k8s::leader::host_identity);
     let leader = if args.leader_elect {
         let namespace = args.leader_elect_namespace.clone().unwrap_or_else(own_namespace);
         let mut cfg = LeaderConfig::new(&namespace, &args.leader_elect_name, &identity);
@@ -531,7 +531,7 @@ fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
     };
     let group_timeout = std::time::Duration::from_secs(args.group_timeout);
     let nodes_to_score = nodes_to_score_of(args);
-    let kube = gpuplace::apiserver::run::spawn_thread(source, opts, move |bind_client, leadership| {
+    let kube = gpuplace::k8s::run::spawn_thread(source, opts, move |bind_client, leadership| {
         let binder = Arc::new(KubeBinder::new(bind_client.client, leadership).run_calls_on(bind_client.runtime));
         let options = ServiceOptions {
             ready: false,
@@ -575,7 +575,7 @@ fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
             _ => String::new(),
         }
     );
-    gpuplace::logging::say(tracing::Level::INFO, "gpuplace", &banner);
+    gpuplace_core::logging::say(tracing::Level::INFO, "gpuplace", &banner);
     let front = Frontend { tls, forward };
     let served =
         gpuplace::extender::http::serve_forever_with(kube.ext.clone(), http, &args.listen, args.workers, front);
@@ -630,7 +630,7 @@ fn serve(args: &ServeArgs) -> Result<(), String> {
         args.listen,
         opts.normalized_prefix()?
     );
-    gpuplace::logging::say(tracing::Level::INFO, "gpuplace", &banner);
+    gpuplace_core::logging::say(tracing::Level::INFO, "gpuplace", &banner);
     let front = Frontend { tls, forward: None };
     let served = gpuplace::extender::http::serve_forever_with(ext.clone(), opts, &args.listen, args.workers, front);
     ext.finish_placement_log();
@@ -644,7 +644,7 @@ fn inspect(args: &InspectArgs) -> Result<String, String> {
     let report: InspectReport = match &args.cluster {
         Some(path) => {
             let cluster = load_cluster(path).map_err(|e| e.to_string())?;
-            InspectReport::build(&cluster, args.node.as_deref(), true, gpuplace::extender::clock::now_unix_ms())
+            InspectReport::build(&cluster, args.node.as_deref(), true, gpuplace_core::clock::now_unix_ms())
                 .ok_or_else(|| format!("no GPU node named {:?}", args.node.as_deref().unwrap_or("")))?
         }
         None => {
@@ -801,12 +801,12 @@ fn bundled_example() -> PathBuf {
 fn main() -> ExitCode {
     // parsed first: the format is a flag (clap reports its own errors without a subscriber)
     let cli = Cli::parse();
-    gpuplace::logging::init(cli.log_format, "warn");
+    gpuplace_core::logging::init(cli.log_format, "warn");
     match cli.command {
         Command::Serve(args) => match serve(&args) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
-                gpuplace::logging::say(tracing::Level::ERROR, "gpuplace", &format!("error: {e}"));
+                gpuplace_core::logging::say(tracing::Level::ERROR, "gpuplace", &format!("error: {e}"));
                 ExitCode::FAILURE
             }
         },

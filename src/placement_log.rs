@@ -13,9 +13,9 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::core::cluster::Cluster;
-use crate::core::resources::ContainerDemand;
-use crate::core::room::Room;
+use gpuplace_core::cluster::Cluster;
+use gpuplace_core::resources::ContainerDemand;
+use gpuplace_core::room::Room;
 
 /// Schema version of a line (`"v"`); bumped on incompatible changes, fields may be added.
 pub const PLACEMENT_LOG_VERSION: u32 = 1;
@@ -373,9 +373,9 @@ mod tests {
 
     #[test]
     fn capacity_summary_counts_shares_as_fractions() {
-        use crate::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
+        use gpuplace_core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/clusters/fixture-cluster.yaml");
-        let mut cluster = crate::core::inventory::load_cluster(&path).unwrap();
+        let mut cluster = gpuplace_core::inventory::load_cluster(&path).unwrap();
         let slice = |gpu, mem_mib, core_pct, exclusive| GpuSlice { gpu, mem_mib, core_pct, exclusive };
         let pod = |name: &str, slices| PodAssignment {
             pod: name.into(),

@@ -7,34 +7,30 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpuplace::apiserver::binder::KubeBinder;
-use gpuplace::apiserver::keys::KeyOptions;
-use gpuplace::apiserver::leader::ANNOTATION_LEADER_URL;
-use gpuplace::apiserver::leader::{LeaderConfig, Leadership};
-use gpuplace::apiserver::run::{self, ApiOptions, Controller};
-use gpuplace::core::annotations::{
-    AllocatedAnnotation, AssignmentAnnotation, GpuUtilization, UtilizationAnnotation, ANNOTATION_ALLOCATED,
-    ANNOTATION_ASSIGNMENT, ANNOTATION_REQUEUED, ANNOTATION_UTILIZATION,
-};
-use gpuplace::core::cluster::Cluster;
-use gpuplace::core::signing::{KeyRing, PublicKeys};
-use gpuplace::core::utilization_configmap::{configmap_name, data, labels};
 use gpuplace::extender::binder::{BindError, BindRequest, Binder};
-use gpuplace::extender::clock::now_unix_ms;
 use gpuplace::extender::forward::{ForwardOptions, Forwarder, Role, Route, FORWARDED_HEADER};
 use gpuplace::extender::http::{self, Frontend, HttpOptions};
 use gpuplace::extender::metrics::{BindOutcome, ConflictKind, Watched};
 use gpuplace::extender::pki;
 use gpuplace::extender::service::{Extender, ServiceOptions};
 use gpuplace::extender::tls::{self, ClientAuth, ServerFiles};
-use gpuplace::placement::engine::Engine;
-use gpuplace::placement::mix::WorkloadMix;
+use gpuplace::k8s::binder::KubeBinder;
+use gpuplace::k8s::keys::KeyOptions;
+use gpuplace::k8s::leader::ANNOTATION_LEADER_URL;
+use gpuplace::k8s::leader::{LeaderConfig, Leadership};
+use gpuplace::k8s::run::{self, ApiOptions, Controller};
 use gpuplace::placement::mix_learner::{bundled_prior, MixLearner};
-use gpuplace::placement::{
-    profile::{Profile, ProfileConfig},
-    registry::Weights,
+use gpuplace::placement::{profile::ProfileConfig, registry::Weights};
+use gpuplace_core::annotations::{
+    AllocatedAnnotation, AssignmentAnnotation, GpuUtilization, UtilizationAnnotation, ANNOTATION_ALLOCATED,
+    ANNOTATION_ASSIGNMENT, ANNOTATION_REQUEUED, ANNOTATION_UTILIZATION,
 };
+use gpuplace_core::clock::now_unix_ms;
+use gpuplace_core::cluster::Cluster;
+use gpuplace_core::signing::{KeyRing, PublicKeys};
+use gpuplace_core::utilization_configmap::{configmap_name, data, labels};
 use gpuplace_testkit::apiserver::FakeApiServer;
+use harness::Harness;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -44,6 +40,8 @@ use serde_json::{json, Value};
 
 #[path = "support/tls.rs"]
 mod certs;
+#[path = "support/harness.rs"]
+mod harness;
 
 use certs::{https, write as write_pem, Ca, Identity};
 
@@ -80,13 +78,12 @@ fn start_replica(
     let client = fake.client().unwrap();
     let leadership = if leader.is_some() { Leadership::elected() } else { Leadership::always() };
     let binder = Arc::new(KubeBinder::new(client.clone(), leadership.clone()));
-    let engine = Engine::new(Profile::new(profile), WorkloadMix::default());
     let opts = ServiceOptions { ready: false, ..ServiceOptions::default() };
-    let mut ext = Extender::new(Cluster::default(), engine, binder.clone(), opts);
-    if let Some(l) = learner {
-        ext = ext.with_mix_learner(l);
-    }
-    let ext = Arc::new(ext);
+    let h = Harness::new(Cluster::default()).profile(profile).binder(binder.clone()).options(opts);
+    let ext = Arc::new(match learner {
+        Some(l) => h.learner(l).build(),
+        None => h.build(),
+    });
     let instance = leader.as_ref().map_or("solo".to_string(), |l| l.identity.clone());
     let keys = KeyOptions { resign_every: Duration::from_millis(100), ..KeyOptions::default() };
     let opts = ApiOptions {
@@ -855,9 +852,8 @@ async fn unsigned_assignments_count_only_with_the_migration_flag_and_are_then_si
     let client = fake.client().unwrap();
     let leadership = Leadership::always();
     let binder = Arc::new(KubeBinder::new(client.clone(), leadership.clone()));
-    let engine = Engine::new(Profile::new(ProfileConfig::default()), WorkloadMix::default());
     let opts = ServiceOptions { ready: false, accept_unsigned: true, ..ServiceOptions::default() };
-    let ext = Arc::new(Extender::new(Cluster::default(), engine, binder, opts));
+    let ext = Arc::new(Harness::new(Cluster::default()).binder(binder).options(opts).build());
     let keys = KeyOptions { resign_every: Duration::from_millis(100), ..KeyOptions::default() };
     let api = ApiOptions { instance: "migrating".into(), keys, ..ApiOptions::default() };
     let _ctl = run::start(client, ext.clone(), leadership, api);
@@ -1636,11 +1632,11 @@ async fn a_standby_forwards_every_verb_to_the_leader_over_self_issued_https() {
 /// other entries kept.
 #[tokio::test]
 async fn the_extenders_ca_and_kube_schedulers_certificate_are_made_once_and_renewed_when_due() {
-    use gpuplace::apiserver::certificates::{
+    use gpuplace::k8s::certificates::{
         self as certs, ensure_scheduler_secret, load_or_create_ca, SchedulerSecret, CA_CERT, SCHEDULER_CERT,
         SCHEDULER_KEY,
     };
-    use gpuplace::apiserver::keys::KeySecret;
+    use gpuplace::k8s::keys::KeySecret;
     use std::time::SystemTime;
     let fake = FakeApiServer::start().await.unwrap();
     let api = kube::Api::<Secret>::namespaced(fake.client().unwrap(), "gpuplace-system");

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use futures::StreamExt;
-use gpuplace::apiserver::connect::{connect, Source};
+use gpuplace_core::api_client::connect::{connect, Source};
 use gpuplace_testkit::apiserver::{FakeApiServer, Resource};
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::{Binding, Node, ObjectReference, Pod, PodSpec};

@@ -5,20 +5,21 @@
 //! `*-frac` (gpu-mem 20480 + gpu-core 30 without gpu: refused), `*-whole4` (gpu 4), `*-gang-0` (gpu 8,
 //! group of 2), `*-memonly` (gpu-mem alone: refused), `filler-*` (gpu 2) and `urgent` (gpu 8).
 
-mod common;
+#[path = "support/fuzz.rs"]
+mod fuzz;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-use gpuplace::core::resources::{
-    ContainerDemand, GpuDemand, GroupSpec, NumaPolicy, PodRequest, RequestError, RESOURCE_GPU, RESOURCE_GPU_MEM,
-};
 use gpuplace::extender::adapt::{NodeListMode, PodRefused, Verdict};
 use gpuplace::extender::wire::{
     decode, ExtenderArgs, ExtenderBindingArgs, ExtenderBindingResult, ExtenderFilterResult, ExtenderPreemptionArgs,
     ExtenderPreemptionResult, HostPriority, HostPriorityList, Node, WireError, WireNode,
 };
 use gpuplace::placement::feasibility::{Cause, Infeasible, Why};
+use gpuplace_core::resources::{
+    ContainerDemand, GpuDemand, GroupSpec, NumaPolicy, PodRequest, RequestError, RESOURCE_GPU, RESOURCE_GPU_MEM,
+};
 use proptest::prelude::*;
 use serde_json::{json, Value};
 
@@ -766,7 +767,7 @@ fn bad_quantities_are_refused_by_the_contract() {
         pod_with_resources(r#"{"limits":{"gpuplace.io/gpu":2,"gpuplace.io/gpu-mem":8192,"gpuplace.io/gpu-core":60}}"#);
     assert_eq!(
         ok.pod.request().unwrap().containers[0].demand,
-        GpuDemand::Shared { gpus: 2, memory: gpuplace::core::resources::MemoryDemand::Mib(4096), core_pct: 30 }
+        GpuDemand::Shared { gpus: 2, memory: gpuplace_core::resources::MemoryDemand::Mib(4096), core_pct: 30 }
     );
     // non-gpuplace resources are not ours to judge
     let cpu = pod_with_resources(r#"{"requests":{"cpu":"lots","memory":null}}"#);
@@ -842,7 +843,7 @@ proptest! {
     ) {
         let rel = ["cache/filter-003", "nocache/filter-002", "cache/preempt-005", "nocache-preempt/preempt-001"][which];
         let (mut body, _) = fixture(&format!("{rel}.request.json"));
-        common::mutate(&mut body, edits);
+        fuzz::mutate(&mut body, edits);
         if let Ok(a) = decode::<ExtenderArgs>(&body) {
             let refused = a.pod.request().err().map(|e| e.to_string());
             let _ = a.filter_result(|n| if n.len() % 2 == 0 { Verdict::Fits } else { Verdict::Preemptable("x".into()) });

@@ -9,7 +9,10 @@
 //! (c-whole4 on gpu-node-3, c-gang-0 on gpu-node-1, filler-0..3 on gpu-node-0, then preemptions);
 //! `nocache-preempt/` ran on a fresh cluster (16 fillers, four per node, then `urgent`).
 
-mod common;
+#[path = "support/fuzz.rs"]
+mod fuzz;
+#[path = "support/harness.rs"]
+mod harness;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -17,36 +20,25 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use gpuplace::core::annotations::{
-    AssignmentAnnotation, GpuUtilization, NodeInventory, UtilizationAnnotation, ANNOTATION_ASSIGNMENT,
-};
-use gpuplace::core::cluster::Cluster;
-use gpuplace::core::inventory::{load_cluster, Board};
 use gpuplace::extender::binder::{BindError, BindFuture, BindRequest, Binder, RecordingBinder};
 use gpuplace::extender::http::{spawn, HttpOptions, Running};
 use gpuplace::extender::http_client::{Connection, Response};
 use gpuplace::extender::inspect::InspectReport;
 use gpuplace::extender::service::{Extender, RestoredPod, ServiceOptions};
 use gpuplace::extender::wire::{decode, ExtenderArgs, ExtenderPreemptionArgs, Pod};
-use gpuplace::placement::engine::Engine;
-use gpuplace::placement::mix::WorkloadMix;
-use gpuplace::placement::profile::Profile;
 use gpuplace::placement_log::writer::PlacementLog;
 use gpuplace::placement_log::Decision;
+use gpuplace_core::annotations::{
+    AssignmentAnnotation, GpuUtilization, NodeInventory, UtilizationAnnotation, ANNOTATION_ASSIGNMENT,
+};
+use gpuplace_core::cluster::Cluster;
+use gpuplace_core::inventory::{load_cluster, Board};
+use harness::{fixture, Harness};
 use proptest::prelude::*;
 use serde_json::{json, Value};
 
 const ALL_NODES: [&str; 4] = ["gpu-node-0", "gpu-node-1", "gpu-node-2", "gpu-node-3"];
 const TIMEOUT: Duration = Duration::from_secs(30);
-
-fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures/kube-scheduler-v1.36")
-}
-
-fn fixture(rel: &str) -> Vec<u8> {
-    let p = fixtures().join(format!("{rel}.request.json"));
-    std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
-}
 
 fn fixture_json(rel: &str) -> Value {
     serde_json::from_slice(&fixture(rel)).unwrap()
@@ -87,12 +79,11 @@ impl Server {
         log: Option<PlacementLog>,
         service: ServiceOptions,
     ) -> Self {
-        let engine = Engine::new(Profile::gpuplace(), WorkloadMix::default());
-        let mut ext = Extender::new(cluster, engine, binder, service);
-        if let Some(log) = log {
-            ext = ext.with_placement_log(log);
-        }
-        let ext = Arc::new(ext);
+        let h = Harness::new(cluster).binder(binder).options(service);
+        let ext = Arc::new(match log {
+            Some(log) => h.placement_log(log).build(),
+            None => h.build(),
+        });
         let running = spawn(ext.clone(), opts, "127.0.0.1:0", 1).expect("server starts");
         Self { ext, running, conn: Mutex::new(None) }
     }
@@ -931,7 +922,7 @@ fn prioritize_of_unfiltered_nodes_is_evaluated_again() {
     assert_eq!(p.stats(), (1, 1), "a subset (and an unknown node, scored 0) is answered from filter");
 }
 
-fn l4_node(name: &str) -> gpuplace::core::cluster::Node {
+fn l4_node(name: &str) -> gpuplace_core::cluster::Node {
     let board = Board::Pcie {
         model: "NVIDIA L4".into(),
         memory_mib: 22491,
@@ -1106,11 +1097,7 @@ fn allocations_rebuild_exactly_from_bind_annotations() {
         .collect();
     // a restarted replica shares the key ring that signed them
     let keys = s.ext.key_ring().unwrap();
-    let restarted = || {
-        let engine = Engine::new(Profile::gpuplace(), WorkloadMix::default());
-        Extender::new(fixture_cluster(), engine, Arc::new(RecordingBinder::new()), ServiceOptions::default())
-            .with_key_ring((*keys).clone())
-    };
+    let restarted = || harness::extender(fixture_cluster()).with_key_ring((*keys).clone());
     let fresh = restarted();
     assert!(fresh.restore(restored.clone()).is_empty());
     assert_eq!(fresh.cluster(), s.ext.cluster(), "rebuilt exactly");
@@ -1237,7 +1224,7 @@ proptest! {
     ) {
         let s = fuzz_server();
         let mut body = fixture(SEEDS[which]);
-        common::mutate(&mut body, edits);
+        fuzz::mutate(&mut body, edits);
         let before = s.ext.cluster();
         let r = s.post(verb, &body);
         prop_assert!(r.status == 200 || r.status == 400, "{} {}: {}", verb, r.status, r.text());

@@ -6,12 +6,6 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use gpuplace::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
-use gpuplace::core::cluster::{Cluster, Node, UtilSample};
-use gpuplace::core::inventory::{load_topology_file, Board, ResolvedBoard};
-use gpuplace::core::resources::{
-    ContainerDemand, GpuDemand, GroupSpec, MemoryDemand, NumaPolicy, PackingPolicy, PodRequest,
-};
 use gpuplace::placement::engine::Engine;
 use gpuplace::placement::feasibility::{place_on_node, Placement};
 use gpuplace::placement::mix::ReserveClass;
@@ -22,6 +16,12 @@ use gpuplace::placement::views::GroupView;
 use gpuplace::placement::{
     profile::{Profile, ProfileConfig},
     registry::Weights,
+};
+use gpuplace_core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
+use gpuplace_core::cluster::{Cluster, Node, UtilSample};
+use gpuplace_core::inventory::{load_topology_file, Board, ResolvedBoard};
+use gpuplace_core::resources::{
+    ContainerDemand, GpuDemand, GroupSpec, MemoryDemand, NumaPolicy, PackingPolicy, PodRequest,
 };
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};

@@ -8,17 +8,18 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpuplace::core::cluster::{network_labels, Cluster};
-use gpuplace::core::inventory::Board;
 use gpuplace::extender::binder::{BindError, BindFuture, BindRequest, Binder, RecordingBinder};
 use gpuplace::extender::groups::PodGroupInfo;
 use gpuplace::extender::service::{Extender, ServiceOptions};
 use gpuplace::extender::wire::ExtenderFilterResult;
-use gpuplace::placement::engine::Engine;
-use gpuplace::placement::mix::WorkloadMix;
-use gpuplace::placement::profile::Profile;
 use gpuplace::placement_log::writer::PlacementLog;
+use gpuplace_core::cluster::{network_labels, Cluster};
+use gpuplace_core::inventory::Board;
+use harness::{bind, extender, filter, passed, pod_in, whole, Harness};
 use serde_json::{json, Value};
+
+#[path = "support/harness.rs"]
+mod harness;
 
 const TOR: &str = "network.gpuplace.io/tor";
 
@@ -35,16 +36,10 @@ fn cluster(n: usize) -> Cluster {
 }
 
 fn extender_with(c: Cluster, binder: Arc<dyn Binder>, timeout: Duration) -> Extender {
-    let engine = Engine::new(Profile::default(), WorkloadMix::default());
-    Extender::new(c, engine, binder, ServiceOptions { group_timeout: timeout, ..ServiceOptions::default() })
-}
-
-fn extender(c: Cluster) -> Extender {
-    extender_with(c, Arc::new(RecordingBinder::new()), Duration::from_secs(300))
-}
-
-fn names(c: &Extender) -> Vec<String> {
-    c.cluster().nodes().iter().map(|n| n.name.clone()).collect()
+    Harness::new(c)
+        .binder(binder)
+        .options(ServiceOptions { group_timeout: timeout, ..ServiceOptions::default() })
+        .build()
 }
 
 /// A member of a `gpuplace.io/group` job of `size` pods, each asking `limits`.
@@ -67,30 +62,7 @@ fn gang_member(pg: &str, i: usize, limits: Value) -> Value {
 }
 
 fn single(name: &str, gpus: u32) -> Value {
-    json!({
-        "metadata": { "name": name, "namespace": "ml", "uid": format!("uid-{name}") },
-        "spec": { "containers": [ { "name": "main", "resources": { "limits": { "gpuplace.io/gpu": gpus.to_string() } } } ] }
-    })
-}
-
-fn whole(n: u32) -> Value {
-    json!({ "gpuplace.io/gpu": n.to_string() })
-}
-
-fn filter(e: &Extender, pod: &Value) -> ExtenderFilterResult {
-    let body = json!({ "Pod": pod, "Nodes": null, "NodeNames": names(e) });
-    e.filter(body.to_string().as_bytes()).unwrap()
-}
-
-/// The nodes filter passed.
-fn passed(r: &ExtenderFilterResult) -> Vec<String> {
-    r.node_names.clone().unwrap_or_default()
-}
-
-fn bind(e: &Extender, pod: &Value, node: &str) -> String {
-    let m = &pod["metadata"];
-    let body = json!({ "PodName": m["name"], "PodNamespace": m["namespace"], "PodUID": m["uid"], "Node": node });
-    actix_web::rt::System::new().block_on(e.bind(body.to_string().as_bytes())).unwrap().error
+    pod_in("ml", name, whole(gpus))
 }
 
 /// Filter then bind to the one node passed; the node.

@@ -393,13 +393,13 @@ fn option_a_mounts_the_client_certificate_where_tls_config_reads_it() {
             paths.push("kube-scheduler-config.yaml".into());
         }
         for item in source["secret"]["items"].as_array().into_iter().flatten() {
-            assert_eq!(source["secret"]["name"], gpuplace::apiserver::certificates::DEFAULT_SCHEDULER_SECRET_NAME);
+            assert_eq!(source["secret"]["name"], gpuplace::k8s::certificates::DEFAULT_SCHEDULER_SECRET_NAME);
             let key = item["key"].as_str().unwrap();
             assert!(
                 [
-                    gpuplace::apiserver::certificates::CA_CERT,
-                    gpuplace::apiserver::certificates::SCHEDULER_CERT,
-                    gpuplace::apiserver::certificates::SCHEDULER_KEY
+                    gpuplace::k8s::certificates::CA_CERT,
+                    gpuplace::k8s::certificates::SCHEDULER_CERT,
+                    gpuplace::k8s::certificates::SCHEDULER_KEY
                 ]
                 .contains(&key),
                 "{key}: an entry the extender writes"

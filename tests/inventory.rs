@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use gpuplace::core::inventory::{load_cluster, load_topology_file};
+use gpuplace_core::inventory::{load_cluster, load_topology_file};
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

@@ -1,9 +1,11 @@
 //! The layout docs/architecture.md describes, kept so:
-//! - the layers of the library (`core` → `placement`, `placement_log` → `extender`, `sim` →
-//!   `report`, `apiserver` → the binaries): no `use` from a lower layer into a higher one, nor
+//! - the layers of the library (`gpuplace-core` → `placement`, `placement_log` → `extender`, `sim`
+//!   → `report`, `k8s` → the binaries): no `use` from a lower layer into a higher one, nor
 //!   between two modules of one layer;
-//! - no circle of imports between the files of `src/` or `device-plugin/src/`;
-//! - the device plugin uses only gpuplace's `core`, `apiserver` and `logging`;
+//! - in `gpuplace-core` (`core/`), the model never uses the edges (logs, the Kubernetes client);
+//! - no circle of imports between the files of `src/`, `core/src/` or `device-plugin/src/`;
+//! - the device plugin depends on `gpuplace-core` only: its normal dependency tree has neither the
+//!   `gpuplace` crate nor what only it needs (actix-web, plotters, rayon, csv);
 //! - the test doubles (`gpuplace-testkit`) are in no shipped binary's normal dependency tree;
 //! - no source file of the shipped crates is over [`MAX_FILE_LINES`] lines (generated code lives in
 //!   `OUT_DIR`, not here).
@@ -20,13 +22,16 @@ use cargo_tree::resolved;
 #[path = "support/cargo_tree.rs"]
 mod cargo_tree;
 
-/// The library's top-level modules, lowest layer first; a module may import only from lower
-/// layers. A new top-level module must be placed here (and in docs/architecture.md).
-const LAYERS: &[&[&str]] =
-    &[&["core", "logging"], &["placement", "placement_log"], &["extender", "sim"], &["report", "apiserver"]];
+/// The library's top-level modules, lowest layer first (`gpuplace-core` is below them all); a
+/// module may import only from lower layers. A new top-level module must be placed here (and in
+/// docs/architecture.md).
+const LAYERS: &[&[&str]] = &[&["placement", "placement_log"], &["extender", "sim"], &["report", "k8s"]];
 
-/// What the device plugin may use of the gpuplace library.
-const DEVICE_PLUGIN_USES: &[&str] = &["core", "apiserver", "logging"];
+/// `gpuplace-core`'s edges: what the model (every other file of `core/src/`) never uses.
+const CORE_EDGES: &[&str] = &["api_client", "logging"];
+
+/// What only the `gpuplace` crate needs, never in the device plugin's build.
+const NOT_FOR_THE_DEVICE_PLUGIN: &[&str] = &["gpuplace", "actix-web", "plotters", "rayon", "csv"];
 
 /// A file longer than this holds more than one concern: split it along them.
 const MAX_FILE_LINES: usize = 900;
@@ -490,17 +495,36 @@ fn lower_layers_never_import_higher_ones() {
 }
 
 #[test]
-fn the_device_plugin_uses_only_the_shared_layers_of_the_library() {
-    let g = graph(&repo().join("device-plugin/src"));
+fn no_circle_of_imports_between_the_files_of_the_core_crate() {
+    check_no_circles(&repo().join("core/src"));
+}
+
+#[test]
+fn the_core_model_never_uses_the_edges() {
+    let g = graph(&repo().join("core/src"));
+    let edge = |f: &str| CORE_EDGES.iter().any(|e| f == format!("{e}.rs") || f.starts_with(&format!("{e}/")));
     let bad: Vec<String> = g
-        .external
+        .edges
         .iter()
-        .flat_map(|(f, mods)| mods.iter().map(move |m| (f, m)))
-        .filter(|(_, m)| !DEVICE_PLUGIN_USES.contains(&m.as_str()))
-        .map(|(f, m)| format!("{f} uses gpuplace::{m}"))
+        .filter(|(from, _)| !edge(from) && from.as_str() != "lib.rs")
+        .flat_map(|(from, tos)| tos.iter().filter(|to| edge(to)).map(move |to| format!("{from} uses {to}")))
         .collect();
-    assert!(g.external.values().any(|m| m.contains("core")), "no gpuplace::core use found: {:?}", g.external);
-    assert!(bad.is_empty(), "the device plugin may use gpuplace's {DEVICE_PLUGIN_USES:?} only:\n{}", bad.join("\n"));
+    assert!(
+        g.edges.contains_key("cluster.rs") && g.edges.contains_key("api_client/connect.rs"),
+        "{:?}",
+        g.edges.keys()
+    );
+    assert!(bad.is_empty(), "gpuplace-core's model uses its edges {CORE_EDGES:?}:\n{}", bad.join("\n"));
+}
+
+#[test]
+fn the_device_plugin_builds_on_the_core_crate_only() {
+    let g = graph(&repo().join("device-plugin/src"));
+    assert!(g.external.is_empty(), "the device plugin uses the gpuplace crate: {:?}", g.external);
+    let tree = normal_tree("gpuplace-device-plugin");
+    assert!(tree.contains("gpuplace-core") && tree.contains("kube"), "{tree:?}");
+    let bad: Vec<&&str> = NOT_FOR_THE_DEVICE_PLUGIN.iter().filter(|p| tree.contains(**p)).collect();
+    assert!(bad.is_empty(), "in the device plugin's normal dependency tree: {bad:?}");
 }
 
 /// `cargo tree`'s package names for one package's normal (shipped) dependencies.
@@ -510,13 +534,13 @@ fn normal_tree(package: &str) -> BTreeSet<String> {
 
 #[test]
 fn the_test_doubles_ship_in_no_binary() {
-    for package in ["gpuplace", "gpuplace-device-plugin"] {
+    for package in ["gpuplace", "gpuplace-core", "gpuplace-device-plugin"] {
         let tree = normal_tree(package);
         assert!(tree.contains(package) && tree.contains("kube"), "{package}: {tree:?}");
         assert!(!tree.contains("gpuplace-testkit"), "{package} links the test doubles: {tree:?}");
     }
     // and the library holds no fake of its own any more
-    for dir in ["src", "device-plugin/src"] {
+    for dir in ["src", "core/src", "device-plugin/src"] {
         let g = read_crate(&repo().join(dir));
         let fakes: Vec<&String> = g
             .files
@@ -531,7 +555,7 @@ fn the_test_doubles_ship_in_no_binary() {
 #[test]
 fn no_source_file_is_over_the_line_limit() {
     let mut long = Vec::new();
-    for dir in ["src", "device-plugin/src"] {
+    for dir in ["src", "core/src", "device-plugin/src"] {
         for p in rust_files(&repo().join(dir)) {
             let lines = std::fs::read_to_string(&p).unwrap().lines().count();
             if lines > MAX_FILE_LINES {

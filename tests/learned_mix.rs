@@ -14,10 +14,6 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gpuplace::core::cluster::Cluster;
-use gpuplace::core::inventory::Board;
-use gpuplace::core::resources::PodRequest;
-use gpuplace::extender::binder::RecordingBinder;
 use gpuplace::extender::http::{spawn, HttpOptions};
 use gpuplace::extender::http_client::{self, Connection};
 use gpuplace::extender::inspect::InspectReport;
@@ -33,9 +29,15 @@ use gpuplace::placement::{
     profile::{Profile, ProfileConfig},
     registry::Weights,
 };
+use gpuplace_core::cluster::Cluster;
+use gpuplace_core::inventory::Board;
+use gpuplace_core::resources::PodRequest;
+use harness::{args, block_on, Harness, NOW};
 use serde_json::{json, Value};
 
-const NOW: i64 = 1_700_000_000_000;
+#[path = "support/harness.rs"]
+mod harness;
+
 const TIMEOUT: Duration = Duration::from_secs(30);
 
 /// 4 H100 boards of 8, 2 L40S boards of 8, 2 T4 boards of 4: three GPU memory sizes, so shares
@@ -71,14 +73,11 @@ fn extender(learner: Option<MixLearner>, opts: ServiceOptions) -> Extender {
 }
 
 fn extender_with(profile: ProfileConfig, learner: Option<MixLearner>, opts: ServiceOptions) -> Extender {
-    let mix = learner.as_ref().map(MixLearner::mix).unwrap_or_default();
-    let engine = Engine::new(Profile::new(profile), mix);
-    let mut ext = Extender::new(cluster(), engine, Arc::new(RecordingBinder::new()), opts);
-    if let Some(l) = learner {
-        ext = ext.with_mix_learner(l);
+    let h = Harness::new(cluster()).profile(profile).options(opts).clock(NOW);
+    match learner {
+        Some(l) => h.learner(l).build(),
+        None => h.build(),
     }
-    ext.set_clock(Some(NOW));
-    ext
 }
 
 /// The `i`th pod of a workload that drifts: whole GPUs and half shares at first, then mostly pods
@@ -118,23 +117,15 @@ fn workload_pod(i: usize) -> Value {
     p
 }
 
+/// [`harness::pod`] asking `cpu` cores too.
 fn pod(name: &str, limits: Value, cpu: &str) -> Value {
-    json!({
-        "metadata": { "name": name, "namespace": "ns", "uid": format!("uid-{name}") },
-        "spec": { "containers": [ { "name": "main", "resources": { "limits": limits, "requests": { "cpu": cpu } } } ] }
-    })
-}
-
-fn args(pod: &Value, names: &[String]) -> Vec<u8> {
-    json!({ "Pod": pod, "Nodes": null, "NodeNames": names }).to_string().into_bytes()
+    let mut p = harness::pod(name, limits);
+    p["spec"]["containers"][0]["resources"]["requests"] = json!({ "cpu": cpu });
+    p
 }
 
 fn request(pod: &Value) -> PodRequest {
     serde_json::from_value::<Pod>(pod.clone()).unwrap().request().unwrap()
-}
-
-fn block_on<F: std::future::Future>(f: F) -> F::Output {
-    actix_web::rt::System::new().block_on(f)
 }
 
 /// What the simulator's `gpuplace` policy does with the same pods: a learner counts each arrival and

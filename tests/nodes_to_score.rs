@@ -4,20 +4,19 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::sync::Arc;
 
-use gpuplace::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
-use gpuplace::core::cluster::Cluster;
-use gpuplace::core::inventory::Board;
-use gpuplace::extender::binder::RecordingBinder;
 use gpuplace::extender::service::{Extender, NodesToScore, ServiceOptions};
 use gpuplace::extender::wire::ExtenderFilterResult;
-use gpuplace::placement::engine::Engine;
-use gpuplace::placement::mix::WorkloadMix;
-use gpuplace::placement::profile::Profile;
 use gpuplace::placement_log::writer::PlacementLog;
 use gpuplace::placement_log::Decision;
+use gpuplace_core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
+use gpuplace_core::cluster::Cluster;
+use gpuplace_core::inventory::Board;
+use harness::{args, Harness};
 use serde_json::{json, Value};
+
+#[path = "support/harness.rs"]
+mod harness;
 
 /// 12 nodes of 8 H100s; node `gpu-k` has k of its GPUs held whole, so nodes differ in how well a
 /// share packs.
@@ -43,26 +42,25 @@ fn cluster() -> Cluster {
 }
 
 fn service(nodes_to_score: NodesToScore, log: Option<PlacementLog>) -> Extender {
-    let opts = ServiceOptions { nodes_to_score, ..ServiceOptions::default() };
-    let engine = Engine::new(Profile::default(), WorkloadMix::default());
-    let mut ext = Extender::new(cluster(), engine, Arc::new(RecordingBinder::new()), opts);
-    if let Some(log) = log {
-        ext = ext.with_placement_log(log);
+    let h = Harness::new(cluster()).options(ServiceOptions { nodes_to_score, ..ServiceOptions::default() });
+    match log {
+        Some(log) => h.placement_log(log).build(),
+        None => h.build(),
     }
-    ext
 }
 
+/// [`harness::pod`] with `spec_extra`'s fields added to its spec.
 fn pod(name: &str, limits: Value, spec_extra: Value) -> Value {
-    let mut spec = json!({"containers": [{"name": "main", "resources": {"limits": limits}}]});
-    if let (Some(s), Some(extra)) = (spec.as_object_mut(), spec_extra.as_object()) {
+    let mut p = harness::pod(name, limits);
+    if let (Some(s), Some(extra)) = (p["spec"].as_object_mut(), spec_extra.as_object()) {
         s.extend(extra.clone());
     }
-    json!({"metadata": {"name": name, "namespace": "ns", "uid": format!("uid-{name}")}, "spec": spec})
+    p
 }
 
 fn body(pod: &Value) -> Vec<u8> {
     let names: Vec<String> = (0..12).map(|i| format!("gpu-{i:02}")).collect();
-    serde_json::to_vec(&json!({"Pod": pod, "NodeNames": names})).unwrap()
+    args(pod, &names)
 }
 
 fn filter(ext: &Extender, pod: &Value) -> ExtenderFilterResult {

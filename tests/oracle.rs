@@ -4,12 +4,12 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use gpuplace::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
-use gpuplace::core::cluster::Cluster;
-use gpuplace::core::inventory::{load_topology_file, ResolvedBoard};
-use gpuplace::core::resources::{GpuDemand, PodRequest};
-use gpuplace::core::topology::GpuTopology;
 use gpuplace::placement::engine::Engine;
+use gpuplace_core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
+use gpuplace_core::cluster::Cluster;
+use gpuplace_core::inventory::{load_topology_file, ResolvedBoard};
+use gpuplace_core::resources::{GpuDemand, PodRequest};
+use gpuplace_core::topology::GpuTopology;
 use serde_json::Value;
 
 fn shared() -> PathBuf {
@@ -383,7 +383,7 @@ fn degraded_boards() -> Vec<Degraded> {
         let file = load_topology_file(&shared().join(format!("{}.json", o.name))).unwrap();
         let linked: Vec<usize> = (0..file.links.len()).filter(|&i| file.links[i].nvlinks > 0).collect();
         // direct NVLink boards only: on NVSwitch every pair's lanes go through the switch
-        if linked.is_empty() || file.nvlink_fabric == gpuplace::core::topology::NvlinkFabric::Nvswitch {
+        if linked.is_empty() || file.nvlink_fabric == gpuplace_core::topology::NvlinkFabric::Nvswitch {
             continue;
         }
         let sequences: Vec<Vec<usize>> = o

@@ -4,20 +4,19 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
-use gpuplace::core::cluster::Cluster;
-use gpuplace::core::inventory::Board;
-use gpuplace::extender::binder::RecordingBinder;
-use gpuplace::extender::service::{Extender, ServiceOptions};
-use gpuplace::placement::engine::Engine;
-use gpuplace::placement::mix::WorkloadMix;
-use gpuplace::placement::profile::Profile;
+use gpuplace::extender::service::Extender;
 use gpuplace::placement_log::compact::CompactOptions;
 use gpuplace::placement_log::writer::PlacementLog;
 use gpuplace::placement_log::Decision;
 use gpuplace::report::model::LogModel;
-use serde_json::{json, Value};
+use gpuplace_core::cluster::Cluster;
+use gpuplace_core::inventory::Board;
+use harness::{passed, pod_in, whole, Harness};
+use serde_json::Value;
+
+#[path = "support/harness.rs"]
+mod harness;
 
 /// Two nodes of 8 H100s.
 fn cluster() -> Cluster {
@@ -26,29 +25,20 @@ fn cluster() -> Cluster {
 }
 
 fn extender(log: PlacementLog) -> Extender {
-    let engine = Engine::new(Profile::default(), WorkloadMix::default());
-    Extender::new(cluster(), engine, Arc::new(RecordingBinder::new()), ServiceOptions::default())
-        .with_placement_log(log)
+    Harness::new(cluster()).placement_log(log).build()
 }
 
 fn pod(name: &str, gpus: u32) -> Value {
-    json!({
-        "metadata": { "name": name, "namespace": "ml", "uid": format!("uid-{name}") },
-        "spec": { "containers": [ { "name": "main", "resources": { "limits": { "gpuplace.io/gpu": gpus.to_string() } } } ] }
-    })
+    pod_in("ml", name, whole(gpus))
 }
 
 /// The nodes filter passed.
 fn filter(e: &Extender, pod: &Value) -> Vec<String> {
-    let body = json!({ "Pod": pod, "Nodes": null, "NodeNames": ["gpu-0", "gpu-1"] });
-    e.filter(body.to_string().as_bytes()).unwrap().node_names.unwrap_or_default()
+    passed(&harness::filter(e, pod))
 }
 
 fn bind(e: &Extender, pod: &Value, node: &str) {
-    let m = &pod["metadata"];
-    let body = json!({ "PodName": m["name"], "PodNamespace": m["namespace"], "PodUID": m["uid"], "Node": node });
-    let r = actix_web::rt::System::new().block_on(e.bind(body.to_string().as_bytes())).unwrap();
-    assert_eq!(r.error, "", "bind");
+    assert_eq!(harness::bind(e, pod, node), "", "bind");
 }
 
 struct Scratch(PathBuf);

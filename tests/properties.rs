@@ -4,10 +4,10 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use gpuplace::core::cluster::{Cluster, Node};
-use gpuplace::core::inventory::Board;
-use gpuplace::core::resources::{GpuDemand, MemoryDemand, NumaPolicy, PodRequest};
 use gpuplace::placement::engine::Engine;
+use gpuplace_core::cluster::{Cluster, Node};
+use gpuplace_core::inventory::Board;
+use gpuplace_core::resources::{GpuDemand, MemoryDemand, NumaPolicy, PodRequest};
 use proptest::prelude::*;
 
 fn nodes() -> Vec<Node> {

@@ -13,10 +13,6 @@ use std::io::Write;
 use std::path::Path;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use gpuplace::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
-use gpuplace::core::cluster::{Cluster, Node};
-use gpuplace::core::inventory::{Board, ResolvedBoard};
-use gpuplace::extender::binder::RecordingBinder;
 use gpuplace::extender::reasons::MAX_DETAILED_NODES;
 use gpuplace::extender::service::{Extender, ServiceOptions, NOT_READY};
 use gpuplace::extender::wire::{ExtenderFilterResult, Pod};
@@ -26,26 +22,29 @@ use gpuplace::placement::mix::WorkloadMix;
 use gpuplace::placement::profile::Profile;
 use gpuplace::placement_log::writer::PlacementLog;
 use gpuplace::placement_log::Decision;
+use gpuplace_core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
+use gpuplace_core::cluster::{Cluster, Node};
+use gpuplace_core::inventory::{Board, ResolvedBoard};
+use harness::{Harness, NOW};
 use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::{json, Value};
 use tracing_subscriber::layer::{Layer, SubscriberExt};
 
-const NOW: i64 = 1_700_000_000_000;
+#[path = "support/harness.rs"]
+mod harness;
 
 fn engine() -> Engine {
     Engine::new(Profile::default(), WorkloadMix::default())
 }
 
 fn service(cluster: Cluster, shape_cache: usize, log: Option<PlacementLog>) -> Extender {
-    let opts = ServiceOptions { shape_cache, ..ServiceOptions::default() };
-    let mut ext = Extender::new(cluster, engine(), Arc::new(RecordingBinder::new()), opts);
-    if let Some(log) = log {
-        ext = ext.with_placement_log(log);
+    let h = Harness::new(cluster).options(ServiceOptions { shape_cache, ..ServiceOptions::default() }).clock(NOW);
+    match log {
+        Some(log) => h.placement_log(log).build(),
+        None => h.build(),
     }
-    ext.set_clock(Some(NOW));
-    ext
 }
 
 fn board(kind: usize) -> ResolvedBoard {
@@ -327,7 +326,7 @@ fn not_ready_errors_carry_no_percent_sign() {
     assert!(!NOT_READY.contains('%'));
     let cluster = random_cluster(1);
     let opts = ServiceOptions { ready: false, ..ServiceOptions::default() };
-    let ext = Extender::new(cluster.clone(), engine(), Arc::new(RecordingBinder::new()), opts);
+    let ext = Harness::new(cluster.clone()).options(opts).build();
     let spec = PodSpec { containers: vec![(1, 0, 0, 0)], init: None, model: None, numa_required: false };
     let a = ext.filter(&filter_body(&pod_json(&spec, "p"), &cluster, &[], false)).unwrap();
     assert_eq!(a.error, NOT_READY);

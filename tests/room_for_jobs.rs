@@ -8,13 +8,13 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
-use gpuplace::core::cluster::{network_labels, Cluster, UtilSample};
-use gpuplace::core::inventory::Board;
-use gpuplace::core::resources::{GpuDemand, MemoryDemand, PodRequest};
 use gpuplace::placement::engine::Engine;
 use gpuplace::placement::group_plan::{plan_group, GroupAsk};
 use gpuplace::placement::mix_learner::{bundled_prior, typical_gpu_memory_mib, LearnerConfig, MixLearner};
 use gpuplace::placement::profile::Profile;
+use gpuplace_core::cluster::{network_labels, Cluster, UtilSample};
+use gpuplace_core::inventory::Board;
+use gpuplace_core::resources::{GpuDemand, MemoryDemand, PodRequest};
 
 const NOW: i64 = 1_800_000_000_000;
 const TOR: &str = "network.gpuplace.io/tor";

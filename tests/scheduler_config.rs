@@ -7,21 +7,18 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpuplace::apiserver::keys::{KeySecret, DEFAULT_KEY_SECRET_NAME, DEFAULT_PUBLIC_KEYS_NAME};
-use gpuplace::core::inventory::load_cluster;
-use gpuplace::core::resources::{RESOURCE_GPU, RESOURCE_GPU_CORE, RESOURCE_GPU_MEM};
-use gpuplace::core::utilization_configmap::DEFAULT_UTILIZATION_NAMESPACE;
-use gpuplace::core::DEFAULT_NAMESPACE;
-use gpuplace::extender::binder::RecordingBinder;
 use gpuplace::extender::http::{spawn, HttpOptions, DEFAULT_LISTEN, DEFAULT_PREFIX};
 use gpuplace::extender::http_client::Connection;
-use gpuplace::extender::service::{Extender, ServiceOptions};
-use gpuplace::placement::engine::Engine;
-use gpuplace::placement::mix::WorkloadMix;
-use gpuplace::placement::profile::Profile;
+use gpuplace::k8s::keys::{KeySecret, DEFAULT_KEY_SECRET_NAME, DEFAULT_PUBLIC_KEYS_NAME};
+use gpuplace_core::inventory::load_cluster;
+use gpuplace_core::resources::{RESOURCE_GPU, RESOURCE_GPU_CORE, RESOURCE_GPU_MEM};
+use gpuplace_core::utilization_configmap::DEFAULT_UTILIZATION_NAMESPACE;
+use gpuplace_core::DEFAULT_NAMESPACE;
 use serde_norway::Value;
 use yaml_files::yaml_files;
 
+#[path = "support/harness.rs"]
+mod harness;
 #[path = "support/yaml_files.rs"]
 mod yaml_files;
 
@@ -293,8 +290,7 @@ fn extender_deployment_service_and_device_plugin_agree_with_the_code() {
 
     // the probe paths are routes of a real server (static mode, the fixture cluster) and answer 200
     let cluster = load_cluster(&root().join("examples/clusters/fixture-cluster.yaml")).unwrap();
-    let engine = Engine::new(Profile::gpuplace(), WorkloadMix::default());
-    let ext = Arc::new(Extender::new(cluster, engine, Arc::new(RecordingBinder::new()), ServiceOptions::default()));
+    let ext = Arc::new(harness::extender(cluster));
     let running = spawn(ext, HttpOptions::default(), "127.0.0.1:0", 1).expect("server starts");
     let mut conn = Connection::open(&running.addr.to_string(), Duration::from_secs(10)).unwrap();
     for path in probes {
@@ -449,7 +445,7 @@ fn the_extender_reads_only_its_key_secret() {
 
     // mTLS by default: the CA read by name (never updated), kube-scheduler's Secret read and
     // written by name, under the names the code uses
-    use gpuplace::apiserver::certificates::{DEFAULT_CA_SECRET_NAME, DEFAULT_SCHEDULER_SECRET_NAME};
+    use gpuplace::k8s::certificates::{DEFAULT_CA_SECRET_NAME, DEFAULT_SCHEDULER_SECRET_NAME};
     let role = named(&docs, "Role", "gpuplace-extender-certificates");
     assert_eq!(role["metadata"]["namespace"].as_str(), Some(NAMESPACE));
     let rules: Vec<Rule> = role["rules"]

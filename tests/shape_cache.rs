@@ -6,25 +6,22 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::sync::Arc;
 
-use gpuplace::core::cluster::{Cluster, Node, UtilSample};
-use gpuplace::core::inventory::Board;
-use gpuplace::core::resources::PodRequest;
-use gpuplace::extender::binder::RecordingBinder;
 use gpuplace::extender::service::{Extender, RestoredPod, ServiceOptions};
 use gpuplace::extender::wire::{decode, ExtenderFilterResult, HostPriorityList, Pod};
-use gpuplace::placement::engine::Engine;
 use gpuplace::placement::mix::ReserveClass;
 use gpuplace::placement::mix::WorkloadMix;
-use gpuplace::placement::{
-    profile::{Profile, ProfileConfig},
-    registry::Weights,
-};
+use gpuplace::placement::{profile::ProfileConfig, registry::Weights};
+use gpuplace_core::cluster::{Cluster, Node, UtilSample};
+use gpuplace_core::inventory::Board;
+use gpuplace_core::resources::PodRequest;
+use harness::{block_on, Harness, NOW};
 use proptest::prelude::*;
 use serde_json::{json, Value};
 
-const NOW: i64 = 1_700_000_000_000;
+#[path = "support/harness.rs"]
+mod harness;
+
 /// The default profile's `max_sample_age_s`, in ms.
 const MAX_AGE_MS: i64 = 60_000;
 const NODES: [&str; 5] = ["h100-0", "h100-1", "l40s-0", "l40s-1", "t4-0"];
@@ -64,10 +61,12 @@ fn service_with(shape_cache: usize, mix: WorkloadMix) -> Extender {
     // utilization weighs as much as everything else together, so a stale sample shows in the 0..10
     // scores (with the default weights it often rounds away)
     let weights = Weights::default().with("utilization", 12.0);
-    let engine = Engine::new(Profile::new(ProfileConfig { weights, ..ProfileConfig::default() }), mix);
-    let ext = Extender::new(cluster, engine, Arc::new(RecordingBinder::new()), opts);
-    ext.set_clock(Some(NOW));
-    ext
+    Harness::new(cluster)
+        .profile(ProfileConfig { weights, ..ProfileConfig::default() })
+        .mix(mix)
+        .options(opts)
+        .clock(NOW)
+        .build()
 }
 
 /// Pod shapes: GPU resources, then annotations (the policies that are part of a shape), and a group.
@@ -105,10 +104,6 @@ fn args(pod: &Value, candidates: &[usize], as_nodes: bool) -> Vec<u8> {
         json!({ "Pod": pod, "Nodes": null, "NodeNames": names })
     };
     body.to_string().into_bytes()
-}
-
-fn block_on<F: std::future::Future>(f: F) -> F::Output {
-    actix_web::rt::System::new().block_on(f)
 }
 
 #[derive(Debug, Clone)]

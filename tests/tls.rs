@@ -8,8 +8,11 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use harness::fixture;
 use serde_json::Value;
 
+#[path = "support/harness.rs"]
+mod harness;
 #[path = "support/tls.rs"]
 mod tls;
 
@@ -23,13 +26,6 @@ impl Drop for Serve {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
-}
-
-fn fixture(rel: &str) -> Vec<u8> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../shared/fixtures/kube-scheduler-v1.36")
-        .join(format!("{rel}.request.json"));
-    std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
 }
 
 fn scratch(name: &str) -> PathBuf {

@@ -51,7 +51,7 @@ pub fn admitting(list: &ListPodResourcesResponse, resource: &str, pending: &[Pen
 mod tests {
     use super::*;
     use crate::kubelet_api::podresources::{ContainerDevices, ContainerResources, PodResources};
-    use gpuplace::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
+    use gpuplace_core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
 
     const R: &str = "gpuplace.io/gpu";
 

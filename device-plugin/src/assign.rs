@@ -28,8 +28,8 @@
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Mutex;
 
-use gpuplace::core::admission::{admission_order, gpu_set, interchangeable, same_from, sorted_slices};
-use gpuplace::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
+use gpuplace_core::admission::{admission_order, gpu_set, interchangeable, same_from, sorted_slices};
+use gpuplace_core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
 
 /// A pod, by `namespace/name` and UID (a re-created pod with the same name is another pod).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -528,7 +528,7 @@ mod tests {
     /// same limits; panics on a container given other limits than its own. `gated`: no two pods the extender would keep from waiting together
     /// (`core::admission::confusable`) are bound at once, and twins are common.
     fn simulate(seed: u64, gated: bool) -> (usize, usize) {
-        use gpuplace::core::admission::confusable;
+        use gpuplace_core::admission::confusable;
         let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
         let mut pods: Vec<PendingPod> = Vec::new();
         while pods.len() < 2 + rng.below(5) as usize {

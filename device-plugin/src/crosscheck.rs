@@ -18,8 +18,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use gpuplace::core::admission::{admission_order, gpu_set, sorted_slices};
-use gpuplace::core::assignment::GpuSlice;
+use gpuplace_core::admission::{admission_order, gpu_set, sorted_slices};
+use gpuplace_core::assignment::GpuSlice;
 
 use crate::assign::PendingPod;
 use crate::podresources::ContainerRef;

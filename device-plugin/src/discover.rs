@@ -93,7 +93,7 @@ mod tests {
         assert!(text.contains("8 GPU(s) on dgx1-volta (fake backend), NVLink fabric: direct"), "{text}");
         assert!(text.contains("NV2") && text.contains("NV1") && text.contains("SYS"), "{text}");
         let json = to_json(&inv);
-        let back: gpuplace::core::topology::TopologyFile = serde_json::from_value(json.clone()).unwrap();
+        let back: gpuplace_core::topology::TopologyFile = serde_json::from_value(json.clone()).unwrap();
         assert_eq!(back.gpus.len(), 8);
         assert_eq!(back.gpus[3].uuid.as_deref(), Some(inv.gpus[3].uuid.as_str()));
         let (t1, t2) = (back.graph().unwrap(), inv.topology().unwrap());

@@ -71,7 +71,7 @@ pub fn conflicts(pods: &[PendingPod]) -> HashMap<String, Conflict> {
 mod tests {
     use super::*;
     use crate::assign::pending_pod;
-    use gpuplace::core::assignment::GpuSlice;
+    use gpuplace_core::assignment::GpuSlice;
 
     fn whole(gpu: u32) -> GpuSlice {
         GpuSlice { gpu, mem_mib: 81559, core_pct: 100, exclusive: true }

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use gpuplace::apiserver::connect::{connect, ConnectArgs, ConnectError, Source};
-use gpuplace::logging::LogFormat;
+use gpuplace_core::api_client::connect::{connect, ConnectArgs, ConnectError, Source};
+use gpuplace_core::logging::LogFormat;
 use gpuplace_device_plugin::assign::AssignmentSource;
 use gpuplace_device_plugin::k8s::assignments::KubeAssignments;
 use gpuplace_device_plugin::k8s::events::PluginEvents;
@@ -104,7 +104,7 @@ struct Cli {
     publish_min_interval: Duration,
     /// Namespace of this node's utilization ConfigMap, one of their own; the extender watches the
     /// same one (its --utilization-namespace).
-    #[arg(long, value_name = "NAMESPACE", default_value = gpuplace::core::utilization_configmap::DEFAULT_UTILIZATION_NAMESPACE, global = true)]
+    #[arg(long, value_name = "NAMESPACE", default_value = gpuplace_core::utilization_configmap::DEFAULT_UTILIZATION_NAMESPACE, global = true)]
     utilization_namespace: String,
     /// The ConfigMap with the public keys that verify the extender's assignment signatures,
     /// NAMESPACE/NAME (the extender's leader publishes it; an assignment that does not verify is
@@ -204,7 +204,7 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
     if inventory.gpus.is_empty() {
         return Err("no GPUs found; nothing to advertise".into());
     }
-    if !(1..=gpuplace::core::annotations::MAX_SLOTS_PER_GPU).contains(&cli.slots_per_gpu) {
+    if !(1..=gpuplace_core::annotations::MAX_SLOTS_PER_GPU).contains(&cli.slots_per_gpu) {
         return Err(slots::SlotError::BadSlotCount(cli.slots_per_gpu).to_string());
     }
     let config = PluginConfig {
@@ -339,11 +339,11 @@ async fn api_client(cli: &Cli) -> Result<Option<(kube::Client, String)>, String>
 fn main() -> ExitCode {
     // parsed first: the format is a flag (clap reports its own errors without a subscriber)
     let cli = Cli::parse();
-    gpuplace::logging::init(cli.log_format, "info");
+    gpuplace_core::logging::init(cli.log_format, "info");
     let backend = match backend(&cli) {
         Ok(b) => b,
         Err(e) => {
-            gpuplace::logging::say(
+            gpuplace_core::logging::say(
                 tracing::Level::ERROR,
                 "gpuplace_device_plugin",
                 &format!("gpuplace-device-plugin: {e}"),
@@ -364,7 +364,7 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            gpuplace::logging::say(
+            gpuplace_core::logging::say(
                 tracing::Level::ERROR,
                 "gpuplace_device_plugin",
                 &format!("gpuplace-device-plugin: {e}"),

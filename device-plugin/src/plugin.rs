@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use gpuplace::core::assignment::GpuSlice;
-use gpuplace::core::topology::{GpuTopology, SubsetError};
+use gpuplace_core::assignment::GpuSlice;
+use gpuplace_core::topology::{GpuTopology, SubsetError};
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};

@@ -8,7 +8,7 @@
 //! minimum interval since the last publish has not passed, which bounds the API write rate whatever
 //! the load does (docs/device-plugin.md has the arithmetic for 10,000 nodes).
 //!
-//! The value is the shared schema of `gpuplace::core::annotations`; [`UtilizationSink`] writes it:
+//! The value is the shared schema of `gpuplace_core::annotations`; [`UtilizationSink`] writes it:
 //! `crate::k8s::utilization::KubeUtilizationSink` with an API server, [`MemorySink`] in tests,
 //! [`LogSink`] without an API server.
 
@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use gpuplace::core::annotations::{GpuUtilization, UtilizationAnnotation, ANNOTATION_UTILIZATION, UTILIZATION_VERSION};
+use gpuplace_core::annotations::{GpuUtilization, UtilizationAnnotation, ANNOTATION_UTILIZATION, UTILIZATION_VERSION};
 
 /// The knobs of [`decide`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

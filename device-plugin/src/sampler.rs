@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use gpuplace::core::annotations::AllocationCounts;
+use gpuplace_core::annotations::AllocationCounts;
 
 use crate::crosscheck::{Limits, MismatchReporter};
 use crate::nvml::{BackendError, GpuBackend, GpuSample};

@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 
-use gpuplace::core::annotations::MAX_SLOTS_PER_GPU;
+use gpuplace_core::annotations::MAX_SLOTS_PER_GPU;
 
 /// Between the GPU UUID and the slot number.
 pub const SEPARATOR: &str = "::";

@@ -10,14 +10,14 @@ use std::time::Duration;
 
 use common::kubelet::FakePodResources;
 use common::{allocate, assignment_keys, public_keys_configmap, topology, Harness, SlotIds, WAIT};
-use gpuplace::core::annotations::{
+use gpuplace_core::annotations::{
     AllocatedAnnotation, AllocationCounts, AssignmentAnnotation, GpuUtilization, NodeInventory, UtilizationAnnotation,
     ANNOTATION_ALLOCATED, ANNOTATION_ALLOCATION_COUNTS, ANNOTATION_ASSIGNMENT, ANNOTATION_INVENTORY,
     ANNOTATION_UTILIZATION,
 };
-use gpuplace::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
-use gpuplace::core::cluster::Node as ModelNode;
-use gpuplace::core::utilization_configmap::{configmap_name, read, LABEL_UTILIZATION};
+use gpuplace_core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
+use gpuplace_core::cluster::Node as ModelNode;
+use gpuplace_core::utilization_configmap::{configmap_name, read, LABEL_UTILIZATION};
 use gpuplace_device_plugin::assign::{AssignmentSource, PendingPod, StaticAssignments};
 use gpuplace_device_plugin::k8s::assignments::KubeAssignments;
 use gpuplace_device_plugin::k8s::events::{
@@ -640,7 +640,7 @@ async fn corrupt_forged_and_mismatched_annotations_are_skipped_never_matched() {
     bind_raw(&fake, "bad", "edited", &rec.to_json()).await;
     let uid = fake.put(&one("self-signed")).uid().unwrap();
     rec.pod_uid = uid;
-    let own = gpuplace::core::signing::KeyRing::generate().unwrap();
+    let own = gpuplace_core::signing::KeyRing::generate().unwrap();
     bind_raw(&fake, "bad", "self-signed", &rec.signed(&own).to_json()).await;
     // a corrupt allocated marker: it may be allocated already, so it is skipped too
     bind(&fake, one("bad-marker"), slice(2), 2).await;

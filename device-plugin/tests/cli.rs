@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use common::kubelet::http_get;
 use common::{assignment_keys, public_keys_configmap, topology, FakeKubelet};
-use gpuplace::core::topology::TopologyFile;
+use gpuplace_core::topology::TopologyFile;
 use gpuplace_device_plugin::kubelet_api::v1beta1::device_plugin_client::DevicePluginClient;
 use gpuplace_device_plugin::kubelet_api::v1beta1::{
     AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest, Empty, PreferredAllocationRequest,
@@ -153,8 +153,8 @@ async fn binary_registers_with_the_test_kubelet_and_serves_allocations() {
 /// ConfigMap, and Allocate applies a pod's assignment and marks it.
 #[tokio::test]
 async fn binary_with_an_api_server_writes_the_node_and_applies_assignments() {
-    use gpuplace::core::annotations::{AssignmentAnnotation, ANNOTATION_ALLOCATED, ANNOTATION_ASSIGNMENT};
-    use gpuplace::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
+    use gpuplace_core::annotations::{AssignmentAnnotation, ANNOTATION_ALLOCATED, ANNOTATION_ASSIGNMENT};
+    use gpuplace_core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
     use gpuplace_device_plugin::k8s::inventory::cluster_node;
     use gpuplace_device_plugin::nvml::fake::FakeBackend;
     use gpuplace_device_plugin::nvml::GpuBackend;
@@ -207,7 +207,7 @@ async fn binary_with_an_api_server_writes_the_node_and_applies_assignments() {
         let cm: Option<k8s_openapi::api::core::v1::ConfigMap> =
             f.get("gpuplace-test", "gpuplace-utilization-cli-api-node");
         cm.and_then(|c| c.data).and_then(|d| d.get("utilization").cloned()).is_some_and(|t| {
-            gpuplace::core::annotations::UtilizationAnnotation::parse(&t).is_ok_and(|u| u.gpus.len() == 8)
+            gpuplace_core::annotations::UtilizationAnnotation::parse(&t).is_ok_and(|u| u.gpus.len() == 8)
         })
     };
     assert!(fake.wait_until(Duration::from_secs(10), published).await, "utilization ConfigMap");

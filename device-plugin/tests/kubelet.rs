@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{allocate, next_list, no_update_within, topology, Harness, SlotIds, WAIT};
-use gpuplace::core::inventory::load_topology_file;
+use gpuplace_core::inventory::load_topology_file;
 use gpuplace_device_plugin::assign::{pending_pod, share, whole, AssignmentSource, PodKey, StaticAssignments};
 use gpuplace_device_plugin::kubelet_api::v1beta1::device_plugin_client::DevicePluginClient;
 use gpuplace_device_plugin::kubelet_api::v1beta1::{

@@ -4,13 +4,13 @@
 
 use std::collections::BTreeMap;
 
-use crate::core::resources::{pod_request, ContainerResources, PodRequest, PodSpecView, RequestError};
 use crate::extender::wire::{
     Container, ExtenderArgs, ExtenderArgsRef, ExtenderBindingArgs, ExtenderBindingResult, ExtenderFilterResult,
     ExtenderPreemptionArgs, FailedNodesMap, HostPriority, HostPriorityList, MetaPod, MetaVictims, NodeList, Pod,
     WireError,
 };
 use crate::placement::feasibility::Infeasible;
+use gpuplace_core::resources::{pod_request, ContainerResources, PodRequest, PodSpecView, RequestError};
 
 /// A pod whose request breaks the resource contract: it fits nowhere until its owner changes it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -292,8 +292,8 @@ impl ExtenderPreemptionArgs {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::resources::{GpuDemand, MemoryDemand, NumaPolicy, PackingPolicy};
     use crate::extender::wire::{decode, Node, ResourceRequirements, WireNode};
+    use gpuplace_core::resources::{GpuDemand, MemoryDemand, NumaPolicy, PackingPolicy};
 
     fn container(name: &str, limits: &[(&str, &str)]) -> Container {
         let limits = limits.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();

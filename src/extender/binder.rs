@@ -2,7 +2,7 @@
 //!
 //! The extender decides (re-check, final GPUs, allocation counted at once) and then asks a
 //! [`Binder`] to make it real: write the assignment annotation on the pod and create the pod's
-//! `Binding`. The kube-rs binder (`apiserver::KubeBinder`) does both in one call, a Binding that
+//! `Binding`. The kube-rs binder (`k8s::binder::KubeBinder`) does both in one call, a Binding that
 //! carries the annotation, which the registry applies atomically. In static mode
 //! (`gpuplace serve --cluster`) there is no API server: [`RecordingBinder`] keeps what would have
 //! been written, for tests and `/inspect`.

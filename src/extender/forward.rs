@@ -48,7 +48,7 @@ pub enum Route {
 }
 
 /// What the forward needs to know about this replica (API-server mode implements it from the
-/// election and the watchers: `apiserver::run::Readiness`).
+/// election and the watchers: `k8s::run::Readiness`).
 pub trait Role: Send + Sync + std::fmt::Debug {
     /// The state is complete (allocations rebuilt, key ring loaded): what `/readyz` reports.
     fn synced(&self) -> bool;

@@ -32,11 +32,11 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::core::assignment::PodAssignment;
-use crate::core::cluster::Cluster;
-use crate::core::resources::PodRequest;
 use crate::placement::engine::Engine;
 use crate::placement_log::{GroupEvent, GroupTotals};
+use gpuplace_core::assignment::PodAssignment;
+use gpuplace_core::cluster::Cluster;
+use gpuplace_core::resources::PodRequest;
 
 mod model;
 mod planning;
@@ -525,7 +525,7 @@ fn reserved_share(cluster: &Cluster, a: &PodAssignment) -> f64 {
                 return 1.0;
             }
             let cap = node.gpus.get(g as usize).map_or(0, |x| x.memory_mib);
-            crate::core::assignment::share_fraction(mem, core, cap)
+            gpuplace_core::assignment::share_fraction(mem, core, cap)
         })
         .sum()
 }

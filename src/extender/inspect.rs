@@ -6,10 +6,10 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
-use crate::core::cluster::{Cluster, Node};
-use crate::core::room::Room;
-use crate::core::summary::ClusterSummary;
 use crate::extender::mix::MixReport;
+use gpuplace_core::cluster::{Cluster, Node};
+use gpuplace_core::room::Room;
+use gpuplace_core::summary::ClusterSummary;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct InspectReport {

@@ -17,10 +17,10 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::core::cluster::Cluster;
-use crate::core::room::Room;
-use crate::core::summary::ClusterSummary;
 use crate::extender::exposition::{escape, gauge, header};
+use gpuplace_core::cluster::Cluster;
+use gpuplace_core::room::Room;
+use gpuplace_core::summary::ClusterSummary;
 
 /// The four extender verbs, as metric label values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -715,7 +715,7 @@ fn render_pod_gpus(out: &mut String, cluster: &Cluster) {
 impl Metrics {
     /// API-server mode's families: watch staleness and errors, leadership. Left out in static mode.
     fn render_apiserver(&self, out: &mut String) {
-        let now = crate::extender::clock::now_unix_ms();
+        let now = gpuplace_core::clock::now_unix_ms();
         let started: Vec<Watched> =
             Watched::ALL.into_iter().filter(|&w| self.watch_staleness(w, now).is_some()).collect();
         if !started.is_empty() {
@@ -765,8 +765,8 @@ mod tests {
     use std::path::Path;
 
     use super::*;
-    use crate::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
-    use crate::core::inventory::Board;
+    use gpuplace_core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
+    use gpuplace_core::inventory::Board;
 
     #[test]
     fn a_pod_waits_on_a_refused_request_then_capacity_then_unknown_nodes() {

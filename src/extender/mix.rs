@@ -27,11 +27,11 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::core::resources::PodRequest;
 use crate::placement::mix::BoundDemand;
 use crate::placement::mix::ReserveClass;
 use crate::placement::mix::{MixEntry, WorkloadMix};
 use crate::placement::mix_learner::{bundled_prior, LearnerConfig, MixLearner, MixLearnerState};
+use gpuplace_core::resources::PodRequest;
 
 /// Pod UIDs remembered as counted; beyond it the oldest are forgotten (a forgotten pod that comes
 /// back to filter would count again, which needs 100,000 newer pods in between).
@@ -380,7 +380,7 @@ impl Drop for MixSaver {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::resources::{GpuDemand, MemoryDemand};
+    use gpuplace_core::resources::{GpuDemand, MemoryDemand};
 
     fn temp(name: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!("gpuplace-mix-{}-{name}", std::process::id()));

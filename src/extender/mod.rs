@@ -3,8 +3,8 @@
 //!
 //! - [`wire`]: the request and answer types of `k8s.io/kube-scheduler/extender/v1`, field for field,
 //!   with minimal views of the Pod and Node objects they carry, and decoding with clear errors.
-//! - [`adapt`]: wire pod to [`PodSpecView`](crate::core::resources::PodSpecView) and
-//!   [`PodRequest`](crate::core::resources::PodRequest); how each verb's answer is shaped for the two
+//! - [`adapt`]: wire pod to [`PodSpecView`](gpuplace_core::resources::PodSpecView) and
+//!   [`PodRequest`](gpuplace_core::resources::PodRequest); how each verb's answer is shaped for the two
 //!   `nodeCacheCapable` modes.
 //! - [`service`]: the decisions of each verb over the engine, the node cache and the bind records.
 //! - [`binder`]: the seam to the API server for binds ([`binder::RecordingBinder`] in static mode).
@@ -25,7 +25,6 @@ pub mod adapt;
 pub mod args_decoder;
 pub mod binder;
 pub mod body;
-pub mod clock;
 pub mod exposition;
 pub mod forward;
 pub mod groups;

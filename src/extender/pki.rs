@@ -1,6 +1,6 @@
 //! The extender's own small certificate authority, for mTLS by default (`serve --tls-ca-secret`):
 //! a CA kept in a Secret, serving certificates for each replica, and kube-scheduler's client
-//! certificate. Pure: no I/O, the time is a parameter (the Secrets are `apiserver::certificates`').
+//! certificate. Pure: no I/O, the time is a parameter (the Secrets are `k8s::certificates`').
 //!
 //! Keys are ECDSA P-256 (what kube-scheduler's Go TLS and rustls with ring both take), made by rcgen
 //! with ring. Lifetimes: the CA [`CA_VALIDITY`], leaves [`LEAF_VALIDITY`], renewed once a third of

@@ -9,10 +9,10 @@
 //! contains `%`. The node's figures go to the placement log and debug logs instead
 //! (docs/extender-protocol.md, "Reasons").
 
-use crate::core::annotations::ANNOTATION_INVENTORY;
-use crate::core::resources::RESOURCE_GPU;
 use crate::extender::wire::WireNode;
 use crate::placement::feasibility::Cause;
+use gpuplace_core::annotations::ANNOTATION_INVENTORY;
+use gpuplace_core::resources::RESOURCE_GPU;
 
 /// Every reason we give kube-scheduler starts with this, so a person reading the pod's events knows
 /// which component turned the node down.

@@ -12,7 +12,7 @@
 //! So the extender remembers, for a few seconds ([`WINDOW`]), each pod it turned away on every
 //! candidate and the nodes where only capacity stood in the way; when GPUs on such a node are freed within that time,
 //! the pod is handed to a [`Requeuer`] (in API-server mode: a small annotation update on the pod,
-//! `apiserver::requeue`, an event kube-scheduler requeues it on). A pod is handed over at most once
+//! `k8s::requeue`, an event kube-scheduler requeues it on). A pod is handed over at most once
 //! per rejection, so each one costs at most one more filter call.
 //!
 //! A rejection computed from a state read before a freeing but recorded after it is caught too: a
@@ -46,7 +46,7 @@ pub struct RequeuePod {
     pub node: String,
 }
 
-/// Sends pods back to kube-scheduler's queue (API-server mode: `apiserver::requeue`).
+/// Sends pods back to kube-scheduler's queue (API-server mode: `k8s::requeue`).
 pub trait Requeuer: Send + Sync {
     fn requeue(&self, pods: Vec<RequeuePod>);
 }

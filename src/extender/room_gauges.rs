@@ -3,8 +3,8 @@
 
 use std::fmt::Write as _;
 
-use crate::core::room::Room;
 use crate::extender::exposition::{escape, gauge, header};
+use gpuplace_core::room::Room;
 
 /// The room jobs have (`core::room`): whole nodes, whole switches, the largest job of node-sized
 /// pods under one switch, and idle GPUs that no node-sized pod can use.

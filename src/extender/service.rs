@@ -12,7 +12,7 @@
 //! submodule) is replaced under the write lock, so each request scores with one mix throughout and
 //! every cached answer made with the old one is dropped at once.
 //!
-//! Seams for API-server mode (`src/apiserver/`): the watchers call [`Extender::observe_node`],
+//! Seams for API-server mode (`src/k8s/`): the watchers call [`Extender::observe_node`],
 //! [`Extender::remove_node`], [`Extender::observe_pod`], [`Extender::release_pod`],
 //! [`Extender::retain_pods`], [`Extender::restore`] and [`Extender::set_ready`] (the decisions on
 //! what to trust are in the `observe` submodule, the assignment MAC and its keys in `trust`), and
@@ -27,19 +27,9 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::core::annotations::{
-    AssignmentAnnotation, NodeInventory, ANNOTATION_ASSIGNMENT, ANNOTATION_INVENTORY, ANNOTATION_UTILIZATION,
-};
-use crate::core::assignment::PodAssignment;
-use crate::core::cluster::{Cluster, Node};
-use crate::core::node_constraints::{NodeConstraints, Taint};
-use crate::core::resources::PodRequest;
-use crate::core::signing::{KeyId, KeyRing};
-use crate::core::summary::ClusterSummary;
 use crate::extender::adapt::NodeListMode;
 use crate::extender::args_decoder::decode_args;
 use crate::extender::binder::{BindRequest, Binder};
-use crate::extender::clock::now_unix_ms;
 use crate::extender::groups::{Groups, DEFAULT_GROUP_TIMEOUT};
 use crate::extender::metrics::{BindOutcome, ConflictKind, Metrics, RejectClass};
 use crate::extender::mix::Learning;
@@ -57,6 +47,16 @@ use crate::placement::mix_learner::MixLearner;
 use crate::placement::views::GroupView;
 use crate::placement_log::writer::PlacementLog;
 use crate::placement_log::{CapacitySummary, Chosen, ChosenGpu, Decision, Requests, TopScore, PLACEMENT_LOG_VERSION};
+use gpuplace_core::annotations::{
+    AssignmentAnnotation, NodeInventory, ANNOTATION_ASSIGNMENT, ANNOTATION_INVENTORY, ANNOTATION_UTILIZATION,
+};
+use gpuplace_core::assignment::PodAssignment;
+use gpuplace_core::clock::now_unix_ms;
+use gpuplace_core::cluster::{Cluster, Node};
+use gpuplace_core::node_constraints::{NodeConstraints, Taint};
+use gpuplace_core::resources::PodRequest;
+use gpuplace_core::signing::{KeyId, KeyRing};
+use gpuplace_core::summary::ClusterSummary;
 
 /// What filter and bind answer (in `Error`) while the state is not complete or this replica is not
 /// the leader; prioritize and preempt, which have no error field, get HTTP 503.

@@ -7,7 +7,7 @@
 //!   cert-manager;
 //! - self-issued (`--tls-ca-secret`, the default install: [`SelfIssued`]): each replica's certificate
 //!   is issued in memory by the extender's own CA (`pki`; the CA is kept in a Secret by
-//!   `apiserver::certificates`), renewed in memory when a third of its life is left, and it is also
+//!   `k8s::certificates`), renewed in memory when a third of its life is left, and it is also
 //!   the certificate the replica presents when it forwards to the leader.
 //!
 //! Authentication is by client certificate: with a client CA, the handshake asks every client for a

@@ -19,7 +19,7 @@
 //! is emptied when it does (`ShapeCache::clear`). So an entry is keyed by the whole
 //! [`PodRequest`] except the pod's name (policies, NUMA, GPU models and containers are all in it),
 //! and is used only when
-//! - the node's stamp ([`Node::generation`](crate::core::cluster::Node::generation)) is the one it
+//! - the node's stamp ([`Node::generation`](gpuplace_core::cluster::Node::generation)) is the one it
 //!   was made at: every change to the node (allocate, release, new inventory, utilization, any edit
 //!   through [`Cluster::node_mut`]) takes a new stamp, never reused, and
 //! - now lies in the span in which the node's utilization samples keep their freshness
@@ -31,12 +31,12 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
-use crate::core::cluster::Cluster;
-use crate::core::resources::PodRequest;
 use crate::extender::metrics::RejectClass;
 use crate::extender::reasons;
 use crate::extender::wire::{ExtenderArgsRef, ExtenderFilterResult, FailedNodesMap, HostPriority, HostPriorityList};
 use crate::placement::feasibility::Cause;
+use gpuplace_core::cluster::Cluster;
+use gpuplace_core::resources::PodRequest;
 
 /// Request shapes kept by default: each holds a verdict slot per node (40 bytes; 200 KB for 5,000
 /// nodes), least recently used dropped first.
@@ -541,12 +541,12 @@ pub(crate) fn priorities(names: &[&str], scores: &[u8]) -> HostPriorityList {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::resources::{GpuDemand, GroupSpec, PackingPolicy};
     use crate::extender::args_decoder::decode_args;
+    use gpuplace_core::resources::{GpuDemand, GroupSpec, PackingPolicy};
 
     #[test]
     fn name_guesses_never_outlive_a_node_removal() {
-        use crate::core::cluster::tests::node;
+        use crate::placement::feasibility::tests::node;
         let mut c = Cluster::new(vec![node("a", 1), node("b", 1), node("c", 1)]);
         let order = NameOrder::default();
         let names = vec!["a", "b", "c"];

@@ -26,10 +26,10 @@
 //!   the core stays free of a large, version-pinned dependency.
 //!
 //! The kube-rs watchers will bring k8s-openapi anyway; they convert their Pods to the same
-//! [`PodSpecView`](crate::core::resources::PodSpecView) the wire pod converts to (`extender::adapt`).
+//! [`PodSpecView`](gpuplace_core::resources::PodSpecView) the wire pod converts to (`extender::adapt`).
 //!
 //! Quantities stay strings here: a malformed one is refused later by the resource contract with a
-//! [`RequestError`](crate::core::resources::RequestError) that names the container, not by the decoder.
+//! [`RequestError`](gpuplace_core::resources::RequestError) that names the container, not by the decoder.
 //! Like Go's `resource.Quantity`, a JSON number is also accepted as a quantity.
 
 use std::borrow::Cow;
@@ -38,7 +38,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::marker::PhantomData;
 
-use crate::core::node_constraints::{NodeConstraints, Toleration};
+use gpuplace_core::node_constraints::{NodeConstraints, Toleration};
 use serde::de::{self, DeserializeOwned, Deserializer};
 use serde::{Deserialize, Serialize, Serializer};
 use serde_json::value::RawValue;

@@ -15,13 +15,13 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
-use crate::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
-use crate::core::cluster::Node;
-use crate::core::resources::{GpuDemand, NumaPolicy, PackingPolicy, PodRequest};
-use crate::core::topology::GpuTopology;
 use crate::placement::feasibility::{container_order, GpuChoice, Placement};
 use crate::placement::gpu_select::{self, free_milli_of, FreeState, ShareChoice};
 use crate::placement::mix::HostFree;
+use gpuplace_core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
+use gpuplace_core::cluster::Node;
+use gpuplace_core::resources::{GpuDemand, NumaPolicy, PackingPolicy, PodRequest};
+use gpuplace_core::topology::GpuTopology;
 
 /// Nodes with at most this many GPUs take the compact path (a GPU set is one `u64`).
 pub const MAX_COMPACT_GPUS: usize = 64;

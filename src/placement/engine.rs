@@ -1,9 +1,6 @@
 //! The placement engine: filter nodes, choose GPUs on each, score with the profile, rank.
 //! Pure and deterministic: the same cluster and request always give the same answer.
 
-use crate::core::assignment::PodAssignment;
-use crate::core::cluster::{AllocError, Cluster, Node};
-use crate::core::resources::PodRequest;
 use crate::placement::compact::{self, Outcome, Plan};
 use crate::placement::feasibility::{
     place_on_node, reject_cause, reject_reason, Cause, GpuChoice, Infeasible, Placement, Why,
@@ -15,6 +12,9 @@ use crate::placement::scarcity::ScarcityMemo;
 use crate::placement::scorer::{ScoreContext, Scorer};
 use crate::placement::views::GroupView;
 use crate::placement::views::ReserveView;
+use gpuplace_core::assignment::PodAssignment;
+use gpuplace_core::cluster::{AllocError, Cluster, Node};
+use gpuplace_core::resources::PodRequest;
 
 /// The extender protocol's score range is 0..=10.
 pub const MAX_NODE_SCORE: i64 = 10;
@@ -219,7 +219,7 @@ impl Engine {
         } else {
             ShareChoice::Pack(policy)
         };
-        let numa = if req.numa == crate::core::resources::NumaPolicy::Preferred { cfg.numa } else { req.numa };
+        let numa = if req.numa == gpuplace_core::resources::NumaPolicy::Preferred { cfg.numa } else { req.numa };
         GpuChoice { policy, numa, share }
     }
 

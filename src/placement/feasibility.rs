@@ -8,12 +8,12 @@
 
 use std::fmt;
 
-use crate::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
-use crate::core::cluster::Node;
-use crate::core::resources::{
+use crate::placement::gpu_select::{choose_one, choose_set, FreeState, ShareChoice};
+use gpuplace_core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
+use gpuplace_core::cluster::Node;
+use gpuplace_core::resources::{
     ContainerDemand, GpuDemand, MemoryDemand, NumaPolicy, PackingPolicy, PodRequest, ANNOTATION_GPU_MODEL,
 };
-use crate::placement::gpu_select::{choose_one, choose_set, FreeState, ShareChoice};
 
 /// Why a pod does not fit on a node.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -501,11 +501,28 @@ pub fn oversized(req: &PodRequest, largest: &std::collections::HashMap<String, u
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
-    use crate::core::cluster::tests::node;
-    use crate::core::cluster::Cluster;
-    use crate::core::resources::NumaPolicy;
+    use gpuplace_core::cluster::{Cluster, Gpu};
+    use gpuplace_core::topology::GpuTopology;
+
+    /// A node of `gpus` 1000 MiB GPUs of model `T`, four per NUMA node, on a flat board (the
+    /// fixture `gpuplace_core`'s cluster tests build with).
+    pub(crate) fn node(name: &str, gpus: usize) -> Node {
+        let g = (0..gpus)
+            .map(|i| Gpu {
+                uuid: format!("GPU-{name}-{i}"),
+                index: i as u32,
+                model: "T".into(),
+                memory_mib: 1000,
+                numa_node: Some((i / 4) as u32),
+                pci_bus_id: String::new(),
+                healthy: true,
+            })
+            .collect();
+        Node::new(name, std::collections::BTreeMap::new(), g, std::sync::Arc::new(GpuTopology::flat(gpus)), 0, 0)
+    }
+    use gpuplace_core::resources::NumaPolicy;
 
     fn how() -> GpuChoice<'static> {
         GpuChoice {

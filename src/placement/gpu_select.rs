@@ -10,11 +10,11 @@
 //!    beside it score highest, then take the GPUs least connected to the GPUs that stay free;
 //! 5. lowest indices.
 
-use crate::core::assignment::share_milli;
-use crate::core::cluster::Node;
-use crate::core::resources::{GpuDemand, NumaPolicy, PackingPolicy};
-use crate::core::topology::GpuTopology;
 use crate::placement::mix::{HostFree, WorkloadMix};
+use gpuplace_core::assignment::share_milli;
+use gpuplace_core::cluster::Node;
+use gpuplace_core::resources::{GpuDemand, NumaPolicy, PackingPolicy};
+use gpuplace_core::topology::GpuTopology;
 
 /// Free capacity of the GPUs of one node while a pod's containers are being placed.
 #[derive(Debug, Clone)]

@@ -21,10 +21,10 @@
 
 use std::collections::BTreeMap;
 
-use crate::core::assignment::PodAssignment;
-use crate::core::cluster::{Cluster, Node};
-use crate::core::resources::{GpuDemand, PodRequest};
 use crate::placement::engine::Engine;
+use gpuplace_core::assignment::PodAssignment;
+use gpuplace_core::cluster::{Cluster, Node};
+use gpuplace_core::resources::{GpuDemand, PodRequest};
 
 /// What to plan for.
 #[derive(Debug, Clone, Copy)]
@@ -421,11 +421,11 @@ mod tests {
     use std::path::Path;
 
     use super::*;
-    use crate::core::cluster::network_labels;
-    use crate::core::inventory::Board;
-    use crate::core::resources::{GpuDemand, MemoryDemand};
     use crate::placement::mix::WorkloadMix;
     use crate::placement::profile::Profile;
+    use gpuplace_core::cluster::network_labels;
+    use gpuplace_core::inventory::Board;
+    use gpuplace_core::resources::{GpuDemand, MemoryDemand};
 
     /// `n` nodes of 8 GPUs, 4 per ToR, 8 per spine.
     fn cluster(n: usize) -> Cluster {

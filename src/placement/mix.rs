@@ -27,7 +27,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::core::cluster::Node;
+use gpuplace_core::cluster::Node;
 
 /// One typical request of the workload.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

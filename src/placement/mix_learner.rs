@@ -13,11 +13,11 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
-use crate::core::resources::PodRequest;
 use crate::placement::mix::BoundDemand;
 use crate::placement::mix::ReserveClass;
 use crate::placement::mix::{MixEntry, WorkloadMix};
 use crate::placement::scorers::model_supply;
+use gpuplace_core::resources::PodRequest;
 
 /// How the learner weighs what it sees.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -429,7 +429,7 @@ impl MixLearner {
 
 /// The GPU memory that turns a share asked in memory into a share of a GPU: the median over the
 /// cluster's GPUs (0 for a cluster without GPUs).
-pub fn typical_gpu_memory_mib(cluster: &crate::core::cluster::Cluster) -> u64 {
+pub fn typical_gpu_memory_mib(cluster: &gpuplace_core::cluster::Cluster) -> u64 {
     lower_median(cluster.nodes().iter().flat_map(|n| n.gpus.iter().map(|g| g.memory_mib)).collect())
 }
 
@@ -701,7 +701,7 @@ mod tests {
 
     #[test]
     fn requests_become_entries() {
-        use crate::core::resources::{GpuDemand, MemoryDemand};
+        use gpuplace_core::resources::{GpuDemand, MemoryDemand};
         let mut r =
             PodRequest::single("p", GpuDemand::Shared { gpus: 1, memory: MemoryDemand::Mib(8192), core_pct: 20 });
         r.cpu_milli = 4000;

@@ -2,10 +2,10 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::core::resources::{NumaPolicy, PackingPolicy};
 use crate::placement::registry::{Weights, REGISTRY};
 use crate::placement::scorer::Scorer;
 use crate::placement::scorers::packing;
+use gpuplace_core::resources::{NumaPolicy, PackingPolicy};
 
 /// Policies and weights, as written in a config file.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -8,12 +8,12 @@
 
 use std::sync::Mutex;
 
-use crate::core::cluster::{Cluster, Node};
 use crate::placement::mix::{BoundDemand, ReserveClass};
 use crate::placement::scorers::model_supply::{self, Supply};
 use crate::placement::scorers::reserve::inventory_classes;
 use crate::placement::views::{ReserveView, MAX_CLASSES};
 use crate::placement::whole_units::WholeUnits;
+use gpuplace_core::cluster::{Cluster, Node};
 
 /// The reserve for one cluster state, kept up to date incrementally: a cluster state is known by
 /// its node stamps ([`Cluster::stamps`], process-wide unique) and node indexing

@@ -1,12 +1,12 @@
 //! The scorer plug-in point: each concern rates a candidate placement from 0.0 (worst) to 1.0 (best),
 //! and a [`Profile`](crate::placement::profile::Profile) weighs them, as kube-scheduler's framework does.
 
-use crate::core::cluster::{Cluster, Node};
-use crate::core::resources::{PackingPolicy, PodRequest};
 use crate::placement::feasibility::Placement;
 use crate::placement::mix::WorkloadMix;
 use crate::placement::views::GroupView;
 use crate::placement::views::ReserveView;
+use gpuplace_core::cluster::{Cluster, Node};
+use gpuplace_core::resources::{PackingPolicy, PodRequest};
 
 /// What every scorer may look at besides the node itself.
 #[derive(Debug, Clone, Copy)]

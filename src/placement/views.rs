@@ -7,9 +7,9 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::core::cluster::{Cluster, Node};
-use crate::core::resources::GroupSpec;
 use crate::placement::mix::ReserveClass;
+use gpuplace_core::cluster::{Cluster, Node};
+use gpuplace_core::resources::GroupSpec;
 
 /// A node's network path: its value for each configured level, coarse to fine.
 pub type NetPath = Vec<Option<String>>;

@@ -16,9 +16,9 @@
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 
-use crate::core::cluster::{Cluster, Node};
-use crate::core::topology::NvlinkFabric;
 use crate::placement::views::{path_of, NetPath, WholeView};
+use gpuplace_core::cluster::{Cluster, Node};
+use gpuplace_core::topology::NvlinkFabric;
 
 /// A node's part in its switches' wholeness.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -154,10 +154,10 @@ mod tests {
     use std::path::Path;
 
     use super::*;
-    use crate::core::cluster::network_labels;
-    use crate::core::inventory::Board;
-    use crate::core::resources::{GpuDemand, PodRequest};
     use crate::placement::engine::Engine;
+    use gpuplace_core::cluster::network_labels;
+    use gpuplace_core::inventory::Board;
+    use gpuplace_core::resources::{GpuDemand, PodRequest};
 
     /// 16 HGX nodes (4 per ToR, 8 per spine), then 2 PCIe nodes under their own ToR.
     fn cluster() -> Cluster {

@@ -4,11 +4,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 
-use crate::core::resources::{GpuDemand, MemoryDemand};
-use crate::core::room::Room;
 use crate::placement_log::read::LogLine;
 use crate::placement_log::{Decision, ModelCapacity, Requests};
 use crate::sim::report::PolicyReport;
+use gpuplace_core::resources::{GpuDemand, MemoryDemand};
+use gpuplace_core::room::Room;
 
 /// One point of the capacity charts: the cluster right after a bind.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -358,8 +358,8 @@ pub fn curve(r: &PolicyReport) -> Vec<(f64, f64)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::resources::ContainerDemand;
     use crate::placement_log::{CapacitySummary, NodeCapacity};
+    use gpuplace_core::resources::ContainerDemand;
 
     fn line(d: Decision) -> LogLine {
         LogLine { line: 0, decision: d }

@@ -261,7 +261,7 @@ impl Policy {
         if !self.plans_groups() {
             return None;
         }
-        let reqs: Vec<crate::core::resources::PodRequest> = members
+        let reqs: Vec<gpuplace_core::resources::PodRequest> = members
             .iter()
             .map(|p| {
                 let req = p.request(&p.name);
@@ -281,7 +281,7 @@ impl Policy {
 
     /// The learner counts an arrived pod before it is placed, as the extender counts a pod at its
     /// first filter.
-    fn observe(&mut self, req: &crate::core::resources::PodRequest) {
+    fn observe(&mut self, req: &gpuplace_core::resources::PodRequest) {
         if let (Some((learner, gpu_memory)), Some(engine)) = (self.learner.as_mut(), self.engine.as_mut()) {
             learner.observe_request(req, *gpu_memory);
             if let Some(mix) = learner.refreshed(&engine.mix) {

@@ -9,15 +9,15 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 
-use crate::core::cluster::Cluster;
-use crate::core::inventory::{load_cluster, InventoryError};
-use crate::core::resources::GpuDemand;
 use crate::placement_log::read::{read_placement_log, InputError};
 use crate::placement_log::Decision;
 use crate::sim::report::PolicyReport;
 use crate::sim::trace::UNLIMITED;
 use crate::sim::trace::{TraceNode, TracePod};
 use crate::sim::{protocol, run, SimConfig};
+use gpuplace_core::cluster::Cluster;
+use gpuplace_core::inventory::{load_cluster, InventoryError};
+use gpuplace_core::resources::GpuDemand;
 
 /// Arrived-workload columns of a replay: every percent, since a log's pods may fill a few percent
 /// of a large cluster or more than all of a small one.
@@ -246,9 +246,9 @@ pub fn table(reports: &[PolicyReport], pods: usize, capacity_gpus: u32) -> Strin
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::resources::{ContainerDemand, MemoryDemand};
     use crate::placement_log::Requests;
     use crate::sim::policies::PolicyKind;
+    use gpuplace_core::resources::{ContainerDemand, MemoryDemand};
 
     fn bind(pod: &str, outcome: &str, demands: &[GpuDemand]) -> Decision {
         Decision {

@@ -282,7 +282,7 @@ impl GroupOutcome {
     fn record(&mut self, state: &SimState, members: &[TracePod], nodes: &[usize]) {
         if nodes.len() == members.len() {
             self.whole += 1;
-            let tor = crate::core::cluster::DEFAULT_NETWORK_LEVELS[1];
+            let tor = gpuplace_core::cluster::DEFAULT_NETWORK_LEVELS[1];
             let tors: std::collections::BTreeSet<&str> = nodes
                 .iter()
                 .filter_map(|&n| state.cluster.nodes().get(n)?.labels.get(tor).map(String::as_str))

@@ -4,12 +4,12 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use crate::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
-use crate::core::cluster::{network_labels, Cluster, Gpu, Node};
-use crate::core::inventory::synthetic_uuid;
-use crate::core::topology::{GpuTopology, Link, NvlinkFabric, PcieLevel};
 use crate::placement::mix::WorkloadMix;
 use crate::sim::trace::{model_memory_mib, TraceNode, TracePod};
+use gpuplace_core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
+use gpuplace_core::cluster::{network_labels, Cluster, Gpu, Node};
+use gpuplace_core::inventory::synthetic_uuid;
+use gpuplace_core::topology::{GpuTopology, Link, NvlinkFabric, PcieLevel};
 
 /// A node as the FGD simulator sees it.
 #[derive(Debug, Clone)]
@@ -190,7 +190,7 @@ impl SimState {
         node: usize,
         pod: &TracePod,
         gpus: &[usize],
-    ) -> Result<(), crate::core::cluster::AllocError> {
+    ) -> Result<(), gpuplace_core::cluster::AllocError> {
         let req = pod.request(&pod.name);
         let n = &self.cluster.nodes()[node];
         let containers = req

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use crate::core::resources::{ContainerDemand, GpuDemand, MemoryDemand, PodRequest};
+use gpuplace_core::resources::{ContainerDemand, GpuDemand, MemoryDemand, PodRequest};
 
 /// Host CPU (milli) or memory (MiB) that never runs out, with room left for sums.
 pub const UNLIMITED: u64 = u64::MAX / 4;

@@ -7,9 +7,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use gpuplace::apiserver::pods::observed;
-use gpuplace::core::annotations::{AssignmentAnnotation, NodeInventory, ANNOTATION_ASSIGNMENT, ANNOTATION_INVENTORY};
 use gpuplace::extender::inspect::InspectReport;
+use gpuplace::k8s::pods::observed;
+use gpuplace_core::annotations::{AssignmentAnnotation, NodeInventory, ANNOTATION_ASSIGNMENT, ANNOTATION_INVENTORY};
 use k8s_openapi::api::core::v1::{Event, Node, Pod};
 use kube::api::ListParams;
 use kube::{Api, Client, ResourceExt};

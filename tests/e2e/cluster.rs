@@ -17,8 +17,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use gpuplace::apiserver::connect::Source;
-use gpuplace::apiserver::connect::{connect_with, Transport};
+use gpuplace_core::api_client::connect::Source;
+use gpuplace_core::api_client::connect::{connect_with, Transport};
 use kube::api::{DynamicObject, Patch, PatchParams};
 use kube::core::GroupVersionKind;
 use kube::discovery::Scope;

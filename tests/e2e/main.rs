@@ -433,7 +433,7 @@ async fn extender_killed_mid_storm_loses_nothing() {
     // binds cut by the kill leave assignments on pending pods; the leader removes them after a
     // Lease duration (src/apiserver/stale.rs)
     let mut stale_seen = 0;
-    let until = Instant::now() + gpuplace::apiserver::run::DEFAULT_STALE_GRACE + Duration::from_secs(20);
+    let until = Instant::now() + gpuplace::k8s::run::DEFAULT_STALE_GRACE + Duration::from_secs(20);
     let audit = loop {
         let audit = Audit::of(&snapshot(&st.admin, NS).await);
         stale_seen = stale_seen.max(audit.stale_pending.len());
@@ -796,7 +796,7 @@ fn placed_pod(shape: &fleet::Shape, name: &str, how: Placed, assignment: Option<
         pod.metadata
             .annotations
             .get_or_insert_with(Default::default)
-            .insert(gpuplace::core::annotations::ANNOTATION_ASSIGNMENT.into(), text.into());
+            .insert(gpuplace_core::annotations::ANNOTATION_ASSIGNMENT.into(), text.into());
     }
     pod
 }
@@ -823,7 +823,7 @@ async fn stays_pending(pods: &Api<Pod>, pod: &str, d: Duration) -> bool {
 /// sequence.
 #[tokio::test(flavor = "current_thread")]
 async fn forged_assignments_are_never_counted() {
-    use gpuplace::core::annotations::{AssignmentAnnotation, ANNOTATION_ASSIGNMENT};
+    use gpuplace_core::annotations::{AssignmentAnnotation, ANNOTATION_ASSIGNMENT};
     use k8s_openapi::api::core::v1::{Binding, Event, ObjectReference};
     use kube::api::{ListParams, Patch, PatchParams};
 
@@ -866,7 +866,7 @@ async fn forged_assignments_are_never_counted() {
     let not_trusted = || async {
         let list = events.list(&ListParams::default()).await.expect("events").items;
         list.into_iter()
-            .filter(|e| e.reason.as_deref() == Some(gpuplace::apiserver::events::REASON_ASSIGNMENT))
+            .filter(|e| e.reason.as_deref() == Some(gpuplace_core::api_client::events::REASON_ASSIGNMENT))
             .filter_map(|e| e.involved_object.name)
             .collect::<std::collections::BTreeSet<String>>()
     };

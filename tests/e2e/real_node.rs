@@ -16,9 +16,9 @@ use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use gpuplace::core::annotations::{AssignedGpu, AssignmentAnnotation};
 use gpuplace::extender::inspect::InspectReport;
 use gpuplace::extender::metrics::BindOutcome;
+use gpuplace_core::annotations::{AssignedGpu, AssignmentAnnotation};
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -703,7 +703,7 @@ impl Mtls {
 
 /// The Secret `gpuplace-scheduler-tls`, once the leading extender has written it.
 async fn scheduler_certificate(client: &Client) -> Mtls {
-    use gpuplace::apiserver::certificates::{CA_CERT, DEFAULT_SCHEDULER_SECRET_NAME, SCHEDULER_CERT, SCHEDULER_KEY};
+    use gpuplace::k8s::certificates::{CA_CERT, DEFAULT_SCHEDULER_SECRET_NAME, SCHEDULER_CERT, SCHEDULER_KEY};
     let secrets: Api<k8s_openapi::api::core::v1::Secret> = Api::namespaced(client.clone(), SYSTEM_NS);
     let until = Instant::now() + Duration::from_secs(60);
     loop {

@@ -21,8 +21,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use gpuplace::core::annotations::{NodeInventory, ANNOTATION_INVENTORY};
-use gpuplace::core::inventory::{load_topology_file, ResolvedBoard};
+use gpuplace_core::annotations::{NodeInventory, ANNOTATION_INVENTORY};
+use gpuplace_core::inventory::{load_topology_file, ResolvedBoard};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{DeleteParams, Patch, PatchParams};
 use kube::runtime::watcher;

@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use gpuplace::apiserver::connect::{connect_with, Source, Transport};
+use gpuplace_core::api_client::connect::{connect_with, Source, Transport};
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Secret};
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::{Api, Client};

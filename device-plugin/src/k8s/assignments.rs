@@ -25,14 +25,14 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use gpuplace::core::admission::admission_order;
-use gpuplace::core::annotations::SignatureProblem;
-use gpuplace::core::annotations::{
+use gpuplace_core::admission::admission_order;
+use gpuplace_core::annotations::SignatureProblem;
+use gpuplace_core::annotations::{
     AllocatedAnnotation, AnnotationError, AssignmentAnnotation, ANNOTATION_ALLOCATED, ANNOTATION_ASSIGNMENT,
 };
-use gpuplace::core::cluster::Node;
-use gpuplace::core::resources::{pod_request, ContainerResources, PodSpecView, RequestError};
-use gpuplace::core::signing::PublicKeys;
+use gpuplace_core::cluster::Node;
+use gpuplace_core::resources::{pod_request, ContainerResources, PodSpecView, RequestError};
+use gpuplace_core::signing::PublicKeys;
 use k8s_openapi::api::core::v1::{Container, Pod};
 use kube::api::{ListParams, Patch, PatchParams};
 use kube::runtime::reflector::{self, Store};

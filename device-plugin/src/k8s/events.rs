@@ -13,7 +13,7 @@
 //!
 //! Best effort, as the extender's Events: a failed write is logged, never retried, never fails a call.
 
-use gpuplace::apiserver::events::EventSink;
+use gpuplace_core::api_client::events::EventSink;
 use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use kube::{Client, Resource};
 

@@ -8,8 +8,8 @@
 
 use std::collections::BTreeMap;
 
-use gpuplace::core::annotations::{AnnotationError, InventoryGpu, InventoryLink, NodeInventory, INVENTORY_VERSION};
-use gpuplace::core::cluster::Node;
+use gpuplace_core::annotations::{AnnotationError, InventoryGpu, InventoryLink, NodeInventory, INVENTORY_VERSION};
+use gpuplace_core::cluster::Node;
 
 use crate::nvml::Inventory;
 use crate::plugin::GpuHealth;

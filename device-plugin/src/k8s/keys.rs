@@ -2,7 +2,7 @@
 //!
 //! The extender signs every `gpuplace.io/assignment` with an Ed25519 key only its replicas hold, and
 //! its leader publishes the public halves in a ConfigMap (`gpuplace-system/gpuplace-assignment-public-keys`
-//! by default; `gpuplace::core::signing`). A plugin that reads them can verify an assignment and
+//! by default; `gpuplace_core::signing`). A plugin that reads them can verify an assignment and
 //! cannot forge one, so neither a tenant who edits its own pod's annotation nor another node's
 //! plugin can hand a container GPUs the extender did not give it.
 //!
@@ -17,7 +17,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use futures::StreamExt;
-use gpuplace::core::signing::PublicKeys;
+use gpuplace_core::signing::PublicKeys;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;

@@ -23,10 +23,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpuplace::core::annotations::{
+use gpuplace_core::annotations::{
     AllocationCounts, NodeInventory, ANNOTATION_ALLOCATION_COUNTS, ANNOTATION_INVENTORY, ANNOTATION_UTILIZATION,
 };
-use gpuplace::core::resources::{RESOURCE_GPU_CORE, RESOURCE_GPU_MEM};
+use gpuplace_core::resources::{RESOURCE_GPU_CORE, RESOURCE_GPU_MEM};
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Patch, PatchParams};
 use kube::{Api, Client, ResourceExt};

@@ -1,5 +1,5 @@
 //! The Kubernetes [`UtilizationSink`]: this node's utilization ConfigMap
-//! (`gpuplace::core::utilization_configmap`: `gpuplace-utilization-<node>` in the plugin's namespace),
+//! (`gpuplace_core::utilization_configmap`: `gpuplace-utilization-<node>` in the plugin's namespace),
 //! not the Node object. Every Node update makes kube-scheduler move every unschedulable pod back to
 //! its active queue; kube-scheduler does not watch ConfigMaps.
 //!
@@ -13,8 +13,8 @@
 
 use std::sync::Arc;
 
-use gpuplace::core::annotations::UtilizationAnnotation;
-use gpuplace::core::utilization_configmap::{configmap_name, data, labels};
+use gpuplace_core::annotations::UtilizationAnnotation;
+use gpuplace_core::utilization_configmap::{configmap_name, data, labels};
 use k8s_openapi::api::core::v1::{ConfigMap, Node};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::api::{Patch, PatchParams, PostParams};

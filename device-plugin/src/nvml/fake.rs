@@ -20,8 +20,8 @@ use std::path::Path;
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use gpuplace::core::inventory::{load_topology_file, synthetic_uuid};
-use gpuplace::core::topology::TopologyFile;
+use gpuplace_core::inventory::{load_topology_file, synthetic_uuid};
+use gpuplace_core::topology::TopologyFile;
 use serde::{Deserialize, Serialize};
 
 use super::{BackendError, GpuBackend, GpuEvent, GpuEventKind, GpuInfo, GpuSample, Inventory, PairLink};
@@ -175,7 +175,7 @@ impl FakeBackend {
             .map(|l| PairLink { a: l.a.min(l.b), b: l.a.max(l.b), nvlinks: l.nvlinks, pcie: l.pcie })
             .collect();
         links.sort_by_key(|l| (l.a, l.b));
-        if fabric == gpuplace::core::topology::NvlinkFabric::Nvswitch {
+        if fabric == gpuplace_core::topology::NvlinkFabric::Nvswitch {
             // NVML would report each GPU's lanes into the switch: the NV# it shares with its peers
             for g in &mut gpus {
                 g.nvswitch_links =
@@ -381,7 +381,7 @@ mod tests {
         let inv = b.inventory().unwrap();
         assert_eq!(inv.gpus.len(), 8);
         assert_eq!(inv.links.len(), 28);
-        assert_eq!(inv.nvlink_fabric, gpuplace::core::topology::NvlinkFabric::Nvswitch);
+        assert_eq!(inv.nvlink_fabric, gpuplace_core::topology::NvlinkFabric::Nvswitch);
         assert!(inv.gpus.iter().all(|g| g.nvswitch_links == 18 && g.uuid.starts_with("GPU-")));
         assert_eq!(inv.gpus[5].numa_node, Some(1));
         // another node name, other UUIDs

@@ -12,7 +12,7 @@ pub mod real;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use gpuplace::core::topology::{
+use gpuplace_core::topology::{
     GpuTopology, NvlinkFabric, PcieLevel, TopologyError, TopologyFile, TopologyGpu, TopologyLink,
 };
 use serde::{Deserialize, Serialize};

@@ -5,7 +5,7 @@ use std::ffi::OsStr;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use gpuplace::core::topology::PcieLevel;
+use gpuplace_core::topology::PcieLevel;
 use nvml_wrapper::bitmasks::event::EventTypes;
 use nvml_wrapper::enum_wrappers::device::{Clock, TemperatureSensor, TopologyLevel};
 use nvml_wrapper::enum_wrappers::nv_link::IntDeviceType;

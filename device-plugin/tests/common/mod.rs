@@ -26,8 +26,8 @@ use tonic::transport::Channel;
 use tonic::Streaming;
 
 /// The extender's assignment key in these tests: what `bind` helpers sign with.
-pub fn assignment_keys() -> gpuplace::core::signing::KeyRing {
-    gpuplace::core::signing::KeyRing::new("test-key", [("test-key".to_string(), vec![7u8; 32])]).expect("a valid seed")
+pub fn assignment_keys() -> gpuplace_core::signing::KeyRing {
+    gpuplace_core::signing::KeyRing::new("test-key", [("test-key".to_string(), vec![7u8; 32])]).expect("a valid seed")
 }
 
 /// The public-key ConfigMap the extender's leader publishes for [`assignment_keys`], at the plugin's

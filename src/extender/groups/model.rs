@@ -6,10 +6,10 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::core::assignment::PodAssignment;
-use crate::core::cluster::Cluster;
-use crate::core::resources::{GroupSpec, PodRequest};
 use crate::placement_log::GroupEvent;
+use gpuplace_core::assignment::PodAssignment;
+use gpuplace_core::cluster::Cluster;
+use gpuplace_core::resources::{GroupSpec, PodRequest};
 
 /// What the PodGroup object says (watched from scheduling.k8s.io/v1alpha2).
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize)]

@@ -6,12 +6,12 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use super::model::{fingerprint, reservation_key, Failure, Group, Plan, Slot, Verdict};
-use crate::core::assignment::PodAssignment;
-use crate::core::cluster::Cluster;
-use crate::core::resources::PodRequest;
 use crate::placement::engine::Engine;
 use crate::placement::group_plan::{group_name, level_name, plan_group, GroupAsk, GroupPlan, NoPlan};
 use crate::placement_log::GroupEvent;
+use gpuplace_core::assignment::PodAssignment;
+use gpuplace_core::cluster::Cluster;
+use gpuplace_core::resources::PodRequest;
 
 /// Two requests that a slot planned for one can serve for the other (same containers and rules).
 fn same_shape(a: &PodRequest, b: &PodRequest) -> bool {

@@ -24,8 +24,8 @@
 
 use super::observe::ObservedPod;
 use super::*;
-use crate::core::admission::{admitted, confusable};
-use crate::core::annotations::AllocatedAnnotation;
+use gpuplace_core::admission::{admitted, confusable};
+use gpuplace_core::annotations::AllocatedAnnotation;
 
 /// How long a bind waits for the pods it could be confused with to be admitted. kube-scheduler gives
 /// the extender's bind its `httpTimeout` (5 s in the shipped configurations), and the Binding call

@@ -3,8 +3,8 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use crate::core::resources::PodRequest;
 use crate::placement_log::TopScore;
+use gpuplace_core::resources::PodRequest;
 
 /// A cached evaluation is reused at most this long after it was made: prioritize follows filter
 /// within milliseconds, and the cache is not meant to serve later pods. (Scores that depend on the

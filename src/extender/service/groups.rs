@@ -18,8 +18,6 @@ use std::time::Instant;
 
 use super::filter::Filtered;
 use super::{Extender, State};
-use crate::core::assignment::PodAssignment;
-use crate::core::resources::PodRequest;
 use crate::extender::groups::{Arrival, PodGroupInfo, Verdict};
 use crate::extender::metrics::RejectClass;
 use crate::extender::reasons::prefixed;
@@ -27,6 +25,8 @@ use crate::extender::verdict_cache::{Answer, Candidates, Reason};
 use crate::placement::group_plan::group_name;
 use crate::placement_log::GroupEvent;
 use crate::placement_log::{Decision, PLACEMENT_LOG_VERSION};
+use gpuplace_core::assignment::PodAssignment;
+use gpuplace_core::resources::PodRequest;
 
 impl Extender {
     /// A kube-scheduler PodGroup seen or changed (`namespace/name`): its `minCount` and topology keys
@@ -171,7 +171,7 @@ impl Extender {
             if self.log.is_some() {
                 let d = Decision {
                     v: PLACEMENT_LOG_VERSION,
-                    ts_unix_ms: crate::extender::clock::now_unix_ms(),
+                    ts_unix_ms: gpuplace_core::clock::now_unix_ms(),
                     verb: "group".into(),
                     pod: String::new(),
                     group: Some(e.group.clone()),

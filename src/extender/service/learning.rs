@@ -5,10 +5,10 @@ use std::sync::atomic::Ordering;
 use std::sync::MutexGuard;
 
 use super::{Extender, UNKNOWN_GPU_MEMORY};
-use crate::core::resources::PodRequest;
 use crate::extender::mix::{Learning, MixReport, MixSource, ModelListReport, ReserveReport};
 use crate::placement::mix::WorkloadMix;
 use crate::placement::mix_learner::{typical_gpu_memory_mib, MixLearnerState};
+use gpuplace_core::resources::PodRequest;
 
 impl Extender {
     fn learning(&self) -> Option<MixGuard<'_>> {

@@ -1,6 +1,6 @@
 //! What the API-server watchers tell the extender, and what of it is trusted.
 //!
-//! The watchers (`src/apiserver/nodes.rs`, `pods.rs`) only translate objects; every decision is
+//! The watchers (`src/k8s/nodes.rs`, `pods.rs`) only translate objects; every decision is
 //! here, next to the state it changes:
 //!
 //! - Nodes: the inventory annotation (re)defines a node, unchanged objects cost a read lock only; a
@@ -22,17 +22,17 @@
 //! - Refusals are logged and counted once per pod, annotation text and node, and returned so that
 //!   the caller raises a Kubernetes Event on the pod.
 
-use crate::core::node_constraints::NodeConstraints;
+use gpuplace_core::node_constraints::NodeConstraints;
 use std::collections::{BTreeMap, HashSet};
 use std::time::Instant;
 
 use super::{BoundPod, Extender, SeenPod, State};
-use crate::core::annotations::{
-    NodeInventory, ANNOTATION_ALLOCATED, ANNOTATION_ASSIGNMENT, ANNOTATION_INVENTORY, ANNOTATION_UTILIZATION,
-};
-use crate::core::resources::PodRequest;
 use crate::extender::metrics::ConflictKind;
 use crate::extender::wire::Pod;
+use gpuplace_core::annotations::{
+    NodeInventory, ANNOTATION_ALLOCATED, ANNOTATION_ASSIGNMENT, ANNOTATION_INVENTORY, ANNOTATION_UTILIZATION,
+};
+use gpuplace_core::resources::PodRequest;
 
 /// A pod as the pod watcher saw it.
 #[derive(Debug, Clone, PartialEq)]

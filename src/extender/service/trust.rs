@@ -1,19 +1,19 @@
 //! Which assignments the extender trusts, and the keys behind that: the MAC check that every
 //! assignment it did not write in this process passes before it is validated and counted, the key
 //! ring bind signs with, and the re-signing of records made with a key that is no longer primary.
-//! The MAC itself (message, format, key ring) is `crate::core::signing`; the Secret the ring comes
-//! from is `src/apiserver/keys.rs`.
+//! The MAC itself (message, format, key ring) is `gpuplace_core::signing`; the Secret the ring comes
+//! from is `src/k8s/keys.rs`.
 
 use std::sync::Arc;
 
 use super::observe::PodOutcome;
 use super::{Extender, State};
-use crate::core::annotations::SignatureProblem;
-use crate::core::annotations::{AnnotationError, AssignmentAnnotation};
-use crate::core::assignment::PodAssignment;
-use crate::core::cluster::Cluster;
-use crate::core::resources::PodRequest;
-use crate::core::signing::{KeyId, KeyRing};
+use gpuplace_core::annotations::SignatureProblem;
+use gpuplace_core::annotations::{AnnotationError, AssignmentAnnotation};
+use gpuplace_core::assignment::PodAssignment;
+use gpuplace_core::cluster::Cluster;
+use gpuplace_core::resources::PodRequest;
+use gpuplace_core::signing::{KeyId, KeyRing};
 
 /// A counted record to write again, signed with the primary key (the leader's part of a rotation).
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,6 +1,6 @@
 //! Live utilization samples, from either source, through one code path.
 //!
-//! - The device plugin's per-node ConfigMap (`crate::core::utilization_configmap`), watched in
+//! - The device plugin's per-node ConfigMap (`gpuplace_core::utilization_configmap`), watched in
 //!   API-server mode: [`Extender::observe_utilization`] and [`Extender::forget_utilization`]. Its
 //!   text is kept per node even while the node is unknown, and applied again whenever the node's
 //!   GPUs are (re)defined, so the order in which the two watches deliver does not matter.
@@ -12,7 +12,7 @@
 //! ([`UtilizationAnnotation::apply_to`]); their age is judged by the scorer, not here.
 
 use super::{Extender, State};
-use crate::core::annotations::UtilizationAnnotation;
+use gpuplace_core::annotations::UtilizationAnnotation;
 
 /// What [`Extender::observe_utilization`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]

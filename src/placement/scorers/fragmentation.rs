@@ -3,10 +3,10 @@
 //! could not use. The measure itself ([`WorkloadMix::fragmentation`]) is in `placement::mix`, since
 //! the GPU choice reads it too.
 
-use crate::core::cluster::Node;
 use crate::placement::feasibility::Placement;
 use crate::placement::mix::{HostFree, WorkloadMix};
 use crate::placement::scorer::{ScoreContext, Scorer};
+use gpuplace_core::cluster::Node;
 
 /// The scorer's name in profiles, weights and placement logs.
 pub const NAME: &str = "fragmentation";

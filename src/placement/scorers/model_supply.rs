@@ -27,10 +27,10 @@
 //! every short list, for CPU-only pods, and where every model the pod may use is short (it would
 //! score every node alike).
 
-use crate::core::cluster::{Cluster, Node};
 use crate::placement::feasibility::Placement;
 use crate::placement::mix::BoundDemand;
 use crate::placement::scorer::{ScoreContext, Scorer};
+use gpuplace_core::cluster::{Cluster, Node};
 
 /// A list is short while the GPUs it could use are less than this many times what the pods bound
 /// within it would take of the cluster's free GPUs, plus [`FLOOR_PODS`] of its pods
@@ -306,9 +306,9 @@ mod tests {
     use std::path::Path;
 
     use super::*;
-    use crate::core::assignment::PodAssignment;
-    use crate::core::cluster::Cluster;
-    use crate::core::inventory::Board;
+    use gpuplace_core::assignment::PodAssignment;
+    use gpuplace_core::cluster::Cluster;
+    use gpuplace_core::inventory::Board;
 
     fn list(s: &str) -> Vec<String> {
         s.split('|').map(str::to_string).collect()
@@ -433,9 +433,9 @@ mod tests {
         crate::placement::engine::Engine::new(Profile::gpuplace(), WorkloadMix::default().with_bound(bound))
     }
 
-    fn pod(name: &str, models: &[&str]) -> crate::core::resources::PodRequest {
+    fn pod(name: &str, models: &[&str]) -> gpuplace_core::resources::PodRequest {
         let mut r =
-            crate::core::resources::PodRequest::single(name, crate::core::resources::GpuDemand::Whole { gpus: 1 });
+            gpuplace_core::resources::PodRequest::single(name, gpuplace_core::resources::GpuDemand::Whole { gpus: 1 });
         r.cpu_milli = 8000;
         r.allowed_models = models.iter().map(|m| m.to_string()).collect();
         r
@@ -452,7 +452,7 @@ mod tests {
     #[test]
     fn pods_that_could_run_anywhere_leave_a_short_model_to_the_pods_bound_to_it() {
         let c = big_cluster();
-        let best = |e: &crate::placement::engine::Engine, r: &crate::core::resources::PodRequest| -> String {
+        let best = |e: &crate::placement::engine::Engine, r: &gpuplace_core::resources::PodRequest| -> String {
             let ev = e.evaluate_all(&c, r, 0);
             c.nodes()[ev.ranked[0].node].name.clone()
         };

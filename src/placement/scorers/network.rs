@@ -1,10 +1,10 @@
 //! Network locality for jobs of several pods (`gpuplace.io/group`): the same ToR as the group's pods
 //! already placed, else the same spine, and room under that switch for the rest of the group.
 
-use crate::core::cluster::Node;
 use crate::placement::feasibility::Placement;
 use crate::placement::scorer::{ScoreContext, Scorer};
 use crate::placement::views::path_of;
+use gpuplace_core::cluster::Node;
 
 /// The scorer's name in profiles, weights and placement logs.
 pub const NAME: &str = "network";
@@ -61,12 +61,6 @@ mod tests {
     use std::path::Path;
 
     use super::*;
-    use crate::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
-    use crate::core::cluster::Cluster;
-    use crate::core::cluster::DEFAULT_NETWORK_LEVELS;
-    use crate::core::inventory::Board;
-    use crate::core::resources::GroupSpec;
-    use crate::core::resources::{GpuDemand, PackingPolicy, PodRequest};
     use crate::placement::engine::Engine;
     use crate::placement::mix::WorkloadMix;
     use crate::placement::views::GroupView;
@@ -74,6 +68,12 @@ mod tests {
         profile::{Profile, ProfileConfig},
         registry::Weights,
     };
+    use gpuplace_core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
+    use gpuplace_core::cluster::Cluster;
+    use gpuplace_core::cluster::DEFAULT_NETWORK_LEVELS;
+    use gpuplace_core::inventory::Board;
+    use gpuplace_core::resources::GroupSpec;
+    use gpuplace_core::resources::{GpuDemand, PackingPolicy, PodRequest};
 
     fn node(name: &str, gpus: u32, spine: Option<&str>, tor: Option<&str>) -> Node {
         let board = Board::Flat { gpus, model: "A100".into(), memory_mib: 40960 }.resolve(Path::new(".")).unwrap();

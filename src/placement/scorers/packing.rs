@@ -1,10 +1,10 @@
 //! Binpack or spread at node level: fill busy nodes first (keeps whole nodes free for big jobs) or
 //! spread load (keeps headroom everywhere). GPU-level packing happens in the GPU choice.
 
-use crate::core::cluster::Node;
-use crate::core::resources::PackingPolicy;
 use crate::placement::feasibility::Placement;
 use crate::placement::scorer::{ScoreContext, Scorer};
+use gpuplace_core::cluster::Node;
+use gpuplace_core::resources::PackingPolicy;
 
 /// The scorer's name in profiles, weights and placement logs.
 pub const NAME: &str = "packing";
@@ -67,13 +67,13 @@ mod tests {
     use std::collections::BTreeMap;
     use std::path::Path;
 
-    use crate::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
-    use crate::core::cluster::Cluster;
-    use crate::core::inventory::Board;
-    use crate::core::resources::{GpuDemand, PackingPolicy, PodRequest};
     use crate::placement::engine::Engine;
     use crate::placement::mix::{MixEntry, WorkloadMix};
     use crate::placement::profile::Profile;
+    use gpuplace_core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
+    use gpuplace_core::cluster::Cluster;
+    use gpuplace_core::inventory::Board;
+    use gpuplace_core::resources::{GpuDemand, PackingPolicy, PodRequest};
 
     /// `busy` has 3 of 4 GPUs taken, `empty` none.
     fn cluster() -> Cluster {

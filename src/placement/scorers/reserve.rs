@@ -30,11 +30,11 @@
 //! stamp changed), and callers that cache per-node verdicts key them on it too
 //! ([`Engine::shared_key`](crate::placement::engine::Engine::shared_key)).
 
-use crate::core::cluster::{Cluster, Node};
-use crate::core::resources::PodRequest;
 use crate::placement::feasibility::Placement;
 use crate::placement::mix::{HostFree, MixEntry, ReserveClass};
 use crate::placement::scorer::{ScoreContext, Scorer};
+use gpuplace_core::cluster::{Cluster, Node};
+use gpuplace_core::resources::PodRequest;
 
 /// Of the nodes that have the most host CPU of all nodes with as many GPUs or more, this share is
 /// kept back from the start (at least one), before any request that needs one has been seen.
@@ -91,7 +91,8 @@ pub struct ReserveScorer;
 /// mistake), and the models it is bound to. `None` for a pod without GPUs.
 fn pod_size(req: &PodRequest) -> Option<MixEntry> {
     let gpus = req.total_gpus();
-    let share = |d: &crate::core::resources::GpuDemand| if d.is_whole() { 1000 } else { (d.core_on() * 10).min(1000) };
+    let share =
+        |d: &gpuplace_core::resources::GpuDemand| if d.is_whole() { 1000 } else { (d.core_on() * 10).min(1000) };
     let milli = req.containers.iter().map(|c| share(&c.demand)).max()?;
     (gpus > 0).then(|| MixEntry::of_request(req, milli))
 }
@@ -144,12 +145,12 @@ mod tests {
     use std::path::Path;
 
     use super::*;
-    use crate::core::inventory::Board;
-    use crate::core::resources::{GpuDemand, PodRequest};
     use crate::placement::engine::Engine;
     use crate::placement::mix::{BoundDemand, WorkloadMix};
     use crate::placement::profile::Profile;
     use crate::placement::scarcity::ScarcityMemo;
+    use gpuplace_core::inventory::Board;
+    use gpuplace_core::resources::{GpuDemand, PodRequest};
 
     /// `big-0..big-2`: 8 GPUs, 128 cores, 768 GiB (the only hosts of the large class); `small-0..3`:
     /// 8 GPUs, 96 cores, 384 GiB.
@@ -234,7 +235,7 @@ mod tests {
         assert_eq!(scarce(&c), if a.starts_with("big") { 0b111 } else { 0b010 }, "{a}");
         for i in 0..2 {
             let name = format!("ns/b{i}");
-            c.allocate(crate::core::assignment::PodAssignment {
+            c.allocate(gpuplace_core::assignment::PodAssignment {
                 pod: name,
                 node: format!("big-{i}"),
                 containers: Vec::new(),

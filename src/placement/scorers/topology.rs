@@ -2,9 +2,9 @@
 //! set of that size the node's board offers at all (so H100 NVSwitch and L40S PCIe boards compare
 //! fairly).
 
-use crate::core::cluster::Node;
 use crate::placement::feasibility::Placement;
 use crate::placement::scorer::{ScoreContext, Scorer};
+use gpuplace_core::cluster::Node;
 
 /// The scorer's name in profiles, weights and placement logs.
 pub const NAME: &str = "topology";

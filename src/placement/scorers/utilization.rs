@@ -2,9 +2,9 @@
 //! (a tenant that exceeds its share slows its neighbours). Stale samples are ignored, and this never
 //! filters a node out: measurements are noisy, allocations are the contract.
 
-use crate::core::cluster::Node;
 use crate::placement::feasibility::Placement;
 use crate::placement::scorer::{ScoreContext, Scorer};
+use gpuplace_core::cluster::Node;
 
 /// The scorer's name in profiles, weights and placement logs.
 pub const NAME: &str = "utilization";
@@ -84,16 +84,16 @@ mod tests {
     use std::path::Path;
 
     use super::*;
-    use crate::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
-    use crate::core::cluster::{Cluster, UtilSample};
-    use crate::core::inventory::Board;
-    use crate::core::resources::{GpuDemand, PackingPolicy, PodRequest};
     use crate::placement::engine::Engine;
     use crate::placement::mix::WorkloadMix;
     use crate::placement::{
         profile::{Profile, ProfileConfig},
         registry::Weights,
     };
+    use gpuplace_core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
+    use gpuplace_core::cluster::{Cluster, UtilSample};
+    use gpuplace_core::inventory::Board;
+    use gpuplace_core::resources::{GpuDemand, PackingPolicy, PodRequest};
 
     const MEM: u64 = 16000;
     const NOW: i64 = 1_700_000_000_000;

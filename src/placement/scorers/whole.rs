@@ -20,9 +20,9 @@
 //!
 //! While no node is whole the scorer has nothing to say and is left out ([`Scorer::applies`]).
 
-use crate::core::cluster::Node;
 use crate::placement::feasibility::Placement;
 use crate::placement::scorer::{ScoreContext, Scorer};
+use gpuplace_core::cluster::Node;
 
 /// The scorer's name in profiles, weights and placement logs.
 pub const NAME: &str = "whole";
@@ -96,8 +96,8 @@ mod tests {
     use std::path::Path;
 
     use super::*;
-    use crate::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
-    use crate::core::inventory::Board;
+    use gpuplace_core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
+    use gpuplace_core::inventory::Board;
 
     fn share_on_gpu_0(cpu_milli: u64) -> Placement {
         let slice = GpuSlice { gpu: 0, mem_mib: 20480, core_pct: 25, exclusive: false };

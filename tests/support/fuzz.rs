@@ -1,4 +1,5 @@
-//! Helpers shared by the extender test binaries.
+//! Fuzzing edits on request bodies, shared by the extender test binaries (`tests/extender_http.rs`,
+//! `tests/extender_fixtures.rs`).
 
 use proptest::sample::Index;
 

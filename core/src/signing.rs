@@ -30,7 +30,7 @@ use ring::hmac;
 use ring::rand::{SecureRandom, SystemRandom};
 use ring::signature::{Ed25519KeyPair, KeyPair as _, UnparsedPublicKey, ED25519};
 
-use crate::core::annotations::{AnnotationError, AssignmentAnnotation, SignatureProblem, ANNOTATION_ASSIGNMENT};
+use crate::annotations::{AnnotationError, AssignmentAnnotation, SignatureProblem, ANNOTATION_ASSIGNMENT};
 
 /// The name of a key in the ring (`ed25519.<id>` in the Secret and the public-key ConfigMap, `<id>:`
 /// in a signature).
@@ -498,7 +498,7 @@ impl AssignmentAnnotation {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::annotations::{AssignedContainer, AssignedGpu, ASSIGNMENT_VERSION};
+    use crate::annotations::{AssignedContainer, AssignedGpu, ASSIGNMENT_VERSION};
 
     fn ring(primary: &str, ids: &[&str]) -> KeyRing {
         KeyRing::new(primary, ids.iter().map(|id| (id.to_string(), id.repeat(40).into_bytes()[..SEED_BYTES].to_vec())))

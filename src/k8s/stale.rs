@@ -28,9 +28,9 @@ use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 use tokio::time::Instant;
 
-use crate::apiserver::leader::Leadership;
-use crate::core::annotations::ANNOTATION_ASSIGNMENT;
 use crate::extender::service::Extender;
+use crate::k8s::leader::Leadership;
+use gpuplace_core::annotations::ANNOTATION_ASSIGNMENT;
 
 /// How often candidates are looked at.
 const TICK: Duration = Duration::from_secs(5);

@@ -18,11 +18,11 @@ use kube::{Api, Client};
 use serde_json::json;
 use tokio::sync::watch;
 
-use crate::apiserver::keys::KeyStatus;
-use crate::apiserver::leader::Leadership;
-use crate::core::annotations::ANNOTATION_ASSIGNMENT;
 use crate::extender::service::trust::Resign;
 use crate::extender::service::Extender;
+use crate::k8s::keys::KeyStatus;
+use crate::k8s::leader::Leadership;
+use gpuplace_core::annotations::ANNOTATION_ASSIGNMENT;
 
 /// Records written per pass; the rest wait for the next pass, so a rotation over many pods does not
 /// flood the API server.

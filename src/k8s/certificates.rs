@@ -25,9 +25,9 @@ use k8s_openapi::ByteString;
 use kube::api::PostParams;
 use kube::Api;
 
-use crate::apiserver::keys::{own_secret, KeySecret};
-use crate::apiserver::leader::Leadership;
 use crate::extender::pki::{self, Ca, Leaf, PkiError};
+use crate::k8s::keys::{own_secret, KeySecret};
+use crate::k8s::leader::Leadership;
 
 /// Default name of the CA Secret (in the extender's namespace).
 pub const DEFAULT_CA_SECRET_NAME: &str = "gpuplace-extender-ca";
@@ -189,12 +189,15 @@ pub async fn keep_scheduler_secret(
 
 /// [`load_or_create_ca`] before anything else runs (the serving certificate needs the CA): on a
 /// runtime and connection of its own, retried with backoff until it succeeds, each failure logged.
-pub fn load_or_create_ca_blocking(source: &crate::apiserver::connect::Source, at: &KeySecret) -> std::io::Result<Ca> {
+pub fn load_or_create_ca_blocking(
+    source: &gpuplace_core::api_client::connect::Source,
+    at: &KeySecret,
+) -> std::io::Result<Ca> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
         let mut wait = Duration::from_millis(200);
         loop {
-            let failure = match crate::apiserver::connect::connect(source).await {
+            let failure = match gpuplace_core::api_client::connect::connect(source).await {
                 Ok(client) => match load_or_create_ca(&Api::namespaced(client, &at.namespace), at).await {
                     Ok(ca) => return Ok(ca),
                     Err(e) => e.to_string(),
@@ -222,7 +225,7 @@ impl SelfIssuedTls {
     /// Service (`NAMESPACE/NAME`) whose names the serving certificate carries, with `advertise_url`'s
     /// host.
     pub fn prepare(
-        source: &crate::apiserver::connect::Source,
+        source: &gpuplace_core::api_client::connect::Source,
         at: &KeySecret,
         scheduler_secret: &str,
         service: &KeySecret,

@@ -10,9 +10,9 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::core::annotations::MAX_SLOTS_PER_GPU;
-use crate::core::cluster::{Cluster, Gpu, Node};
-use crate::core::topology::{GpuTopology, Link, NvlinkFabric, PcieLevel, TopologyError, TopologyFile};
+use crate::annotations::MAX_SLOTS_PER_GPU;
+use crate::cluster::{Cluster, Gpu, Node};
+use crate::topology::{GpuTopology, Link, NvlinkFabric, PcieLevel, TopologyError, TopologyFile};
 
 /// Why an inventory could not be loaded.
 #[derive(Debug, thiserror::Error)]

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::core::cluster::Cluster;
+use crate::cluster::Cluster;
 
 /// One network level's room.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -100,9 +100,9 @@ mod tests {
     use std::path::Path;
 
     use super::*;
-    use crate::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
-    use crate::core::cluster::{network_labels, Node, DEFAULT_NETWORK_LEVELS};
-    use crate::core::inventory::Board;
+    use crate::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
+    use crate::cluster::{network_labels, Node, DEFAULT_NETWORK_LEVELS};
+    use crate::inventory::Board;
 
     /// 16 nodes of 8 GPUs (4 per ToR, 8 per spine), and one of 2 GPUs without network labels.
     fn cluster() -> Cluster {

@@ -17,21 +17,21 @@
 //! never a guess); fields may be added within a version, so unknown fields are skipped.
 //!
 //! Annotations are writable by anyone who can edit the object, so an assignment is never trusted as
-//! read: the extender first checks its MAC (`sig`, [`crate::core::signing`]: only gpuplace's key
+//! read: the extender first checks its MAC (`sig`, [`crate::signing`]: only gpuplace's key
 //! can make one), then [`AssignmentAnnotation::validate`] checks it against the pod's own request,
 //! the node it is bound to and that node's GPUs before it becomes a [`PodAssignment`]. Collisions between pods (two
 //! pods claiming one exclusive GPU) are caught when the record is counted, by
-//! [`Cluster::allocate`](crate::core::cluster::Cluster::allocate) / `rebuild`.
+//! [`Cluster::allocate`](crate::cluster::Cluster::allocate) / `rebuild`.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
-use crate::core::cluster::{Gpu, Node, UtilSample};
-use crate::core::resources::{ContainerDemand, PodRequest};
-use crate::core::topology::{GpuTopology, Link, NvlinkFabric, PcieLevel, TopologyError};
+use crate::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
+use crate::cluster::{Gpu, Node, UtilSample};
+use crate::resources::{ContainerDemand, PodRequest};
+use crate::topology::{GpuTopology, Link, NvlinkFabric, PcieLevel, TopologyError};
 
 /// Pod annotation: the GPUs the pod was given (JSON, [`AssignmentAnnotation`]).
 pub const ANNOTATION_ASSIGNMENT: &str = "gpuplace.io/assignment";
@@ -137,7 +137,7 @@ pub struct AssignmentAnnotation {
     pub bind_seq: u64,
     /// App containers first, then init containers, each in spec order.
     pub containers: Vec<AssignedContainer>,
-    /// `<keyId>:<base64url HMAC-SHA256>` over every field above ([`crate::core::signing`]); absent
+    /// `<keyId>:<base64url HMAC-SHA256>` over every field above ([`crate::signing`]); absent
     /// on annotations of versions that did not sign. Readers that do not check it (the device plugin)
     /// skip it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -615,8 +615,8 @@ impl AllocationCounts {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::inventory::Board;
-    use crate::core::resources::{GpuDemand, GroupSpec, MemoryDemand};
+    use crate::inventory::Board;
+    use crate::resources::{GpuDemand, GroupSpec, MemoryDemand};
 
     fn h100_node(name: &str) -> Node {
         let board = Board::Nvswitch { gpus: 8, model: "H100".into(), memory_mib: 81559, numa_nodes: 2, nvlinks: 18 };

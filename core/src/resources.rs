@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::core::quantity::{self, Quantity};
+use crate::quantity::{self, Quantity};
 
 pub const RESOURCE_GPU: &str = "gpuplace.io/gpu";
 pub const RESOURCE_GPU_MEM: &str = "gpuplace.io/gpu-mem";
@@ -81,7 +81,7 @@ impl GpuDemand {
     /// The share of one GPU this demand takes on a GPU of `gpu_memory_mib`, in thousandths: the larger
     /// of its compute and memory fractions. Used by the fragmentation measure and for reporting.
     pub fn milli_on(&self, gpu_memory_mib: u64) -> u32 {
-        crate::core::assignment::share_milli(self.mem_on(gpu_memory_mib), self.core_on(), gpu_memory_mib)
+        crate::assignment::share_milli(self.mem_on(gpu_memory_mib), self.core_on(), gpu_memory_mib)
     }
 }
 

@@ -1,5 +1,5 @@
 //! The utilization ConfigMap watcher: the device plugins' per-node ConfigMaps
-//! (`crate::core::utilization_configmap`) in one namespace, selected by label, go to
+//! (`gpuplace_core::utilization_configmap`) in one namespace, selected by label, go to
 //! [`Extender::observe_utilization`]; deleted ones (and ones a re-list no longer shows, or that stop
 //! naming their node) to [`Extender::forget_utilization`].
 //!
@@ -17,11 +17,11 @@ use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
 use kube::{Api, ResourceExt};
 
-use crate::apiserver::watch::next_event;
-use crate::core::utilization_configmap::{read, UTILIZATION_SELECTOR};
 use crate::extender::metrics::Watched;
 use crate::extender::service::utilization::UtilizationOutcome;
 use crate::extender::service::Extender;
+use crate::k8s::watch::next_event;
+use gpuplace_core::utilization_configmap::{read, UTILIZATION_SELECTOR};
 
 /// Applies one ConfigMap; `known` maps ConfigMap names to the node each last named, so that its
 /// deletion (or a change that makes it unreadable) drops that node's samples.

@@ -18,14 +18,14 @@ use kube::{Api, Resource};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::apiserver::events::{EventSink, REASON_ASSIGNMENT};
-use crate::apiserver::keys::KeyStatus;
-use crate::apiserver::watch::next_event;
-use crate::extender::clock::now_unix_ms;
 use crate::extender::metrics::Watched;
 use crate::extender::service::observe::{ObservedPod, PodOutcome};
 use crate::extender::service::{Extender, RestoredPod};
 use crate::extender::wire;
+use crate::k8s::keys::KeyStatus;
+use crate::k8s::watch::next_event;
+use gpuplace_core::api_client::events::{EventSink, REASON_ASSIGNMENT};
+use gpuplace_core::clock::now_unix_ms;
 
 /// The extender's view of a pod (`None`: not a pod the extender's decoder takes, never the case for
 /// an object the API server sent).

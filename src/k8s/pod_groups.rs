@@ -18,10 +18,10 @@ use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
 use kube::{Api, Client, ResourceExt};
 
-use crate::apiserver::watch::next_event;
 use crate::extender::groups::PodGroupInfo;
 use crate::extender::metrics::Watched;
 use crate::extender::service::Extender;
+use crate::k8s::watch::next_event;
 
 /// The API version PodGroups are watched at.
 pub const POD_GROUP_API: &str = "scheduling.k8s.io/v1alpha2";

@@ -23,8 +23,8 @@
 //! Pods without a shared GPU set are never confused: the plugin matches an Allocate only to a
 //! container whose assigned GPU set equals the GPUs of the devices kubelet sent.
 
-use crate::core::annotations::AllocatedAnnotation;
-use crate::core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
+use crate::annotations::AllocatedAnnotation;
+use crate::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
 
 /// The containers kubelet allocates devices for, in its order: init containers, then app
 /// containers, each in listed order; containers without GPUs are not allocated by the plugin.

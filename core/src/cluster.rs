@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::core::assignment::{share_fraction, share_milli, Footprint, PodAssignment};
-use crate::core::topology::GpuTopology;
+use crate::assignment::{share_fraction, share_milli, Footprint, PodAssignment};
+use crate::topology::GpuTopology;
 
 /// One physical GPU.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -13,12 +13,12 @@ use kube::runtime::WatchStreamExt;
 use kube::{Api, Resource, ResourceExt};
 use tokio::sync::watch;
 
-use crate::apiserver::events::{EventSink, REASON_INVENTORY};
-use crate::apiserver::watch::next_event;
-use crate::core::node_constraints::Taint;
 use crate::extender::metrics::Watched;
 use crate::extender::service::observe::NodeOutcome;
 use crate::extender::service::Extender;
+use crate::k8s::watch::next_event;
+use gpuplace_core::api_client::events::{EventSink, REASON_INVENTORY};
+use gpuplace_core::node_constraints::Taint;
 
 /// The Node's taints as the core model reads them.
 fn taints_of(node: &Node) -> Vec<Taint> {

@@ -1,7 +1,7 @@
 //! Tests of the cluster model (and fixtures other modules' tests build nodes with).
 
 use super::*;
-use crate::core::assignment::{ContainerAssignment, GpuSlice};
+use crate::assignment::{ContainerAssignment, GpuSlice};
 
 pub(crate) fn node(name: &str, gpus: usize) -> Node {
     let g = (0..gpus)

@@ -4,9 +4,9 @@ use futures::stream::BoxStream;
 use futures::StreamExt;
 use kube::runtime::watcher::{self, Event};
 
-use crate::extender::clock::now_unix_ms;
 use crate::extender::metrics::Watched;
 use crate::extender::service::Extender;
+use gpuplace_core::clock::now_unix_ms;
 
 /// The next event of a watch (`None` when the stream ends): a failure is counted and logged and
 /// the watcher's backoff retries it; an event marks the watch fresh.

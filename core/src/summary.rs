@@ -2,7 +2,7 @@
 //! allocated, and free capacity split into whole and partly used GPUs (fragmentation), for the
 //! extender's gauges and `/inspect`. Pure: read from a [`Cluster`].
 
-use crate::core::cluster::Cluster;
+use crate::cluster::Cluster;
 
 /// Totals over the cluster, for gauges and `/inspect`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]

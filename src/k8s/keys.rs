@@ -1,7 +1,7 @@
 //! The assignment key ring's Secret (`gpuplace-system/gpuplace-assignment-keys` by default): read at
 //! start-up and watched, so that a rotation applies without a restart; created when absent.
 //!
-//! - Layout (`crate::core::signing::KeyRing::from_secret_data`): `key.<id>` per key (at least 32
+//! - Layout (`gpuplace_core::signing::KeyRing::from_secret_data`): `key.<id>` per key (at least 32
 //!   random bytes), `primary` naming the key that signs. Every listed key verifies.
 //! - Absent: this replica creates it with one random key. Create is atomic, so when two replicas
 //!   race, one wins and the other (409 AlreadyExists) reads the winner's. A Secret deleted while
@@ -38,10 +38,10 @@ use kube::runtime::WatchStreamExt;
 use kube::Api;
 use tokio::sync::watch;
 
-use crate::apiserver::leader::Leadership;
-use crate::core::signing::{KeyRing, KeyRingError, PublicKeys};
-use crate::core::DEFAULT_NAMESPACE;
 use crate::extender::service::Extender;
+use crate::k8s::leader::Leadership;
+use gpuplace_core::signing::{KeyRing, KeyRingError, PublicKeys};
+use gpuplace_core::DEFAULT_NAMESPACE;
 
 /// Default name of the key Secret.
 pub const DEFAULT_KEY_SECRET_NAME: &str = "gpuplace-assignment-keys";

@@ -18,10 +18,10 @@ use kube::{Api, Client};
 use serde_json::json;
 use tokio::sync::mpsc;
 
-use crate::core::annotations::ANNOTATION_REQUEUED;
-use crate::extender::clock::now_unix_ms;
 use crate::extender::requeue::{RequeuePod, Requeuer};
 use crate::extender::service::Extender;
+use gpuplace_core::annotations::ANNOTATION_REQUEUED;
+use gpuplace_core::clock::now_unix_ms;
 
 /// The [`Requeuer`] of API-server mode: hands the pods to [`run`].
 #[derive(Debug, Clone)]

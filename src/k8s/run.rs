@@ -34,15 +34,15 @@ use kube::{Api, Client};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::apiserver::certificates::{self, SchedulerTls};
-use crate::apiserver::connect::{connect, connect_with, ConnectError, Source, Transport};
-use crate::apiserver::events::EventSink;
-use crate::apiserver::keys::{self, KeyOptions, KeyStatus};
-use crate::apiserver::leader::{self, LeaderConfig, Leadership};
-use crate::apiserver::stale;
-use crate::apiserver::{nodes, pod_groups, pods, requeue, resign, utilization};
 use crate::extender::forward::{Role, Route};
 use crate::extender::service::Extender;
+use crate::k8s::certificates::{self, SchedulerTls};
+use crate::k8s::keys::{self, KeyOptions, KeyStatus};
+use crate::k8s::leader::{self, LeaderConfig, Leadership};
+use crate::k8s::stale;
+use crate::k8s::{nodes, pod_groups, pods, requeue, resign, utilization};
+use gpuplace_core::api_client::connect::{connect, connect_with, ConnectError, Source, Transport};
+use gpuplace_core::api_client::events::EventSink;
 
 /// How long an assignment may sit on an unbound pod before the leader removes it ([`stale`]), at
 /// least: a bind writes the annotation and creates the Binding within milliseconds.

@@ -1,0 +1,22 @@
+//! The extender's side of the Kubernetes API (the client itself and Events are
+//! `gpuplace_core::api_client`'s): API-server mode as thin adapters around [`Extender`], one concern
+//! each: [`binder`] (one Binding that carries the assignment annotation), [`nodes`], [`pods`],
+//! [`utilization`] and [`pod_groups`] (watchers), [`leader`] (Lease election), [`keys`] (the assignment key Secret), [`certificates`] (the
+//! extender's CA and kube-scheduler's client certificate, mTLS by default), [`resign`] (re-signing after
+//! a key rotation), [`stale`] (assignments left on unbound pods), [`requeue`] (pending pods sent back
+//! to kube-scheduler's queue when GPUs are freed), [`run`] (wiring and readiness).
+//! Named `k8s`, not `kube`, so the `kube` crate stays visible.
+
+pub mod binder;
+pub mod certificates;
+pub mod keys;
+pub mod leader;
+pub mod nodes;
+pub mod pod_groups;
+pub mod pods;
+pub mod requeue;
+pub mod resign;
+pub mod run;
+pub mod stale;
+pub mod utilization;
+pub mod watch;
