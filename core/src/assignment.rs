@@ -54,6 +54,7 @@ pub struct GpuSlice {
 
 impl GpuSlice {
     /// Share of a GPU of `capacity_mib` this slice takes, in thousandths (see [`share_milli`]).
+    #[inline]
     pub fn milli_on(&self, capacity_mib: u64) -> u32 {
         if self.exclusive {
             1000
@@ -63,6 +64,7 @@ impl GpuSlice {
     }
 
     /// The same share as a fraction (see [`share_fraction`]).
+    #[inline]
     pub fn fraction_on(&self, capacity_mib: u64) -> f64 {
         if self.exclusive {
             1.0
@@ -143,6 +145,7 @@ impl PodAssignment {
     }
 
     /// GPU indices the app containers use, without repeats.
+    #[inline]
     pub fn gpus(&self) -> Vec<u32> {
         let mut g: Vec<u32> = self.containers.iter().flat_map(|c| c.slices.iter().map(|s| s.gpu)).collect();
         g.sort_unstable();
@@ -152,6 +155,7 @@ impl PodAssignment {
 
     /// What the pod holds of each GPU it uses, as the node counts it (app containers together, an
     /// init container alone): (GPU index, memory MiB, compute percent, held whole).
+    #[inline]
     pub fn holdings(&self) -> impl Iterator<Item = (u32, u64, u32, bool)> {
         self.footprints().into_iter().map(|(gpu, f)| (gpu, f.mem_mib, f.core_pct, f.exclusive))
     }

@@ -299,33 +299,40 @@ impl Node {
     }
 
     /// Used fraction of each GPU, by index (see [`gpu_used_fraction`](Self::gpu_used_fraction)).
+    #[inline]
     pub fn used_fractions(&self) -> impl ExactSizeIterator<Item = f64> + '_ {
         self.used.iter().map(|u| u.fraction)
     }
 
     /// Used share of each GPU in thousandths, by index: 1000 when held whole, else the share of what
     /// is allocated on it (see [`share_milli`]); health plays no part.
+    #[inline]
     pub fn used_milli(&self) -> impl ExactSizeIterator<Item = u32> + '_ {
         self.used.iter().map(|u| u.milli)
     }
 
     /// Capacity, health and NUMA node of each GPU, by index (as in `gpus`).
+    #[inline]
     pub fn gpu_facts(&self) -> &[GpuFacts] {
         &self.facts
     }
 
+    #[inline]
     pub fn usage(&self, gpu: usize) -> GpuUsage {
         self.usage[gpu]
     }
 
+    #[inline]
     pub fn usages(&self) -> &[GpuUsage] {
         &self.usage
     }
 
+    #[inline]
     pub fn free_mem(&self, gpu: usize) -> u64 {
         self.gpus[gpu].memory_mib.saturating_sub(self.usage[gpu].mem_mib)
     }
 
+    #[inline]
     pub fn free_core(&self, gpu: usize) -> u32 {
         100u32.saturating_sub(self.usage[gpu].core_pct)
     }
@@ -346,11 +353,13 @@ impl Node {
     }
 
     /// K as a number: `u32::MAX` when the node sets no limit.
+    #[inline]
     pub fn slot_capacity(&self) -> u32 {
         self.slots_per_gpu.unwrap_or(u32::MAX)
     }
 
     /// Containers that can still join GPU `gpu` (`u32::MAX` when the node sets no limit).
+    #[inline]
     pub fn free_slots(&self, gpu: usize) -> u32 {
         match self.slots_per_gpu {
             Some(k) => k.saturating_sub(self.usage[gpu].slots),
@@ -360,6 +369,7 @@ impl Node {
 
     /// Free share of a GPU now, in thousandths: 0 when it is held whole or unhealthy (nobody can use
     /// it), else 1000 minus the share of what is allocated on it.
+    #[inline]
     pub fn free_milli(&self, gpu: usize) -> u32 {
         if !self.facts[gpu].healthy {
             return 0;
@@ -368,50 +378,61 @@ impl Node {
     }
 
     /// Whether nobody holds any of this GPU.
+    #[inline]
     pub fn is_gpu_free(&self, gpu: usize) -> bool {
         self.usage[gpu].holders == 0
     }
 
     /// GPUs nobody holds that are healthy.
+    #[inline]
     pub fn idle_gpus(&self) -> usize {
         (0..self.gpus.len()).filter(|&g| self.is_gpu_free(g) && self.gpus[g].healthy).count()
     }
 
     /// Every GPU idle and healthy (and at least one): what a node-sized pod needs.
+    #[inline]
     pub fn is_whole(&self) -> bool {
         !self.gpus.is_empty() && self.idle_gpus() == self.gpus.len()
     }
 
+    #[inline]
     pub fn cpu_free(&self) -> u64 {
         self.cpu_milli.saturating_sub(self.cpu_used)
     }
 
+    #[inline]
     pub fn mem_free(&self) -> u64 {
         self.memory_mib.saturating_sub(self.mem_used)
     }
 
+    #[inline]
     pub fn cpu_used(&self) -> u64 {
         self.cpu_used
     }
 
+    #[inline]
     pub fn mem_used(&self) -> u64 {
         self.mem_used
     }
 
+    #[inline]
     pub fn pods(&self) -> impl Iterator<Item = &PodAssignment> {
         self.pods.values()
     }
 
+    #[inline]
     pub fn pod(&self, key: &str) -> Option<&PodAssignment> {
         self.pods.get(key)
     }
 
     /// This node state's stamp: it changes whenever anything placement reads about the node
     /// changes (allocations, GPUs, labels, utilization), and is never reused for another state.
+    #[inline]
     pub fn generation(&self) -> u64 {
         self.generation
     }
 
+    #[inline]
     pub fn utilization(&self, gpu: usize) -> Option<UtilSample> {
         self.utilization.get(gpu).copied().flatten()
     }
@@ -434,6 +455,7 @@ impl Node {
 
     /// Allocated share of the node's GPU capacity, 0.0..=1.0 (compute and memory averaged per GPU,
     /// whichever is larger on each GPU).
+    #[inline]
     pub fn gpu_load(&self) -> f64 {
         if self.gpus.is_empty() {
             return 0.0;
@@ -502,6 +524,7 @@ impl Node {
     }
 
     /// Whether the assignment fits, without changing anything.
+    #[inline]
     pub fn can_allocate(&self, a: &PodAssignment) -> Result<(), AllocError> {
         self.check(a).map(|_| ())
     }
@@ -754,6 +777,7 @@ impl Cluster {
         self.layout.0
     }
 
+    #[inline]
     pub fn nodes(&self) -> &[Node] {
         &self.nodes
     }
@@ -771,30 +795,36 @@ impl Cluster {
         })
     }
 
+    #[inline]
     pub fn node(&self, name: &str) -> Option<&Node> {
         self.by_name.get(name).map(|&i| &self.nodes[i])
     }
 
+    #[inline]
     pub fn node_index(&self, name: &str) -> Option<usize> {
         self.by_name.get(name).copied()
     }
 
     /// Mutable access to a node (its name must stay as it is: the cluster finds nodes by name).
+    #[inline]
     pub fn node_mut(&mut self, name: &str) -> Option<NodeMut<'_>> {
         let i = *self.by_name.get(name)?;
         Some(NodeMut(&mut self.nodes[i], &mut self.stamps.0[i]))
     }
 
     /// Each node's [`Node::generation`], by index.
+    #[inline]
     pub fn stamps(&self) -> &[u64] {
         &self.stamps.0
     }
 
     /// Where a pod is allocated.
+    #[inline]
     pub fn pod_node(&self, pod: &str) -> Option<&Node> {
         self.pod_node.get(pod).map(|&i| &self.nodes[i])
     }
 
+    #[inline]
     pub fn assignment(&self, pod: &str) -> Option<&PodAssignment> {
         self.pod_node(pod).and_then(|n| n.pod(pod))
     }
@@ -844,6 +874,7 @@ impl Cluster {
     }
 
     /// The node's value for each network level (`None` where the label is missing).
+    #[inline]
     pub fn network_path<'a>(&'a self, node: &'a Node) -> impl Iterator<Item = Option<&'a str>> + 'a {
         self.network_levels.iter().map(move |k| node.labels.get(k).map(String::as_str))
     }

@@ -48,12 +48,14 @@ pub enum GpuDemand {
 }
 
 impl GpuDemand {
+    #[inline]
     pub fn gpus(&self) -> u32 {
         match *self {
             GpuDemand::Whole { gpus } | GpuDemand::Shared { gpus, .. } => gpus,
         }
     }
 
+    #[inline]
     pub fn is_whole(&self) -> bool {
         matches!(self, GpuDemand::Whole { .. })
     }
@@ -71,6 +73,7 @@ impl GpuDemand {
     }
 
     /// Compute percent this demand takes on one GPU.
+    #[inline]
     pub fn core_on(&self) -> u32 {
         match *self {
             GpuDemand::Whole { .. } => 100,
@@ -80,6 +83,7 @@ impl GpuDemand {
 
     /// The share of one GPU this demand takes on a GPU of `gpu_memory_mib`, in thousandths: the larger
     /// of its compute and memory fractions. Used by the fragmentation measure and for reporting.
+    #[inline]
     pub fn milli_on(&self, gpu_memory_mib: u64) -> u32 {
         crate::assignment::share_milli(self.mem_on(gpu_memory_mib), self.core_on(), gpu_memory_mib)
     }
@@ -186,16 +190,19 @@ impl PodRequest {
     }
 
     /// True when the pod asks for no GPU at all (gpuplace has nothing to say about it).
+    #[inline]
     pub fn is_gpu_free(&self) -> bool {
         self.containers.is_empty() && self.init_containers.is_empty()
     }
 
     /// GPUs the app containers hold at once.
+    #[inline]
     pub fn total_gpus(&self) -> u32 {
         self.containers.iter().map(|c| c.demand.gpus()).sum()
     }
 
     /// Whether a GPU of this model may be used.
+    #[inline]
     pub fn allows_model(&self, model: &str) -> bool {
         self.allowed_models.is_empty() || self.allowed_models.iter().any(|m| m.eq_ignore_ascii_case(model))
     }

@@ -61,6 +61,7 @@ pub struct Link {
 
 impl Link {
     /// PCIe points plus 100 per NVLink lane (direct or through NVSwitch).
+    #[inline]
     pub fn score(&self) -> u32 {
         self.pcie.points() + 100 * self.nvlinks
     }
@@ -189,30 +190,36 @@ impl GpuTopology {
         Self::new(n, NvlinkFabric::None, [], PcieLevel::Phb).expect("a flat topology has no links to refuse")
     }
 
+    #[inline]
     pub fn len(&self) -> usize {
         self.n
     }
 
+    #[inline]
     pub fn is_empty(&self) -> bool {
         self.n == 0
     }
 
     /// An identifier no other constructed topology has (a clone keeps it: it has the same links).
+    #[inline]
     pub fn id(&self) -> u64 {
         self.id
     }
 
+    #[inline]
     pub fn fabric(&self) -> NvlinkFabric {
         self.fabric
     }
 
     /// The link between two distinct GPUs.
+    #[inline]
     pub fn link(&self, a: usize, b: usize) -> Option<Link> {
         let e = self.graph.find_edge(NodeIndex::new(a), NodeIndex::new(b))?;
         Some(self.graph[e])
     }
 
     /// Iterates over every GPU pair with its link.
+    #[inline]
     pub fn links(&self) -> impl Iterator<Item = (usize, usize, Link)> + '_ {
         self.graph.edge_indices().filter_map(move |e| {
             let (a, b) = self.graph.edge_endpoints(e)?;
@@ -260,6 +267,7 @@ impl GpuTopology {
 
     /// The highest set score any `k` GPUs of this board reach (0 for k < 2 or k > n): the yardstick
     /// for "how good is this set" that does not depend on the board type.
+    #[inline]
     pub fn best_set_score(&self, k: usize) -> u32 {
         let table = self.best_by_size.get_or_init(|| (0..=self.n).map(|k| self.search_best(k)).collect());
         table.get(k).copied().unwrap_or(0)
