@@ -18,12 +18,12 @@ use gpuplace::k8s::binder::KubeBinder;
 use gpuplace::k8s::certificates::SelfIssuedTls;
 use gpuplace::k8s::keys::{KeyOptions, KeySecret, DEFAULT_KEY_SECRET_NAME, DEFAULT_PUBLIC_KEYS_NAME};
 use gpuplace::k8s::leader::LeaderConfig;
-use gpuplace::k8s::run::ApiOptions;
+use gpuplace::k8s::serve::ApiOptions;
 use gpuplace::placement::engine::Engine;
 use gpuplace::placement::mix::WorkloadMix;
 use gpuplace::placement::mix_learner::MixLearner;
 use gpuplace::placement::profile::{Profile, ProfileConfig};
-use gpuplace::placement_log::compact::CompactOptions;
+use gpuplace::placement_log::compactor::CompactOptions;
 use gpuplace::placement_log::writer::PlacementLog;
 use gpuplace::sim::policies::PolicyKind;
 use gpuplace::sim::{simulate, SimConfig};
@@ -84,7 +84,7 @@ fn ms_of_secs(secs: u64) -> i64 {
 
 /// Reads the logs in order, compacts them and writes the result; returns the summary line.
 fn compact_log(args: &CompactLogArgs) -> Result<String, String> {
-    use gpuplace::placement_log::compact::Compactor;
+    use gpuplace::placement_log::compactor::Compactor;
     use gpuplace::placement_log::writer::line_of;
     use std::io::Write;
     let same = |p: &PathBuf| p.canonicalize().ok().is_some_and(|p| args.output.canonicalize().is_ok_and(|o| o == p));
@@ -432,7 +432,7 @@ fn self_issued_tls(
 /// The forward of a replica that does not lead (`role`: its readiness and election).
 fn forwarder(
     args: &ServeArgs,
-    role: Arc<gpuplace::k8s::run::Readiness>,
+    role: Arc<gpuplace::k8s::serve::Readiness>,
     identity: &str,
     self_issued: Option<&SelfIssuedTls>,
 ) -> Result<Forwarder, String> {
@@ -454,7 +454,7 @@ fn forwarder(
     Forwarder::new(role, opts)
 }
 
-/// API-server mode: the kube side on its own thread (gpuplace::k8s::run), HTTP on this one.
+/// API-server mode: the kube side on its own thread (gpuplace::k8s::serve), HTTP on this one.
 fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
     let source = args.connect.source().map_err(|e| e.to_string())?;
     let https = args.tls_cert.is_some() || args.tls_ca_secret.is_some();
@@ -531,7 +531,7 @@ fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
     };
     let group_timeout = std::time::Duration::from_secs(args.group_timeout);
     let nodes_to_score = nodes_to_score_of(args);
-    let kube = gpuplace::k8s::run::spawn_thread(source, opts, move |bind_client, leadership| {
+    let kube = gpuplace::k8s::serve::spawn_thread(source, opts, move |bind_client, leadership| {
         let binder = Arc::new(KubeBinder::new(bind_client.client, leadership).run_calls_on(bind_client.runtime));
         let options = ServiceOptions {
             ready: false,
@@ -885,7 +885,7 @@ fn main() -> ExitCode {
                         }
                     } else {
                         println!("trace: {}", dir.display());
-                        print!("{}", gpuplace::sim::report::table(&reports));
+                        print!("{}", gpuplace::sim::figures::table(&reports));
                     }
                     ExitCode::SUCCESS
                 }

@@ -5,7 +5,7 @@
 //! (to stdout or a file that rotates by size), [`compact`] folds a pending pod's repeated filter
 //! verdicts into counts, and [`read`] reads a log back.
 
-pub mod compact;
+pub mod compactor;
 pub mod read;
 pub mod writer;
 

@@ -18,7 +18,7 @@ use gpuplace::k8s::binder::KubeBinder;
 use gpuplace::k8s::keys::KeyOptions;
 use gpuplace::k8s::leader::ANNOTATION_LEADER_URL;
 use gpuplace::k8s::leader::{LeaderConfig, Leadership};
-use gpuplace::k8s::run::{self, ApiOptions, Controller};
+use gpuplace::k8s::serve::{self, ApiOptions, Controller};
 use gpuplace::placement::mix_learner::{bundled_prior, MixLearner};
 use gpuplace::placement::{profile::ProfileConfig, registry::Weights};
 use gpuplace_core::annotations::{
@@ -94,7 +94,7 @@ fn start_replica(
         keys,
         scheduler_tls: None,
     };
-    let ctl = run::start(client, ext.clone(), leadership, opts);
+    let ctl = serve::start(client, ext.clone(), leadership, opts);
     Replica { ext, binder, ctl }
 }
 
@@ -856,7 +856,7 @@ async fn unsigned_assignments_count_only_with_the_migration_flag_and_are_then_si
     let ext = Arc::new(Harness::new(Cluster::default()).binder(binder).options(opts).build());
     let keys = KeyOptions { resign_every: Duration::from_millis(100), ..KeyOptions::default() };
     let api = ApiOptions { instance: "migrating".into(), keys, ..ApiOptions::default() };
-    let _ctl = run::start(client, ext.clone(), leadership, api);
+    let _ctl = serve::start(client, ext.clone(), leadership, api);
     ready(&ext).await;
     assert!(accepting(&ext), "GpuplaceUnsignedAssignmentsAccepted's gauge is 1 while unsigned ones are counted");
     assert_eq!(holders(&ext, "n1"), ["ns/p"]);

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use gpuplace::extender::service::Extender;
-use gpuplace::placement_log::compact::CompactOptions;
+use gpuplace::placement_log::compactor::CompactOptions;
 use gpuplace::placement_log::writer::PlacementLog;
 use gpuplace::placement_log::Decision;
 use gpuplace::report::model::LogModel;
@@ -142,7 +142,7 @@ fn every_call_mode_writes_a_line_per_call_and_compacts_to_the_default() {
     assert!(every.iter().all(|d| d.repeats.is_none()));
     // what the default would have written, but for the deletion (which a log does not record): the
     // deleted pod's calls go out at the end instead, with the same counts
-    let mut c = gpuplace::placement_log::compact::Compactor::new(CompactOptions::default());
+    let mut c = gpuplace::placement_log::compactor::Compactor::new(CompactOptions::default());
     let mut compact: Vec<Decision> = every.into_iter().flat_map(|d| c.push(d)).collect();
     compact.extend(c.finish());
     assert_eq!(

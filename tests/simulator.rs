@@ -188,5 +188,5 @@ fn hgx_boards_are_a_labelled_what_if_the_baselines_ignore() {
     let json = serde_json::to_value(&hgx[1]).unwrap();
     assert_eq!(json["boards"], "hgx");
     assert!(serde_json::to_value(&flat[1]).unwrap().get("boards").is_none(), "flat is the default, not written");
-    assert!(gpuplace::sim::report::table(&hgx).lines().next().unwrap().contains("boards hgx (what-if)"));
+    assert!(gpuplace::sim::figures::table(&hgx).lines().next().unwrap().contains("boards hgx (what-if)"));
 }

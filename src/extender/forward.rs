@@ -48,7 +48,7 @@ pub enum Route {
 }
 
 /// What the forward needs to know about this replica (API-server mode implements it from the
-/// election and the watchers: `k8s::run::Readiness`).
+/// election and the watchers: `k8s::serve::Readiness`).
 pub trait Role: Send + Sync + std::fmt::Debug {
     /// The state is complete (allocations rebuilt, key ring loaded): what `/readyz` reports.
     fn synced(&self) -> bool;
@@ -80,7 +80,7 @@ pub enum ForwardError {
 
 /// The leader's answer, to be sent back as it came.
 #[derive(Debug, Clone)]
-pub struct Answer {
+pub struct Forwarded {
     pub status: u16,
     pub content_type: Option<String>,
     pub body: Bytes,
@@ -166,7 +166,7 @@ impl Forwarder {
     }
 
     /// Sends `body` to the leader's `verb` and returns its answer, within the timeout.
-    pub async fn forward(&self, verb: Verb, leader: &str, body: Bytes) -> Result<Answer, ForwardError> {
+    pub async fn forward(&self, verb: Verb, leader: &str, body: Bytes) -> Result<Forwarded, ForwardError> {
         let url = format!("{}/{}", leader.trim_end_matches('/'), verb.name());
         let v = verb.name();
         let request = http::Request::post(&url)
@@ -189,7 +189,7 @@ impl Forwarder {
                 .await
                 .map_err(|source| ForwardError::Body { verb: v, url: url.clone(), source })?
                 .to_bytes();
-            Ok(Answer { status, content_type, body })
+            Ok(Forwarded { status, content_type, body })
         };
         let out = match tokio::time::timeout(self.timeout, call).await {
             Ok(r) => r,

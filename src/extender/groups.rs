@@ -16,7 +16,7 @@
 //!
 //! An elastic group (a quorum below its size: a PodGroup's `minCount` below the pods that name it,
 //! `gpuplace.io/group-min`) starts with the most members that fit, at least its quorum, and the rest
-//! join one by one beside the members placed as room appears ([`Verdict::Waits`] while they cannot),
+//! join one by one beside the members placed as room appears ([`MemberVerdict::Waits`] while they cannot),
 //! never taking room that a whole waiting group could use now.
 //!
 //! A plan's unbound reservations end when the group is bound, when every member is deleted, after
@@ -38,11 +38,11 @@ use gpuplace_core::assignment::PodAssignment;
 use gpuplace_core::cluster::Cluster;
 use gpuplace_core::resources::PodRequest;
 
-mod model;
+mod group;
 mod planning;
 
-pub use model::{fingerprint, is_reservation, reservation_key, Arrival, PodGroupInfo, Verdict};
-use model::{free_holder, Group, Member};
+pub use group::{fingerprint, is_reservation, reservation_key, Arrival, MemberVerdict, PodGroupInfo};
+use group::{free_holder, Group, Member};
 use planning::{decide, Planning};
 
 /// kube-scheduler v1.36's gang time-out (GangScheduling's Permit wait).
@@ -143,7 +143,7 @@ impl Groups {
     /// The answer for a member that needs no change to the state (its slot is planned and the plan
     /// still holds, or the group's last planning failed on the same cluster state): the fast path
     /// under the read lock. `None`: [`Groups::admit`] must decide.
-    pub fn settled(&self, cluster: &Cluster, arrival: &Arrival<'_>, now: Instant) -> Option<Verdict> {
+    pub fn settled(&self, cluster: &Cluster, arrival: &Arrival<'_>, now: Instant) -> Option<MemberVerdict> {
         let spec = arrival.request.group.as_ref()?;
         let g = self.groups.get(&spec.key)?;
         let m = g.members.get(arrival.uid)?;
@@ -157,13 +157,14 @@ impl Groups {
             let Some(i) = m.slot else {
                 // a member beyond the plan whose last try to join failed on this same state
                 let f = g.failure.as_ref()?;
-                return (f.fingerprint == fingerprint(cluster)).then(|| Verdict::Waits { reason: f.reason.clone() });
+                return (f.fingerprint == fingerprint(cluster))
+                    .then(|| MemberVerdict::Waits { reason: f.reason.clone() });
             };
             let slot = plan.slots.get(i)?;
-            return (!slot.taken).then(|| Verdict::Planned { node: slot.reservation.node.clone() });
+            return (!slot.taken).then(|| MemberVerdict::Planned { node: slot.reservation.node.clone() });
         }
         let f = g.failure.as_ref()?;
-        (f.fingerprint == fingerprint(cluster)).then(|| Verdict::NoPlan { reason: f.reason.clone() })
+        (f.fingerprint == fingerprint(cluster)).then(|| MemberVerdict::NoPlan { reason: f.reason.clone() })
     }
 
     /// A member is filtered: registers it, plans the group when it has no plan, and says where the
@@ -175,9 +176,9 @@ impl Groups {
         arrival: &Arrival<'_>,
         now: Instant,
         now_unix_ms: i64,
-    ) -> (Verdict, Vec<GroupEvent>) {
+    ) -> (MemberVerdict, Vec<GroupEvent>) {
         let mut events = Vec::new();
-        let Some(spec) = arrival.request.group.clone() else { return (Verdict::Single, events) };
+        let Some(spec) = arrival.request.group.clone() else { return (MemberVerdict::Single, events) };
         self.expire(cluster, now, &mut events);
         let info = self.pod_groups.get(&spec.key).cloned();
         // out of the map while it is decided, so that the other groups can be read (room kept for them)
@@ -185,9 +186,9 @@ impl Groups {
         g.settle_spec(&spec, info.as_ref());
         let ctx = Planning { cluster, engine, others: &self.groups, now, now_unix_ms };
         let verdict = if g.gang && info.is_none() && spec.size == 0 {
-            Verdict::NoPlan { reason: format!("PodGroup {} is not known to gpuplace yet; retry", spec.key) }
+            MemberVerdict::NoPlan { reason: format!("PodGroup {} is not known to gpuplace yet; retry", spec.key) }
         } else if g.size <= 1 {
-            Verdict::Single
+            MemberVerdict::Single
         } else {
             g.register(&mut self.member_of, arrival.uid, arrival.request);
             decide(&mut g, ctx, arrival.uid, &mut events)

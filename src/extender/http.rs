@@ -343,7 +343,7 @@ fn text(status: StatusCode, message: impl Into<String>) -> HttpResponse {
 }
 
 fn json<T: Serialize>(value: &T) -> HttpResponse {
-    Answer::json(value).into_response()
+    Reply::json(value).into_response()
 }
 
 /// An answer already encoded (filter and prioritize write theirs straight into a sized buffer).
@@ -396,7 +396,7 @@ fn forward_to(req: &HttpRequest) -> Option<(web::Data<Forwarder>, String)> {
 }
 
 /// The leader's answer, as it came.
-fn relay(answer: crate::extender::forward::Answer) -> HttpResponse {
+fn relay(answer: crate::extender::forward::Forwarded) -> HttpResponse {
     let status = StatusCode::from_u16(answer.status).unwrap_or(StatusCode::BAD_GATEWAY);
     let mut resp = HttpResponse::build(status);
     if let Some(ct) = answer.content_type {
@@ -451,7 +451,7 @@ async fn run_sync_verb(
     limits: web::Data<VerbLimits>,
     req: HttpRequest,
     payload: web::Payload,
-    decide: fn(&Extender, &[u8]) -> Answer,
+    decide: fn(&Extender, &[u8]) -> Reply,
 ) -> HttpResponse {
     let max_nodes = limits.max_request_nodes;
     run_verb(verb, ext, req, payload, move |ext, b| async move {
@@ -475,31 +475,31 @@ async fn run_sync_verb(
 
 /// A synchronous verb's answer, before it becomes a response (which may not cross threads).
 /// Serves the other handlers too, so encoding and refusals are written once.
-enum Answer {
+enum Reply {
     Json(Vec<u8>),
     Text(StatusCode, String),
 }
 
-impl Answer {
+impl Reply {
     fn json<T: Serialize>(value: &T) -> Self {
         match serde_json::to_vec(value) {
-            Ok(body) => Answer::Json(body),
-            Err(e) => Answer::Text(StatusCode::INTERNAL_SERVER_ERROR, format!("encoding the answer: {e}")),
+            Ok(body) => Reply::Json(body),
+            Err(e) => Reply::Text(StatusCode::INTERNAL_SERVER_ERROR, format!("encoding the answer: {e}")),
         }
     }
 
     fn refused(e: &WireError) -> Self {
-        Answer::Text(StatusCode::from_u16(e.http_status()).unwrap_or(StatusCode::BAD_REQUEST), e.to_string())
+        Reply::Text(StatusCode::from_u16(e.http_status()).unwrap_or(StatusCode::BAD_REQUEST), e.to_string())
     }
 
     fn not_ready() -> Self {
-        Answer::Text(StatusCode::SERVICE_UNAVAILABLE, crate::extender::service::NOT_READY.into())
+        Reply::Text(StatusCode::SERVICE_UNAVAILABLE, crate::extender::service::NOT_READY.into())
     }
 
     fn into_response(self) -> HttpResponse {
         match self {
-            Answer::Json(body) => json_body(body),
-            Answer::Text(status, message) => text(status, message),
+            Reply::Json(body) => json_body(body),
+            Reply::Text(status, message) => text(status, message),
         }
     }
 }
@@ -521,8 +521,8 @@ async fn filter(
     payload: web::Payload,
 ) -> HttpResponse {
     run_sync_verb(Verb::Filter, ext, limits, req, payload, |ext, b| match ext.filter_json(b) {
-        Ok(body) => Answer::Json(body),
-        Err(e) => Answer::refused(&e),
+        Ok(body) => Reply::Json(body),
+        Err(e) => Reply::refused(&e),
     })
     .await
 }
@@ -535,11 +535,11 @@ async fn prioritize(
 ) -> HttpResponse {
     run_sync_verb(Verb::Prioritize, ext, limits, req, payload, |ext, b| {
         if !ext.is_ready() {
-            return Answer::not_ready();
+            return Reply::not_ready();
         }
         match ext.prioritize_json(b) {
-            Ok(body) => Answer::Json(body),
-            Err(e) => Answer::refused(&e),
+            Ok(body) => Reply::Json(body),
+            Err(e) => Reply::refused(&e),
         }
     })
     .await
@@ -549,7 +549,7 @@ async fn bind(ext: web::Data<Extender>, req: HttpRequest, payload: web::Payload)
     run_verb(Verb::Bind, ext, req, payload, |ext, b| async move {
         match ext.bind(&b).await {
             Ok(r) => json(&r),
-            Err(e) => Answer::refused(&e).into_response(),
+            Err(e) => Reply::refused(&e).into_response(),
         }
     })
     .await
@@ -563,11 +563,11 @@ async fn preempt(
 ) -> HttpResponse {
     run_sync_verb(Verb::Preempt, ext, limits, req, payload, |ext, b| {
         if !ext.is_ready() {
-            return Answer::not_ready();
+            return Reply::not_ready();
         }
         match ext.preempt(b) {
-            Ok(r) => Answer::json(&r),
-            Err(e) => Answer::refused(&e),
+            Ok(r) => Reply::json(&r),
+            Err(e) => Reply::refused(&e),
         }
     })
     .await

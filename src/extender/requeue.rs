@@ -68,7 +68,7 @@ impl Nodes {
 }
 
 #[derive(Debug)]
-struct Rejection {
+struct TurnedAway {
     namespace: String,
     name: String,
     nodes: Nodes,
@@ -81,7 +81,7 @@ struct Rejection {
 #[derive(Debug, Default)]
 pub struct RecentRejections {
     /// UID → the pod's last rejection, until it is handed over or expires.
-    pods: HashMap<String, Rejection>,
+    pods: HashMap<String, TurnedAway>,
     /// Node → when GPUs on it were last freed.
     freed: HashMap<String, Instant>,
 }
@@ -131,7 +131,7 @@ impl RecentRejections {
                 }
             }
         }
-        self.pods.insert(uid.into(), Rejection { namespace: namespace.into(), name: name.into(), nodes, read_at });
+        self.pods.insert(uid.into(), TurnedAway { namespace: namespace.into(), name: name.into(), nodes, read_at });
         None
     }
 

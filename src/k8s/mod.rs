@@ -4,7 +4,7 @@
 //! [`utilization`] and [`pod_groups`] (watchers), [`leader`] (Lease election), [`keys`] (the assignment key Secret), [`certificates`] (the
 //! extender's CA and kube-scheduler's client certificate, mTLS by default), [`resign`] (re-signing after
 //! a key rotation), [`stale`] (assignments left on unbound pods), [`requeue`] (pending pods sent back
-//! to kube-scheduler's queue when GPUs are freed), [`run`] (wiring and readiness).
+//! to kube-scheduler's queue when GPUs are freed), [`serve`] (API-server mode wired, and readiness).
 //! Named `k8s`, not `kube`, so the `kube` crate stays visible.
 
 pub mod binder;
@@ -16,7 +16,7 @@ pub mod pod_groups;
 pub mod pods;
 pub mod requeue;
 pub mod resign;
-pub mod run;
+pub mod serve;
 pub mod stale;
 pub mod utilization;
 pub mod watch;

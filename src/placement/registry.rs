@@ -13,7 +13,9 @@ use serde::ser::{SerializeMap, Serializer};
 use serde::{Deserialize, Serialize};
 
 use crate::placement::scorer::Scorer;
-use crate::placement::scorers::{fragmentation, model_supply, network, packing, reserve, topology, utilization, whole};
+use crate::placement::scorers::{
+    fragmentation, model_supply, network, numa, packing, reserve, topology, utilization, whole,
+};
 
 /// One scorer as profiles know it.
 #[derive(Debug, Clone, Copy)]
@@ -40,6 +42,7 @@ pub const REGISTRY: &[Registration] = &[
     scorer!(reserve, ReserveScorer),
     scorer!(model_supply, ModelSupplyScorer),
     scorer!(whole, WholeScorer),
+    scorer!(numa, NumaScorer),
 ];
 
 /// A name no line of [`REGISTRY`] has.
@@ -162,6 +165,21 @@ mod tests {
         assert_eq!(w.get(fragmentation::NAME), Ok(fragmentation::DEFAULT_WEIGHT));
         let back: Weights = serde_json::from_str(&serde_json::to_string(&w).unwrap()).unwrap();
         assert_eq!(back, w);
+    }
+
+    #[test]
+    fn a_profile_file_names_its_weights() {
+        // the example of docs/extender-protocol.md, "The profile"
+        let text = "name: training\nnode_policy: binpack\ngpu_policy: binpack\nnuma: preferred\n\
+                    share_by_fragmentation: true\nmax_sample_age_s: 60\nrequested_packing_weight: 6\n\
+                    weights:\n  numa: 2\n  utilization: 0.5\n";
+        let p: crate::placement::profile::ProfileConfig = serde_norway::from_str(text).unwrap();
+        assert_eq!(p.weights.get(numa::NAME), Ok(2.0));
+        assert_eq!(p.weights.get(utilization::NAME), Ok(0.5));
+        assert_eq!(p.weights.get(whole::NAME), Ok(whole::DEFAULT_WEIGHT));
+        let names: Vec<&str> =
+            crate::placement::profile::Profile::new(p).scorers.iter().map(|(s, _)| s.name()).collect();
+        assert!(names.contains(&numa::NAME), "{names:?}");
     }
 
     #[test]

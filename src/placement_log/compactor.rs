@@ -73,7 +73,7 @@ impl Default for CompactOptions {
 /// (`offered`): those move with every bind elsewhere in the cluster, and kube-scheduler retries
 /// every pending pod after each bind, without changing what the pod was told.
 #[derive(Debug, Clone, PartialEq)]
-struct Verdict {
+struct Told {
     fits: bool,
     reasons: BTreeSet<String>,
     classes: BTreeSet<String>,
@@ -86,7 +86,7 @@ struct Verdict {
     mode: Option<String>,
 }
 
-impl Verdict {
+impl Told {
     fn of(d: &Decision) -> Self {
         Self {
             fits: d.feasible > 0,
@@ -102,7 +102,7 @@ impl Verdict {
         }
     }
 
-    /// `Verdict::of(d) == *self`, without copying `d`'s fields (every filter of a pod with a
+    /// `Told::of(d) == *self`, without copying `d`'s fields (every filter of a pod with a
     /// placement log asks, repeats above all).
     fn matches(&self, d: &Decision) -> bool {
         self.fits == (d.feasible > 0)
@@ -142,7 +142,7 @@ impl Held {
 
 #[derive(Debug)]
 struct PodState {
-    verdict: Verdict,
+    verdict: Told,
     /// `ts_unix_ms` of the pod's last written filter line.
     written_ms: i64,
     held: Option<Held>,
@@ -222,7 +222,7 @@ impl Compactor {
         let key = key_of(&d).to_string();
         let seen = self.touch(&key);
         let Some(st) = self.pods.get_mut(&key) else {
-            let (verdict, written_ms) = (Verdict::of(&d), d.ts_unix_ms);
+            let (verdict, written_ms) = (Told::of(&d), d.ts_unix_ms);
             self.pods.insert(key, PodState { verdict, written_ms, held: None, seen });
             let mut out = self.overflow();
             out.push(d);
@@ -232,7 +232,7 @@ impl Compactor {
         if !st.verdict.matches(&d) {
             // a new verdict: written, with the calls that repeated the old one
             d.repeats = merge(st.held.take().map(|h| h.summary()), d.repeats);
-            st.verdict = Verdict::of(&d);
+            st.verdict = Told::of(&d);
             st.written_ms = d.ts_unix_ms;
             return vec![d];
         }
@@ -329,5 +329,5 @@ pub(crate) fn draws(seed: u64) -> impl FnMut(u64) -> u64 {
 }
 
 #[cfg(test)]
-#[path = "compact_tests.rs"]
+#[path = "compactor_tests.rs"]
 mod tests;

@@ -12,7 +12,7 @@ use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use super::compact::{CompactOptions, Compactor};
+use super::compactor::{CompactOptions, Compactor};
 use super::{Decision, MAX_LINE_BYTES};
 
 /// Where lines go, and which (the [`Compactor`], under the same lock, so that a pod's held

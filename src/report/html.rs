@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 
 use crate::report::charts::{self, ChartError, TimeAxis, MAX_HEAT_ROWS};
 use crate::report::model::{LogModel, SimModel, TurnedAway};
-use crate::sim::report::PolicyReport;
+use crate::sim::figures::PolicyReport;
 
 /// Text for HTML element content and attribute values.
 pub fn escape(s: &str) -> String {
@@ -345,7 +345,7 @@ pub fn summary(log: Option<&LogModel>, sim: Option<&SimModel>) -> String {
         );
         let reports: Vec<PolicyReport> =
             s.policies.iter().map(|r| PolicyReport { policy: s.label(r), ..r.clone() }).collect();
-        out.push_str(&crate::sim::report::table(&reports));
+        out.push_str(&crate::sim::figures::table(&reports));
     }
     out
 }

@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use crate::placement_log::read::{parse_lines, read, InputError};
-use crate::sim::report::PolicyReport;
+use crate::sim::figures::PolicyReport;
 
 /// Reads a `simulate --json` file: one object per policy per line.
 pub fn read_simulate(path: &Path) -> Result<Vec<PolicyReport>, InputError> {

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use crate::placement_log::read::LogLine;
 use crate::placement_log::{Decision, ModelCapacity, Requests};
-use crate::sim::report::PolicyReport;
+use crate::sim::figures::PolicyReport;
 use gpuplace_core::resources::{GpuDemand, MemoryDemand};
 use gpuplace_core::room::Room;
 
@@ -456,7 +456,7 @@ mod tests {
     /// same verdict, now and then a new one), binds of every outcome with the cluster after them,
     /// prioritize and group lines, and pods still waiting at the end.
     fn full_log(seed: u64) -> Vec<Decision> {
-        let mut next = crate::placement_log::compact::draws(seed);
+        let mut next = crate::placement_log::compactor::draws(seed);
         let mut out = Vec::new();
         let mut ts = 1_700_000_000_000;
         let mut allocated = 0.0;
@@ -500,7 +500,7 @@ mod tests {
 
     #[test]
     fn a_log_and_its_compaction_give_the_same_figures() {
-        use crate::placement_log::compact::{CompactOptions, Compactor};
+        use crate::placement_log::compactor::{CompactOptions, Compactor};
         for seed in 1..=20 {
             let full = full_log(seed);
             let mut c = Compactor::new(CompactOptions::default());

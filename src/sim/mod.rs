@@ -2,13 +2,13 @@
 //! several policies with the FGD paper's protocol, and reports unallocated GPU capacity.
 
 pub mod arrivals;
+pub mod figures;
 pub mod generate;
 pub mod paper_results;
 pub mod policies;
 pub mod protocol;
 pub mod reference;
 pub mod replay;
-pub mod report;
 pub mod run;
 pub mod state;
 pub mod trace;
@@ -18,8 +18,8 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
+use crate::sim::figures::PolicyReport;
 use crate::sim::policies::{MixSource, PolicyKind};
-use crate::sim::report::PolicyReport;
 use crate::sim::trace::{TraceError, UNLIMITED};
 
 /// Simulation settings.

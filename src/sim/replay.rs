@@ -11,7 +11,7 @@ use std::path::Path;
 
 use crate::placement_log::read::{read_placement_log, InputError};
 use crate::placement_log::Decision;
-use crate::sim::report::PolicyReport;
+use crate::sim::figures::PolicyReport;
 use crate::sim::trace::UNLIMITED;
 use crate::sim::trace::{TraceNode, TracePod};
 use crate::sim::{protocol, run, SimConfig};

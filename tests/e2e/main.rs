@@ -433,7 +433,7 @@ async fn extender_killed_mid_storm_loses_nothing() {
     // binds cut by the kill leave assignments on pending pods; the leader removes them after a
     // Lease duration (src/apiserver/stale.rs)
     let mut stale_seen = 0;
-    let until = Instant::now() + gpuplace::k8s::run::DEFAULT_STALE_GRACE + Duration::from_secs(20);
+    let until = Instant::now() + gpuplace::k8s::serve::DEFAULT_STALE_GRACE + Duration::from_secs(20);
     let audit = loop {
         let audit = Audit::of(&snapshot(&st.admin, NS).await);
         stale_seen = stale_seen.max(audit.stale_pending.len());

@@ -29,7 +29,7 @@ pub struct Arrival<'a> {
 
 /// What filter answers a member.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Verdict {
+pub enum MemberVerdict {
     /// Fits on this node only (its slot of the group's plan).
     Planned { node: String },
     /// No plan: every node is turned away with this reason.
@@ -93,7 +93,7 @@ pub(super) struct Failure {
 pub(super) struct Group {
     /// `namespace/name`.
     pub(super) key: String,
-    /// A kube-scheduler PodGroup (gang): turned away with the filter's `Error` (see [`Verdict`]).
+    /// A kube-scheduler PodGroup (gang): turned away with the filter's `Error` (see [`MemberVerdict`]).
     pub(super) gang: bool,
     /// How many pods to plan for.
     pub(super) size: usize,

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use super::model::{fingerprint, reservation_key, Failure, Group, Plan, Slot, Verdict};
+use super::group::{fingerprint, reservation_key, Failure, Group, MemberVerdict, Plan, Slot};
 use crate::placement::engine::Engine;
 use crate::placement::group_plan::{group_name, level_name, plan_group, GroupAsk, GroupPlan, NoPlan};
 use crate::placement_log::GroupEvent;
@@ -23,19 +23,19 @@ fn same_shape(a: &PodRequest, b: &PodRequest) -> bool {
 }
 
 /// The member's slot (held already, or a free one of its shape).
-fn take_slot(g: &mut Group, uid: &str) -> Option<Verdict> {
+fn take_slot(g: &mut Group, uid: &str) -> Option<MemberVerdict> {
     let plan = g.plan.as_mut()?;
     let m = g.members.get_mut(uid)?;
     if let Some(i) = m.slot {
         let s = plan.slots.get(i)?;
         if s.holder.as_deref() == Some(uid) && !s.taken && same_shape(&s.request, &m.request) {
-            return Some(Verdict::Planned { node: s.reservation.node.clone() });
+            return Some(MemberVerdict::Planned { node: s.reservation.node.clone() });
         }
     }
     let i = plan.slots.iter().position(|s| s.holder.is_none() && !s.taken && same_shape(&s.request, &m.request))?;
     plan.slots[i].holder = Some(uid.to_string());
     m.slot = Some(i);
-    Some(Verdict::Planned { node: plan.slots[i].reservation.node.clone() })
+    Some(MemberVerdict::Planned { node: plan.slots[i].reservation.node.clone() })
 }
 
 /// What planning reads besides the group.
@@ -49,9 +49,9 @@ pub(super) struct Planning<'a> {
 }
 
 /// Where a registered member may go: its slot, a slot made for it, or why it waits.
-pub(super) fn decide(g: &mut Group, mut ctx: Planning<'_>, uid: &str, events: &mut Vec<GroupEvent>) -> Verdict {
+pub(super) fn decide(g: &mut Group, mut ctx: Planning<'_>, uid: &str, events: &mut Vec<GroupEvent>) -> MemberVerdict {
     if g.members.get(uid).is_some_and(|m| m.bound.is_some()) {
-        return Verdict::Single;
+        return MemberVerdict::Single;
     }
     // a slot already held for it, or a free one of its shape
     if let Some(v) = take_slot(g, uid) {
@@ -61,22 +61,22 @@ pub(super) fn decide(g: &mut Group, mut ctx: Planning<'_>, uid: &str, events: &m
     if g.plan.is_some() {
         if g.placed() >= g.size {
             // more members than the group's size: judged as a single
-            return Verdict::Single;
+            return MemberVerdict::Single;
         }
         // a member beyond the plan (an elastic group's, or one seen after the plan): it joins near
         // the others when room allows
         if let Some(f) = g.failure.as_ref().filter(|f| f.fingerprint == fp) {
-            return Verdict::Waits { reason: f.reason.clone() };
+            return MemberVerdict::Waits { reason: f.reason.clone() };
         }
         return match grow_plan(g, &mut ctx, uid) {
             Ok(ev) => {
                 g.failure = None;
                 events.push(ev);
-                take_slot(g, uid).unwrap_or(Verdict::Single)
+                take_slot(g, uid).unwrap_or(MemberVerdict::Single)
             }
             Err(reason) => {
                 g.failure = Some(Failure { fingerprint: fingerprint(ctx.cluster), reason: reason.clone() });
-                Verdict::Waits { reason }
+                MemberVerdict::Waits { reason }
             }
         };
     }
@@ -88,16 +88,16 @@ pub(super) fn decide(g: &mut Group, mut ctx: Planning<'_>, uid: &str, events: &m
             g.quorum(),
             g.members.len()
         );
-        return Verdict::NoPlan { reason };
+        return MemberVerdict::NoPlan { reason };
     }
     if let Some(f) = g.failure.as_ref().filter(|f| f.fingerprint == fp) {
-        return Verdict::NoPlan { reason: f.reason.clone() };
+        return MemberVerdict::NoPlan { reason: f.reason.clone() };
     }
     match make_plan(g, &mut ctx) {
         Ok(ev) => {
             g.failure = None;
             events.push(ev);
-            take_slot(g, uid).unwrap_or(Verdict::Single)
+            take_slot(g, uid).unwrap_or(MemberVerdict::Single)
         }
         Err(reason) => {
             let mut ev = GroupEvent::new(&g.key, "no_plan");
@@ -106,7 +106,7 @@ pub(super) fn decide(g: &mut Group, mut ctx: Planning<'_>, uid: &str, events: &m
                 events.push(ev);
             }
             g.failure = Some(Failure { fingerprint: fingerprint(ctx.cluster), reason: reason.clone() });
-            Verdict::NoPlan { reason }
+            MemberVerdict::NoPlan { reason }
         }
     }
 }

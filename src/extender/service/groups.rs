@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use super::filter::Filtered;
 use super::{Extender, State};
-use crate::extender::groups::{Arrival, PodGroupInfo, Verdict};
+use crate::extender::groups::{Arrival, MemberVerdict, PodGroupInfo};
 use crate::extender::metrics::RejectClass;
 use crate::extender::reasons::prefixed;
 use crate::extender::verdict_cache::{Answer, Candidates, Reason};
@@ -76,7 +76,7 @@ impl Extender {
             Some(v) => v,
             None => {
                 let mut v = self.admit(&arrival, now);
-                if let Verdict::Planned { node } = &v {
+                if let MemberVerdict::Planned { node } = &v {
                     // a plain group's member is offered every node kube-scheduler found feasible: one
                     // missing from the list will not be taken, so the group is planned without it
                     if !group.pod_group && !names.is_empty() && !names.contains(&node.as_str()) {
@@ -89,8 +89,8 @@ impl Extender {
         };
         d.group = Some(group.key.clone());
         let (answers, text) = match verdict {
-            Verdict::Single => return None,
-            Verdict::NoPlan { reason } if group.pod_group => {
+            MemberVerdict::Single => return None,
+            MemberVerdict::NoPlan { reason } if group.pod_group => {
                 let text = prefixed(&reason);
                 d.error = Some(text.clone());
                 d.rejection_classes.insert(RejectClass::Unresolvable.name().into(), names.len());
@@ -98,11 +98,11 @@ impl Extender {
                 self.metrics.pod_filtered(uid, Some(RejectClass::Unresolvable), Instant::now());
                 return Some(Filtered::Error(text));
             }
-            Verdict::NoPlan { reason } | Verdict::Waits { reason } => {
+            MemberVerdict::NoPlan { reason } | MemberVerdict::Waits { reason } => {
                 let r = Arc::new(Reason::new(RejectClass::Unresolvable, prefixed(&reason)));
                 (names.iter().map(|_| Answer::No(r.clone())).collect::<Vec<_>>(), r.text.clone())
             }
-            Verdict::Planned { node } => {
+            MemberVerdict::Planned { node } => {
                 let r = Arc::new(Reason::new(
                     RejectClass::Unresolvable,
                     prefixed(&format!("group {} holds a place for this pod on another node", group_name(&group.key))),
@@ -140,13 +140,13 @@ impl Extender {
         req.group.as_ref()?;
         let st = self.read();
         match st.groups.settled(&st.cluster, &Arrival { uid, request: req }, Instant::now())? {
-            Verdict::Planned { node } => Some(names.iter().map(|n| if *n == node { 10 } else { 0 }).collect()),
-            Verdict::NoPlan { .. } | Verdict::Waits { .. } => Some(vec![0; names.len()]),
-            Verdict::Single => None,
+            MemberVerdict::Planned { node } => Some(names.iter().map(|n| if *n == node { 10 } else { 0 }).collect()),
+            MemberVerdict::NoPlan { .. } | MemberVerdict::Waits { .. } => Some(vec![0; names.len()]),
+            MemberVerdict::Single => None,
         }
     }
 
-    fn admit(&self, arrival: &Arrival<'_>, now: Instant) -> Verdict {
+    fn admit(&self, arrival: &Arrival<'_>, now: Instant) -> MemberVerdict {
         let now_ms = self.now_ms();
         self.change_groups(|st| st.groups.admit(&mut st.cluster, &st.engine, arrival, now, now_ms))
     }

@@ -3,6 +3,7 @@
 pub mod fragmentation;
 pub mod model_supply;
 pub mod network;
+pub mod numa;
 pub mod packing;
 pub mod reserve;
 pub mod topology;
