@@ -61,12 +61,17 @@ fn replica(fake: &FakeApiServer, leader: Option<LeaderConfig>) -> Replica {
 }
 
 fn replica_with(fake: &FakeApiServer, leader: Option<LeaderConfig>, profile: ProfileConfig) -> Replica {
-    start_replica(fake, leader, profile, None)
+    start_replica(fake, leader, profile, None, None)
 }
 
 /// A replica that learns its mix with `learner`.
 fn learning_replica(fake: &FakeApiServer, learner: MixLearner) -> Replica {
-    start_replica(fake, None, ProfileConfig::default(), Some(learner))
+    start_replica(fake, None, ProfileConfig::default(), Some(learner), None)
+}
+
+/// A replica that watches only the Nodes `selector` (a label selector) matches (`serve --node-selector`).
+fn selecting_replica(fake: &FakeApiServer, selector: &str) -> Replica {
+    start_replica(fake, None, ProfileConfig::default(), None, Some(selector.to_string()))
 }
 
 fn start_replica(
@@ -74,6 +79,7 @@ fn start_replica(
     leader: Option<LeaderConfig>,
     profile: ProfileConfig,
     learner: Option<MixLearner>,
+    node_selector: Option<String>,
 ) -> Replica {
     let client = fake.client().unwrap();
     let leadership = if leader.is_some() { Leadership::elected() } else { Leadership::always() };
@@ -87,7 +93,7 @@ fn start_replica(
     let instance = leader.as_ref().map_or("solo".to_string(), |l| l.identity.clone());
     let keys = KeyOptions { resign_every: Duration::from_millis(100), ..KeyOptions::default() };
     let opts = ApiOptions {
-        node_selector: None,
+        node_selector,
         leader,
         instance,
         utilization_namespace: Some(UTIL_NS.into()),
@@ -181,6 +187,31 @@ fn total_held(ext: &Extender) -> usize {
 
 async fn ready(ext: &Extender) {
     eventually("ready", || ext.is_ready()).await;
+}
+
+#[tokio::test]
+async fn a_node_selector_limits_the_nodes_watched_and_placed_on() {
+    let fake = FakeApiServer::start().await.unwrap();
+    let mut train = gpu_node("train-1", 2);
+    train.metadata.labels = Some([("gpuplace.io/pool".to_string(), "train".to_string())].into());
+    fake.put(&train);
+    fake.put(&gpu_node("other-1", 2));
+    let r = selecting_replica(&fake, "gpuplace.io/pool=train");
+    ready(&r.ext).await;
+    eventually("the selected node", || r.ext.has_node("train-1")).await;
+    settle().await;
+    assert!(!r.ext.has_node("other-1"), "a node the selector leaves out is not gpuplace's");
+    // the watch asked the API server for the selected nodes only
+    assert!(
+        fake.requests().iter().any(|q| q.path.starts_with("/api/v1/nodes") && q.query.contains("labelSelector")),
+        "{:?}",
+        fake.requests().iter().filter(|q| q.path.starts_with("/api/v1/nodes")).collect::<Vec<_>>()
+    );
+    // a filter over both: the unselected node is unknown to gpuplace, so nothing is placed there
+    let pod = serde_json::to_value(gpu_pod("p", whole(1))).unwrap();
+    let body = json!({"Pod": pod, "Nodes": null, "NodeNames": ["train-1", "other-1"]});
+    let a = r.ext.filter(body.to_string().as_bytes()).unwrap();
+    assert_eq!(a.node_names, Some(vec!["train-1".to_string()]), "{a:?}");
 }
 
 #[tokio::test]
