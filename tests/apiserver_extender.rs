@@ -215,6 +215,35 @@ async fn a_node_selector_limits_the_nodes_watched_and_placed_on() {
 }
 
 #[tokio::test]
+async fn a_refused_inventory_is_an_event_on_its_node_and_the_node_is_not_placed_on() {
+    let fake = FakeApiServer::start().await.unwrap();
+    fake.put(&gpu_node("good", 2));
+    let corrupt: Node = serde_json::from_value(
+        json!({"metadata": {"name": "corrupt", "annotations": {"gpuplace.io/inventory": "{\"version\": 1, \"gpus\": 7}"}}}),
+    )
+    .unwrap();
+    fake.put(&corrupt);
+    let r = replica(&fake, None);
+    ready(&r.ext).await;
+    eventually("an Event", || !fake.events().is_empty()).await;
+    settle().await;
+    let events: Vec<(String, String, String)> = fake
+        .events()
+        .iter()
+        .map(|e| {
+            let s = |v: &Value| v.as_str().unwrap_or("").to_string();
+            (s(&e["regarding"]["kind"]), s(&e["regarding"]["name"]), s(&e["reason"]))
+        })
+        .collect();
+    assert_eq!(events, [("Node".to_string(), "corrupt".to_string(), "InventoryRefused".to_string())]);
+    assert!(r.ext.has_node("good") && !r.ext.has_node("corrupt"));
+    let pod = serde_json::to_value(gpu_pod("p", whole(1))).unwrap();
+    let body = json!({"Pod": pod, "Nodes": null, "NodeNames": ["good", "corrupt"]});
+    let a = r.ext.filter(body.to_string().as_bytes()).unwrap();
+    assert_eq!(a.node_names, Some(vec!["good".to_string()]), "{a:?}");
+}
+
+#[tokio::test]
 async fn bind_writes_the_annotation_and_the_binding_once_and_retries_are_idempotent() {
     let fake = FakeApiServer::start().await.unwrap();
     fake.put(&gpu_node("n1", 2));
