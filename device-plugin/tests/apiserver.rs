@@ -1062,3 +1062,47 @@ async fn the_inventory_says_allocations_are_confirmed_only_where_a_kubelet_calls
     sync(&plain).reconcile().await.unwrap();
     assert!(!says(&fake));
 }
+
+/// The extender rotates its key: the plugin's watch picks the new public keys up without a restart,
+/// and a malformed ConfigMap afterwards keeps the last good keys (never an empty set, which would
+/// refuse every assignment, nor garbage).
+#[tokio::test]
+async fn a_rotated_public_key_is_picked_up_and_a_malformed_configmap_keeps_the_last_good_keys() {
+    let fake = FakeApiServer::start().await.unwrap();
+    fake.put(&public_keys_configmap());
+    let telemetry = Telemetry::new(8, false);
+    let (ns, name) = ("gpuplace-system", "gpuplace-assignment-public-keys");
+    let keys = AssignmentKeys::watch(fake.client().unwrap(), ns, name, telemetry, Duration::from_secs(1));
+    let until = tokio::time::Instant::now() + WAIT;
+    let ids = |k: &AssignmentKeys| k.current().ids().into_iter().map(String::from).collect::<Vec<_>>();
+    while ids(&keys) != ["test-key"] {
+        assert!(tokio::time::Instant::now() < until, "the first keys: {:?}", ids(&keys));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
+    // rotation: the leader publishes the new primary beside the old one
+    let rotated = gpuplace_core::signing::KeyRing::new(
+        "key-2",
+        [("test-key".to_string(), vec![7u8; 32]), ("key-2".to_string(), vec![9u8; 32])],
+    )
+    .unwrap();
+    let mut cm = public_keys_configmap();
+    cm.data = Some(rotated.public_keys().to_configmap_data());
+    fake.put(&cm);
+    while ids(&keys) != ["key-2", "test-key"] && ids(&keys) != ["test-key", "key-2"] {
+        assert!(tokio::time::Instant::now() < until, "the rotated keys: {:?}", ids(&keys));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let good = keys.current();
+    assert_eq!(good, rotated.public_keys());
+
+    // a malformed ConfigMap: the watch sees it, and the keys stay as they were
+    let mut bad = public_keys_configmap();
+    bad.data = Some([("key-2".to_string(), "not a key".to_string())].into());
+    fake.put(&bad);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(keys.current(), good);
+    // a reload (a signature naming an unknown key) reads the same malformed object: still kept
+    assert!(!keys.reload().await);
+    assert_eq!(keys.current(), good);
+}
