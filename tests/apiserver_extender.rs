@@ -85,11 +85,9 @@ fn start_replica(
     let leadership = if leader.is_some() { Leadership::elected() } else { Leadership::always() };
     let binder = Arc::new(KubeBinder::new(client.clone(), leadership.clone()));
     let opts = ServiceOptions { ready: false, ..ServiceOptions::default() };
-    let h = Harness::new(Cluster::default()).profile(profile).binder(binder.clone()).options(opts);
-    let ext = Arc::new(match learner {
-        Some(l) => h.learner(l).build(),
-        None => h.build(),
-    });
+    let ext = Arc::new(
+        Harness::new(Cluster::default()).profile(profile).binder(binder.clone()).options(opts).learner(learner).build(),
+    );
     let instance = leader.as_ref().map_or("solo".to_string(), |l| l.identity.clone());
     let keys = KeyOptions { resign_every: Duration::from_millis(100), ..KeyOptions::default() };
     let opts = ApiOptions {

@@ -79,11 +79,7 @@ impl Server {
         log: Option<PlacementLog>,
         service: ServiceOptions,
     ) -> Self {
-        let h = Harness::new(cluster).binder(binder).options(service);
-        let ext = Arc::new(match log {
-            Some(log) => h.placement_log(log).build(),
-            None => h.build(),
-        });
+        let ext = Arc::new(Harness::new(cluster).binder(binder).options(service).placement_log(log).build());
         let running = spawn(ext.clone(), opts, "127.0.0.1:0", 1).expect("server starts");
         Self { ext, running, conn: Mutex::new(None) }
     }

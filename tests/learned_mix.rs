@@ -73,11 +73,7 @@ fn extender(learner: Option<MixLearner>, opts: ServiceOptions) -> Extender {
 }
 
 fn extender_with(profile: ProfileConfig, learner: Option<MixLearner>, opts: ServiceOptions) -> Extender {
-    let h = Harness::new(cluster()).profile(profile).options(opts).clock(NOW);
-    match learner {
-        Some(l) => h.learner(l).build(),
-        None => h.build(),
-    }
+    Harness::new(cluster()).profile(profile).options(opts).clock(NOW).learner(learner).build()
 }
 
 /// The `i`th pod of a workload that drifts: whole GPUs and half shares at first, then mostly pods

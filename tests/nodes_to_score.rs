@@ -42,11 +42,10 @@ fn cluster() -> Cluster {
 }
 
 fn service(nodes_to_score: NodesToScore, log: Option<PlacementLog>) -> Extender {
-    let h = Harness::new(cluster()).options(ServiceOptions { nodes_to_score, ..ServiceOptions::default() });
-    match log {
-        Some(log) => h.placement_log(log).build(),
-        None => h.build(),
-    }
+    Harness::new(cluster())
+        .options(ServiceOptions { nodes_to_score, ..ServiceOptions::default() })
+        .placement_log(log)
+        .build()
 }
 
 /// [`harness::pod`] with `spec_extra`'s fields added to its spec.

@@ -40,11 +40,11 @@ fn engine() -> Engine {
 }
 
 fn service(cluster: Cluster, shape_cache: usize, log: Option<PlacementLog>) -> Extender {
-    let h = Harness::new(cluster).options(ServiceOptions { shape_cache, ..ServiceOptions::default() }).clock(NOW);
-    match log {
-        Some(log) => h.placement_log(log).build(),
-        None => h.build(),
-    }
+    Harness::new(cluster)
+        .options(ServiceOptions { shape_cache, ..ServiceOptions::default() })
+        .clock(NOW)
+        .placement_log(log)
+        .build()
 }
 
 fn board(kind: usize) -> ResolvedBoard {

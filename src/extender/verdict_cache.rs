@@ -546,7 +546,7 @@ mod tests {
 
     #[test]
     fn name_guesses_never_outlive_a_node_removal() {
-        use crate::placement::feasibility::tests::node;
+        use crate::placement::test_fixtures::node;
         let mut c = Cluster::new(vec![node("a", 1), node("b", 1), node("c", 1)]);
         let order = NameOrder::default();
         let names = vec!["a", "b", "c"];

@@ -501,27 +501,10 @@ pub fn oversized(req: &PodRequest, largest: &std::collections::HashMap<String, u
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
-    use gpuplace_core::cluster::{Cluster, Gpu};
-    use gpuplace_core::topology::GpuTopology;
-
-    /// A node of `gpus` 1000 MiB GPUs of model `T`, four per NUMA node, on a flat board (the
-    /// fixture `gpuplace_core`'s cluster tests build with).
-    pub(crate) fn node(name: &str, gpus: usize) -> Node {
-        let g = (0..gpus)
-            .map(|i| Gpu {
-                uuid: format!("GPU-{name}-{i}"),
-                index: i as u32,
-                model: "T".into(),
-                memory_mib: 1000,
-                numa_node: Some((i / 4) as u32),
-                pci_bus_id: String::new(),
-                healthy: true,
-            })
-            .collect();
-        Node::new(name, std::collections::BTreeMap::new(), g, std::sync::Arc::new(GpuTopology::flat(gpus)), 0, 0)
-    }
+    use crate::placement::test_fixtures::node;
+    use gpuplace_core::cluster::Cluster;
     use gpuplace_core::resources::NumaPolicy;
 
     fn how() -> GpuChoice<'static> {

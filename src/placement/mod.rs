@@ -12,5 +12,7 @@ pub mod registry;
 pub mod scarcity;
 pub mod scorer;
 pub mod scorers;
+#[cfg(test)]
+pub(crate) mod test_fixtures;
 pub mod views;
 pub mod whole_units;

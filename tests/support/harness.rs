@@ -60,9 +60,9 @@ impl Harness {
         self
     }
 
-    /// The mix is learned, starting from the learner's.
-    pub fn learner(mut self, learner: MixLearner) -> Self {
-        self.learner = Some(learner);
+    /// The mix is learned, starting from the learner's (`None`: not learned, as without the call).
+    pub fn learner(mut self, learner: impl Into<Option<MixLearner>>) -> Self {
+        self.learner = learner.into();
         self
     }
 
@@ -76,8 +76,9 @@ impl Harness {
         self
     }
 
-    pub fn placement_log(mut self, log: PlacementLog) -> Self {
-        self.log = Some(log);
+    /// Decisions written to `log` (`None`: no log, as without the call).
+    pub fn placement_log(mut self, log: impl Into<Option<PlacementLog>>) -> Self {
+        self.log = log.into();
         self
     }
 

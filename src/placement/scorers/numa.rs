@@ -80,33 +80,9 @@ mod tests {
     use crate::placement::mix::WorkloadMix;
     use crate::placement::profile::{Profile, ProfileConfig};
     use crate::placement::registry::Weights;
-    use gpuplace_core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
+    use crate::placement::test_fixtures::pcie_cluster;
     use gpuplace_core::cluster::Cluster;
-    use gpuplace_core::inventory::Board;
     use gpuplace_core::resources::{GpuDemand, PodRequest};
-
-    /// 8-GPU PCIe boards, GPUs 0-3 on socket 0 and 4-7 on socket 1; `held[i]` lists the GPUs of
-    /// node `n<i>` taken whole.
-    fn cluster(held: &[&[u32]]) -> Cluster {
-        let board = Board::Pcie {
-            model: "L40S".into(),
-            memory_mib: 46068,
-            sockets: 2,
-            switches_per_socket: 2,
-            gpus_per_switch: 2,
-        }
-        .resolve(std::path::Path::new("."))
-        .unwrap();
-        let mut c =
-            Cluster::new((0..held.len()).map(|i| board.node(&format!("n{i}"), Default::default(), 0, 0)).collect());
-        for (i, gpus) in held.iter().enumerate().filter(|(_, g)| !g.is_empty()) {
-            let slices = gpus.iter().map(|&gpu| GpuSlice { gpu, mem_mib: 46068, core_pct: 100, exclusive: true });
-            let containers = vec![ContainerAssignment { name: "c".into(), init: false, slices: slices.collect() }];
-            let (pod, node) = (format!("ns/busy-{i}"), format!("n{i}"));
-            c.allocate(PodAssignment { pod, node, containers, cpu_milli: 0, memory_mib: 0, group: None }).unwrap();
-        }
-        c
-    }
 
     fn engine(numa: f64) -> Engine {
         let weights = Weights::none().with("packing", 1.0).with(NAME, numa);
@@ -122,7 +98,7 @@ mod tests {
 
     #[test]
     fn the_fewest_numa_nodes_a_board_gives_k_gpus() {
-        let c = cluster(&[&[]]);
+        let c = pcie_cluster(&[&[]]);
         let n = &c.nodes()[0];
         assert_eq!([1, 2, 4, 5, 8].map(|k| fewest_numa_nodes(n, k)), [1, 1, 1, 2, 2]);
     }
@@ -130,7 +106,7 @@ mod tests {
     #[test]
     fn a_node_that_keeps_a_set_on_one_socket_outranks_one_that_must_split_it() {
         // n0: two GPUs free on each socket, so 4 GPUs span both; n1: socket 1 whole; n2: empty
-        let c = cluster(&[&[0, 1, 4, 5], &[0, 1, 2], &[]]);
+        let c = pcie_cluster(&[&[0, 1, 4, 5], &[0, 1, 2], &[]]);
         let req = PodRequest::single("ns/p", GpuDemand::Whole { gpus: 4 });
         let e = engine(1.0);
         // packing (weight 1) and numa (weight 1): numa's part is half its score

@@ -48,33 +48,9 @@ mod tests {
     use crate::placement::mix::WorkloadMix;
     use crate::placement::profile::{Profile, ProfileConfig};
     use crate::placement::registry::Weights;
-    use gpuplace_core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
+    use crate::placement::test_fixtures::pcie_cluster;
     use gpuplace_core::cluster::Cluster;
-    use gpuplace_core::inventory::Board;
     use gpuplace_core::resources::{GpuDemand, PodRequest};
-
-    /// 8-GPU PCIe boards (2 sockets, 2 switches each, 2 GPUs per switch); node `n<i>` has `held[i]`
-    /// taken whole.
-    fn cluster(held: &[&[u32]]) -> Cluster {
-        let board = Board::Pcie {
-            model: "L40S".into(),
-            memory_mib: 46068,
-            sockets: 2,
-            switches_per_socket: 2,
-            gpus_per_switch: 2,
-        }
-        .resolve(std::path::Path::new("."))
-        .unwrap();
-        let mut c =
-            Cluster::new((0..held.len()).map(|i| board.node(&format!("n{i}"), Default::default(), 0, 0)).collect());
-        for (i, gpus) in held.iter().enumerate().filter(|(_, g)| !g.is_empty()) {
-            let slices = gpus.iter().map(|&gpu| GpuSlice { gpu, mem_mib: 46068, core_pct: 100, exclusive: true });
-            let containers = vec![ContainerAssignment { name: "c".into(), init: false, slices: slices.collect() }];
-            let (pod, node) = (format!("ns/busy-{i}"), format!("n{i}"));
-            c.allocate(PodAssignment { pod, node, containers, cpu_milli: 0, memory_mib: 0, group: None }).unwrap();
-        }
-        c
-    }
 
     /// The topology score of `gpus` whole GPUs on node `i`, with the engine's own GPU choice (the
     /// only scorer, so the node's total is its score).
@@ -90,7 +66,7 @@ mod tests {
     fn a_set_scores_against_the_best_set_of_its_size_on_the_board() {
         // n0 empty; n1 has one GPU of every switch taken, so no free pair shares a switch; n2 has
         // socket 0 full, so 4 GPUs stay on socket 1's two switches, the best 4 the board has
-        let c = cluster(&[&[], &[1, 3, 5, 7], &[0, 1, 2, 3]]);
+        let c = pcie_cluster(&[&[], &[1, 3, 5, 7], &[0, 1, 2, 3]]);
         assert_eq!(score(&c, 2, 0), 1.0, "two GPUs under one switch: the board's best pair");
         let split = score(&c, 2, 1);
         assert!(split > 0.0 && split < 1.0, "a pair across switches: {split}");
