@@ -6,14 +6,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use gpuplace::extender::binder::RecordingBinder;
 use gpuplace::extender::forward::{advertise_url, ForwardOptions, Forwarder};
 use gpuplace::extender::http::{
     Frontend, HttpOptions, DEFAULT_LISTEN, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_REQUEST_NODES, DEFAULT_PREFIX,
 };
-use gpuplace::extender::inspect::InspectReport;
-use gpuplace::extender::mix::{load_learner, MixSaver, SAVE_EVERY};
-use gpuplace::extender::service::{Extender, NodesToScore, ServiceOptions};
+use gpuplace::extender::Extender;
 use gpuplace::k8s::binder::KubeBinder;
 use gpuplace::k8s::certificates::SelfIssuedTls;
 use gpuplace::k8s::keys::{KeyOptions, KeySecret, DEFAULT_KEY_SECRET_NAME, DEFAULT_PUBLIC_KEYS_NAME};
@@ -25,6 +22,11 @@ use gpuplace::placement::mix_learner::MixLearner;
 use gpuplace::placement::profile::{Profile, ProfileConfig};
 use gpuplace::placement_log::compactor::CompactOptions;
 use gpuplace::placement_log::writer::PlacementLog;
+use gpuplace::scheduler::binder::RecordingBinder;
+use gpuplace::scheduler::inspect::InspectReport;
+use gpuplace::scheduler::mix::{load_learner, MixSaver, SAVE_EVERY};
+use gpuplace::scheduler::service::{NodesToScore, ServiceOptions};
+use gpuplace::scheduler::Scheduler;
 use gpuplace::sim::policies::PolicyKind;
 use gpuplace::sim::{simulate, SimConfig};
 use gpuplace_core::api_client::connect::ConnectArgs;
@@ -363,7 +365,7 @@ fn engine_of(args: &ServeArgs) -> Result<(Engine, Option<MixLearner>), String> {
 }
 
 /// Saves the learned mix to `--mix-state`, if asked (and the mix is learned).
-fn mix_saver(args: &ServeArgs, ext: &Arc<Extender>) -> Result<Option<MixSaver>, String> {
+fn mix_saver(args: &ServeArgs, ext: &Arc<Scheduler>) -> Result<Option<MixSaver>, String> {
     match (&args.mix_state, ext.mix_state()) {
         (Some(path), Some(_)) => MixSaver::spawn(
             {
@@ -540,17 +542,17 @@ fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
             nodes_to_score,
             ..ServiceOptions::default()
         };
-        let mut ext = Extender::new(Cluster::default(), engine, binder, options);
+        let mut scheduler = Scheduler::new(Cluster::default(), engine, binder, options);
         if let Some(log) = log {
-            ext = ext.with_placement_log(log);
+            scheduler = scheduler.with_placement_log(log);
         }
         if let Some(learner) = learner {
-            ext = ext.with_mix_learner(learner);
+            scheduler = scheduler.with_mix_learner(learner);
         }
-        Arc::new(ext)
+        Arc::new(scheduler)
     })
     .map_err(|e| e.to_string())?;
-    let saver = mix_saver(args, &kube.ext)?;
+    let saver = mix_saver(args, &kube.scheduler)?;
     // with election, a replica that does not lead forwards the verbs to the one that does
     let forward = if elect {
         Some(Arc::new(forwarder(args, kube.readiness.clone(), &identity, self_issued.as_ref())?))
@@ -577,10 +579,9 @@ fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
     );
     gpuplace_core::logging::say(tracing::Level::INFO, "gpuplace", &banner);
     let front = Frontend { tls, forward };
-    let served =
-        gpuplace::extender::http::serve_forever_with(kube.ext.clone(), http, &args.listen, args.workers, front);
+    let ext = Arc::new(Extender::new(kube.scheduler.clone())); // the watchers share its scheduler
+    let served = gpuplace::extender::http::serve_forever_with(ext.clone(), http, &args.listen, args.workers, front);
     // SIGTERM: the HTTP server has drained its requests (binds included); hand the Lease back
-    let ext = kube.ext.clone();
     kube.shutdown(std::time::Duration::from_secs(3));
     ext.finish_placement_log();
     if let Some(saver) = saver {
@@ -605,16 +606,16 @@ fn serve(args: &ServeArgs) -> Result<(), String> {
         nodes_to_score: nodes_to_score_of(args),
         ..ServiceOptions::default()
     };
-    let mut ext = Extender::new(cluster, engine, Arc::new(RecordingBinder::new()), options);
+    let mut scheduler = Scheduler::new(cluster, engine, Arc::new(RecordingBinder::new()), options);
     if let Some(log) = placement_log_of(args)? {
-        ext = ext.with_placement_log(log);
+        scheduler = scheduler.with_placement_log(log);
     }
     if let Some(learner) = learner {
-        ext = ext.with_mix_learner(learner);
+        scheduler = scheduler.with_mix_learner(learner);
     }
-    let ext = Arc::new(ext);
+    let ext = Arc::new(Extender::from(scheduler));
     let tls = server_tls(args)?;
-    let saver = mix_saver(args, &ext)?;
+    let saver = mix_saver(args, ext.scheduler())?;
     let opts = HttpOptions {
         prefix: args.prefix.clone(),
         max_body_bytes: args.max_body_bytes,

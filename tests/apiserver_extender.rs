@@ -7,13 +7,11 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpuplace::extender::binder::{BindError, BindRequest, Binder};
 use gpuplace::extender::forward::{ForwardOptions, Forwarder, Role, Route, FORWARDED_HEADER};
 use gpuplace::extender::http::{self, Frontend, HttpOptions};
-use gpuplace::extender::metrics::{BindOutcome, ConflictKind, Watched};
 use gpuplace::extender::pki;
-use gpuplace::extender::service::{Extender, ServiceOptions};
 use gpuplace::extender::tls::{self, ClientAuth, ServerFiles};
+use gpuplace::extender::Extender;
 use gpuplace::k8s::binder::KubeBinder;
 use gpuplace::k8s::keys::KeyOptions;
 use gpuplace::k8s::leader::ANNOTATION_LEADER_URL;
@@ -21,6 +19,9 @@ use gpuplace::k8s::leader::{LeaderConfig, Leadership};
 use gpuplace::k8s::serve::{self, ApiOptions, Controller};
 use gpuplace::placement::mix_learner::{bundled_prior, MixLearner};
 use gpuplace::placement::{profile::ProfileConfig, registry::Weights};
+use gpuplace::scheduler::binder::{BindError, BindRequest, Binder};
+use gpuplace::scheduler::metrics::{BindOutcome, ConflictKind, Watched};
+use gpuplace::scheduler::service::ServiceOptions;
 use gpuplace_core::annotations::{
     AllocatedAnnotation, AssignmentAnnotation, GpuUtilization, UtilizationAnnotation, ANNOTATION_ALLOCATED,
     ANNOTATION_ASSIGNMENT, ANNOTATION_REQUEUED, ANNOTATION_UTILIZATION,
@@ -98,7 +99,7 @@ fn start_replica(
         keys,
         scheduler_tls: None,
     };
-    let ctl = serve::start(client, ext.clone(), leadership, opts);
+    let ctl = serve::start(client, ext.scheduler().clone(), leadership, opts);
     Replica { ext, binder, ctl }
 }
 
@@ -914,7 +915,7 @@ async fn unsigned_assignments_count_only_with_the_migration_flag_and_are_then_si
     let ext = Arc::new(Harness::new(Cluster::default()).binder(binder).options(opts).build());
     let keys = KeyOptions { resign_every: Duration::from_millis(100), ..KeyOptions::default() };
     let api = ApiOptions { instance: "migrating".into(), keys, ..ApiOptions::default() };
-    let _ctl = serve::start(client, ext.clone(), leadership, api);
+    let _ctl = serve::start(client, ext.scheduler().clone(), leadership, api);
     ready(&ext).await;
     assert!(accepting(&ext), "GpuplaceUnsignedAssignmentsAccepted's gauge is 1 while unsigned ones are counted");
     assert_eq!(holders(&ext, "n1"), ["ns/p"]);

@@ -20,14 +20,15 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use gpuplace::extender::binder::{BindError, BindFuture, BindRequest, Binder, RecordingBinder};
 use gpuplace::extender::http::{spawn, HttpOptions, Running};
 use gpuplace::extender::http_client::{Connection, Response};
-use gpuplace::extender::inspect::InspectReport;
-use gpuplace::extender::service::{Extender, RestoredPod, ServiceOptions};
 use gpuplace::extender::wire::{decode, ExtenderArgs, ExtenderPreemptionArgs, Pod};
+use gpuplace::extender::Extender;
 use gpuplace::placement_log::writer::PlacementLog;
 use gpuplace::placement_log::Decision;
+use gpuplace::scheduler::binder::{BindError, BindFuture, BindRequest, Binder, RecordingBinder};
+use gpuplace::scheduler::inspect::InspectReport;
+use gpuplace::scheduler::service::{RestoredPod, ServiceOptions};
 use gpuplace_core::annotations::{
     AssignmentAnnotation, GpuUtilization, NodeInventory, UtilizationAnnotation, ANNOTATION_ASSIGNMENT,
 };
@@ -324,7 +325,7 @@ fn nocache_and_cache_fixtures_in_capture_order() {
     }
     // and nothing was evicted for real: preempt has no side effects
     assert_eq!(s.idle().values().sum::<usize>(), 0);
-    assert_eq!(s.ext.metrics().binds(gpuplace::extender::metrics::BindOutcome::Bound), 8);
+    assert_eq!(s.ext.metrics().binds(gpuplace::scheduler::metrics::BindOutcome::Bound), 8);
 }
 
 #[test]
@@ -436,7 +437,7 @@ fn bind_is_idempotent_and_refuses_a_second_node() {
     let a = s.ok("bind", other.to_string().as_bytes());
     assert!(a["Error"].as_str().unwrap().contains("already bound to gpu-node-3"), "{a}");
     assert_eq!(s.ext.cluster(), after_first);
-    use gpuplace::extender::metrics::BindOutcome as B;
+    use gpuplace::scheduler::metrics::BindOutcome as B;
     let m = s.ext.metrics();
     assert_eq!((m.binds(B::Bound), m.binds(B::Repeated), m.binds(B::Conflict)), (1, 3, 1));
 
@@ -1093,7 +1094,11 @@ fn allocations_rebuild_exactly_from_bind_annotations() {
         .collect();
     // a restarted replica shares the key ring that signed them
     let keys = s.ext.key_ring().unwrap();
-    let restarted = || harness::extender(fixture_cluster()).with_key_ring((*keys).clone());
+    let restarted = || {
+        let ext = harness::extender(fixture_cluster());
+        ext.set_key_ring((*keys).clone());
+        ext
+    };
     let fresh = restarted();
     assert!(fresh.restore(restored.clone()).is_empty());
     assert_eq!(fresh.cluster(), s.ext.cluster(), "rebuilt exactly");

@@ -8,11 +8,12 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpuplace::extender::binder::{BindError, BindFuture, BindRequest, Binder, RecordingBinder};
-use gpuplace::extender::groups::PodGroupInfo;
-use gpuplace::extender::service::{Extender, ServiceOptions};
 use gpuplace::extender::wire::ExtenderFilterResult;
+use gpuplace::extender::Extender;
 use gpuplace::placement_log::writer::PlacementLog;
+use gpuplace::scheduler::binder::{BindError, BindFuture, BindRequest, Binder, RecordingBinder};
+use gpuplace::scheduler::groups::PodGroupInfo;
+use gpuplace::scheduler::service::ServiceOptions;
 use gpuplace_core::cluster::{network_labels, Cluster};
 use gpuplace_core::inventory::Board;
 use harness::{bind, extender, filter, passed, pod_in, whole, Harness};
@@ -314,7 +315,7 @@ fn the_placement_log_and_the_report_show_groups_over_time() {
     std::fs::create_dir_all(&dir).unwrap();
     let log_path = dir.join("placement.jsonl");
     let log = PlacementLog::open(log_path.to_str().unwrap(), 1 << 20).unwrap();
-    let e = extender(cluster(8)).with_placement_log(log);
+    let e = Harness::new(cluster(8)).placement_log(log).build();
     // one job fits (tor-0 or tor-1), the second waits: 2 x 4 x 8 GPUs on 8 nodes, one GPU taken
     fill(&e, "filler", "gpu-07", 1);
     for i in 0..4 {

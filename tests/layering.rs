@@ -1,7 +1,8 @@
 //! The layout docs/architecture.md describes, kept so:
-//! - the layers of the library (`gpuplace-core` → `placement`, `placement_log` → `extender`, `sim`
-//!   → `report`, `k8s` → the binaries): no `use` from a lower layer into a higher one, nor
-//!   between two modules of one layer;
+//! - the layers of the library (`gpuplace-core` → `placement`, `placement_log` → `scheduler`, `sim`
+//!   → `extender`, `report` → `k8s` → the binaries): no `use` from a lower layer into a higher
+//!   one, nor between two modules of one layer (a front end such as `extender` builds on the
+//!   online scheduler, which knows no front end);
 //! - in `gpuplace-core` (`core/`), the model never uses the edges (logs, the Kubernetes client);
 //! - no circle of imports between the files of `src/`, `core/src/` or `device-plugin/src/`;
 //! - the device plugin depends on `gpuplace-core` only: its normal dependency tree has neither the
@@ -25,7 +26,7 @@ mod cargo_tree;
 /// The library's top-level modules, lowest layer first (`gpuplace-core` is below them all); a
 /// module may import only from lower layers. A new top-level module must be placed here (and in
 /// docs/architecture.md).
-const LAYERS: &[&[&str]] = &[&["placement", "placement_log"], &["extender", "sim"], &["report", "k8s"]];
+const LAYERS: &[&[&str]] = &[&["placement", "placement_log"], &["scheduler", "sim"], &["extender", "report"], &["k8s"]];
 
 /// `gpuplace-core`'s edges: what the model (every other file of `core/src/`) never uses.
 const CORE_EDGES: &[&str] = &["api_client", "logging"];

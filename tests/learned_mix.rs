@@ -1,4 +1,4 @@
-//! The shipped extender scores with the request mix it learns (`extender::mix`): it reports the mix
+//! The shipped extender scores with the request mix it learns (`scheduler::mix`): it reports the mix
 //! a [`MixLearner`] fed the same pods would have, its prioritize answers are exactly those of the
 //! engine the simulator's `gpuplace` policy runs with that learner's mix (through every refresh,
 //! with the shape cache and with the per-pod evaluation cache: a cached score never outlives its
@@ -16,10 +16,8 @@ use std::time::{Duration, Instant};
 
 use gpuplace::extender::http::{spawn, HttpOptions};
 use gpuplace::extender::http_client::{self, Connection};
-use gpuplace::extender::inspect::InspectReport;
-use gpuplace::extender::mix::MixSource;
-use gpuplace::extender::service::{Extender, ServiceOptions};
 use gpuplace::extender::wire::{decode, ExtenderBindingResult, ExtenderFilterResult, HostPriorityList, Pod};
+use gpuplace::extender::Extender;
 use gpuplace::placement::engine::Engine;
 use gpuplace::placement::mix::WorkloadMix;
 use gpuplace::placement::mix_learner::{
@@ -29,6 +27,9 @@ use gpuplace::placement::{
     profile::{Profile, ProfileConfig},
     registry::Weights,
 };
+use gpuplace::scheduler::inspect::InspectReport;
+use gpuplace::scheduler::mix::MixSource;
+use gpuplace::scheduler::service::ServiceOptions;
 use gpuplace_core::cluster::Cluster;
 use gpuplace_core::inventory::Board;
 use gpuplace_core::resources::PodRequest;

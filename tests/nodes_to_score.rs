@@ -5,10 +5,11 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use gpuplace::extender::service::{Extender, NodesToScore, ServiceOptions};
 use gpuplace::extender::wire::ExtenderFilterResult;
+use gpuplace::extender::Extender;
 use gpuplace::placement_log::writer::PlacementLog;
 use gpuplace::placement_log::Decision;
+use gpuplace::scheduler::service::{NodesToScore, ServiceOptions};
 use gpuplace_core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
 use gpuplace_core::cluster::Cluster;
 use gpuplace_core::inventory::Board;

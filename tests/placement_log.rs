@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use gpuplace::extender::service::Extender;
+use gpuplace::extender::Extender;
 use gpuplace::placement_log::compactor::CompactOptions;
 use gpuplace::placement_log::writer::PlacementLog;
 use gpuplace::placement_log::Decision;

@@ -13,15 +13,16 @@ use std::io::Write;
 use std::path::Path;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use gpuplace::extender::reasons::MAX_DETAILED_NODES;
-use gpuplace::extender::service::{Extender, ServiceOptions, NOT_READY};
 use gpuplace::extender::wire::{ExtenderFilterResult, Pod};
+use gpuplace::extender::Extender;
 use gpuplace::placement::engine::Engine;
 use gpuplace::placement::feasibility::{largest_gpus, oversized, Cause};
 use gpuplace::placement::mix::WorkloadMix;
 use gpuplace::placement::profile::Profile;
 use gpuplace::placement_log::writer::PlacementLog;
 use gpuplace::placement_log::Decision;
+use gpuplace::scheduler::reasons::MAX_DETAILED_NODES;
+use gpuplace::scheduler::service::{ServiceOptions, NOT_READY};
 use gpuplace_core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
 use gpuplace_core::cluster::{Cluster, Node};
 use gpuplace_core::inventory::{Board, ResolvedBoard};

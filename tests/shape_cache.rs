@@ -1,4 +1,4 @@
-//! The shape cache (`extender::verdict_cache`) never changes an answer: a service with it and one without,
+//! The shape cache (`scheduler::verdict_cache`) never changes an answer: a service with it and one without,
 //! fed the same filters, prioritizes, binds, releases, node replacements, utilization samples and
 //! clock jumps, answer every request alike and end in the same state. Plus the cases it exists
 //! for (a later pod of the same shape is answered from the cache, a bind re-judges one node) and
@@ -7,11 +7,12 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use gpuplace::extender::service::{Extender, RestoredPod, ServiceOptions};
 use gpuplace::extender::wire::{decode, ExtenderFilterResult, HostPriorityList, Pod};
+use gpuplace::extender::Extender;
 use gpuplace::placement::mix::ReserveClass;
 use gpuplace::placement::mix::WorkloadMix;
 use gpuplace::placement::{profile::ProfileConfig, registry::Weights};
+use gpuplace::scheduler::service::{RestoredPod, ServiceOptions};
 use gpuplace_core::cluster::{Cluster, Node, UtilSample};
 use gpuplace_core::inventory::Board;
 use gpuplace_core::resources::PodRequest;
@@ -174,7 +175,8 @@ impl Twins {
     fn with_mix(mix: WorkloadMix) -> Self {
         let cached = service_with(2, mix.clone());
         // one key ring: `restore` hands both services the assignments the cached one signed
-        let plain = service_with(0, mix).with_key_ring(cached.key_ring().as_deref().cloned().unwrap());
+        let plain = service_with(0, mix);
+        plain.set_key_ring(cached.key_ring().as_deref().cloned().unwrap());
         Self { cached, plain, now: NOW, seq: 0, bound: BTreeMap::new() }
     }
 

@@ -11,7 +11,7 @@
 //! - [`ANNOTATION_ALLOCATION_COUNTS`] on a node: the device plugin's cross-check counts, kept across
 //!   its restarts.
 //! - [`ANNOTATION_REQUEUED`] on a pending pod: the extender's nudge to kube-scheduler to retry it
-//!   (`extender::requeue`). Plain text (`NODE UNIX_MS`), never read back: the change is the signal.
+//!   (`scheduler::requeue`). Plain text (`NODE UNIX_MS`), never read back: the change is the signal.
 //!
 //! Each other value is JSON with a `version`. A reader refuses a version it does not know (a typed error,
 //! never a guess); fields may be added within a version, so unknown fields are skipped.

@@ -1,16 +1,19 @@
-//! From kube-scheduler's objects to the placement core's terms, and the shape of each verb's answer in
-//! both `nodeCacheCapable` modes. No decisions are made here: the caller supplies each node's verdict
-//! and score (from `placement::engine`), and this module only puts them on the wire correctly.
+//! From kube-scheduler's objects to the scheduler's inputs (the wire pod as a [`PodView`], each
+//! verb's request as its input) and the placement core's terms, and the shape of each verb's answer
+//! in both `nodeCacheCapable` modes. No decisions are made here: the scheduler decides each node's
+//! verdict and score, and this module only puts them on the wire correctly.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use crate::extender::wire::{
     Container, ExtenderArgs, ExtenderArgsRef, ExtenderBindingArgs, ExtenderBindingResult, ExtenderFilterResult,
-    ExtenderPreemptionArgs, FailedNodesMap, HostPriority, HostPriorityList, MetaPod, MetaVictims, NodeList, Pod,
-    WireError,
+    ExtenderPreemptionArgs, ExtenderPreemptionResult, FailedNodesMap, HostPriority, HostPriorityList, MetaPod,
+    MetaVictims, NodeList, Pod, WireError, WireNode,
 };
 use crate::placement::feasibility::Infeasible;
-use gpuplace_core::resources::{pod_request, ContainerResources, PodRequest, PodSpecView, RequestError};
+use crate::scheduler::input::{BindOrder, NodeObject, NodeQuery, NodeVictims, PodView, PreemptQuery, Victim};
+use gpuplace_core::node_constraints::NodeConstraints;
+use gpuplace_core::resources::{pod_request, ContainerResources, PodRequest, PodSpecView, RequestError, RESOURCE_GPU};
 
 /// A pod whose request breaks the resource contract: it fits nowhere until its owner changes it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -286,6 +289,121 @@ impl ExtenderPreemptionArgs {
             (node.clone(), MetaVictims { pods, num_pdb_violations: v.num_pdb_violations })
         })
         .collect()
+    }
+}
+
+/// The wire pod is how the extender's requests show the scheduler a pod.
+impl PodView for Pod {
+    fn namespace(&self) -> &str {
+        &self.metadata.namespace
+    }
+
+    fn name(&self) -> &str {
+        &self.metadata.name
+    }
+
+    fn uid(&self) -> &str {
+        &self.metadata.uid
+    }
+
+    fn annotation(&self, key: &str) -> Option<&str> {
+        self.metadata.annotations.get(key).map(String::as_str)
+    }
+
+    fn node_name(&self) -> &str {
+        &self.spec.node_name
+    }
+
+    fn is_finished(&self) -> bool {
+        Pod::is_finished(self)
+    }
+
+    fn request(&self) -> Result<PodRequest, String> {
+        Pod::request(self).map_err(|e| e.to_string())
+    }
+
+    fn node_constraints(&self) -> Result<NodeConstraints, String> {
+        self.spec.node_constraints()
+    }
+
+    fn has_soft_preferences(&self) -> bool {
+        self.spec.has_soft_preferences()
+    }
+
+    fn key(&self) -> String {
+        Pod::key(self)
+    }
+}
+
+impl WireNode {
+    /// The Node object as the scheduler reads it.
+    pub fn object(&self) -> NodeObject<'_> {
+        let view = self.view();
+        NodeObject {
+            name: self.name(),
+            labels: &view.metadata.labels,
+            annotations: &view.metadata.annotations,
+            advertises_gpus: view.status.allocatable.contains_key(RESOURCE_GPU),
+        }
+    }
+}
+
+impl<'a> ExtenderArgsRef<'a> {
+    /// Filter's and prioritize's input. `Err` for a request without candidates (neither `Nodes`
+    /// nor `NodeNames`).
+    pub fn query(&'a self) -> Result<NodeQuery<'a>, WireError> {
+        let names = self.candidate_names()?;
+        let objects = self.nodes.as_ref().map(|l| l.items.iter().map(WireNode::object).collect());
+        Ok(NodeQuery { pod: &self.pod, names, objects })
+    }
+}
+
+impl ExtenderBindingArgs {
+    /// Bind's input.
+    pub fn order(&self) -> BindOrder {
+        BindOrder {
+            namespace: self.pod_namespace.clone(),
+            name: self.pod_name.clone(),
+            uid: self.pod_uid.clone(),
+            node: self.node.clone(),
+        }
+    }
+}
+
+impl ExtenderPreemptionArgs {
+    /// Preempt's input: the victims by UID per node ([`Self::meta_victims`]), each with its name
+    /// and priority where kube-scheduler sent the full pod.
+    pub fn query(&self) -> PreemptQuery<'_> {
+        let mut full: HashMap<&str, (String, Option<i32>)> = HashMap::new();
+        for v in self.node_name_to_victims.iter().flat_map(|m| m.values()) {
+            for p in &v.pods {
+                full.insert(p.metadata.uid.as_str(), (p.key(), p.spec.priority));
+            }
+        }
+        let nodes = self
+            .meta_victims()
+            .into_iter()
+            .map(|(node, v)| {
+                let pods =
+                    v.pods.into_iter().map(|p| Victim { pod: full.get(p.uid.as_str()).cloned(), uid: p.uid }).collect();
+                (node, NodeVictims { pods, pdb_violations: v.num_pdb_violations })
+            })
+            .collect();
+        PreemptQuery { pod: &self.pod, nodes }
+    }
+}
+
+impl ExtenderPreemptionResult {
+    /// The answer: the victims kept per node, by UID.
+    pub fn of(kept: BTreeMap<String, NodeVictims>) -> Self {
+        let node_name_to_meta_victims = kept
+            .into_iter()
+            .map(|(node, v)| {
+                let pods = v.pods.into_iter().map(|p| MetaPod { uid: p.uid }).collect();
+                (node, MetaVictims { pods, num_pdb_violations: v.pdb_violations })
+            })
+            .collect();
+        Self { node_name_to_meta_victims }
     }
 }
 

@@ -22,7 +22,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 
-use crate::extender::metrics::Verb;
+use crate::scheduler::metrics::Verb;
 
 /// Set on a forwarded request, with the forwarding replica's identity as its value.
 pub const FORWARDED_HEADER: &str = "x-gpuplace-forwarded-by";

@@ -1,5 +1,5 @@
 //! The HTTP face of the extender (actix-web): routes, status codes and body limits, nothing else.
-//! Every decision is [`Extender`]'s.
+//! Every decision is the online scheduler's, reached through [`Extender`], which decodes and encodes.
 //!
 //! - `POST {prefix}/filter|prioritize|bind|preempt`: kube-scheduler's verbs. 200 with the answer;
 //!   400 with the decoding error for a body that cannot be used; 413 over `max_body_bytes`, or for
@@ -33,10 +33,10 @@ use serde::Serialize;
 
 use crate::extender::body::{read_body, Body, BodyLimits};
 use crate::extender::forward::{Forwarder, Route, FORWARDED_HEADER};
-use crate::extender::metrics::Verb;
-use crate::extender::service::Extender;
 use crate::extender::tls::{self, ClientVerified, ServerTls};
 use crate::extender::wire::WireError;
+use crate::extender::Extender;
+use crate::scheduler::metrics::Verb;
 
 /// Default address: every interface, port 8888 (the Service in front of the extender targets it).
 pub const DEFAULT_LISTEN: &str = "0.0.0.0:8888";
@@ -493,7 +493,7 @@ impl Reply {
     }
 
     fn not_ready() -> Self {
-        Reply::Text(StatusCode::SERVICE_UNAVAILABLE, crate::extender::service::NOT_READY.into())
+        Reply::Text(StatusCode::SERVICE_UNAVAILABLE, crate::scheduler::service::NOT_READY.into())
     }
 
     fn into_response(self) -> HttpResponse {

@@ -29,8 +29,8 @@ use kube::api::PostParams;
 use kube::{Api, Client, ResourceExt};
 use serde_json::Value;
 
-use crate::extender::binder::{BindError, BindFuture, BindRequest, Binder};
 use crate::k8s::leader::Leadership;
+use crate::scheduler::binder::{BindError, BindFuture, BindRequest, Binder};
 
 /// How many binds talk to the API server at once (the rest wait in turn). Each one in flight holds
 /// an HTTP/1.1 connection, and each connection beyond the pooled ones costs a TLS handshake. Measured

@@ -38,8 +38,8 @@ use kube::runtime::WatchStreamExt;
 use kube::Api;
 use tokio::sync::watch;
 
-use crate::extender::service::Extender;
 use crate::k8s::leader::Leadership;
+use crate::scheduler::Scheduler;
 use gpuplace_core::signing::{KeyRing, KeyRingError, PublicKeys};
 use gpuplace_core::DEFAULT_NAMESPACE;
 
@@ -179,7 +179,7 @@ fn data_of(secret: &Secret) -> BTreeMap<String, Vec<u8>> {
 /// legacy ring is upgraded in place first (see the module docs); the watch brings the result.
 pub async fn apply(
     api: &Api<Secret>,
-    ext: &Extender,
+    ext: &Scheduler,
     at: &KeySecret,
     secret: &Secret,
     status: &watch::Sender<KeyStatus>,
@@ -271,7 +271,7 @@ async fn create_until_done(api: &Api<Secret>, at: &KeySecret) -> Secret {
 
 /// Watches the key Secret until the stream ends, which it does not (errors are retried with
 /// backoff), keeping the extender's ring and `status` current.
-pub async fn watch_keys(api: Api<Secret>, at: KeySecret, ext: Arc<Extender>, status: watch::Sender<KeyStatus>) {
+pub async fn watch_keys(api: Api<Secret>, at: KeySecret, ext: Arc<Scheduler>, status: watch::Sender<KeyStatus>) {
     let config = watcher::Config::default().fields(&format!("metadata.name={}", at.name));
     let mut stream = watcher::watcher(api.clone(), config).default_backoff().boxed();
     let mut listed = false;
@@ -324,7 +324,7 @@ pub async fn publish_public_keys(
 /// Runs forever: while this replica leads, keeps ConfigMap `at` equal to its ring's public keys.
 /// After a change of leadership the ConfigMap is compared afresh (the last leader may have written
 /// another ring's keys); failures are retried at the next check.
-pub async fn publish(api: Api<ConfigMap>, at: KeySecret, ext: Arc<Extender>, leadership: Arc<Leadership>) {
+pub async fn publish(api: Api<ConfigMap>, at: KeySecret, ext: Arc<Scheduler>, leadership: Arc<Leadership>) {
     let mut published: Option<PublicKeys> = None;
     loop {
         let ring = ext.key_ring();

@@ -1,5 +1,5 @@
 //! The extender's side of the Kubernetes API (the client itself and Events are
-//! `gpuplace_core::api_client`'s): API-server mode as thin adapters around [`Extender`], one concern
+//! `gpuplace_core::api_client`'s): API-server mode as thin adapters around [`Scheduler`], one concern
 //! each: [`binder`] (one Binding that carries the assignment annotation), [`nodes`], [`pods`],
 //! [`utilization`] and [`pod_groups`] (watchers), [`leader`] (Lease election), [`keys`] (the assignment key Secret), [`certificates`] (the
 //! extender's CA and kube-scheduler's client certificate, mTLS by default), [`resign`] (re-signing after
@@ -13,6 +13,7 @@ pub mod keys;
 pub mod leader;
 pub mod nodes;
 pub mod pod_groups;
+pub mod pod_view;
 pub mod pods;
 pub mod requeue;
 pub mod resign;

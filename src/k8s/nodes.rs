@@ -1,5 +1,5 @@
 //! The Node watcher: each Node object's labels and gpuplace annotations go to
-//! [`Extender::observe_node`], deletions to [`Extender::remove_node`]. A re-list removes the nodes it
+//! [`Scheduler::observe_node`], deletions to [`Scheduler::remove_node`]. A re-list removes the nodes it
 //! no longer shows (their deletion happened while the watch was broken). Refused inventories are
 //! raised as Events on the node; nothing here can stop the loop.
 
@@ -13,10 +13,10 @@ use kube::runtime::WatchStreamExt;
 use kube::{Api, Resource, ResourceExt};
 use tokio::sync::watch;
 
-use crate::extender::metrics::Watched;
-use crate::extender::service::observe::NodeOutcome;
-use crate::extender::service::Extender;
 use crate::k8s::watch::next_event;
+use crate::scheduler::metrics::Watched;
+use crate::scheduler::service::observe::NodeOutcome;
+use crate::scheduler::Scheduler;
 use gpuplace_core::api_client::events::{EventSink, REASON_INVENTORY};
 use gpuplace_core::node_constraints::Taint;
 
@@ -31,7 +31,7 @@ fn taints_of(node: &Node) -> Vec<Taint> {
 }
 
 /// Applies one Node object; returns whether gpuplace now knows it as a GPU node.
-pub fn apply(ext: &Extender, node: &Node, events: Option<&EventSink>) -> bool {
+pub fn apply(ext: &Scheduler, node: &Node, events: Option<&EventSink>) -> bool {
     let name = node.name_any();
     let empty = BTreeMap::new();
     let labels = node.metadata.labels.as_ref().unwrap_or(&empty);
@@ -54,7 +54,7 @@ pub fn apply(ext: &Extender, node: &Node, events: Option<&EventSink>) -> bool {
 pub async fn watch_nodes(
     api: Api<Node>,
     selector: Option<String>,
-    ext: Arc<Extender>,
+    ext: Arc<Scheduler>,
     events: Option<EventSink>,
     synced: watch::Sender<bool>,
 ) {

@@ -1,6 +1,6 @@
 //! The PodGroup watcher: kube-scheduler's gangs (scheduling.k8s.io/v1alpha2 `PodGroup`, alpha in
-//! Kubernetes 1.36) go to [`Extender::observe_pod_group`] (their `minCount` and topology keys) and,
-//! when deleted, to [`Extender::forget_pod_group`] (the group's reservations end).
+//! Kubernetes 1.36) go to [`Scheduler::observe_pod_group`] (their `minCount` and topology keys) and,
+//! when deleted, to [`Scheduler::forget_pod_group`] (the group's reservations end).
 //!
 //! Optional: the API is served only where the API server runs with
 //! `--runtime-config=scheduling.k8s.io/v1alpha2=true` and the `GenericWorkload` gate. Without it
@@ -18,10 +18,10 @@ use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
 use kube::{Api, Client, ResourceExt};
 
-use crate::extender::groups::PodGroupInfo;
-use crate::extender::metrics::Watched;
-use crate::extender::service::Extender;
 use crate::k8s::watch::next_event;
+use crate::scheduler::groups::PodGroupInfo;
+use crate::scheduler::metrics::Watched;
+use crate::scheduler::Scheduler;
 
 /// The API version PodGroups are watched at.
 pub const POD_GROUP_API: &str = "scheduling.k8s.io/v1alpha2";
@@ -58,7 +58,7 @@ async fn served(client: &Client) -> bool {
 }
 
 /// Watches PodGroups in every namespace, once the server serves them; never ends.
-pub async fn watch_pod_groups(client: Client, ext: Arc<Extender>) {
+pub async fn watch_pod_groups(client: Client, ext: Arc<Scheduler>) {
     let mut said = false;
     while !served(&client).await {
         if !said {

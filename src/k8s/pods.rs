@@ -1,11 +1,11 @@
 //! The Pod watcher: every pod (resources cannot be selected server-side; pods that neither ask for
 //! gpuplace resources nor carry an assignment are dropped cheaply) goes to
-//! [`Extender::observe_pod`], deletions to [`Extender::release_pod`].
+//! [`Scheduler::observe_pod`], deletions to [`Scheduler::release_pod`].
 //!
 //! Start-up: the first complete list is held back until the node watcher has listed too, then the
-//! whole set rebuilds every allocation at once ([`Extender::restore`]) and readiness may turn on. A
+//! whole set rebuilds every allocation at once ([`Scheduler::restore`]) and readiness may turn on. A
 //! later re-list (after a watch broke and its history expired) releases the pods it no longer shows
-//! ([`Extender::retain_pods`]). Assignments that are not trusted are raised as Events on their pod.
+//! ([`Scheduler::retain_pods`]). Assignments that are not trusted are raised as Events on their pod.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -18,29 +18,23 @@ use kube::{Api, Resource};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::extender::metrics::Watched;
-use crate::extender::service::observe::{ObservedPod, PodOutcome};
-use crate::extender::service::{Extender, RestoredPod};
-use crate::extender::wire;
 use crate::k8s::keys::KeyStatus;
 use crate::k8s::watch::next_event;
+use crate::scheduler::metrics::Watched;
+use crate::scheduler::service::observe::{ObservedPod, PodOutcome};
+use crate::scheduler::service::RestoredPod;
+use crate::scheduler::Scheduler;
 use gpuplace_core::api_client::events::{EventSink, REASON_ASSIGNMENT};
 use gpuplace_core::clock::now_unix_ms;
 
-/// The extender's view of a pod (`None`: not a pod the extender's decoder takes, never the case for
-/// an object the API server sent).
-pub fn observed(pod: &Pod) -> Option<ObservedPod> {
-    let value = serde_json::to_value(pod).ok()?;
-    let view: wire::Pod = serde_json::from_value(value).ok()?;
-    Some(ObservedPod::from_wire(&view))
+/// The scheduler's view of a pod, read from the typed object (`k8s::pod_view`).
+pub fn observed(pod: &Pod) -> ObservedPod {
+    ObservedPod::of(pod)
 }
 
 /// Applies one added or changed pod, raising an Event when its assignment is refused.
-pub fn apply(ext: &Extender, pod: &Pod, events: Option<&EventSink>) -> PodOutcome {
-    let Some(p) = observed(pod) else {
-        tracing::warn!(pod = ?pod.metadata.name, "pod object not readable; skipped");
-        return PodOutcome::Ignored;
-    };
+pub fn apply(ext: &Scheduler, pod: &Pod, events: Option<&EventSink>) -> PodOutcome {
+    let p = observed(pod);
     let outcome = ext.observe_pod(&p);
     if let (PodOutcome::Refused(why), Some(ev)) = (&outcome, events) {
         ev.warn(pod.object_ref(&()), REASON_ASSIGNMENT, "CountAssignment", why);
@@ -49,15 +43,15 @@ pub fn apply(ext: &Extender, pod: &Pod, events: Option<&EventSink>) -> PodOutcom
 }
 
 /// Rebuilds every allocation from one complete list of pods: bound, unfinished pods with an
-/// assignment and a readable request go to [`Extender::restore`] together; the rest (unbound,
-/// unreadable request) are judged one by one afterwards ([`Extender::refuse_unbound`]). Returns the number of pods refused.
-pub fn rebuild(ext: &Extender, pods: &[Pod], events: Option<&EventSink>) -> usize {
+/// assignment and a readable request go to [`Scheduler::restore`] together; the rest (unbound,
+/// unreadable request) are judged one by one afterwards ([`Scheduler::refuse_unbound`]). Returns the number of pods refused.
+pub fn rebuild(ext: &Scheduler, pods: &[Pod], events: Option<&EventSink>) -> usize {
     let mut restored = Vec::new();
     let mut observed_restored = Vec::new();
     let mut refs: HashMap<String, ObjectReference> = HashMap::new();
     let mut later = Vec::new();
     for pod in pods {
-        let Some(p) = observed(pod) else { continue };
+        let p = observed(pod);
         if p.finished || p.is_foreign() {
             continue;
         }
@@ -88,7 +82,7 @@ pub fn rebuild(ext: &Extender, pods: &[Pod], events: Option<&EventSink>) -> usiz
         }
     }
     for pod in later {
-        let Some(p) = observed(pod) else { continue };
+        let p = observed(pod);
         if let PodOutcome::Refused(why) = ext.refuse_unbound(&p) {
             refused += 1;
             if let Some(ev) = events {
@@ -110,7 +104,7 @@ pub fn rebuild(ext: &Extender, pods: &[Pod], events: Option<&EventSink>) -> usiz
 /// is verified with it), is rebuilt from, and then `rebuilt` is called.
 pub async fn watch_pods(
     api: Api<Pod>,
-    ext: Arc<Extender>,
+    ext: Arc<Scheduler>,
     events: Option<EventSink>,
     mut nodes_synced: watch::Receiver<bool>,
     mut keys: watch::Receiver<KeyStatus>,

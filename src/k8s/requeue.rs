@@ -1,4 +1,4 @@
-//! Sends pending pods back to kube-scheduler's queue (`extender::requeue` says when and why).
+//! Sends pending pods back to kube-scheduler's queue (`scheduler::requeue` says when and why).
 //!
 //! kube-scheduler retries a pod that an extender turned away on any cluster event, an update of the
 //! pending pod itself included: a merge patch of one annotation ([`ANNOTATION_REQUEUED`]) is such an
@@ -18,8 +18,8 @@ use kube::{Api, Client};
 use serde_json::json;
 use tokio::sync::mpsc;
 
-use crate::extender::requeue::{RequeuePod, Requeuer};
-use crate::extender::service::Extender;
+use crate::scheduler::requeue::{RequeuePod, Requeuer};
+use crate::scheduler::Scheduler;
 use gpuplace_core::annotations::ANNOTATION_REQUEUED;
 use gpuplace_core::clock::now_unix_ms;
 
@@ -51,7 +51,7 @@ pub fn patch_for(pod: &RequeuePod, now_ms: i64) -> serde_json::Value {
 }
 
 /// Patches each pod received until the channel closes.
-pub async fn run(client: Client, ext: Arc<Extender>, mut rx: mpsc::UnboundedReceiver<Vec<RequeuePod>>) {
+pub async fn run(client: Client, ext: Arc<Scheduler>, mut rx: mpsc::UnboundedReceiver<Vec<RequeuePod>>) {
     while let Some(pods) = rx.recv().await {
         for pod in pods {
             let api: Api<Pod> = Api::namespaced(client.clone(), &pod.namespace);

@@ -7,7 +7,7 @@
 //! write is a merge patch of the annotation naming the pod's UID, which the registry checks as a
 //! precondition (as the binder's), so a pod deleted and created again under the same name is never
 //! given another pod's record. The record itself never changes, only `sig`: the replicas' watches
-//! take the new value as the same record (`Extender::observe_pod`).
+//! take the new value as the same record (`Scheduler::observe_pod`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,10 +18,10 @@ use kube::{Api, Client};
 use serde_json::json;
 use tokio::sync::watch;
 
-use crate::extender::service::trust::Resign;
-use crate::extender::service::Extender;
 use crate::k8s::keys::KeyStatus;
 use crate::k8s::leader::Leadership;
+use crate::scheduler::service::trust::Resign;
+use crate::scheduler::Scheduler;
 use gpuplace_core::annotations::ANNOTATION_ASSIGNMENT;
 
 /// Records written per pass; the rest wait for the next pass, so a rotation over many pods does not
@@ -29,7 +29,7 @@ use gpuplace_core::annotations::ANNOTATION_ASSIGNMENT;
 pub const RESIGN_BATCH: usize = 200;
 
 /// Signs one record again on its pod; whether it was written.
-async fn resign_one(client: &Client, ext: &Extender, r: &Resign) -> bool {
+async fn resign_one(client: &Client, ext: &Scheduler, r: &Resign) -> bool {
     let pods: Api<Pod> = Api::namespaced(client.clone(), &r.namespace);
     let patch = json!({"metadata": {"uid": r.uid, "annotations": {ANNOTATION_ASSIGNMENT: r.new}}});
     match pods.patch(&r.name, &PatchParams::default(), &Patch::Merge(&patch)).await {
@@ -51,7 +51,7 @@ async fn resign_one(client: &Client, ext: &Extender, r: &Resign) -> bool {
 
 /// One pass: up to [`RESIGN_BATCH`] records, while this replica is the ready leader. Returns how
 /// many were written.
-pub async fn resign_pass(client: &Client, ext: &Extender, leadership: &Leadership) -> usize {
+pub async fn resign_pass(client: &Client, ext: &Scheduler, leadership: &Leadership) -> usize {
     let mut written = 0;
     for r in ext.assignments_to_resign(RESIGN_BATCH) {
         if !(ext.is_ready() && leadership.is_leader()) {
@@ -71,7 +71,7 @@ pub async fn resign_pass(client: &Client, ext: &Extender, leadership: &Leadershi
 /// Runs forever: a pass every `every`, and right after the key ring changes.
 pub async fn run(
     client: Client,
-    ext: Arc<Extender>,
+    ext: Arc<Scheduler>,
     leadership: Arc<Leadership>,
     mut keys: watch::Receiver<KeyStatus>,
     every: Duration,

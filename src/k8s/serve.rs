@@ -1,12 +1,12 @@
 //! API-server mode, wired: the node, pod and utilization ConfigMap watchers, leader election and
-//! readiness around one [`Extender`].
+//! readiness around one [`Scheduler`].
 //!
 //! Readiness (`/readyz`, [`Readiness::synced`]) is `rebuilt && keys`: allocations were rebuilt from
 //! the first complete lists, and the assignment key ring is loaded from its Secret and well-formed
 //! (`keys`; the rebuild itself waits for the ring, which verifies every assignment it counts). It does
 //! not depend on leadership, so both replicas are Ready and a rolling update with no unavailable
 //! replica finishes. Deciding is the leader's alone: the extender answers verbs itself only while
-//! synced *and* leading ([`Extender::set_ready`]), and a replica that does not lead forwards every
+//! synced *and* leading ([`Scheduler::set_ready`]), and a replica that does not lead forwards every
 //! verb to the leader at the URL the leader published on its Lease ([`Readiness`] is the forward's
 //! [`Role`]; `extender::forward`). The leader also re-signs records made with an old key (`resign`)
 //! and removes assignments left on unbound pods (`stale`), and with mTLS by default keeps
@@ -35,12 +35,12 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::extender::forward::{Role, Route};
-use crate::extender::service::Extender;
 use crate::k8s::certificates::{self, SchedulerTls};
 use crate::k8s::keys::{self, KeyOptions, KeyStatus};
 use crate::k8s::leader::{self, LeaderConfig, Leadership};
 use crate::k8s::stale;
 use crate::k8s::{nodes, pod_groups, pods, requeue, resign, utilization};
+use crate::scheduler::Scheduler;
 use gpuplace_core::api_client::connect::{connect, connect_with, ConnectError, Source, Transport};
 use gpuplace_core::api_client::events::EventSink;
 
@@ -68,10 +68,10 @@ pub struct ApiOptions {
 }
 
 /// Whether this replica is synced (rebuilt, key ring loaded: `/readyz`), and whether it decides
-/// (synced and leading: the extender answers verbs itself, [`Extender::set_ready`]).
+/// (synced and leading: the extender answers verbs itself, [`Scheduler::set_ready`]).
 #[derive(Debug)]
 pub struct Readiness {
-    ext: Arc<Extender>,
+    ext: Arc<Scheduler>,
     leadership: Arc<Leadership>,
     rebuilt: AtomicBool,
     keys_loaded: AtomicBool,
@@ -80,7 +80,7 @@ pub struct Readiness {
 }
 
 impl Readiness {
-    pub fn new(ext: Arc<Extender>, leadership: Arc<Leadership>) -> Self {
+    pub fn new(ext: Arc<Scheduler>, leadership: Arc<Leadership>) -> Self {
         Self {
             ext,
             leadership,
@@ -191,7 +191,7 @@ impl Drop for Controller {
 
 /// Starts the watchers and, with `opts.leader`, the election, on the current tokio runtime.
 /// `ext` must have been built with `ready: false` and a binder that checks `leadership`.
-pub fn start(client: Client, ext: Arc<Extender>, leadership: Arc<Leadership>, opts: ApiOptions) -> Controller {
+pub fn start(client: Client, ext: Arc<Scheduler>, leadership: Arc<Leadership>, opts: ApiOptions) -> Controller {
     ext.set_ready(false);
     // bind places pods as the API server has them, never as a filter body says (issue 29)
     ext.set_pods_watched();
@@ -286,7 +286,7 @@ pub enum RunError {
 /// the HTTP server, and a graceful end.
 #[derive(Debug)]
 pub struct KubeSide {
-    pub ext: Arc<Extender>,
+    pub scheduler: Arc<Scheduler>,
     pub readiness: Arc<Readiness>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     done: std::sync::mpsc::Receiver<()>,
@@ -352,7 +352,7 @@ pub struct DedicatedClient {
 pub fn spawn_thread(
     source: Source,
     opts: ApiOptions,
-    make: impl FnOnce(DedicatedClient, Arc<Leadership>) -> Arc<Extender> + Send + 'static,
+    make: impl FnOnce(DedicatedClient, Arc<Leadership>) -> Arc<Scheduler> + Send + 'static,
 ) -> Result<KubeSide, RunError> {
     let bind_client = spawn_client_thread(source.clone(), "gpuplace-bind")?;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(RunError::Runtime)?;
@@ -381,6 +381,6 @@ pub fn spawn_thread(
             })
         })
         .map_err(RunError::Runtime)?;
-    let (ext, readiness) = rx.recv().map_err(|_| RunError::Ended)??;
-    Ok(KubeSide { ext, readiness, stop: Some(stop_tx), done: done_rx })
+    let (scheduler, readiness) = rx.recv().map_err(|_| RunError::Ended)??;
+    Ok(KubeSide { scheduler, readiness, stop: Some(stop_tx), done: done_rx })
 }

@@ -28,8 +28,8 @@ use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 use tokio::time::Instant;
 
-use crate::extender::service::Extender;
 use crate::k8s::leader::Leadership;
+use crate::scheduler::Scheduler;
 use gpuplace_core::annotations::ANNOTATION_ASSIGNMENT;
 
 /// How often candidates are looked at.
@@ -45,7 +45,7 @@ struct Candidate {
 }
 
 /// Runs until aborted. `grace`: how long an assignment may sit on an unbound pod.
-pub async fn run(client: Client, ext: Arc<Extender>, leadership: Arc<Leadership>, grace: Duration) {
+pub async fn run(client: Client, ext: Arc<Scheduler>, leadership: Arc<Leadership>, grace: Duration) {
     // metadata only: the annotation and the resourceVersion are all this needs
     let api: Api<PartialObjectMeta<Pod>> = Api::all(client.clone());
     let config = watcher::Config::default().fields("spec.nodeName=");
@@ -92,7 +92,7 @@ pub async fn run(client: Client, ext: Arc<Extender>, leadership: Arc<Leadership>
     }
 }
 
-async fn sweep(client: &Client, ext: &Extender, candidates: &mut HashMap<String, Candidate>, grace: Duration) {
+async fn sweep(client: &Client, ext: &Scheduler, candidates: &mut HashMap<String, Candidate>, grace: Duration) {
     let due: Vec<String> =
         candidates.iter().filter(|(_, c)| c.since.elapsed() >= grace).map(|(u, _)| u.clone()).collect();
     if due.is_empty() {

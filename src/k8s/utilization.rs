@@ -1,7 +1,7 @@
 //! The utilization ConfigMap watcher: the device plugins' per-node ConfigMaps
 //! (`gpuplace_core::utilization_configmap`) in one namespace, selected by label, go to
-//! [`Extender::observe_utilization`]; deleted ones (and ones a re-list no longer shows, or that stop
-//! naming their node) to [`Extender::forget_utilization`].
+//! [`Scheduler::observe_utilization`]; deleted ones (and ones a re-list no longer shows, or that stop
+//! naming their node) to [`Scheduler::forget_utilization`].
 //!
 //! Utilization lives there rather than on the Node because kube-scheduler requeues every
 //! unschedulable pod on every Node update. It is optional: readiness does not wait on this watch
@@ -17,15 +17,15 @@ use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
 use kube::{Api, ResourceExt};
 
-use crate::extender::metrics::Watched;
-use crate::extender::service::utilization::UtilizationOutcome;
-use crate::extender::service::Extender;
 use crate::k8s::watch::next_event;
+use crate::scheduler::metrics::Watched;
+use crate::scheduler::service::utilization::UtilizationOutcome;
+use crate::scheduler::Scheduler;
 use gpuplace_core::utilization_configmap::{read, UTILIZATION_SELECTOR};
 
 /// Applies one ConfigMap; `known` maps ConfigMap names to the node each last named, so that its
 /// deletion (or a change that makes it unreadable) drops that node's samples.
-pub fn apply(ext: &Extender, cm: &ConfigMap, known: &mut HashMap<String, String>) -> Option<UtilizationOutcome> {
+pub fn apply(ext: &Scheduler, cm: &ConfigMap, known: &mut HashMap<String, String>) -> Option<UtilizationOutcome> {
     let name = cm.name_any();
     match read(&name, cm.data.as_ref()) {
         Ok((node, text)) => {
@@ -46,7 +46,7 @@ pub fn apply(ext: &Extender, cm: &ConfigMap, known: &mut HashMap<String, String>
 
 /// Watches the utilization ConfigMaps of `api`'s namespace until the stream ends, which it does
 /// not: errors are counted and retried with backoff.
-pub async fn watch_utilization(api: Api<ConfigMap>, ext: Arc<Extender>) {
+pub async fn watch_utilization(api: Api<ConfigMap>, ext: Arc<Scheduler>) {
     let config = watcher::Config::default().labels(UTILIZATION_SELECTOR).page_size(500);
     let mut stream = watcher::watcher(api, config).default_backoff().boxed();
     let mut known: HashMap<String, String> = HashMap::new();

@@ -4,15 +4,15 @@ use futures::stream::BoxStream;
 use futures::StreamExt;
 use kube::runtime::watcher::{self, Event};
 
-use crate::extender::metrics::Watched;
-use crate::extender::service::Extender;
+use crate::scheduler::metrics::Watched;
+use crate::scheduler::Scheduler;
 use gpuplace_core::clock::now_unix_ms;
 
 /// The next event of a watch (`None` when the stream ends): a failure is counted and logged and
 /// the watcher's backoff retries it; an event marks the watch fresh.
 pub(crate) async fn next_event<K>(
     stream: &mut BoxStream<'static, Result<Event<K>, watcher::Error>>,
-    ext: &Extender,
+    ext: &Scheduler,
     watched: Watched,
 ) -> Option<Event<K>> {
     loop {

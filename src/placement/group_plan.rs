@@ -4,7 +4,7 @@
 //! kube-scheduler decides one pod at a time. A group placed that way ends partly bound when the room
 //! runs out halfway, and members filtered one by one cannot know what kube-scheduler already assumed
 //! for their siblings. So the extender asks this module for a plan when a group's first member
-//! arrives, holds the plan's GPUs as reservations (see `extender::groups`), and sends each member to
+//! arrives, holds the plan's GPUs as reservations (see `scheduler::groups`), and sends each member to
 //! its planned node only. No plan means no member is placed at all.
 //!
 //! Domains, tightest first: one node (NVLink sets inside it come from the engine's GPU choice), then

@@ -7,8 +7,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use gpuplace::extender::inspect::InspectReport;
 use gpuplace::k8s::pods::observed;
+use gpuplace::scheduler::inspect::InspectReport;
 use gpuplace_core::annotations::{AssignmentAnnotation, NodeInventory, ANNOTATION_ASSIGNMENT, ANNOTATION_INVENTORY};
 use k8s_openapi::api::core::v1::{Event, Node, Pod};
 use kube::api::ListParams;
@@ -152,12 +152,11 @@ impl Audit {
             };
             let uid = p.uid().unwrap_or_default();
             // the extender's own validation, against the device plugin's inventory of that node
-            let valid = match (observed(p).map(|o| o.request), models.get(node)) {
-                (Some(Ok(req)), Some(model)) => {
+            let valid = match (observed(p).request, models.get(node)) {
+                (Ok(req), Some(model)) => {
                     parsed.validate(&uid, node, &req, model).map(|_| ()).map_err(|e| e.to_string())
                 }
-                (Some(Err(e)), _) => Err(format!("request refused: {e}")),
-                (None, _) => Err("pod not readable".into()),
+                (Err(e), _) => Err(format!("request refused: {e}")),
                 (_, None) => Err(format!("node {node} has no inventory")),
             };
             if let Err(e) = valid {

@@ -29,7 +29,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 use tokio::sync::Mutex;
 
-use gpuplace::extender::inspect::InspectReport;
+use gpuplace::scheduler::inspect::InspectReport;
 use k8s_openapi::api::core::v1::{Namespace, Pod, ServiceAccount};
 use kube::api::{DeleteParams, PostParams};
 use kube::{Api, Client};

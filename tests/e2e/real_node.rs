@@ -16,8 +16,8 @@ use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use gpuplace::extender::inspect::InspectReport;
-use gpuplace::extender::metrics::BindOutcome;
+use gpuplace::scheduler::inspect::InspectReport;
+use gpuplace::scheduler::metrics::BindOutcome;
 use gpuplace_core::annotations::{AssignedGpu, AssignmentAnnotation};
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};

@@ -310,7 +310,7 @@ async fn watch_lag(admin: &Client, ext: &Extender, node: &str) -> f64 {
     loop {
         let shown = ext
             .get(&format!("/inspect/{node}"))
-            .and_then(|(_, body)| serde_json::from_str::<gpuplace::extender::inspect::InspectReport>(&body).ok())
+            .and_then(|(_, body)| serde_json::from_str::<gpuplace::scheduler::inspect::InspectReport>(&body).ok())
             .and_then(|r| Some(r.nodes.first()?.gpus.first()?.healthy));
         if shown == Some(healthy_now) {
             return started.elapsed().as_secs_f64() * 1e3;

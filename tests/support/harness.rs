@@ -8,14 +8,16 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use gpuplace::extender::binder::{Binder, RecordingBinder};
-use gpuplace::extender::service::{Extender, ServiceOptions};
 use gpuplace::extender::wire::{ExtenderFilterResult, HostPriorityList};
+use gpuplace::extender::Extender;
 use gpuplace::placement::engine::Engine;
 use gpuplace::placement::mix::WorkloadMix;
 use gpuplace::placement::mix_learner::MixLearner;
 use gpuplace::placement::profile::{Profile, ProfileConfig};
 use gpuplace::placement_log::writer::PlacementLog;
+use gpuplace::scheduler::binder::{Binder, RecordingBinder};
+use gpuplace::scheduler::service::ServiceOptions;
+use gpuplace::scheduler::Scheduler;
 use gpuplace_core::cluster::Cluster;
 use serde_json::{json, Value};
 
@@ -91,17 +93,17 @@ impl Harness {
     pub fn build(self) -> Extender {
         let mix = self.mix.or_else(|| self.learner.as_ref().map(MixLearner::mix)).unwrap_or_default();
         let engine = Engine::new(Profile::new(self.profile), mix);
-        let mut ext = Extender::new(self.cluster, engine, self.binder, self.options);
+        let mut scheduler = Scheduler::new(self.cluster, engine, self.binder, self.options);
         if let Some(l) = self.learner {
-            ext = ext.with_mix_learner(l);
+            scheduler = scheduler.with_mix_learner(l);
         }
         if let Some(log) = self.log {
-            ext = ext.with_placement_log(log);
+            scheduler = scheduler.with_placement_log(log);
         }
         if let Some(now) = self.clock {
-            ext.set_clock(Some(now));
+            scheduler.set_clock(Some(now));
         }
-        ext
+        Extender::from(scheduler)
     }
 }
 

@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
-use crate::extender::mix::MixReport;
+use crate::scheduler::mix::MixReport;
 use gpuplace_core::cluster::{Cluster, Node};
 use gpuplace_core::room::Room;
 use gpuplace_core::summary::ClusterSummary;
@@ -27,7 +27,7 @@ pub struct InspectReport {
     /// Groups placed whole: members, plan and reserved GPUs (a running extender's; none for a
     /// cluster file).
     #[serde(default)]
-    pub groups: Vec<crate::extender::groups::GroupReport>,
+    pub groups: Vec<crate::scheduler::groups::GroupReport>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -12,7 +12,7 @@
 //! - The engine takes a fresh mix when [`MixLearner::refreshed`] gives one (the simulator's rule: at
 //!   a [`MixLearner::refresh_due`] point, when the mix moved by more than
 //!   [`MIX_CHANGE`](crate::placement::mix_learner::MIX_CHANGE)). Every cached score and verdict was
-//!   made with the old mix, so taking one invalidates them all (`Extender::take_mix`).
+//!   made with the old mix, so taking one invalidates them all (`Scheduler::take_mix`).
 //! - `--mix-state FILE` keeps what was learned across restarts: read at start ([`load_learner`]: a
 //!   missing file is a fresh start, a bad one a warning and a fresh start), written atomically every
 //!   [`SAVE_EVERY`] when something was learned and at shutdown ([`MixSaver`]). The file is the
@@ -315,7 +315,7 @@ pub fn load_learner(state: Option<&Path>, half_life: Option<f64>) -> MixLearner 
     }
 }
 
-/// Writes the learner's state (what `state` reads, `Extender::mix_state` in `gpuplace serve`) to
+/// Writes the learner's state (what `state` reads, `Scheduler::mix_state` in `gpuplace serve`) to
 /// `path` every `every` when it changed, and once more when finished.
 #[derive(Debug)]
 pub struct MixSaver {

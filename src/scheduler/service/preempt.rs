@@ -3,41 +3,34 @@
 
 use super::*;
 
-impl Extender {
+impl Scheduler {
     /// The preempt verb: per node, the smallest set of kube-scheduler's victims whose removal lets
     /// the pod's GPUs fit (no victim can be spared without breaking the fit); nodes where evicting
     /// every GPU victim still does not make room are dropped. Victims gpuplace holds no GPU record
-    /// for are kept as sent: kube-scheduler chose them for resources gpuplace does not see.
-    pub fn preempt(&self, body: &[u8]) -> Result<ExtenderPreemptionResult, WireError> {
+    /// for are kept as sent: kube-scheduler chose them for resources gpuplace does not see. The
+    /// answer is the victims kept, per node.
+    pub fn preempt(&self, q: PreemptQuery<'_>) -> BTreeMap<String, NodeVictims> {
         let started = Instant::now();
-        let args: ExtenderPreemptionArgs = decode(body)?;
-        let meta = args.meta_victims();
-        let mut d = self.decision("preempt", &args.pod, started);
+        let meta = q.nodes;
+        let mut d = self.decision("preempt", q.pod, started);
         d.candidates = meta.len();
-        let req = match args.pod.request() {
+        let req = match q.pod.request() {
             Ok(r) => r,
             Err(e) => {
                 // fits nowhere, so no eviction helps
-                d.refused = Some(prefixed(&e.to_string()));
-                return Ok(self.finish(d, started, ExtenderPreemptionResult::default()));
+                d.refused = Some(prefixed(&e));
+                return self.finish(d, started, BTreeMap::new());
             }
         };
         d.requests = Some(requests_of(&req));
         if req.is_gpu_free() {
             d.feasible = meta.len();
-            return Ok(self.finish(d, started, ExtenderPreemptionResult { node_name_to_meta_victims: meta }));
-        }
-        // full victims (nodeCacheCapable false) carry their names and priorities
-        let mut full: HashMap<&str, (String, Option<i32>)> = HashMap::new();
-        for v in args.node_name_to_victims.iter().flat_map(|m| m.values()) {
-            for p in &v.pods {
-                full.insert(p.metadata.uid.as_str(), (p.key(), p.spec.priority));
-            }
+            return self.finish(d, started, meta);
         }
         let st = self.read();
         let mut out = BTreeMap::new();
         for (node_name, victims) in meta {
-            match self.minimal_victims(&st, &req, &node_name, &victims, &full) {
+            match self.minimal_victims(&st, &req, &node_name, &victims) {
                 Some(kept) => {
                     let spared = victims.pods.len().saturating_sub(kept.pods.len());
                     self.metrics.preempt_node(true, spared as u64);
@@ -51,7 +44,7 @@ impl Extender {
         }
         drop(st);
         d.feasible = out.len();
-        Ok(self.finish(d, started, ExtenderPreemptionResult { node_name_to_meta_victims: out }))
+        self.finish(d, started, out)
     }
 
     fn minimal_victims(
@@ -59,9 +52,8 @@ impl Extender {
         st: &State,
         req: &PodRequest,
         node_name: &str,
-        victims: &MetaVictims,
-        full: &HashMap<&str, (String, Option<i32>)>,
-    ) -> Option<MetaVictims> {
+        victims: &NodeVictims,
+    ) -> Option<NodeVictims> {
         let node = st.cluster.node(node_name)?;
         // (position in kube-scheduler's list, record, priority)
         let mut gpu_victims: Vec<(usize, PodAssignment, Option<i32>)> = Vec::new();
@@ -72,7 +64,7 @@ impl Extender {
             if !uids.insert(p.uid.as_str()) {
                 continue;
             }
-            let (key, prio) = match full.get(p.uid.as_str()) {
+            let (key, prio) = match &p.pod {
                 Some((k, prio)) => (Some(k.clone()), *prio),
                 None => (st.bound.get(&p.uid).map(|b| b.key.clone()), None),
             };
@@ -108,10 +100,10 @@ impl Extender {
             gpu_victims.iter().zip(&evicted).filter(|(_, &e)| e).map(|((pos, _, _), _)| *pos).collect();
         keep.extend(foreign);
         keep.sort_unstable();
-        let pods: Vec<MetaPod> = keep.iter().map(|&i| victims.pods[i].clone()).collect();
+        let pods: Vec<Victim> = keep.iter().map(|&i| victims.pods[i].clone()).collect();
         // spared victims can only lower the PDB violations; the exact count is kube-scheduler's
-        let num_pdb_violations = victims.num_pdb_violations.min(pods.len() as i64);
-        Some(MetaVictims { pods, num_pdb_violations })
+        let pdb_violations = victims.pdb_violations.min(pods.len() as i64);
+        Some(NodeVictims { pods, pdb_violations })
     }
 
     // -----------------------------------------------------------------------------------------------

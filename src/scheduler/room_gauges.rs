@@ -3,7 +3,7 @@
 
 use std::fmt::Write as _;
 
-use crate::extender::exposition::{escape, gauge, header};
+use crate::scheduler::exposition::{escape, gauge, header};
 use gpuplace_core::room::Room;
 
 /// The room jobs have (`core::room`): whole nodes, whole switches, the largest job of node-sized

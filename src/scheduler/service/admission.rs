@@ -35,7 +35,7 @@ pub const ADMISSION_WAIT: Duration = Duration::from_secs(3);
 /// How often a waiting bind looks again even without a change announced (a release, say).
 const ADMISSION_POLL: Duration = Duration::from_millis(100);
 
-impl Extender {
+impl Scheduler {
     /// At bind, under the write lock, once `assignment` is counted for pod `uid` on `node`: the pods
     /// awaiting admission there that the plugin could confuse with it (empty where the node's plugin
     /// does not confirm allocations); the pod itself now awaits its own admission.

@@ -1,6 +1,6 @@
-//! Carrying out a bind: the seam between the extender's decision and the API server.
+//! Carrying out a bind: the seam between the scheduler's decision and the API server.
 //!
-//! The extender decides (re-check, final GPUs, allocation counted at once) and then asks a
+//! The scheduler decides (re-check, final GPUs, allocation counted at once) and then asks a
 //! [`Binder`] to make it real: write the assignment annotation on the pod and create the pod's
 //! `Binding`. The kube-rs binder (`k8s::binder::KubeBinder`) does both in one call, a Binding that
 //! carries the annotation, which the registry applies atomically. In static mode
@@ -8,7 +8,7 @@
 //! been written, for tests and `/inspect`.
 //!
 //! Contract: `Err` means the pod is not bound and the binder left nothing behind (or undid what it
-//! wrote); the extender then rolls its allocation back. The trait returns a boxed future, not an
+//! wrote); the scheduler then rolls its allocation back. The trait returns a boxed future, not an
 //! `async fn`, so that it stays usable as `dyn Binder` without an extra crate.
 
 use std::collections::BTreeMap;

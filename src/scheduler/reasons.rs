@@ -9,8 +9,8 @@
 //! contains `%`. The node's figures go to the placement log and debug logs instead
 //! (docs/extender-protocol.md, "Reasons").
 
-use crate::extender::wire::WireNode;
 use crate::placement::feasibility::Cause;
+use crate::scheduler::input::NodeObject;
 use gpuplace_core::annotations::ANNOTATION_INVENTORY;
 use gpuplace_core::resources::RESOURCE_GPU;
 
@@ -76,10 +76,10 @@ impl UnknownNode {
     pub const ALL: [UnknownNode; 3] = [UnknownNode::NotCached, UnknownNode::NotGpuNode, UnknownNode::NoInventory];
 
     /// From the candidate's Node object, when kube-scheduler sent it.
-    pub fn of(object: Option<&WireNode>) -> Self {
+    pub fn of(object: Option<&NodeObject<'_>>) -> Self {
         match object {
             None => UnknownNode::NotCached,
-            Some(n) if !n.view().status.allocatable.contains_key(RESOURCE_GPU) => UnknownNode::NotGpuNode,
+            Some(n) if !n.advertises_gpus => UnknownNode::NotGpuNode,
             Some(_) => UnknownNode::NoInventory,
         }
     }

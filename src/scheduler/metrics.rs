@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::extender::exposition::{escape, gauge, header};
+use crate::scheduler::exposition::{escape, gauge, header};
 use gpuplace_core::cluster::Cluster;
 use gpuplace_core::room::Room;
 use gpuplace_core::summary::ClusterSummary;
@@ -106,7 +106,7 @@ pub enum BindOutcome {
     /// The state is not complete, or this replica is not the leader.
     NotReady,
     /// Pods the node's device plugin could confuse with this one were not admitted in time
-    /// (`extender::service`'s admission rule); rolled back, kube-scheduler retries.
+    /// (`scheduler::service`'s admission rule); rolled back, kube-scheduler retries.
     AdmissionWait,
 }
 
@@ -254,10 +254,10 @@ pub struct Metrics {
     mix_entries: AtomicU64,
     /// Reserve classes: [scarce, plenty]; set at scrape time.
     reserve_classes: [AtomicU64; 2],
-    /// Groups placed whole (`extender::groups`): [waiting with no plan, holding a plan, thousandths
+    /// Groups placed whole (`scheduler::groups`): [waiting with no plan, holding a plan, thousandths
     /// of GPUs reserved, age of the oldest plan in ms].
     groups: [AtomicU64; 4],
-    /// Pods sent back to kube-scheduler's queue after GPUs were freed (`extender::requeue`):
+    /// Pods sent back to kube-scheduler's queue after GPUs were freed (`scheduler::requeue`):
     /// [annotated, failed].
     requeued: [AtomicU64; 2],
     /// UID → why every candidate turned the pod down at its last filter, and when.
@@ -383,7 +383,7 @@ impl Metrics {
     }
 
     /// The reserve's classes now: how many are scarce, and how many are not.
-    pub fn set_groups(&self, g: &crate::extender::groups::GroupStats) {
+    pub fn set_groups(&self, g: &crate::scheduler::groups::GroupStats) {
         self.groups[0].store(g.waiting as u64, Ordering::Relaxed);
         self.groups[1].store(g.planned as u64, Ordering::Relaxed);
         self.groups[2].store((g.gpus_reserved * 1000.0).round() as u64, Ordering::Relaxed);
@@ -662,7 +662,7 @@ impl Metrics {
         for (state, milli) in [("idle", s.free_milli_idle), ("partial", s.free_milli_partial)] {
             let _ = writeln!(out, "gpuplace_gpu_free_capacity_gpus{{state=\"{state}\"}} {}", milli as f64 / 1000.0);
         }
-        crate::extender::room_gauges::render(&mut out, &Room::of(cluster));
+        crate::scheduler::room_gauges::render(&mut out, &Room::of(cluster));
         render_pod_gpus(&mut out, cluster);
         out
     }

@@ -2,48 +2,36 @@
 
 use super::*;
 
-impl Extender {
-    /// The prioritize verb: 0..=10 per candidate from the engine; 0 where the pod does not fit.
-    /// Answers from the shape cache, or for uncached shapes from filter's evaluation of the same pod
-    /// when nothing changed since (see `EvalCache`).
-    pub fn prioritize(&self, body: &[u8]) -> Result<HostPriorityList, WireError> {
-        let args = decode_args(body)?;
-        let (names, scores) = self.prioritize_args(&args)?;
-        Ok(verdict_cache::priorities(&names, &scores))
-    }
-
-    /// [`Extender::prioritize`], answered as the JSON body kube-scheduler reads.
-    pub fn prioritize_json(&self, body: &[u8]) -> Result<Vec<u8>, WireError> {
-        let args = decode_args(body)?;
-        let (names, scores) = self.prioritize_args(&args)?;
-        Ok(verdict_cache::priorities_json(&names, args.names_verbatim(), &scores))
-    }
-
-    fn prioritize_args<'a>(&self, args: &'a ExtenderArgsRef<'_>) -> Result<(Vec<&'a str>, Vec<u8>), WireError> {
+impl Scheduler {
+    /// The prioritize verb: 0..=[`MAX_SCORE`] per candidate, in the order given, from the engine;
+    /// 0 where the pod does not fit. Answers from the shape cache, or for uncached shapes from
+    /// filter's evaluation of the same pod when nothing changed since (see `EvalCache`).
+    pub fn prioritize(&self, q: &NodeQuery<'_>) -> Vec<u8> {
         let started = Instant::now();
-        let (names, mut d) = self.candidates_decision("prioritize", args, started)?;
-        let req = match self.remember_pod(&args.pod) {
+        let mut d = self.candidates_decision("prioritize", q, started);
+        let names = q.names.clone();
+        let req = match self.remember_pod(q.pod) {
             Ok(r) => r,
             Err(reason) => {
                 d.refused = Some(prefixed(&reason));
                 let zeros = vec![0; names.len()];
-                return Ok(self.finish(d, started, (names, zeros)));
+                return self.finish(d, started, zeros);
             }
         };
         d.requests = Some(requests_of(&req));
         if req.is_gpu_free() {
             let zeros = vec![0; names.len()];
-            return Ok(self.finish(d, started, (names, zeros)));
+            return self.finish(d, started, zeros);
         }
-        if let Some(list) = &args.nodes {
-            self.learn_nodes(&list.items);
+        if let Some(objects) = &q.objects {
+            self.learn_nodes(objects);
         }
-        if let Some(scores) = self.group_priorities(&args.pod.metadata.uid, &req, &names) {
+        if let Some(scores) = self.group_priorities(q.pod.uid(), &req, &names) {
             d.feasible = scores.iter().filter(|&&s| s > 0).count();
-            return Ok(self.finish(d, started, (names, scores)));
+            return self.finish(d, started, scores);
         }
         let st = self.read();
-        let c = self.names.resolve(&st.cluster, names, args.names_verbatim());
+        let c = self.names.resolve(&st.cluster, names);
         let now = self.now_ms();
         // per position: the score, or REJECTED
         let (scores, top): (Vec<i8>, Vec<TopScore>) = match self.cached_shape(&req) {
@@ -67,7 +55,7 @@ impl Extender {
                 (scores, top)
             }
             None => {
-                let uid = &args.pod.metadata.uid;
+                let uid = q.pod.uid();
                 let cached =
                     if uid.is_empty() { None } else { self.evals().scores(uid, &req, st.generation, now, &c.at) };
                 match cached {
@@ -88,8 +76,8 @@ impl Extender {
         drop(st);
         d.feasible = scores.iter().filter(|&&s| s >= 0).count();
         d.top = top;
-        let scores = scores.iter().map(|&s| s.clamp(0, MAX_EXTENDER_PRIORITY as i8) as u8).collect();
-        Ok(self.finish(d, started, (c.names, scores)))
+        let scores = scores.iter().map(|&s| s.clamp(0, MAX_SCORE as i8) as u8).collect();
+        self.finish(d, started, scores)
     }
 
     // -----------------------------------------------------------------------------------------------

@@ -1,23 +1,24 @@
-//! The extender's decisions, without HTTP: each verb takes the request body and returns the answer
-//! kube-scheduler reads (or the decoding error, which the HTTP layer sends as a 400).
+//! The online scheduler's state and decisions, without any protocol: each verb takes its typed
+//! input (`scheduler::input`) and returns a typed decision, which a front end (`crate::extender`)
+//! encodes.
 //!
 //! State is the cluster model (nodes, GPUs, who holds what) plus the records bind needs: pods by UID
 //! that gpuplace bound, the per-node bind sequence, and the pods seen in filter requests (bind only
 //! names the pod, so its GPU request comes from the filter that preceded it; the API-server watchers
-//! will feed the same cache). Filter, prioritize and preempt take a read lock and change no
+//! feed the same cache). Filter, prioritize and preempt take a read lock and change no
 //! allocation; bind takes the write lock to re-check and count the allocation at once, releases it
 //! while the [`Binder`] runs, and takes it again to confirm or roll back.
 //!
-//! The engine lives in the state too: a learned request mix (`extender::mix`, the `learning`
+//! The engine lives in the state too: a learned request mix (`scheduler::mix`, the `learning`
 //! submodule) is replaced under the write lock, so each request scores with one mix throughout and
 //! every cached answer made with the old one is dropped at once.
 //!
-//! Seams for API-server mode (`src/k8s/`): the watchers call [`Extender::observe_node`],
-//! [`Extender::remove_node`], [`Extender::observe_pod`], [`Extender::release_pod`],
-//! [`Extender::retain_pods`], [`Extender::restore`] and [`Extender::set_ready`] (the decisions on
+//! Seams for API-server mode (`src/k8s/`): the watchers call [`Scheduler::observe_node`],
+//! [`Scheduler::remove_node`], [`Scheduler::observe_pod`], [`Scheduler::release_pod`],
+//! [`Scheduler::retain_pods`], [`Scheduler::restore`] and [`Scheduler::set_ready`] (the decisions on
 //! what to trust are in the `observe` submodule, the assignment MAC and its keys in `trust`), and
-//! the utilization ConfigMap watcher calls [`Extender::observe_utilization`] and
-//! [`Extender::forget_utilization`] (the `utilization` submodule); the kube-rs binder implements
+//! the utilization ConfigMap watcher calls [`Scheduler::observe_utilization`] and
+//! [`Scheduler::forget_utilization`] (the `utilization` submodule); the kube-rs binder implements
 //! [`Binder`].
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
@@ -27,26 +28,21 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::extender::adapt::NodeListMode;
-use crate::extender::args_decoder::decode_args;
-use crate::extender::binder::{BindRequest, Binder};
-use crate::extender::groups::{Groups, DEFAULT_GROUP_TIMEOUT};
-use crate::extender::metrics::{BindOutcome, ConflictKind, Metrics, RejectClass};
-use crate::extender::mix::Learning;
-use crate::extender::reasons::{self, prefixed, UnknownNode, MAX_DETAILED_NODES};
-use crate::extender::requeue::{RecentRejections, Requeuer};
-use crate::extender::verdict_cache::{
-    self, Answer, Candidates, NameOrder, Reason, ReasonKey, Shape, ShapeCache, DEFAULT_SHAPE_CACHE,
-};
-use crate::extender::wire::{
-    decode, ExtenderArgsRef, ExtenderBindingArgs, ExtenderBindingResult, ExtenderFilterResult, ExtenderPreemptionArgs,
-    ExtenderPreemptionResult, HostPriorityList, MetaPod, MetaVictims, Pod, WireError, WireNode, MAX_EXTENDER_PRIORITY,
-};
 use crate::placement::engine::{Engine, Evaluation, Rejection};
 use crate::placement::mix_learner::MixLearner;
 use crate::placement::views::GroupView;
 use crate::placement_log::writer::PlacementLog;
 use crate::placement_log::{CapacitySummary, Chosen, ChosenGpu, Decision, Requests, TopScore, PLACEMENT_LOG_VERSION};
+use crate::scheduler::binder::{BindRequest, Binder};
+use crate::scheduler::groups::{Groups, DEFAULT_GROUP_TIMEOUT};
+use crate::scheduler::input::{BindOrder, NodeObject, NodeQuery, NodeVictims, PodView, PreemptQuery, Victim};
+use crate::scheduler::metrics::{BindOutcome, ConflictKind, Metrics, RejectClass};
+use crate::scheduler::mix::Learning;
+use crate::scheduler::reasons::{self, prefixed, UnknownNode, MAX_DETAILED_NODES};
+use crate::scheduler::requeue::{RecentRejections, Requeuer};
+use crate::scheduler::verdict_cache::{
+    Answer, Candidates, FilterDecision, NameOrder, Reason, ReasonKey, Shape, ShapeCache, DEFAULT_SHAPE_CACHE, MAX_SCORE,
+};
 use gpuplace_core::annotations::{
     AssignmentAnnotation, NodeInventory, ANNOTATION_ASSIGNMENT, ANNOTATION_INVENTORY, ANNOTATION_UTILIZATION,
 };
@@ -71,7 +67,7 @@ pub const DEFAULT_POD_CACHE: usize = 10_000;
 /// flight at once.
 pub const DEFAULT_EVAL_CACHE: usize = 64;
 
-/// `Extender::clock` when no fixed time is set.
+/// `Scheduler::clock` when no fixed time is set.
 const SYSTEM_CLOCK: i64 = i64::MIN;
 
 /// [`State::gpu_memory_mib`] before it is computed.
@@ -136,7 +132,7 @@ struct State {
     cluster: Cluster,
     /// The profile and the mix every verdict is made with. Here, under the state's lock, because a
     /// learned mix is replaced while serving: a new one goes in under the write lock, which also
-    /// starts a new generation and empties the shape cache (see [`Extender::take_mix`]), so every
+    /// starts a new generation and empties the shape cache (see [`Scheduler::take_mix`]), so every
     /// request sees one mix throughout and no cached answer outlives the mix it was made with.
     engine: Engine,
     /// Observations the learner had counted when `engine.mix` was taken (0 for a fixed mix): a mix
@@ -181,7 +177,7 @@ struct State {
     /// UID → when this process's own bind of it was confirmed: a re-list that started before then
     /// may not show the pod yet, and must not release it (`observe::retain_pods`).
     bound_at: HashMap<String, Instant>,
-    /// Groups placed whole: their members, plans and reservations (`extender::groups`). Here, under
+    /// Groups placed whole: their members, plans and reservations (`scheduler::groups`). Here, under
     /// the state's lock, because reservations are allocations in `cluster`.
     groups: Groups,
     /// Node → UIDs of the pods counted there whose GPU containers the node's device plugin has not
@@ -198,14 +194,14 @@ pub struct ServiceOptions {
     /// for the pods the shape cache does not take (groups), or all pods when it is off.
     pub eval_cache: usize,
     /// Request shapes whose per-node verdicts later pods of the same shape reuse (0: off; see
-    /// `extender::verdict_cache`).
+    /// `scheduler::verdict_cache`).
     pub shape_cache: usize,
     /// Answer as ready from the start (static mode: the cluster file is the whole truth).
     pub ready: bool,
     /// Count assignments that carry no `sig` at all (never ones whose `sig` does not verify): for
     /// one upgrade from a version that did not sign (`--accept-unsigned-assignments`).
     pub accept_unsigned: bool,
-    /// How long a group's plan holds GPUs for members not bound yet (`extender::groups`).
+    /// How long a group's plan holds GPUs for members not bound yet (`scheduler::groups`).
     pub group_timeout: Duration,
     /// How many of the nodes that fit filter offers to kube-scheduler's scoring.
     pub nodes_to_score: NodesToScore,
@@ -255,8 +251,8 @@ pub struct RestoredPod {
     pub annotation: String,
 }
 
-/// The extender.
-pub struct Extender {
+/// The online scheduler: the state every front end shares, and the verbs' decisions.
+pub struct Scheduler {
     state: RwLock<State>,
     /// The mix learner and the pods it counted (`None`: the mix is fixed). Its own lock, never held
     /// while the state's is taken.
@@ -280,11 +276,11 @@ pub struct Extender {
     /// Its own lock: a Node's status heartbeats must not take the state's.
     node_taints: Mutex<HashMap<String, Vec<Taint>>>,
     /// Signs the assignments bind writes and verifies those read back (the `trust` submodule). A
-    /// per-process random ring until [`Extender::set_key_ring`] installs the shared one; `None` only
+    /// per-process random ring until [`Scheduler::set_key_ring`] installs the shared one; `None` only
     /// if the OS random generator failed, and then bind refuses rather than write unsigned records.
     keys: RwLock<Option<Arc<KeyRing>>>,
     accept_unsigned: bool,
-    /// Pods turned away for want of free GPUs, for a few seconds (`extender::requeue`), and who
+    /// Pods turned away for want of free GPUs, for a few seconds (`scheduler::requeue`), and who
     /// sends them back to kube-scheduler's queue when GPUs they were turned away from are freed
     /// (unset: nobody, as in static mode, where no watch lags).
     rejections: Mutex<RecentRejections>,
@@ -294,9 +290,9 @@ pub struct Extender {
     admissions: tokio::sync::watch::Sender<u64>,
 }
 
-impl std::fmt::Debug for Extender {
+impl std::fmt::Debug for Scheduler {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Extender").field("ready", &self.is_ready()).finish_non_exhaustive()
+        f.debug_struct("Scheduler").field("ready", &self.is_ready()).finish_non_exhaustive()
     }
 }
 
@@ -308,7 +304,7 @@ fn requests_of(req: &PodRequest) -> Requests {
     }
 }
 
-impl Extender {
+impl Scheduler {
     pub fn new(cluster: Cluster, engine: Engine, binder: Arc<dyn Binder>, opts: ServiceOptions) -> Self {
         let state = State {
             cluster,
@@ -358,7 +354,7 @@ impl Extender {
     }
 
     /// Who sends pods back to kube-scheduler's queue when GPUs they were just turned away from are
-    /// freed (`extender::requeue`); the first one set stays.
+    /// freed (`scheduler::requeue`); the first one set stays.
     pub fn set_requeuer(&self, requeuer: Arc<dyn Requeuer>) {
         let _ = self.requeuer.set(requeuer);
     }
@@ -369,9 +365,16 @@ impl Extender {
 
     /// After filter: a pod that fits nowhere among the candidates is remembered with the nodes where
     /// only capacity stood in the way (preemptable rejections); one that fits is forgotten.
-    fn note_verdict(&self, pod: &Pod, c: &Candidates<'_>, answers: &[Answer], feasible: usize, read_at: Instant) {
+    fn note_verdict(
+        &self,
+        pod: &dyn PodView,
+        c: &Candidates<'_>,
+        answers: &[Answer],
+        feasible: usize,
+        read_at: Instant,
+    ) {
         let Some(requeuer) = self.requeuer.get() else { return };
-        let uid = &pod.metadata.uid;
+        let uid = pod.uid();
         if uid.is_empty() {
             return;
         }
@@ -383,14 +386,7 @@ impl Extender {
             .unique()
             .filter(|&p| matches!(&answers[p], Answer::No(r) if r.class == RejectClass::Preemptable))
             .map(|p| c.names[p]);
-        let due = self.rejections().record(
-            uid,
-            &pod.metadata.namespace,
-            &pod.metadata.name,
-            capacity,
-            read_at,
-            Instant::now(),
-        );
+        let due = self.rejections().record(uid, pod.namespace(), pod.name(), capacity, read_at, Instant::now());
         if let Some(p) = due {
             requeuer.requeue(vec![p]);
         }
@@ -417,7 +413,7 @@ impl Extender {
     }
 
     /// Scores with the mix `learner` learns from the pods this extender sees, from its current mix
-    /// on, instead of the engine's fixed one (see `extender::mix`).
+    /// on, instead of the engine's fixed one (see `scheduler::mix`).
     pub fn with_mix_learner(mut self, learner: MixLearner) -> Self {
         let learning = Learning::new(learner);
         let st = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
@@ -492,46 +488,39 @@ impl Extender {
         self.log_with(PlacementLog::finish);
     }
 
-    fn decision(&self, verb: &str, pod: &Pod, started: Instant) -> Decision {
+    fn decision(&self, verb: &str, pod: &dyn PodView, started: Instant) -> Decision {
         Decision {
             v: PLACEMENT_LOG_VERSION,
             ts_unix_ms: now_unix_ms(),
             verb: verb.into(),
             pod: pod.key(),
-            uid: pod.metadata.uid.clone(),
+            uid: pod.uid().to_string(),
             latency_us: started.elapsed().as_micros() as u64,
             ..Decision::default()
         }
     }
 
-    /// How filter and prioritize start: the candidates' names, and the decision line for `verb`
-    /// with the request's node-list mode and candidate count.
-    fn candidates_decision<'a>(
-        &self,
-        verb: &str,
-        args: &'a ExtenderArgsRef<'_>,
-        started: Instant,
-    ) -> Result<(Vec<&'a str>, Decision), WireError> {
-        let mode = args.mode()?;
-        let names = args.candidate_names()?;
-        let mut d = self.decision(verb, &args.pod, started);
-        d.mode = Some(mode_name(mode).into());
-        d.candidates = names.len();
-        Ok((names, d))
+    /// How filter and prioritize start: the decision line for `verb` with how the candidates came
+    /// and how many.
+    fn candidates_decision(&self, verb: &str, q: &NodeQuery<'_>, started: Instant) -> Decision {
+        let mut d = self.decision(verb, q.pod, started);
+        d.mode = Some(q.mode().into());
+        d.candidates = q.names.len();
+        d
     }
 
     /// The pod's request, remembered for bind from this filter body, unless the pods are watched:
     /// then only the pod watcher's view of the pod (the API server's) is remembered, so that a body
     /// sent by anyone who reaches the port can never change what bind places.
-    pub fn remember_pod(&self, pod: &Pod) -> Result<PodRequest, String> {
-        let request = pod.request().map_err(|e| e.to_string());
-        if !pod.metadata.uid.is_empty() && !self.pods_watched() {
+    pub fn remember_pod(&self, pod: &dyn PodView) -> Result<PodRequest, String> {
+        let request = pod.request();
+        if !pod.uid().is_empty() && !self.pods_watched() {
             let key = pod.key();
             let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
-            let known = seen.by_uid.get(&pod.metadata.uid).is_some_and(|s| s.key == key && s.request == request);
+            let known = seen.by_uid.get(pod.uid()).is_some_and(|s| s.key == key && s.request == request);
             if !known {
-                let constraints = pod.spec.node_constraints();
-                seen.insert(SeenPod { key, uid: pod.metadata.uid.clone(), request: request.clone(), constraints });
+                let constraints = pod.node_constraints();
+                seen.insert(SeenPod { key, uid: pod.uid().to_string(), request: request.clone(), constraints });
             }
         }
         request
@@ -697,23 +686,22 @@ impl Extender {
 
     /// In full-Nodes mode, takes each Node object's inventory (and utilization) annotation into the
     /// node cache when it changed. Refused annotations are treated as absent, logged and counted.
-    fn learn_nodes(&self, items: &[WireNode]) {
+    fn learn_nodes(&self, items: &[NodeObject<'_>]) {
         let mut inventories = Vec::new();
         let mut utilizations = Vec::new();
         {
             let st = self.read();
             for item in items {
-                let view = item.view();
-                let name = item.name();
+                let name = item.name;
                 let mut redefined = false;
-                if let Some(text) = view.metadata.annotations.get(ANNOTATION_INVENTORY) {
-                    let same = st.node_sources.get(name).is_some_and(|(t, l)| t == text && *l == view.metadata.labels);
+                if let Some(text) = item.annotations.get(ANNOTATION_INVENTORY) {
+                    let same = st.node_sources.get(name).is_some_and(|(t, l)| t == text && l == item.labels);
                     if !same {
                         redefined = true;
-                        inventories.push((name.to_string(), text.clone(), view.metadata.labels.clone()));
+                        inventories.push((name.to_string(), text.clone(), item.labels.clone()));
                     }
                 }
-                if let Some(text) = view.metadata.annotations.get(ANNOTATION_UTILIZATION) {
+                if let Some(text) = item.annotations.get(ANNOTATION_UTILIZATION) {
                     // a redefined node starts without samples: an unchanged value applies again
                     if redefined || Self::annotation_utilization_pending(&st, name, text) {
                         utilizations.push((name.to_string(), text.clone()));
@@ -773,7 +761,7 @@ impl Extender {
             .cluster
             .nodes()
             .iter()
-            .map(|n| n.pods().filter(|a| !crate::extender::groups::is_reservation(&a.pod)).count())
+            .map(|n| n.pods().filter(|a| !crate::scheduler::groups::is_reservation(&a.pod)).count())
             .sum();
         self.metrics.set_groups(&st.groups.stats(&st.cluster, Instant::now()));
         self.metrics.set_signed_with_old_key(self.signed_with_old_key(&st));
@@ -785,11 +773,11 @@ impl Extender {
     }
 
     /// Every node (or one), per GPU.
-    pub fn inspect(&self, node: Option<&str>) -> Option<crate::extender::inspect::InspectReport> {
+    pub fn inspect(&self, node: Option<&str>) -> Option<crate::scheduler::inspect::InspectReport> {
         let mix = self.mix_report();
         let st = self.read();
         let mut report =
-            crate::extender::inspect::InspectReport::build(&st.cluster, node, self.is_ready(), now_unix_ms())?;
+            crate::scheduler::inspect::InspectReport::build(&st.cluster, node, self.is_ready(), now_unix_ms())?;
         report.mix = Some(mix);
         report.groups = st.groups.report(&st.cluster, Instant::now());
         Some(report)
@@ -829,13 +817,6 @@ fn ephemeral_keys() -> Option<Arc<KeyRing>> {
 
 fn class_index(c: RejectClass) -> usize {
     RejectClass::ALL.iter().position(|&x| x == c).unwrap_or(0)
-}
-
-fn mode_name(m: NodeListMode) -> &'static str {
-    match m {
-        NodeListMode::NamesOnly => "names",
-        NodeListMode::FullNodes => "nodes",
-    }
 }
 
 #[cfg(test)]

@@ -46,13 +46,13 @@ impl Judged {
 
 /// Reasons for candidates not in the node cache, one per kind (they name no node).
 struct Unknown<'a> {
-    objects: Option<&'a [WireNode]>,
+    objects: Option<&'a [NodeObject<'a>]>,
     reasons: [Option<Arc<Reason>>; UnknownNode::ALL.len()],
 }
 
 impl<'a> Unknown<'a> {
-    fn new(args: &'a ExtenderArgsRef<'_>) -> Self {
-        Self { objects: args.nodes.as_ref().map(|l| l.items.as_slice()), reasons: Default::default() }
+    fn new(q: &'a NodeQuery<'a>) -> Self {
+        Self { objects: q.objects.as_deref(), reasons: Default::default() }
     }
 
     /// The verdict on the unknown candidate at position `p`.
@@ -65,13 +65,7 @@ impl<'a> Unknown<'a> {
     }
 }
 
-/// What filter answers with: an extender error, or a verdict per candidate.
-pub(super) enum Filtered<'a> {
-    Error(String),
-    Judged(Candidates<'a>, Vec<Answer>),
-}
-
-impl Extender {
+impl Scheduler {
     /// The shape cache entry for this pod, unless its verdicts are not cacheable (a group's pod).
     /// With a placement log too: the log's top scores come from [`Self::top_of_cached`].
     pub(super) fn cached_shape(&self, req: &PodRequest) -> Option<Arc<Shape>> {
@@ -139,7 +133,7 @@ impl Extender {
             let nodes = cluster.nodes();
             let ev = st.engine.evaluate_in_order(cluster, req, &stale, now, false);
             for cand in &ev.ranked {
-                let score = cand.score.clamp(0, MAX_EXTENDER_PRIORITY) as u8;
+                let score = cand.score.clamp(0, MAX_SCORE) as u8;
                 fresh.insert(cand.node, Answer::Fits(score, cand.total as f32));
             }
             for r in &ev.rejected {
@@ -171,7 +165,7 @@ impl Extender {
         let evaluation = st.engine.evaluate_in_order(cluster, req, &indices, now, self.log.is_some());
         let mut totals = HashMap::with_capacity(evaluation.ranked.len());
         for cand in &evaluation.ranked {
-            scores[cand.node] = cand.score.clamp(0, MAX_EXTENDER_PRIORITY) as i8;
+            scores[cand.node] = cand.score.clamp(0, MAX_SCORE) as i8;
             totals.insert(cand.node, cand.total as f32);
         }
         let mut rejects = HashMap::with_capacity(if reasons { evaluation.rejected.len() } else { 0 });
@@ -194,11 +188,11 @@ impl Extender {
     fn rejection_details(
         st: &State,
         req: &PodRequest,
-        args: &ExtenderArgsRef<'_>,
+        q: &NodeQuery<'_>,
         c: &Candidates<'_>,
         answers: &[Answer],
     ) -> Vec<(String, String, Arc<Reason>)> {
-        let objects = args.nodes.as_ref().map(|l| l.items.as_slice());
+        let objects = q.objects.as_deref();
         let rejected = c.unique().filter_map(|p| match answers.get(p) {
             Some(Answer::No(r)) => Some((p, r)),
             _ => None,
@@ -255,48 +249,30 @@ impl Extender {
         Some(Arc::new(Reason::new(RejectClass::Unresolvable, prefixed(&o.to_string()))))
     }
 
-    /// The filter verb. `Err` only for a body that cannot be used (answered with HTTP 400).
-    pub fn filter(&self, body: &[u8]) -> Result<ExtenderFilterResult, WireError> {
-        let args = decode_args(body)?;
-        Ok(match self.filter_args(&args)? {
-            Filtered::Error(e) => ExtenderFilterResult::error(e),
-            Filtered::Judged(c, answers) => verdict_cache::filter_result(&args, &c, &answers),
-        })
-    }
-
-    /// [`Extender::filter`], answered as the JSON body kube-scheduler reads, encoded directly (what
-    /// the HTTP service sends).
-    pub fn filter_json(&self, body: &[u8]) -> Result<Vec<u8>, WireError> {
-        let args = decode_args(body)?;
-        Ok(match self.filter_args(&args)? {
-            Filtered::Error(e) => serde_json::to_vec(&ExtenderFilterResult::error(e)).unwrap_or_default(),
-            Filtered::Judged(c, answers) => verdict_cache::filter_json(&args, &c, &answers),
-        })
-    }
-
-    fn filter_args<'a>(&self, args: &'a ExtenderArgsRef<'_>) -> Result<Filtered<'a>, WireError> {
+    /// The filter verb: the pod's verdict on every candidate, each rejection with a reason that
+    /// names no node (kube-scheduler groups nodes by it); what it decided goes to the placement log.
+    pub fn filter<'a>(&self, mut q: NodeQuery<'a>) -> FilterDecision<'a> {
         let started = Instant::now();
-        let (names, mut d) = self.candidates_decision("filter", args, started)?;
+        let mut d = self.candidates_decision("filter", &q, started);
+        // the decision's candidates own the names from here (thousands: not copied)
+        let names = std::mem::take(&mut q.names);
+        let q = &q;
         if !self.is_ready() {
             // an answer from an incomplete state could place a pod on GPUs that are taken
             d.error = Some(NOT_READY.into());
-            return Ok(self.finish(d, started, Filtered::Error(NOT_READY.into())));
+            return self.finish(d, started, FilterDecision::Error(NOT_READY.into()));
         }
-        let req = match self.remember_pod(&args.pod) {
+        let req = match self.remember_pod(q.pod) {
             Ok(r) => r,
             Err(reason) => {
                 let reason = Arc::new(Reason::new(RejectClass::Contract, prefixed(&reason)));
                 self.metrics.rejection(RejectClass::Contract, names.len() as u64);
-                self.metrics.pod_filtered(&args.pod.metadata.uid, Some(RejectClass::Contract), Instant::now());
+                self.metrics.pod_filtered(q.pod.uid(), Some(RejectClass::Contract), Instant::now());
                 d.rejections.insert(reason.text.clone(), names.len());
                 d.rejection_classes.insert(RejectClass::Contract.name().into(), names.len());
                 d.refused = Some(reason.text.clone());
                 let answers = vec![Answer::No(reason); names.len()];
-                return Ok(self.finish(
-                    d,
-                    started,
-                    Filtered::Judged(Candidates::unresolved(names, args.names_verbatim()), answers),
-                ));
+                return self.finish(d, started, FilterDecision::Judged(Candidates::unresolved(names), answers));
             }
         };
         d.requests = Some(requests_of(&req));
@@ -304,30 +280,26 @@ impl Extender {
             // not ours to judge: kube-scheduler only asks about it when no managedResources are set
             d.feasible = names.len();
             let answers = vec![Answer::Fits(0, 0.0); names.len()];
-            return Ok(self.finish(
-                d,
-                started,
-                Filtered::Judged(Candidates::unresolved(names, args.names_verbatim()), answers),
-            ));
+            return self.finish(d, started, FilterDecision::Judged(Candidates::unresolved(names), answers));
         }
-        if let Some(list) = &args.nodes {
-            self.learn_nodes(&list.items);
+        if let Some(objects) = &q.objects {
+            self.learn_nodes(objects);
         }
         // the pod has arrived: counted into the learned mix before it is judged, as the simulator's
         // gpuplace policy counts a pod before it places it
-        self.observe_arrival(&args.pod.metadata.uid, &req);
+        self.observe_arrival(q.pod.uid(), &req);
         self.expire_groups();
         if req.group.is_some() {
-            if let Some(out) = self.group_filter(&args.pod.metadata.uid, &req, &names, args.names_verbatim(), &mut d) {
-                return Ok(self.finish(d, started, out));
+            if let Some(out) = self.group_filter(q.pod.uid(), &req, &names, &mut d) {
+                return self.finish(d, started, out);
             }
         }
         let st = self.read();
         // after the read lock: a freeing stamped later than this is not in the verdict
         let read_at = Instant::now();
-        let c = self.names.resolve(&st.cluster, names, args.names_verbatim());
+        let c = self.names.resolve(&st.cluster, names);
         let now = self.now_ms();
-        let mut unknown = Unknown::new(args);
+        let mut unknown = Unknown::new(q);
         let mut answers = Vec::with_capacity(c.names.len());
         let from_cache = self.cached_shape(&req);
         let top = match (Self::never_fits(&st, &req), &from_cache) {
@@ -358,10 +330,10 @@ impl Extender {
                         None => unknown.answer(p),
                     });
                 }
-                if !args.pod.metadata.uid.is_empty() {
+                if !q.pod.uid().is_empty() {
                     // for the prioritize call that follows (kube-scheduler sends it next, for the same pod)
                     self.evals().insert(CachedEval {
-                        uid: args.pod.metadata.uid.clone(),
+                        uid: q.pod.uid().to_string(),
                         request: req.clone(),
                         generation: st.generation,
                         made: Instant::now(),
@@ -411,7 +383,7 @@ impl Extender {
             d.top = Self::top_of_cached(&st, &req, fits, now);
         }
         if logged || tracing::enabled!(tracing::Level::DEBUG) {
-            for (node, detail, reason) in Self::rejection_details(&st, &req, args, &c, &answers) {
+            for (node, detail, reason) in Self::rejection_details(&st, &req, q, &c, &answers) {
                 tracing::debug!(pod = %d.pod, node = %node, reason = %reason.text, detail = %detail, "node rejected");
                 d.rejection_details.insert(node, detail);
             }
@@ -423,10 +395,10 @@ impl Extender {
             }
         }
         let waits_on = if feasible > 0 { None } else { RejectClass::of_pending(&class_counts) };
-        self.metrics.pod_filtered(&args.pod.metadata.uid, waits_on, read_at);
-        self.note_verdict(&args.pod, &c, &answers, feasible, read_at);
-        d.offered = self.offer(&args.pod, &c, &mut answers, feasible);
-        Ok(self.finish(d, started, Filtered::Judged(c, answers)))
+        self.metrics.pod_filtered(q.pod.uid(), waits_on, read_at);
+        self.note_verdict(q.pod, &c, &answers, feasible, read_at);
+        d.offered = self.offer(q.pod, &c, &mut answers, feasible);
+        self.finish(d, started, FilterDecision::Judged(c, answers))
     }
 
     /// Narrows an answer where more nodes fit than kube-scheduler is to score ([`NodesToScore`]):
@@ -434,8 +406,8 @@ impl Extender {
     /// rotates where its list starts); the others, and the nodes that do not fit, are left out of
     /// the answer (kube-scheduler reads the failed nodes only when the pod fits nowhere). Returns
     /// how many nodes the answer names, when it was narrowed.
-    fn offer(&self, pod: &Pod, c: &Candidates<'_>, answers: &mut [Answer], feasible: usize) -> Option<usize> {
-        let n = if pod.spec.has_soft_preferences() { self.nodes_to_score.soft } else { self.nodes_to_score.plain };
+    fn offer(&self, pod: &dyn PodView, c: &Candidates<'_>, answers: &mut [Answer], feasible: usize) -> Option<usize> {
+        let n = if pod.has_soft_preferences() { self.nodes_to_score.soft } else { self.nodes_to_score.plain };
         if n == 0 || feasible <= n {
             return None;
         }

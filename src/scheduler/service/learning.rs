@@ -1,16 +1,16 @@
 //! The learned mix inside the service: which pods are observations, and how a fresh mix replaces
-//! the one every cached answer was made with (the rules are in `extender::mix`).
+//! the one every cached answer was made with (the rules are in `scheduler::mix`).
 
 use std::sync::atomic::Ordering;
 use std::sync::MutexGuard;
 
-use super::{Extender, UNKNOWN_GPU_MEMORY};
-use crate::extender::mix::{Learning, MixReport, MixSource, ModelListReport, ReserveReport};
+use super::{Scheduler, UNKNOWN_GPU_MEMORY};
 use crate::placement::mix::WorkloadMix;
 use crate::placement::mix_learner::{typical_gpu_memory_mib, MixLearnerState};
+use crate::scheduler::mix::{Learning, MixReport, MixSource, ModelListReport, ReserveReport};
 use gpuplace_core::resources::PodRequest;
 
-impl Extender {
+impl Scheduler {
     fn learning(&self) -> Option<MixGuard<'_>> {
         self.learning.as_ref().map(|l| l.lock().unwrap_or_else(|e| e.into_inner()))
     }

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use super::observe::PodOutcome;
-use super::{Extender, State};
+use super::{Scheduler, State};
 use gpuplace_core::annotations::SignatureProblem;
 use gpuplace_core::annotations::{AnnotationError, AssignmentAnnotation};
 use gpuplace_core::assignment::PodAssignment;
@@ -29,7 +29,7 @@ pub struct Resign {
     pub signed_by: KeyId,
 }
 
-impl Extender {
+impl Scheduler {
     /// [`set_key_ring`](Self::set_key_ring), as a builder.
     pub fn with_key_ring(self, keys: KeyRing) -> Self {
         self.set_key_ring(keys);

@@ -1,4 +1,4 @@
-//! Prometheus text-format primitives for the extender's `/metrics` ([`crate::extender::metrics`]):
+//! Prometheus text-format primitives for the extender's `/metrics` ([`crate::scheduler::metrics`]):
 //! a family's `HELP` and `TYPE` lines, a one-value gauge, and label-value escaping.
 
 use std::borrow::Cow;

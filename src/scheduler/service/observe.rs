@@ -18,7 +18,7 @@
 //! - An assignment on a pod that is not bound is never counted. While watching it is not reported
 //!   either: every bind shows it for a moment (the annotation is written before the Binding, by this
 //!   replica or by the leader). At a rebuild, where no bind is in flight, it is reported
-//!   ([`Extender::refuse_unbound`]).
+//!   ([`Scheduler::refuse_unbound`]).
 //! - Refusals are logged and counted once per pod, annotation text and node, and returned so that
 //!   the caller raises a Kubernetes Event on the pod.
 
@@ -26,9 +26,9 @@ use gpuplace_core::node_constraints::NodeConstraints;
 use std::collections::{BTreeMap, HashSet};
 use std::time::Instant;
 
-use super::{BoundPod, Extender, SeenPod, State};
-use crate::extender::metrics::ConflictKind;
-use crate::extender::wire::Pod;
+use super::{BoundPod, Scheduler, SeenPod, State};
+use crate::scheduler::input::PodView;
+use crate::scheduler::metrics::ConflictKind;
 use gpuplace_core::annotations::{
     NodeInventory, ANNOTATION_ALLOCATED, ANNOTATION_ASSIGNMENT, ANNOTATION_INVENTORY, ANNOTATION_UTILIZATION,
 };
@@ -56,21 +56,21 @@ pub struct ObservedPod {
 }
 
 impl ObservedPod {
-    pub fn from_wire(pod: &Pod) -> Self {
-        let node = Some(pod.spec.node_name.clone()).filter(|n| !n.is_empty());
-        let request = pod.request().map_err(|e| e.to_string());
+    pub fn of(pod: &dyn PodView) -> Self {
+        let node = Some(pod.node_name()).filter(|n| !n.is_empty()).map(str::to_string);
+        let request = pod.request();
         // only a GPU pod not bound yet is remembered for bind (`remember`), which alone reads the
         // constraints: the events of bound and GPU-free pods, most of a busy cluster's, skip the parse
         let for_bind = node.is_none() && !request.as_ref().is_ok_and(PodRequest::is_gpu_free);
         Self {
             key: pod.key(),
-            uid: pod.metadata.uid.clone(),
+            uid: pod.uid().to_string(),
             node,
             finished: pod.is_finished(),
             request,
-            annotation: pod.metadata.annotations.get(ANNOTATION_ASSIGNMENT).cloned(),
-            allocated: pod.metadata.annotations.get(ANNOTATION_ALLOCATED).cloned(),
-            constraints: if for_bind { pod.spec.node_constraints() } else { Ok(NodeConstraints::default()) },
+            annotation: pod.annotation(ANNOTATION_ASSIGNMENT).map(str::to_string),
+            allocated: pod.annotation(ANNOTATION_ALLOCATED).map(str::to_string),
+            constraints: if for_bind { pod.node_constraints() } else { Ok(NodeConstraints::default()) },
         }
     }
 
@@ -81,7 +81,7 @@ impl ObservedPod {
     }
 }
 
-/// What [`Extender::observe_pod`] did.
+/// What [`Scheduler::observe_pod`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PodOutcome {
     /// Nothing gpuplace tracks (or a refusal already reported).
@@ -98,7 +98,7 @@ pub enum PodOutcome {
     Refused(String),
 }
 
-/// What [`Extender::observe_node`] did.
+/// What [`Scheduler::observe_node`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum NodeOutcome {
     /// No inventory annotation, and not a known node.
@@ -113,7 +113,7 @@ pub enum NodeOutcome {
     Removed { parked: usize },
 }
 
-impl Extender {
+impl Scheduler {
     /// The node watcher's entry point for an added or changed Node object.
     pub fn observe_node(
         &self,
@@ -184,7 +184,7 @@ impl Extender {
         let node = st.cluster.remove_node(name)?;
         st.gpu_memory_mib.store(super::UNKNOWN_GPU_MEMORY, std::sync::atomic::Ordering::Relaxed);
         *st.largest_gpus.get_mut().unwrap_or_else(|e| e.into_inner()) = None;
-        let pods: Vec<_> = node.pods().filter(|a| !crate::extender::groups::is_reservation(&a.pod)).cloned().collect();
+        let pods: Vec<_> = node.pods().filter(|a| !crate::scheduler::groups::is_reservation(&a.pod)).cloned().collect();
         let n = pods.len();
         if n > 0 {
             st.parked.entry(name.to_string()).or_default().extend(pods);

@@ -1,7 +1,7 @@
 //! Live utilization samples, from either source, through one code path.
 //!
 //! - The device plugin's per-node ConfigMap (`gpuplace_core::utilization_configmap`), watched in
-//!   API-server mode: [`Extender::observe_utilization`] and [`Extender::forget_utilization`]. Its
+//!   API-server mode: [`Scheduler::observe_utilization`] and [`Scheduler::forget_utilization`]. Its
 //!   text is kept per node even while the node is unknown, and applied again whenever the node's
 //!   GPUs are (re)defined, so the order in which the two watches deliver does not matter.
 //! - The deprecated `gpuplace.io/utilization` Node annotation (older device plugins; full-Nodes
@@ -11,10 +11,10 @@
 //! Either way a value is parsed once per distinct text, and samples land on the node's GPUs by UUID
 //! ([`UtilizationAnnotation::apply_to`]); their age is judged by the scorer, not here.
 
-use super::{Extender, State};
+use super::{Scheduler, State};
 use gpuplace_core::annotations::UtilizationAnnotation;
 
-/// What [`Extender::observe_utilization`] did.
+/// What [`Scheduler::observe_utilization`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum UtilizationOutcome {
     /// The samples are on the node's GPUs now.
@@ -27,7 +27,7 @@ pub enum UtilizationOutcome {
     Refused(String),
 }
 
-impl Extender {
+impl Scheduler {
     /// The utilization ConfigMap watcher's entry point: `text` is the current value for `node`.
     pub fn observe_utilization(&self, node: &str, text: &str) -> UtilizationOutcome {
         {

@@ -6,7 +6,8 @@
 //!   shape, and between two of them usually only the node of the last bind changed.
 //! - `NameOrder`: candidate names to node indices, guessing each from the order of the last
 //!   request (kube-scheduler sends its node list in a stable order) before hashing.
-//! - Answer encoding straight into one byte buffer: names as sent, reasons encoded once per text.
+//! - [`Answer`]: each candidate's verdict, the filter's decision; each [`Reason`] carries its text
+//!   encoded once as a JSON string, for the front ends that write JSON (`extender::answers`).
 //!
 //! # When a cached verdict is used
 //!
@@ -31,12 +32,15 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
-use crate::extender::metrics::RejectClass;
-use crate::extender::reasons;
-use crate::extender::wire::{ExtenderArgsRef, ExtenderFilterResult, FailedNodesMap, HostPriority, HostPriorityList};
 use crate::placement::feasibility::Cause;
+use crate::scheduler::metrics::RejectClass;
+use crate::scheduler::reasons;
 use gpuplace_core::cluster::Cluster;
 use gpuplace_core::resources::PodRequest;
+
+/// The top of the score scale (0..=10) each fitting node gets: kube-scheduler's
+/// `MaxExtenderPriority`.
+pub const MAX_SCORE: i64 = 10;
 
 /// Request shapes kept by default: each holds a verdict slot per node (40 bytes; 200 KB for 5,000
 /// nodes), least recently used dropped first.
@@ -52,7 +56,7 @@ pub(crate) type ReasonKey = (RejectClass, Option<Cause>);
 
 /// Why a node was turned down, as the answer carries it.
 #[derive(Debug, PartialEq, Eq)]
-pub(crate) struct Reason {
+pub struct Reason {
     pub class: RejectClass,
     /// With the `gpuplace: ` prefix, as kube-scheduler shows it in the pod's events; never a `%`.
     pub text: String,
@@ -68,6 +72,11 @@ impl Reason {
         Self { class, text, json }
     }
 
+    /// [`Self::text`] as a JSON string, quotes included.
+    pub fn json(&self) -> &[u8] {
+        &self.json
+    }
+
     /// `FailedAndUnresolvableNodes` (no preemption helps) rather than `FailedNodes`.
     pub fn unresolvable(&self) -> bool {
         self.class != RejectClass::Preemptable
@@ -76,14 +85,22 @@ impl Reason {
 
 /// One candidate's verdict.
 #[derive(Debug, Clone)]
-pub(crate) enum Answer {
+pub enum Answer {
     /// Fits, with its score (0..=10) and the engine's total behind it (0..=1), which ranks nodes of
-    /// equal score when the answer offers only the best (`Extender::with_nodes_to_score`).
+    /// equal score when the answer offers only the best (`Scheduler::with_nodes_to_score`).
     Fits(u8, f32),
     No(Arc<Reason>),
     /// Fits, but not among the nodes offered: named in neither list of the answer, so that
     /// kube-scheduler drops it from the nodes it scores, as it drops nodes it does not sample.
     NotOffered,
+}
+
+/// Filter's decision: an error for the whole request (the scheduler cannot judge now), or a
+/// verdict per candidate, in the order given.
+#[derive(Debug)]
+pub enum FilterDecision<'a> {
+    Error(String),
+    Judged(Candidates<'a>, Vec<Answer>),
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -92,23 +109,20 @@ pub(crate) enum Answer {
 
 /// One request's candidates, by position in the request.
 #[derive(Debug)]
-pub(crate) struct Candidates<'a> {
+pub struct Candidates<'a> {
     pub names: Vec<&'a str>,
     /// Node index (`None`: not in the node cache).
     pub at: Vec<Option<usize>>,
     /// The first position of its name: failure maps name each node once.
     pub first: Vec<bool>,
-    /// Every name can be written into JSON as it is (it was a JSON string without escapes in the
-    /// request): see [`ExtenderArgsRef::names_verbatim`].
-    pub verbatim: bool,
 }
 
 impl<'a> Candidates<'a> {
     /// Candidates without looking them up (answers that do not depend on the node).
-    pub fn unresolved(names: Vec<&'a str>, verbatim: bool) -> Self {
+    pub fn unresolved(names: Vec<&'a str>) -> Self {
         let mut seen = HashSet::with_capacity(names.len());
         let first = names.iter().map(|n| seen.insert(*n)).collect();
-        Self { at: vec![None; names.len()], first, names, verbatim }
+        Self { at: vec![None; names.len()], first, names }
     }
 
     /// Positions of first occurrences.
@@ -170,7 +184,7 @@ const NO_GUESS: u32 = u32::MAX;
 const CHAIN_HOPS: usize = 4;
 
 impl NameOrder {
-    pub fn resolve<'a>(&self, cluster: &Cluster, names: Vec<&'a str>, verbatim: bool) -> Candidates<'a> {
+    pub fn resolve<'a>(&self, cluster: &Cluster, names: Vec<&'a str>) -> Candidates<'a> {
         let nodes = cluster.nodes();
         let stale = |t: &OrderTable| t.layout != cluster.layout() || t.next.len() < nodes.len();
         if stale(&self.table.read().unwrap_or_else(|e| e.into_inner())) {
@@ -229,7 +243,7 @@ impl NameOrder {
             prev = i;
         }
         drop(t);
-        Candidates { names, at, first, verbatim }
+        Candidates { names, at, first }
     }
 }
 
@@ -391,13 +405,10 @@ impl ShapeCache {
     }
 }
 
-// ---------------------------------------------------------------------------------------------------
-// Answers
-// ---------------------------------------------------------------------------------------------------
-
-/// `s` as a JSON string. Node names and reasons need no escapes (the check is one pass over the
+/// `s` as a JSON string (how [`Reason::json`] is made once per reason, and front ends that speak
+/// JSON write names). Node names and reasons need no escapes (the check is one pass over the
 /// bytes); others go through serde_json.
-pub(crate) fn push_str(out: &mut Vec<u8>, s: &str) {
+pub fn push_str(out: &mut Vec<u8>, s: &str) {
     if s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
         out.reserve(s.len() + 2);
         out.push(b'"');
@@ -409,139 +420,9 @@ pub(crate) fn push_str(out: &mut Vec<u8>, s: &str) {
     }
 }
 
-/// A candidate's name as a JSON string.
-#[inline]
-fn push_name(out: &mut Vec<u8>, name: &str, verbatim: bool) {
-    if verbatim {
-        out.push(b'"');
-        out.extend_from_slice(name.as_bytes());
-        out.push(b'"');
-    } else {
-        push_str(out, name);
-    }
-}
-
-fn push_score(out: &mut Vec<u8>, score: u8) {
-    let s = score.min(10);
-    if s == 10 {
-        out.extend_from_slice(b"10");
-    } else {
-        out.push(b'0' + s);
-    }
-}
-
-/// The filter answer's JSON (as [`filter_result`] would serialize, except that the failure maps
-/// list nodes in request order rather than by name, which decoders do not see).
-pub(crate) fn filter_json(args: &ExtenderArgsRef<'_>, c: &Candidates<'_>, answers: &[Answer]) -> Vec<u8> {
-    // one pass writes the passing nodes and sets the failures aside (each name once)
-    let mut failed: [Vec<(&str, &Reason)>; 2] = [Vec::new(), Vec::new()];
-    let mut failed_bytes = 0;
-    let items = args.nodes.as_ref().map(|l| (l, l.items.as_slice()));
-    // names run under 24 bytes; Node objects are echoed whole
-    let echoed = items.map_or(0, |(_, items)| items.iter().map(|n| n.raw_json().len() + 1).sum::<usize>());
-    let mut out = Vec::with_capacity(c.names.len() * 24 + echoed + 256);
-    out.extend_from_slice(b"{\"Nodes\":");
-    match items {
-        Some((list, _)) => {
-            out.extend_from_slice(b"{\"metadata\":");
-            let _ = serde_json::to_writer(&mut out, &list.metadata);
-            out.extend_from_slice(b",\"items\":[");
-        }
-        None => out.extend_from_slice(b"null,\"NodeNames\":["),
-    }
-    let mut sep = false;
-    for (p, (name, a)) in c.names.iter().zip(answers).enumerate() {
-        match a {
-            Answer::Fits(..) => {
-                if std::mem::replace(&mut sep, true) {
-                    out.push(b',');
-                }
-                match items {
-                    Some((_, items)) => out.extend_from_slice(items.get(p).map_or("null", |n| n.raw_json()).as_bytes()),
-                    None => push_name(&mut out, name, c.verbatim),
-                }
-            }
-            Answer::No(r) if c.first.get(p) == Some(&true) => {
-                failed_bytes += name.len() + r.json.len() + 4;
-                failed[usize::from(r.unresolvable())].push((name, r));
-            }
-            Answer::No(_) | Answer::NotOffered => {}
-        }
-    }
-    out.extend_from_slice(if items.is_some() { b"]},\"NodeNames\":null" } else { b"]" });
-    out.reserve(failed_bytes + 64);
-    for (key, list) in [&b",\"FailedNodes\":{"[..], b"},\"FailedAndUnresolvableNodes\":{"].iter().zip(&failed) {
-        out.extend_from_slice(key);
-        for (k, (name, r)) in list.iter().enumerate() {
-            if k > 0 {
-                out.push(b',');
-            }
-            push_name(&mut out, name, c.verbatim);
-            out.push(b':');
-            out.extend_from_slice(&r.json);
-        }
-    }
-    out.extend_from_slice(b"},\"Error\":\"\"}");
-    out
-}
-
-/// The filter answer as the wire type.
-pub(crate) fn filter_result(
-    args: &ExtenderArgsRef<'_>,
-    c: &Candidates<'_>,
-    answers: &[Answer],
-) -> ExtenderFilterResult {
-    let fits = |p: usize| matches!(answers.get(p), Some(Answer::Fits(..)));
-    let mut out = ExtenderFilterResult::default();
-    match &args.nodes {
-        Some(list) => {
-            let items = list.items.iter().enumerate().filter(|(p, _)| fits(*p)).map(|(_, n)| n.clone()).collect();
-            out.nodes = Some(crate::extender::wire::NodeList { metadata: list.metadata.clone(), items });
-        }
-        None => {
-            out.node_names =
-                Some(c.names.iter().enumerate().filter(|(p, _)| fits(*p)).map(|(_, n)| n.to_string()).collect())
-        }
-    }
-    let (mut failed, mut unresolvable) = (FailedNodesMap::new(), FailedNodesMap::new());
-    for p in c.unique() {
-        if let (Some(Answer::No(r)), Some(n)) = (answers.get(p), c.names.get(p)) {
-            let map = if r.unresolvable() { &mut unresolvable } else { &mut failed };
-            map.insert(n.to_string(), r.text.clone());
-        }
-    }
-    out.failed_nodes = failed;
-    out.failed_and_unresolvable_nodes = unresolvable;
-    out
-}
-
-/// The prioritize answer's JSON: `[{"Host":…,"Score":…},…]`, one entry per candidate in order.
-pub(crate) fn priorities_json(names: &[&str], verbatim: bool, scores: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(names.iter().map(|n| n.len() + 24).sum::<usize>() + 2);
-    out.push(b'[');
-    for (i, (n, &s)) in names.iter().zip(scores).enumerate() {
-        if i > 0 {
-            out.push(b',');
-        }
-        out.extend_from_slice(b"{\"Host\":");
-        push_name(&mut out, n, verbatim);
-        out.extend_from_slice(b",\"Score\":");
-        push_score(&mut out, s);
-        out.push(b'}');
-    }
-    out.push(b']');
-    out
-}
-
-/// The prioritize answer as the wire type.
-pub(crate) fn priorities(names: &[&str], scores: &[u8]) -> HostPriorityList {
-    names.iter().zip(scores).map(|(n, &s)| HostPriority::new(*n, i64::from(s))).collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::extender::args_decoder::decode_args;
     use gpuplace_core::resources::{GpuDemand, GroupSpec, PackingPolicy};
 
     #[test]
@@ -550,12 +431,12 @@ mod tests {
         let mut c = Cluster::new(vec![node("a", 1), node("b", 1), node("c", 1)]);
         let order = NameOrder::default();
         let names = vec!["a", "b", "c"];
-        assert_eq!(order.resolve(&c, names.clone(), true).at, [Some(0), Some(1), Some(2)]);
+        assert_eq!(order.resolve(&c, names.clone()).at, [Some(0), Some(1), Some(2)]);
         // the same order again follows the learnt chain; after removing a, b and c move down one
-        assert_eq!(order.resolve(&c, names.clone(), true).at, [Some(0), Some(1), Some(2)]);
+        assert_eq!(order.resolve(&c, names.clone()).at, [Some(0), Some(1), Some(2)]);
         c.remove_node("a");
-        assert_eq!(order.resolve(&c, names.clone(), true).at, [None, Some(0), Some(1)]);
-        assert_eq!(order.resolve(&c, vec!["b", "c"], true).at, [Some(0), Some(1)]);
+        assert_eq!(order.resolve(&c, names.clone()).at, [None, Some(0), Some(1)]);
+        assert_eq!(order.resolve(&c, vec!["b", "c"]).at, [Some(0), Some(1)]);
     }
 
     #[test]
@@ -575,11 +456,6 @@ mod tests {
             let mut out = Vec::new();
             push_str(&mut out, s);
             assert_eq!(out, serde_json::to_vec(s).unwrap(), "{s:?}");
-        }
-        for s in 0..=10u8 {
-            let mut out = Vec::new();
-            push_score(&mut out, s);
-            assert_eq!(out, s.to_string().into_bytes());
         }
     }
 
@@ -618,43 +494,5 @@ mod tests {
         assert!(t.get(3, 7, 99).is_none() && t.get(3, 7, 200).is_none(), "outside the window");
         assert!(t.get(3, 8, 150).is_none(), "another stamp");
         assert!(t.get(2, 0, 150).is_none() && t.get(9, 7, 150).is_none(), "empty and missing slots");
-    }
-
-    #[test]
-    fn encoded_filter_answers_decode_to_the_wire_type() {
-        let body = br#"{"Pod":{},"NodeNames":["a","b","a","c","we\"ird","b"]}"#;
-        let args = decode_args(body).unwrap();
-        let c = Candidates::unresolved(args.candidate_names().unwrap(), args.names_verbatim());
-        let no = Arc::new(Reason::new(RejectClass::Preemptable, "busy \"now\"".into()));
-        let never = Arc::new(Reason::new(RejectClass::Unresolvable, "too small".into()));
-        let answers = vec![
-            Answer::Fits(3, 0.3),
-            Answer::No(no.clone()),
-            Answer::Fits(3, 0.3),
-            Answer::No(never),
-            Answer::Fits(0, 0.0),
-            Answer::No(no),
-        ];
-        let json = filter_json(&args, &c, &answers);
-        let decoded: ExtenderFilterResult = serde_json::from_slice(&json).unwrap();
-        assert_eq!(decoded, filter_result(&args, &c, &answers));
-        assert_eq!(decoded.node_names.unwrap(), ["a", "a", "we\"ird"]);
-        assert_eq!(decoded.failed_nodes.len(), 1, "b once");
-        let names = ["a", "b"];
-        for verbatim in [false, true] {
-            let list: HostPriorityList = serde_json::from_slice(&priorities_json(&names, verbatim, &[10, 0])).unwrap();
-            assert_eq!(list, priorities(&names, &[10, 0]));
-        }
-        // names taken from the body as they were written
-        let plain = decode_args(br#"{"Pod":{},"NodeNames":["a","b"]}"#).unwrap();
-        assert!(plain.names_verbatim());
-        let c = Candidates::unresolved(plain.candidate_names().unwrap(), true);
-        let answers = [Answer::Fits(1, 0.1), Answer::No(Arc::new(Reason::new(RejectClass::Preemptable, "x".into())))];
-        let json = filter_json(&plain, &c, &answers);
-        assert_eq!(
-            String::from_utf8(json).unwrap(),
-            r#"{"Nodes":null,"NodeNames":["a"],"FailedNodes":{"b":"x"},"FailedAndUnresolvableNodes":{},"Error":""}"#
-        );
-        assert!(!args.names_verbatim(), "an escaped name was copied");
     }
 }

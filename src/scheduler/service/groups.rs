@@ -1,4 +1,4 @@
-//! Filter and bind for members of a group (`extender::groups` holds the plans and reservations):
+//! Filter and bind for members of a group (`scheduler::groups` holds the plans and reservations):
 //! each member goes to its planned node only; a group with no plan has every member turned away.
 //!
 //! How a group with no plan is turned away depends on who schedules it. A plain group's members are
@@ -16,19 +16,18 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::filter::Filtered;
-use super::{Extender, State};
-use crate::extender::groups::{Arrival, MemberVerdict, PodGroupInfo};
-use crate::extender::metrics::RejectClass;
-use crate::extender::reasons::prefixed;
-use crate::extender::verdict_cache::{Answer, Candidates, Reason};
+use super::{Scheduler, State};
 use crate::placement::group_plan::group_name;
 use crate::placement_log::GroupEvent;
 use crate::placement_log::{Decision, PLACEMENT_LOG_VERSION};
+use crate::scheduler::groups::{Arrival, MemberVerdict, PodGroupInfo};
+use crate::scheduler::metrics::RejectClass;
+use crate::scheduler::reasons::prefixed;
+use crate::scheduler::verdict_cache::{Answer, Candidates, FilterDecision, Reason};
 use gpuplace_core::assignment::PodAssignment;
 use gpuplace_core::resources::PodRequest;
 
-impl Extender {
+impl Scheduler {
     /// A kube-scheduler PodGroup seen or changed (`namespace/name`): its `minCount` and topology keys
     /// apply to the group of that name.
     pub fn observe_pod_group(&self, key: &str, info: PodGroupInfo) {
@@ -62,9 +61,8 @@ impl Extender {
         uid: &str,
         req: &PodRequest,
         names: &[&'a str],
-        verbatim: bool,
         d: &mut Decision,
-    ) -> Option<Filtered<'a>> {
+    ) -> Option<FilterDecision<'a>> {
         let group = req.group.as_ref()?;
         let arrival = Arrival { uid, request: req };
         let now = Instant::now();
@@ -96,7 +94,7 @@ impl Extender {
                 d.rejection_classes.insert(RejectClass::Unresolvable.name().into(), names.len());
                 self.metrics.rejection(RejectClass::Unresolvable, names.len() as u64);
                 self.metrics.pod_filtered(uid, Some(RejectClass::Unresolvable), Instant::now());
-                return Some(Filtered::Error(text));
+                return Some(FilterDecision::Error(text));
             }
             MemberVerdict::NoPlan { reason } | MemberVerdict::Waits { reason } => {
                 let r = Arc::new(Reason::new(RejectClass::Unresolvable, prefixed(&reason)));
@@ -113,7 +111,7 @@ impl Extender {
                 (answers.collect(), r.text.clone())
             }
         };
-        let c = Candidates::unresolved(names.to_vec(), verbatim);
+        let c = Candidates::unresolved(names.to_vec());
         let mut feasible = 0;
         let mut rejected = 0;
         for p in c.unique() {
@@ -130,7 +128,7 @@ impl Extender {
             d.rejection_classes.insert(RejectClass::Unresolvable.name().into(), rejected);
         }
         self.metrics.pod_filtered(uid, (feasible == 0).then_some(RejectClass::Unresolvable), Instant::now());
-        Some(Filtered::Judged(c, answers))
+        Some(FilterDecision::Judged(c, answers))
     }
 
     /// Prioritize for a group member whose plan holds a slot: 10 on its planned node, 0 elsewhere
@@ -211,7 +209,7 @@ impl Extender {
     }
 
     /// After nodes changed (the caller holds the write lock): plans whose reservations no longer
-    /// stand are dropped; the events, with the totals after them, for [`Extender::group_events`].
+    /// stand are dropped; the events, with the totals after them, for [`Scheduler::group_events`].
     pub(super) fn groups_after_node_change(st: &mut State) -> Vec<GroupEvent> {
         let events = st.groups.nodes_changed(&mut st.cluster);
         st.groups.stamped(&st.cluster, events)
