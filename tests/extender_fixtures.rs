@@ -11,12 +11,17 @@ mod fuzz;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-use gpuplace::extender::adapt::{NodeListMode, PodRefused, Verdict};
+use std::sync::Arc;
+
+use gpuplace::extender::adapt::{NodeListMode, PodRefused};
+use gpuplace::extender::answers;
 use gpuplace::extender::wire::{
-    decode, ExtenderArgs, ExtenderBindingArgs, ExtenderBindingResult, ExtenderFilterResult, ExtenderPreemptionArgs,
-    ExtenderPreemptionResult, HostPriority, HostPriorityList, Node, WireError, WireNode,
+    decode, ExtenderArgs, ExtenderArgsRef, ExtenderBindingArgs, ExtenderBindingResult, ExtenderFilterResult,
+    ExtenderPreemptionArgs, ExtenderPreemptionResult, HostPriority, HostPriorityList, Node, WireError, WireNode,
 };
-use gpuplace::placement::feasibility::{Cause, Infeasible, Why};
+use gpuplace::placement::feasibility::Cause;
+use gpuplace::scheduler::metrics::RejectClass;
+use gpuplace::scheduler::verdict_cache::{Answer, Candidates, Reason};
 use gpuplace_core::resources::{
     ContainerDemand, GpuDemand, GroupSpec, NumaPolicy, PodRequest, RequestError, RESOURCE_GPU, RESOURCE_GPU_MEM,
 };
@@ -60,6 +65,25 @@ fn fixture(rel: &str) -> (Vec<u8>, PathBuf) {
 
 fn args(rel: &str) -> ExtenderArgs {
     decode(&fixture(rel).0).unwrap_or_else(|e| panic!("{rel}: {e}"))
+}
+
+/// The filter answer `serve` sends for one verdict per candidate (`verdict` gets each name in request
+/// order), through the encoders it uses: the wire type, held equal to the JSON written directly.
+fn filter_answer(a: &ExtenderArgs, verdict: impl Fn(&str) -> Answer) -> Result<ExtenderFilterResult, WireError> {
+    let args = ExtenderArgsRef::from(a.clone());
+    let names = args.candidate_names()?;
+    let verdicts: Vec<Answer> = names.iter().map(|n| verdict(n)).collect();
+    let c = Candidates::unresolved(names);
+    let typed = answers::filter_result(&args, &c, &verdicts);
+    let json: ExtenderFilterResult = decode(&answers::filter_json(&args, &c, &verdicts)).expect("the JSON decodes");
+    assert_eq!(json, typed, "the JSON written directly says what the wire type says");
+    Ok(typed)
+}
+
+/// A node turned down: `Preemptable` goes to `FailedNodes`, any other class to
+/// `FailedAndUnresolvableNodes`.
+fn no(class: RejectClass, text: &str) -> Answer {
+    Answer::No(Arc::new(Reason::new(class, text.to_string())))
 }
 
 fn keys(v: &Value) -> BTreeSet<String> {
@@ -483,7 +507,7 @@ fn refused_pods_are_unresolvable_everywhere_with_the_fix() {
     for rel in ["cache/filter-001", "cache/filter-004", "nocache/filter-001", "nocache/filter-004"] {
         let a = args(&format!("{rel}.request.json"));
         let reason = a.pod.request().unwrap_err().to_string();
-        let r = a.refuse_all(&reason).unwrap();
+        let r = filter_answer(&a, |_| no(RejectClass::Contract, &reason)).unwrap();
         let v = answer_json(&r);
         assert_eq!(
             keys(&v),
@@ -511,14 +535,14 @@ fn refused_pods_are_unresolvable_everywhere_with_the_fix() {
 #[test]
 fn filter_answers_mirror_the_request_mode() {
     let verdict = |n: &str| match n {
-        "gpu-node-0" | "gpu-node-2" => Verdict::Fits,
+        "gpu-node-0" | "gpu-node-2" => Answer::Fits(5, 0.5),
         // the verdict carries the cause's text; the node's own figures stay out of it
-        "gpu-node-1" => Verdict::from(Infeasible::Preemptable(Why::new(Cause::Idle { gpus: 4 }, "2 GPUs free"))),
-        _ => Verdict::from(Infeasible::Unresolvable(Why::new(Cause::Model, "node has L4s"))),
+        "gpu-node-1" => no(RejectClass::Preemptable, &Cause::Idle { gpus: 4 }.to_string()),
+        _ => no(RejectClass::Unresolvable, &Cause::Model.to_string()),
     };
     // names only: the passing names, in request order
     let a = args("cache/filter-002.request.json");
-    let r = a.filter_result(verdict).unwrap();
+    let r = filter_answer(&a, verdict).unwrap();
     assert_eq!(r.node_names, Some(vec!["gpu-node-0".to_string()]));
     assert_eq!(r.nodes, None);
     assert_eq!(r.failed_nodes, BTreeMap::from([("gpu-node-1".into(), "fewer than 4 idle GPUs".into())]));
@@ -530,7 +554,7 @@ fn filter_answers_mirror_the_request_mode() {
     // full nodes: the very objects received
     let (body, _) = fixture("nocache/filter-002.request.json");
     let a: ExtenderArgs = decode(&body).unwrap();
-    let r = a.filter_result(verdict).unwrap();
+    let r = filter_answer(&a, verdict).unwrap();
     assert_eq!(r.node_names, None);
     let passed = &r.nodes.as_ref().unwrap().items;
     assert_eq!(passed.iter().map(WireNode::name).collect::<Vec<_>>(), ["gpu-node-0", "gpu-node-2"]);
@@ -550,22 +574,14 @@ fn filter_answers_mirror_the_request_mode() {
 #[test]
 fn prioritize_bind_and_preempt_answers_use_go_names() {
     let a = args("nocache-preempt/prioritize-005.request.json");
-    let list = a
-        .priorities(|n| {
-            if n == "gpu-node-0" {
-                42
-            } else if n == "gpu-node-1" {
-                -3
-            } else {
-                7
-            }
-        })
-        .unwrap();
+    let names = a.candidate_names().unwrap();
+    let list = answers::priorities(&names, &[10, 0, 7]);
     assert_eq!(
         answer_json(&list),
         json!([{"Host": "gpu-node-0", "Score": 10}, {"Host": "gpu-node-1", "Score": 0}, {"Host": "gpu-node-2", "Score": 7}])
     );
     assert_eq!(decode::<HostPriorityList>(serde_json::to_string(&list).unwrap().as_bytes()).unwrap(), list);
+    assert_eq!(decode::<HostPriorityList>(&answers::priorities_json(&names, false, &[10, 0, 7])).unwrap(), list);
     assert_eq!(HostPriority::new("n", i64::MAX).score, 10);
 
     assert_eq!(answer_json(&ExtenderBindingResult::ok()), json!({"Error": ""}));
@@ -682,17 +698,17 @@ fn nulls_and_missing_fields_read_as_go_zero_values() {
     for body in [with_pod(r#","Nodes":null,"NodeNames":null"#), with_pod("")] {
         let a: ExtenderArgs = decode(body.as_bytes()).unwrap();
         assert!(matches!(a.mode(), Err(WireError::NoCandidates)));
-        assert!(matches!(a.filter_result(|_| Verdict::Fits), Err(WireError::NoCandidates)));
-        assert!(a.priorities(|_| 1).is_err());
+        assert!(matches!(filter_answer(&a, |_| Answer::Fits(1, 0.1)), Err(WireError::NoCandidates)));
+        assert!(a.candidate_names().is_err());
         assert!(WireError::NoCandidates.to_string().contains("nodeCacheCapable"));
     }
     // empty candidate lists are answered with empty lists
     let a: ExtenderArgs = decode(with_pod(r#","NodeNames":[]"#).as_bytes()).unwrap();
-    assert_eq!(a.filter_result(|_| Verdict::Fits).unwrap().node_names, Some(vec![]));
+    assert_eq!(filter_answer(&a, |_| Answer::Fits(1, 0.1)).unwrap().node_names, Some(vec![]));
     let a: ExtenderArgs = decode(with_pod(r#","Nodes":{"metadata":{},"items":null}"#).as_bytes()).unwrap();
     assert_eq!(a.mode().unwrap(), NodeListMode::FullNodes);
-    assert_eq!(a.filter_result(|_| Verdict::Fits).unwrap().nodes.unwrap().items.len(), 0);
-    assert!(a.priorities(|_| 1).unwrap().is_empty());
+    assert_eq!(filter_answer(&a, |_| Answer::Fits(1, 0.1)).unwrap().nodes.unwrap().items.len(), 0);
+    assert!(a.candidate_names().unwrap().is_empty());
     // Nodes wins over NodeNames when a client sends both
     let a: ExtenderArgs =
         decode(with_pod(r#","Nodes":{"items":[{"metadata":{"name":"x"}}]},"NodeNames":["y"]"#).as_bytes()).unwrap();
@@ -846,12 +862,15 @@ proptest! {
         fuzz::mutate(&mut body, edits);
         if let Ok(a) = decode::<ExtenderArgs>(&body) {
             let refused = a.pod.request().err().map(|e| e.to_string());
-            let _ = a.filter_result(|n| if n.len() % 2 == 0 { Verdict::Fits } else { Verdict::Preemptable("x".into()) });
+            let _ = filter_answer(&a, |n| if n.len() % 2 == 0 { Answer::Fits(3, 0.3) } else { no(RejectClass::Preemptable, "x") });
             if let Some(reason) = refused {
                 prop_assert!(!reason.is_empty());
-                let _ = a.refuse_all(&reason);
+                let _ = filter_answer(&a, |_| no(RejectClass::Contract, &reason));
             }
-            let _ = a.priorities(|n| n.len() as i64);
+            if let Ok(names) = a.candidate_names() {
+                let scores: Vec<u8> = names.iter().map(|n| (n.len() % 11) as u8).collect();
+                let _ = answers::priorities_json(&names, false, &scores);
+            }
             let _ = serde_json::to_string(&a);
         }
         if let Ok(p) = decode::<ExtenderPreemptionArgs>(&body) {

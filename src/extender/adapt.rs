@@ -1,16 +1,14 @@
 //! From kube-scheduler's objects to the scheduler's inputs (the wire pod as a [`PodView`], each
-//! verb's request as its input) and the placement core's terms, and the shape of each verb's answer
-//! in both `nodeCacheCapable` modes. No decisions are made here: the scheduler decides each node's
-//! verdict and score, and this module only puts them on the wire correctly.
+//! verb's request as its input, the candidates in either `nodeCacheCapable` mode) and to the
+//! placement core's terms; the preempt answer from the victims kept. No decisions are made here,
+//! and filter and prioritize answers are written by `extender::answers`.
 
 use std::collections::{BTreeMap, HashMap};
 
 use crate::extender::wire::{
     Container, ExtenderArgs, ExtenderArgsRef, ExtenderBindingArgs, ExtenderBindingResult, ExtenderFilterResult,
-    ExtenderPreemptionArgs, ExtenderPreemptionResult, FailedNodesMap, HostPriority, HostPriorityList, MetaPod,
-    MetaVictims, NodeList, Pod, WireError, WireNode,
+    ExtenderPreemptionArgs, ExtenderPreemptionResult, MetaPod, MetaVictims, Pod, WireError, WireNode,
 };
-use crate::placement::feasibility::Infeasible;
 use crate::scheduler::input::{BindOrder, NodeObject, NodeQuery, NodeVictims, PodView, PreemptQuery, Victim};
 use gpuplace_core::node_constraints::NodeConstraints;
 use gpuplace_core::resources::{pod_request, ContainerResources, PodRequest, PodSpecView, RequestError, RESOURCE_GPU};
@@ -85,28 +83,6 @@ pub enum NodeListMode {
     FullNodes,
 }
 
-/// One node's filter verdict.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Verdict {
-    Fits,
-    /// Does not fit now, might after preemption: goes to `FailedNodes`.
-    Preemptable(String),
-    /// Does not fit even on the emptied node: goes to `FailedAndUnresolvableNodes`, so kube-scheduler
-    /// does not try to preempt there.
-    Unresolvable(String),
-}
-
-/// The verdict carries the cause's text, the same on every node turned down for it (the detail is
-/// for logs: kube-scheduler groups nodes by reason).
-impl From<Infeasible> for Verdict {
-    fn from(why: Infeasible) -> Self {
-        match why {
-            Infeasible::Unresolvable(w) => Verdict::Unresolvable(w.cause.to_string()),
-            Infeasible::Preemptable(w) => Verdict::Preemptable(w.cause.to_string()),
-        }
-    }
-}
-
 impl ExtenderArgs {
     /// Which mode the request is in. `Nodes` wins when a client sends both, because an answer carrying
     /// `Nodes` is read by kube-scheduler in either mode; neither is an error.
@@ -124,103 +100,6 @@ impl ExtenderArgs {
             NodeListMode::FullNodes => self.nodes.iter().flat_map(|l| l.items.iter().map(|n| n.name())).collect(),
             NodeListMode::NamesOnly => self.node_names.iter().flatten().map(String::as_str).collect(),
         })
-    }
-
-    /// The filter answer for the given per-node verdicts, in the request's mode: passing nodes keep
-    /// their order, as names (`NodeNames`) or as the Node objects received (`Nodes`), so the answer is
-    /// always a subset of the candidates; failures go to the map their kind belongs in.
-    pub fn filter_result(&self, mut verdict: impl FnMut(&str) -> Verdict) -> Result<ExtenderFilterResult, WireError> {
-        // off the hot path (refusals, tests): a copy of the candidates is cheap enough there
-        self.clone().into_filter_result(|_, name| verdict(name))
-    }
-
-    /// [`ExtenderArgs::filter_result`] consuming the request: the passing names or Node objects move
-    /// into the answer instead of being copied (thousands per request). `verdict` is called once per
-    /// candidate, in request order, with its position and name.
-    pub fn into_filter_result(
-        self,
-        mut verdict: impl FnMut(usize, &str) -> Verdict,
-    ) -> Result<ExtenderFilterResult, WireError> {
-        let mut failed = FailedNodesMap::new();
-        let mut unresolvable = FailedNodesMap::new();
-        let mut passes = |pos: usize, name: &str| match verdict(pos, name) {
-            Verdict::Fits => true,
-            Verdict::Preemptable(r) => {
-                failed.insert(name.to_string(), r);
-                false
-            }
-            Verdict::Unresolvable(r) => {
-                unresolvable.insert(name.to_string(), r);
-                false
-            }
-        };
-        let mut out = ExtenderFilterResult::default();
-        // same precedence as mode()
-        if let Some(list) = self.nodes {
-            let mut items = Vec::with_capacity(list.items.len());
-            for (pos, n) in list.items.into_iter().enumerate() {
-                if passes(pos, n.name()) {
-                    items.push(n);
-                }
-            }
-            out.nodes = Some(NodeList { metadata: list.metadata, items });
-        } else if let Some(names) = self.node_names {
-            let mut pass = Vec::with_capacity(names.len());
-            for (pos, n) in names.into_iter().enumerate() {
-                if passes(pos, &n) {
-                    pass.push(n);
-                }
-            }
-            out.node_names = Some(pass);
-        } else {
-            return Err(WireError::NoCandidates);
-        }
-        // kube-scheduler lets FailedAndUnresolvableNodes win; keeping a node in one map only says the same
-        // without relying on that rule (it only arises when a name is sent twice).
-        failed.retain(|n, _| !unresolvable.contains_key(n));
-        out.failed_nodes = failed;
-        out.failed_and_unresolvable_nodes = unresolvable;
-        Ok(out)
-    }
-
-    /// [`ExtenderArgs::priorities`] consuming the request (names move into the answer); `score` gets
-    /// each candidate's position and name, in request order.
-    pub fn into_priorities(self, mut score: impl FnMut(usize, &str) -> i64) -> Result<HostPriorityList, WireError> {
-        let mode = self.mode()?;
-        Ok(match mode {
-            NodeListMode::FullNodes => self
-                .nodes
-                .into_iter()
-                .flat_map(|l| l.items)
-                .enumerate()
-                .map(|(pos, n)| {
-                    let s = score(pos, n.name());
-                    HostPriority::new(n.into_name(), s)
-                })
-                .collect(),
-            NodeListMode::NamesOnly => self
-                .node_names
-                .into_iter()
-                .flatten()
-                .enumerate()
-                .map(|(pos, n)| {
-                    let s = score(pos, &n);
-                    HostPriority::new(n, s)
-                })
-                .collect(),
-        })
-    }
-
-    /// The filter answer for a pod that fits nowhere whatever happens (its request is refused by the
-    /// contract): every candidate is unresolvable with the same reason, which kube-scheduler shows in the
-    /// pod's `FailedScheduling` event, and no preemption is attempted for it.
-    pub fn refuse_all(&self, reason: &str) -> Result<ExtenderFilterResult, WireError> {
-        self.filter_result(|_| Verdict::Unresolvable(reason.to_string()))
-    }
-
-    /// The prioritize answer: one entry per candidate in request order, scores clamped to 0..=10.
-    pub fn priorities(&self, mut score: impl FnMut(&str) -> i64) -> Result<HostPriorityList, WireError> {
-        Ok(self.candidate_names()?.into_iter().map(|n| HostPriority::new(n, score(n))).collect())
     }
 }
 
@@ -458,28 +337,6 @@ mod tests {
             pod.status.phase = phase.into();
             assert_eq!(pod.is_finished(), done, "{phase}");
         }
-    }
-
-    #[test]
-    fn repeated_names_stay_in_one_failure_map() {
-        let body = br#"{"Pod":{},"NodeNames":["a","a","b"]}"#;
-        let args: ExtenderArgs = decode(body).unwrap();
-        let mut calls = 0;
-        let r = args
-            .filter_result(|_| {
-                calls += 1;
-                if calls == 1 {
-                    Verdict::Preemptable("busy".into())
-                } else if calls == 2 {
-                    Verdict::Unresolvable("too small".into())
-                } else {
-                    Verdict::Fits
-                }
-            })
-            .unwrap();
-        assert_eq!(r.node_names, Some(vec!["b".to_string()]));
-        assert!(r.failed_nodes.is_empty());
-        assert_eq!(r.failed_and_unresolvable_nodes.get("a").map(String::as_str), Some("too small"));
     }
 
     #[test]
