@@ -20,7 +20,7 @@ use gpuplace::extender::wire::{
     ExtenderPreemptionArgs, ExtenderPreemptionResult, HostPriority, HostPriorityList, Node, WireError, WireNode,
 };
 use gpuplace::placement::feasibility::Cause;
-use gpuplace::scheduler::metrics::RejectClass;
+use gpuplace::scheduler::verdict_cache::RejectClass;
 use gpuplace::scheduler::verdict_cache::{Answer, Candidates, Reason};
 use gpuplace_core::resources::{
     ContainerDemand, GpuDemand, GroupSpec, NumaPolicy, PodRequest, RequestError, RESOURCE_GPU, RESOURCE_GPU_MEM,

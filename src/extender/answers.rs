@@ -144,7 +144,7 @@ mod tests {
 
     use super::*;
     use crate::extender::args_decoder::decode_args;
-    use crate::scheduler::metrics::RejectClass;
+    use crate::scheduler::verdict_cache::RejectClass;
 
     #[test]
     fn scores_are_written_as_numbers() {

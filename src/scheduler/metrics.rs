@@ -18,6 +18,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::scheduler::exposition::{escape, gauge, header};
+use crate::scheduler::verdict_cache::RejectClass;
 use gpuplace_core::cluster::Cluster;
 use gpuplace_core::room::Room;
 use gpuplace_core::summary::ClusterSummary;
@@ -41,48 +42,6 @@ impl Verb {
             Verb::Bind => "bind",
             Verb::Preempt => "preempt",
         }
-    }
-}
-
-/// Why filter turned a node down, coarsely (the exact reasons go to the placement log).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum RejectClass {
-    /// The pod's request breaks the resource contract: it fits nowhere.
-    Contract,
-    /// gpuplace knows nothing about the node's GPUs.
-    UnknownNode,
-    /// Never fits on this node, whatever is evicted.
-    Unresolvable,
-    /// Might fit after preemption.
-    Preemptable,
-}
-
-impl RejectClass {
-    pub const ALL: [RejectClass; 4] =
-        [RejectClass::Contract, RejectClass::UnknownNode, RejectClass::Unresolvable, RejectClass::Preemptable];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            RejectClass::Contract => "contract",
-            RejectClass::UnknownNode => "unknown_node",
-            RejectClass::Unresolvable => "unresolvable",
-            RejectClass::Preemptable => "preemptable",
-        }
-    }
-
-    fn index(self) -> usize {
-        RejectClass::ALL.iter().position(|&c| c == self).unwrap_or(0)
-    }
-
-    /// What a pod every candidate turned down waits on, from how many nodes each class turned it
-    /// down (in [`RejectClass::ALL`] order): a refused request first (it fits nowhere until it is
-    /// changed), then capacity (somewhere it would fit after evictions), then nodes gpuplace knows
-    /// nothing about (it might fit there once their inventory is published), else nowhere.
-    /// `None` when no node turned it down.
-    pub fn of_pending(counts: &[u64; 4]) -> Option<RejectClass> {
-        [RejectClass::Contract, RejectClass::Preemptable, RejectClass::UnknownNode, RejectClass::Unresolvable]
-            .into_iter()
-            .find(|c| counts[c.index()] > 0)
     }
 }
 

@@ -36,12 +36,13 @@ use crate::placement_log::{CapacitySummary, Chosen, ChosenGpu, Decision, Request
 use crate::scheduler::binder::{BindRequest, Binder};
 use crate::scheduler::groups::{Groups, DEFAULT_GROUP_TIMEOUT};
 use crate::scheduler::input::{BindOrder, NodeObject, NodeQuery, NodeVictims, PodView, PreemptQuery, Victim};
-use crate::scheduler::metrics::{BindOutcome, ConflictKind, Metrics, RejectClass};
+use crate::scheduler::metrics::{BindOutcome, ConflictKind, Metrics};
 use crate::scheduler::mix::Learning;
 use crate::scheduler::reasons::{self, prefixed, UnknownNode, MAX_DETAILED_NODES};
 use crate::scheduler::requeue::{RecentRejections, Requeuer};
 use crate::scheduler::verdict_cache::{
-    Answer, Candidates, FilterDecision, NameOrder, Reason, ReasonKey, Shape, ShapeCache, DEFAULT_SHAPE_CACHE, MAX_SCORE,
+    Answer, Candidates, FilterDecision, NameOrder, Reason, ReasonKey, RejectClass, Shape, ShapeCache,
+    DEFAULT_SHAPE_CACHE, MAX_SCORE,
 };
 use gpuplace_core::annotations::{
     AssignmentAnnotation, NodeInventory, ANNOTATION_ASSIGNMENT, ANNOTATION_INVENTORY, ANNOTATION_UTILIZATION,
@@ -813,10 +814,6 @@ fn ephemeral_keys() -> Option<Arc<KeyRing>> {
             None
         }
     }
-}
-
-fn class_index(c: RejectClass) -> usize {
-    RejectClass::ALL.iter().position(|&x| x == c).unwrap_or(0)
 }
 
 #[cfg(test)]

@@ -33,7 +33,6 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use crate::placement::feasibility::Cause;
-use crate::scheduler::metrics::RejectClass;
 use crate::scheduler::reasons;
 use gpuplace_core::cluster::Cluster;
 use gpuplace_core::resources::PodRequest;
@@ -49,6 +48,49 @@ pub const DEFAULT_SHAPE_CACHE: usize = 64;
 /// Distinct reasons kept per shape for sharing; beyond it the table starts over (reasons in use stay
 /// alive in their slots). Reasons depend on the kind of shortfall only, so a shape has a handful.
 const MAX_REASONS: usize = 4096;
+
+/// Why filter turned a node down, coarsely (the exact reasons go to the placement log).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RejectClass {
+    /// The pod's request breaks the resource contract: it fits nowhere.
+    Contract,
+    /// gpuplace knows nothing about the node's GPUs.
+    UnknownNode,
+    /// Never fits on this node, whatever is evicted.
+    Unresolvable,
+    /// Might fit after preemption.
+    Preemptable,
+}
+
+impl RejectClass {
+    pub const ALL: [RejectClass; 4] =
+        [RejectClass::Contract, RejectClass::UnknownNode, RejectClass::Unresolvable, RejectClass::Preemptable];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            RejectClass::Contract => "contract",
+            RejectClass::UnknownNode => "unknown_node",
+            RejectClass::Unresolvable => "unresolvable",
+            RejectClass::Preemptable => "preemptable",
+        }
+    }
+
+    /// Its position in [`RejectClass::ALL`] (per-class counters are arrays in that order).
+    pub fn index(self) -> usize {
+        RejectClass::ALL.iter().position(|&c| c == self).unwrap_or(0)
+    }
+
+    /// What a pod every candidate turned down waits on, from how many nodes each class turned it
+    /// down (in [`RejectClass::ALL`] order): a refused request first (it fits nowhere until it is
+    /// changed), then capacity (somewhere it would fit after evictions), then nodes gpuplace knows
+    /// nothing about (it might fit there once their inventory is published), else nowhere.
+    /// `None` when no node turned it down.
+    pub fn of_pending(counts: &[u64; 4]) -> Option<RejectClass> {
+        [RejectClass::Contract, RejectClass::Preemptable, RejectClass::UnknownNode, RejectClass::Unresolvable]
+            .into_iter()
+            .find(|c| counts[c.index()] > 0)
+    }
+}
 
 /// What a rejected node's reason is made from: its class and the engine's cause (`None`: the engine
 /// gave none). Nodes with equal keys get one shared reason.

@@ -350,7 +350,7 @@ impl Scheduler {
         for p in c.unique() {
             match &answers[p] {
                 Answer::Fits(..) => feasible += 1,
-                Answer::No(r) => class_counts[class_index(r.class)] += 1,
+                Answer::No(r) => class_counts[r.class.index()] += 1,
                 Answer::NotOffered => {}
             }
         }
