@@ -208,10 +208,6 @@ impl PodView for Pod {
     fn has_soft_preferences(&self) -> bool {
         self.spec.has_soft_preferences()
     }
-
-    fn key(&self) -> String {
-        Pod::key(self)
-    }
 }
 
 impl WireNode {

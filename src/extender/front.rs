@@ -69,17 +69,15 @@ impl Extender {
     /// The prioritize verb, answered as the wire type.
     pub fn prioritize(&self, body: &[u8]) -> Result<HostPriorityList, WireError> {
         let args = decode_args(body)?;
-        let q = args.query()?;
-        let scores = self.scheduler.prioritize(&q);
-        Ok(answers::priorities(&q.names, &scores))
+        let (names, scores) = self.scheduler.prioritize(args.query()?);
+        Ok(answers::priorities(&names, &scores))
     }
 
     /// [`Self::prioritize`] as the JSON body kube-scheduler reads.
     pub fn prioritize_json(&self, body: &[u8]) -> Result<Vec<u8>, WireError> {
         let args = decode_args(body)?;
-        let q = args.query()?;
-        let scores = self.scheduler.prioritize(&q);
-        Ok(answers::priorities_json(&q.names, args.names_verbatim(), &scores))
+        let (names, scores) = self.scheduler.prioritize(args.query()?);
+        Ok(answers::priorities_json(&names, args.names_verbatim(), &scores))
     }
 
     /// The bind verb: a failed bind is an answer with `Error` set.

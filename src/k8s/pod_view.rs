@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
+use crate::extender::adapt::PodRefused;
 use crate::scheduler::input::PodView;
 use gpuplace_core::node_constraints::{NodeConstraints, Toleration};
 use gpuplace_core::resources::{pod_request, ContainerResources, PodRequest, PodSpecView};
@@ -73,7 +74,8 @@ impl PodView for Pod {
     }
 
     fn request(&self) -> Result<PodRequest, String> {
-        pod_request(&spec_view(self)).map_err(|e| format!("pod {}: {e}", self.key()))
+        // the same refusal, in the same words, as the extender's wire pod gives
+        pod_request(&spec_view(self)).map_err(|e| PodRefused { pod: self.key(), source: Box::new(e) }.to_string())
     }
 
     fn node_constraints(&self) -> Result<NodeConstraints, String> {
@@ -100,21 +102,21 @@ impl PodView for Pod {
     }
 
     fn has_soft_preferences(&self) -> bool {
+        fn any<T>(terms: Option<&Vec<T>>) -> bool {
+            terms.is_some_and(|t| !t.is_empty())
+        }
         let s = spec(self);
-        let a = s.affinity.as_ref();
-        let node = a
-            .and_then(|a| a.node_affinity.as_ref())
-            .and_then(|n| n.preferred_during_scheduling_ignored_during_execution.as_ref());
-        let pod = a
-            .and_then(|a| a.pod_affinity.as_ref())
-            .and_then(|n| n.preferred_during_scheduling_ignored_during_execution.as_ref());
-        let anti = a
-            .and_then(|a| a.pod_anti_affinity.as_ref())
-            .and_then(|n| n.preferred_during_scheduling_ignored_during_execution.as_ref());
-        let nonempty = |terms: Option<usize>| terms.is_some_and(|n| n > 0);
-        nonempty(node.map(Vec::len))
-            || nonempty(pod.map(Vec::len))
-            || nonempty(anti.map(Vec::len))
-            || s.topology_spread_constraints.iter().flatten().any(|t| t.when_unsatisfiable == "ScheduleAnyway")
+        let preferred = s.affinity.as_ref().is_some_and(|a| {
+            any(a.node_affinity.as_ref().and_then(|n| n.preferred_during_scheduling_ignored_during_execution.as_ref()))
+                || any(a
+                    .pod_affinity
+                    .as_ref()
+                    .and_then(|p| p.preferred_during_scheduling_ignored_during_execution.as_ref()))
+                || any(a
+                    .pod_anti_affinity
+                    .as_ref()
+                    .and_then(|p| p.preferred_during_scheduling_ignored_during_execution.as_ref()))
+        });
+        preferred || s.topology_spread_constraints.iter().flatten().any(|t| t.when_unsatisfiable == "ScheduleAnyway")
     }
 }

@@ -27,14 +27,9 @@ use crate::scheduler::Scheduler;
 use gpuplace_core::api_client::events::{EventSink, REASON_ASSIGNMENT};
 use gpuplace_core::clock::now_unix_ms;
 
-/// The scheduler's view of a pod, read from the typed object (`k8s::pod_view`).
-pub fn observed(pod: &Pod) -> ObservedPod {
-    ObservedPod::of(pod)
-}
-
 /// Applies one added or changed pod, raising an Event when its assignment is refused.
 pub fn apply(ext: &Scheduler, pod: &Pod, events: Option<&EventSink>) -> PodOutcome {
-    let p = observed(pod);
+    let p = ObservedPod::of(pod);
     let outcome = ext.observe_pod(&p);
     if let (PodOutcome::Refused(why), Some(ev)) = (&outcome, events) {
         ev.warn(pod.object_ref(&()), REASON_ASSIGNMENT, "CountAssignment", why);
@@ -51,7 +46,7 @@ pub fn rebuild(ext: &Scheduler, pods: &[Pod], events: Option<&EventSink>) -> usi
     let mut refs: HashMap<String, ObjectReference> = HashMap::new();
     let mut later = Vec::new();
     for pod in pods {
-        let p = observed(pod);
+        let p = ObservedPod::of(pod);
         if p.finished || p.is_foreign() {
             continue;
         }
@@ -82,7 +77,7 @@ pub fn rebuild(ext: &Scheduler, pods: &[Pod], events: Option<&EventSink>) -> usi
         }
     }
     for pod in later {
-        let p = observed(pod);
+        let p = ObservedPod::of(pod);
         if let PodOutcome::Refused(why) = ext.refuse_unbound(&p) {
             refused += 1;
             if let Some(ev) = events {

@@ -7,7 +7,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use gpuplace::k8s::pods::observed;
 use gpuplace::scheduler::inspect::InspectReport;
 use gpuplace_core::annotations::{AssignmentAnnotation, NodeInventory, ANNOTATION_ASSIGNMENT, ANNOTATION_INVENTORY};
 use k8s_openapi::api::core::v1::{Event, Node, Pod};
@@ -152,7 +151,8 @@ impl Audit {
             };
             let uid = p.uid().unwrap_or_default();
             // the extender's own validation, against the device plugin's inventory of that node
-            let valid = match (observed(p).request, models.get(node)) {
+            // (`PodView` by path: kube's ResourceExt, in scope, names the same methods)
+            let valid = match (gpuplace::scheduler::input::PodView::request(p), models.get(node)) {
                 (Ok(req), Some(model)) => {
                     parsed.validate(&uid, node, &req, model).map(|_| ()).map_err(|e| e.to_string())
                 }

@@ -5,30 +5,32 @@ use super::*;
 impl Scheduler {
     /// The prioritize verb: 0..=[`MAX_SCORE`] per candidate, in the order given, from the engine;
     /// 0 where the pod does not fit. Answers from the shape cache, or for uncached shapes from
-    /// filter's evaluation of the same pod when nothing changed since (see `EvalCache`).
-    pub fn prioritize(&self, q: &NodeQuery<'_>) -> Vec<u8> {
+    /// filter's evaluation of the same pod when nothing changed since (see `EvalCache`). Returns the
+    /// candidates' names (handed back, not copied) beside their scores.
+    pub fn prioritize<'a>(&self, mut q: NodeQuery<'a>) -> (Vec<&'a str>, Vec<u8>) {
         let started = Instant::now();
-        let mut d = self.candidates_decision("prioritize", q, started);
-        let names = q.names.clone();
+        let mut d = self.candidates_decision("prioritize", &q, started);
+        let names = std::mem::take(&mut q.names);
+        let q = &q;
         let req = match self.remember_pod(q.pod) {
             Ok(r) => r,
             Err(reason) => {
                 d.refused = Some(prefixed(&reason));
                 let zeros = vec![0; names.len()];
-                return self.finish(d, started, zeros);
+                return self.finish(d, started, (names, zeros));
             }
         };
         d.requests = Some(requests_of(&req));
         if req.is_gpu_free() {
             let zeros = vec![0; names.len()];
-            return self.finish(d, started, zeros);
+            return self.finish(d, started, (names, zeros));
         }
         if let Some(objects) = &q.objects {
             self.learn_nodes(objects);
         }
         if let Some(scores) = self.group_priorities(q.pod.uid(), &req, &names) {
             d.feasible = scores.iter().filter(|&&s| s > 0).count();
-            return self.finish(d, started, scores);
+            return self.finish(d, started, (names, scores));
         }
         let st = self.read();
         let c = self.names.resolve(&st.cluster, names);
@@ -77,7 +79,7 @@ impl Scheduler {
         d.feasible = scores.iter().filter(|&&s| s >= 0).count();
         d.top = top;
         let scores = scores.iter().map(|&s| s.clamp(0, MAX_SCORE as i8) as u8).collect();
-        self.finish(d, started, scores)
+        self.finish(d, started, (c.names, scores))
     }
 
     // -----------------------------------------------------------------------------------------------
