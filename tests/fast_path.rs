@@ -12,7 +12,6 @@ use gpuplace::placement::mix::ReserveClass;
 use gpuplace::placement::mix::{HostFree, MixEntry, WorkloadMix};
 use gpuplace::placement::scorers::fragmentation::fragmentation_delta;
 use gpuplace::placement::scorers::packing::load_after;
-use gpuplace::placement::views::GroupView;
 use gpuplace::placement::{
     profile::{Profile, ProfileConfig},
     registry::Weights,
@@ -334,7 +333,7 @@ struct Seen {
 
 /// Compares one evaluation with the straightforward path; returns nothing, panics with context.
 fn check(engine: &Engine, c: &Cluster, req: &PodRequest, mix: &WorkloadMix, seen: &mut Seen, ctx: &str) {
-    let group = req.group.as_ref().map(|g| GroupView::new(c, g));
+    let scoring = engine.scoring(c, req, NOW);
     let how = engine.gpu_choice(req);
     let mut fits = Vec::new();
     let mut rejected = Vec::new();
@@ -345,7 +344,7 @@ fn check(engine: &Engine, c: &Cluster, req: &PodRequest, mix: &WorkloadMix, seen
             Ok(p) => {
                 // what placement offers, the model takes: capacity, exclusivity and slots agree
                 assert_eq!(node.can_allocate(&p.assignment), Ok(()), "{ctx}: placement on {}", node.name);
-                let s = engine.score(c, req, i, &p, NOW, group.as_ref());
+                let s = scoring.score(i, &p);
                 let delta = fragmentation_delta(mix, node, &p);
                 let plain = plain_fragmentation_delta(mix, node, &p);
                 assert!(delta == plain, "{ctx}: fragmentation delta {delta} vs {plain} on {}", node.name);

@@ -2,16 +2,18 @@
 //! Pure and deterministic: the same cluster and request always give the same answer.
 
 use crate::placement::compact::{self, Outcome, Plan};
+use crate::placement::facts::FactsMemo;
 use crate::placement::feasibility::{
     place_on_node, reject_cause, reject_reason, Cause, GpuChoice, Infeasible, Placement, Why,
 };
 use crate::placement::gpu_select::ShareChoice;
 use crate::placement::mix::WorkloadMix;
+use crate::placement::mix::{BoundDemand, ReserveClass};
 use crate::placement::profile::Profile;
-use crate::placement::scarcity::ScarcityMemo;
-use crate::placement::scorer::{ScoreContext, Scorer};
-use crate::placement::views::GroupView;
-use crate::placement::views::ReserveView;
+use crate::placement::registry::REGISTRY;
+use crate::placement::scorer::{Data, ScoreContext, Scorer, Shared};
+use crate::placement::scorers::model_supply::{self, SupplyFacts};
+use crate::placement::scorers::reserve::{self, ReserveFacts};
 use gpuplace_core::assignment::PodAssignment;
 use gpuplace_core::cluster::{AllocError, Cluster, Node};
 use gpuplace_core::resources::PodRequest;
@@ -160,12 +162,18 @@ pub struct Evaluation {
 }
 
 /// The engine: a profile and the workload mix it fights fragmentation for.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Engine {
     pub profile: Profile,
     pub mix: WorkloadMix,
-    /// Which of the mix's reserve classes are scarce, per cluster state (see [`Engine::shared_key`]).
-    scarcity: ScarcityMemo,
+    /// The scorers' cluster-wide facts, by name, per cluster state (see [`Engine::shared_key`]).
+    facts: FactsMemo,
+}
+
+impl Default for Engine {
+    fn default() -> Self {
+        Self::new(Profile::default(), WorkloadMix::default())
+    }
 }
 
 /// The scorers' weights for one pod: which of them apply ([`Scorer::applies`]) and their sum.
@@ -176,34 +184,82 @@ struct Weighting {
     total: f64,
 }
 
+/// One pod's scoring, prepared by [`Engine::scoring`].
+pub struct Scoring<'a> {
+    engine: &'a Engine,
+    ctx: ScoreContext<'a>,
+    /// Per scorer of the profile (in its order), the data it prepared.
+    data: Vec<Option<Shared>>,
+    weighting: Weighting,
+}
+
+impl Scoring<'_> {
+    /// Weighted mean of the scorers that apply; `part` sees each scorer with its weighted share (0
+    /// for one left out).
+    fn weigh(&self, node: &Node, placement: &Placement, mut part: impl FnMut(&dyn Scorer, f64)) -> f64 {
+        let ctx = &self.ctx;
+        let asked = ctx.request.node_policy.is_some();
+        let total_w = self.weighting.total;
+        let mut total = 0.0;
+        for (i, ((s, w), d)) in self.engine.profile.weights_for(asked).zip(&self.data).enumerate() {
+            if i < 64 && (self.weighting.skip >> i) & 1 == 1 {
+                part(s, 0.0);
+                continue;
+            }
+            let v = s.score(ctx, Data::of(d.as_ref()), node, placement);
+            let v = if v.is_finite() { v.clamp(0.0, 1.0) } else { 0.0 };
+            let share = if total_w > 0.0 { v * w / total_w } else { 0.0 };
+            part(s, share);
+            total += share;
+        }
+        total.clamp(0.0, 1.0)
+    }
+
+    /// The weighted mean of the scorers that apply for `placement` on `node`.
+    pub fn total(&self, node: &Node, placement: &Placement) -> f64 {
+        self.weigh(node, placement, |_, _| {})
+    }
+
+    /// [`Scoring::total`] with each scorer's part, for node `node` of the cluster (0 for a node
+    /// not in it).
+    pub fn score(&self, node: usize, placement: &Placement) -> NodeScore {
+        let Some(n) = self.ctx.cluster.nodes().get(node) else {
+            return NodeScore { total: 0.0, score: 0, parts: Vec::new() };
+        };
+        let mut parts = Vec::with_capacity(self.data.len());
+        let total = self.weigh(n, placement, |s, share| parts.push((s.name(), share)));
+        NodeScore { total, score: scale(total), parts }
+    }
+}
+
 impl Engine {
     pub fn new(profile: Profile, mix: WorkloadMix) -> Self {
-        Self { profile, mix, scarcity: ScarcityMemo::default() }
+        // every registered scorer's facts, weighted or not: `/inspect` reports them all
+        let facts = REGISTRY.iter().filter_map(|r| Some((r.name, (r.build)().facts()?))).collect();
+        Self { profile, mix, facts: FactsMemo::new(facts) }
     }
 
     /// What a node's verdict depends on besides the request, the node itself ([`Node::generation`])
-    /// and the clock: the reserve's classes and which of them are scarce in the whole cluster
-    /// (`scorers::reserve`; 0 while none is). A cache of per-node verdicts must hold this key too,
-    /// and drop what it keeps when the key changes. Cheap: only nodes whose stamp changed since the
-    /// last call are looked at.
+    /// and the clock: the scorers' cluster-wide facts ([`Scorer::facts`]: which reserve classes
+    /// are scarce, which model lists short, which switches whole). A cache of per-node verdicts must
+    /// hold this key too, and drop what it keeps when the key changes. Cheap: only nodes whose stamp
+    /// changed since the last call are looked at.
     pub fn shared_key(&self, cluster: &Cluster) -> u64 {
-        self.reserve_view(cluster).key()
+        self.facts.snapshot(cluster, &self.mix).key
     }
 
-    /// The reserve in `cluster`: the mix's classes and the inventory's, and which are scarce.
-    pub fn reserve_view(&self, cluster: &Cluster) -> ReserveView {
-        self.scarcity.view(cluster, &self.mix.reserve, &self.mix.bound)
-    }
-
-    /// [`Engine::reserve_view`] with each class's free hosts now (what `/inspect` shows).
-    pub fn reserve_view_with_hosts(&self, cluster: &Cluster) -> (ReserveView, Vec<u32>) {
-        self.scarcity.view_with_hosts(cluster, &self.mix.reserve, &self.mix.bound)
+    /// The reserve classes of `scorers::reserve` in `cluster` (the mix's and the inventory's), each
+    /// with its free hosts now and whether it is scarce (what `/inspect` shows).
+    pub fn reserve_classes(&self, cluster: &Cluster) -> Vec<(ReserveClass, u32, bool)> {
+        let read = ReserveFacts::classes_with_hosts;
+        self.facts.read(cluster, &self.mix, reserve::NAME, read).unwrap_or_default()
     }
 
     /// The model lists of `scorers::model_supply` in `cluster`, each with the GPUs its pods could
     /// use now (thousandths) and whether it is short (what `/inspect` shows).
-    pub fn model_lists(&self, cluster: &Cluster) -> Vec<(crate::placement::mix::BoundDemand, u64, bool)> {
-        self.scarcity.lists_with_supply(cluster, &self.mix.reserve, &self.mix.bound)
+    pub fn model_lists(&self, cluster: &Cluster) -> Vec<(BoundDemand, u64, bool)> {
+        let read = SupplyFacts::lists_with_supply;
+        self.facts.read(cluster, &self.mix, model_supply::NAME, read).unwrap_or_default()
     }
 
     /// How GPUs are picked for this pod (profile defaults after the pod's overrides).
@@ -259,34 +315,32 @@ impl Engine {
         reject_cause(node, req, &self.gpu_choice(req), r.unresolvable).or_else(|| self.explain(cluster, req, r.node))
     }
 
-    fn context<'a>(
-        &'a self,
-        cluster: &'a Cluster,
-        req: &'a PodRequest,
-        now_unix_ms: i64,
-        group: Option<&'a GroupView>,
-        reserve: &'a ReserveView,
-    ) -> ScoreContext<'a> {
-        ScoreContext {
+    /// One pod's scoring, prepared once before its nodes are scored (kube-scheduler's PreScore):
+    /// each scorer's data, looked up by the scorer's name, and which scorers apply.
+    pub fn scoring<'a>(&'a self, cluster: &'a Cluster, req: &'a PodRequest, now_unix_ms: i64) -> Scoring<'a> {
+        let ctx = ScoreContext {
             cluster,
             request: req,
             node_policy: req.node_policy.unwrap_or(self.profile.config.node_policy),
             mix: &self.mix,
             now_unix_ms,
             max_sample_age_ms: self.max_sample_age_ms(),
-            group,
-            reserve,
-        }
+        };
+        let facts = self.facts.snapshot(cluster, &self.mix);
+        let data: Vec<Option<Shared>> =
+            self.profile.scorers.iter().map(|(s, _)| s.prepare(&ctx, facts.get(s.name()))).collect();
+        let weighting = self.weighting(&ctx, &data);
+        Scoring { engine: self, ctx, data, weighting }
     }
 
     /// Which scorers count for the pod of `ctx`, and their total weight (the sum is taken in the
     /// profile's order, as it always was, so scores do not move by a rounding when all apply).
-    fn weighting(&self, ctx: &ScoreContext<'_>) -> Weighting {
+    fn weighting(&self, ctx: &ScoreContext<'_>, data: &[Option<Shared>]) -> Weighting {
         let asked = ctx.request.node_policy.is_some();
         let mut skip = 0u64;
         let mut total = 0.0;
-        for (i, (s, w)) in self.profile.weights_for(asked).enumerate() {
-            if i < 64 && !s.applies(ctx) {
+        for (i, ((s, w), d)) in self.profile.weights_for(asked).zip(data).enumerate() {
+            if i < 64 && !s.applies(ctx, Data::of(d.as_ref())) {
                 skip |= 1 << i;
             } else {
                 total += w;
@@ -308,34 +362,8 @@ impl Engine {
         crate::placement::scorers::utilization::stable_window(node, now, self.max_sample_age_ms())
     }
 
-    /// Weighted mean of the scorers that apply; `part` sees each scorer with its weighted share (0
-    /// for one left out).
-    fn weigh(
-        &self,
-        ctx: &ScoreContext<'_>,
-        weighting: Weighting,
-        node: &Node,
-        placement: &Placement,
-        mut part: impl FnMut(&dyn Scorer, f64),
-    ) -> f64 {
-        let asked = ctx.request.node_policy.is_some();
-        let total_w = weighting.total;
-        let mut total = 0.0;
-        for (i, (s, w)) in self.profile.weights_for(asked).enumerate() {
-            if i < 64 && (weighting.skip >> i) & 1 == 1 {
-                part(s, 0.0);
-                continue;
-            }
-            let v = s.score(ctx, node, placement);
-            let v = if v.is_finite() { v.clamp(0.0, 1.0) } else { 0.0 };
-            let share = if total_w > 0.0 { v * w / total_w } else { 0.0 };
-            part(s, share);
-            total += share;
-        }
-        total.clamp(0.0, 1.0)
-    }
-
-    /// Scores a feasible placement, with each scorer's part (0 for a node not in `cluster`).
+    /// Scores a feasible placement, with each scorer's part (0 for a node not in `cluster`). To
+    /// score several nodes for one pod, prepare once with [`Engine::scoring`].
     pub fn score(
         &self,
         cluster: &Cluster,
@@ -343,17 +371,8 @@ impl Engine {
         node: usize,
         placement: &Placement,
         now_unix_ms: i64,
-        group: Option<&GroupView>,
     ) -> NodeScore {
-        let Some(n) = cluster.nodes().get(node) else {
-            return NodeScore { total: 0.0, score: 0, parts: Vec::new() };
-        };
-        let reserve = self.reserve_view(cluster);
-        let ctx = self.context(cluster, req, now_unix_ms, group, &reserve);
-        let weighting = self.weighting(&ctx);
-        let mut parts = Vec::with_capacity(self.profile.scorers.len());
-        let total = self.weigh(&ctx, weighting, n, placement, |s, share| parts.push((s.name(), share)));
-        NodeScore { total, score: scale(total), parts }
+        self.scoring(cluster, req, now_unix_ms).score(node, placement)
     }
 
     /// Filters and scores the given nodes (indices into the cluster; others are skipped).
@@ -371,10 +390,7 @@ impl Engine {
         now_unix_ms: i64,
         rank: bool,
     ) -> Evaluation {
-        let group = req.group.as_ref().map(|g| GroupView::new(cluster, g));
-        let reserve = self.reserve_view(cluster);
-        let ctx = self.context(cluster, req, now_unix_ms, group.as_ref(), &reserve);
-        let weighting = self.weighting(&ctx);
+        let scoring = self.scoring(cluster, req, now_unix_ms);
         let plan = Plan::new(req, self.gpu_choice(req));
         // one record, refilled per node, is what the scorers see
         let mut scratch = compact::blank_placement(req);
@@ -387,16 +403,14 @@ impl Engine {
                 let (total, pick) = match compact::place(node, &plan, memo, &mut sc) {
                     Outcome::Fits => {
                         compact::fill_placement(&mut scratch, node, req, &sc.masks);
-                        (self.weigh(&ctx, weighting, node, &scratch, |_, _| {}), Pick::from_masks(&sc.masks))
+                        (scoring.total(node, &scratch), Pick::from_masks(&sc.masks))
                     }
                     Outcome::Rejected { unresolvable } => {
                         rejected.push(Rejection { node: i, unresolvable });
                         continue;
                     }
                     Outcome::TooLarge => match place_on_node(node, req, &plan.how) {
-                        Ok(p) => {
-                            (self.weigh(&ctx, weighting, node, &p, |_, _| {}), Pick(PickRepr::Placed(Box::new(p))))
-                        }
+                        Ok(p) => (scoring.total(node, &p), Pick(PickRepr::Placed(Box::new(p)))),
                         Err(why) => {
                             rejected.push(Rejection { node: i, unresolvable: why.is_unresolvable() });
                             continue;

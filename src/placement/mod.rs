@@ -2,6 +2,7 @@
 
 pub mod compact;
 pub mod engine;
+pub mod facts;
 pub mod feasibility;
 pub mod gpu_select;
 pub mod group_plan;
@@ -9,10 +10,8 @@ pub mod mix;
 pub mod mix_learner;
 pub mod profile;
 pub mod registry;
-pub mod scarcity;
 pub mod scorer;
 pub mod scorers;
 #[cfg(test)]
 pub(crate) mod test_fixtures;
-pub mod views;
 pub mod whole_units;

@@ -9,16 +9,32 @@
 //! shares on them cost 0.7 points of unallocated GPUs on the trace (docs/performance-journal.md,
 //! "Room for jobs"). Such nodes are neutral: they neither break a switch nor keep one whole.
 //!
-//! Whether a switch is whole depends on every node under it, so this is kept per cluster state,
-//! beside the reserve's scarcity (`placement::scarcity`), and updated only for the nodes whose stamp
-//! changed.
+//! Whether a switch is whole depends on every node under it, so these are the scorer's [`Facts`],
+//! kept per cluster state and updated only for the nodes whose stamp changed.
 
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
+use std::sync::Arc;
 
-use crate::placement::views::{path_of, NetPath, WholeView};
+use crate::placement::mix::WorkloadMix;
+use crate::placement::scorer::{Facts, Shared};
+use crate::placement::scorers::network::{path_of, NetPath};
 use gpuplace_core::cluster::{Cluster, Node};
 use gpuplace_core::topology::NvlinkFabric;
+
+/// What `scorers::whole` reads: per node, how many whole units a placement there would break.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct WholeView {
+    /// Per node index: 0 when the node is not whole; else 1 (the node) plus its whole switches.
+    pub breaks: Arc<[u8]>,
+    /// Units a node can be part of: itself and one switch per network level.
+    pub units: u8,
+    /// Some node built for jobs is whole (else nothing is left to keep and the scorer is left out).
+    pub any: bool,
+    /// Differs whenever a switch's wholeness or `any` does (a node's own wholeness is part of the
+    /// node's state, which a verdict cache already keys on).
+    pub key: u64,
+}
 
 /// A node's part in its switches' wholeness.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,7 +74,7 @@ pub struct WholeUnits {
     states: Vec<State>,
     /// Per switch, its broken nodes.
     broken: Vec<u32>,
-    view: Option<WholeView>,
+    view: Option<Arc<WholeView>>,
 }
 
 impl WholeUnits {
@@ -122,7 +138,7 @@ impl WholeUnits {
     }
 
     /// The view for the current state (worked out again only after a change).
-    pub fn view(&mut self) -> WholeView {
+    pub fn view(&mut self) -> Arc<WholeView> {
         if let Some(v) = &self.view {
             return v.clone();
         }
@@ -143,9 +159,33 @@ impl WholeUnits {
             (*b == 0).hash(&mut h);
         }
         let units = (1 + self.levels.len()).min(u8::MAX as usize) as u8;
-        let v = WholeView { breaks: breaks.into(), units, any, key: h.finish() };
+        let v = Arc::new(WholeView { breaks: breaks.into(), units, any, key: h.finish() });
         self.view = Some(v.clone());
         v
+    }
+}
+
+impl Facts for WholeUnits {
+    fn stale(&self, cluster: &Cluster, _mix: &WorkloadMix) -> bool {
+        !self.has_levels(cluster)
+    }
+
+    fn rebuild(&mut self, cluster: &Cluster, _mix: &WorkloadMix) {
+        WholeUnits::rebuild(self, cluster);
+    }
+
+    fn update(&mut self, cluster: &Cluster, i: usize) -> bool {
+        WholeUnits::update(self, cluster, i)
+    }
+
+    fn snapshot(&mut self) -> (Shared, u64) {
+        let v = self.view();
+        let key = v.key;
+        (v, key)
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }
 
@@ -189,7 +229,7 @@ mod tests {
         pod
     }
 
-    fn fresh(c: &Cluster) -> WholeView {
+    fn fresh(c: &Cluster) -> Arc<WholeView> {
         let mut w = WholeUnits::default();
         w.rebuild(c);
         w.view()

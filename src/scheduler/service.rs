@@ -30,7 +30,6 @@ use serde::{Deserialize, Serialize};
 
 use crate::placement::engine::{Engine, Evaluation, Rejection};
 use crate::placement::mix_learner::MixLearner;
-use crate::placement::views::GroupView;
 use crate::placement_log::writer::PlacementLog;
 use crate::placement_log::{CapacitySummary, Chosen, ChosenGpu, Decision, Requests, TopScore, PLACEMENT_LOG_VERSION};
 use crate::scheduler::binder::{BindRequest, Binder};
@@ -767,9 +766,9 @@ impl Scheduler {
         self.metrics.set_groups(&st.groups.stats(&st.cluster, Instant::now()));
         self.metrics.set_signed_with_old_key(self.signed_with_old_key(&st));
         self.metrics.set_mix(observed, st.engine.mix.entries.len() as u64);
-        let reserve = st.engine.reserve_view(&st.cluster);
-        let scarce = u64::from(reserve.scarce.count_ones());
-        self.metrics.set_reserve(scarce, (reserve.classes.len() as u64).saturating_sub(scarce));
+        let reserve = st.engine.reserve_classes(&st.cluster);
+        let scarce = reserve.iter().filter(|(_, _, scarce)| *scarce).count() as u64;
+        self.metrics.set_reserve(scarce, (reserve.len() as u64).saturating_sub(scarce));
         self.metrics.render(&st.cluster, bound, self.is_ready())
     }
 

@@ -5,7 +5,7 @@
 
 use crate::placement::feasibility::Placement;
 use crate::placement::mix::{HostFree, WorkloadMix};
-use crate::placement::scorer::{ScoreContext, Scorer};
+use crate::placement::scorer::{Data, ScoreContext, Scorer};
 use gpuplace_core::cluster::Node;
 
 /// The scorer's name in profiles, weights and placement logs.
@@ -35,7 +35,7 @@ impl Scorer for FragmentationScorer {
         NAME
     }
 
-    fn score(&self, ctx: &ScoreContext<'_>, node: &Node, placement: &Placement) -> f64 {
+    fn score(&self, ctx: &ScoreContext<'_>, _data: Data<'_>, node: &Node, placement: &Placement) -> f64 {
         if ctx.mix.is_empty() {
             return 0.5;
         }

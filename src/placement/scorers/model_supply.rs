@@ -27,9 +27,12 @@
 //! every short list, for CPU-only pods, and where every model the pod may use is short (it would
 //! score every node alike).
 
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
+
 use crate::placement::feasibility::Placement;
-use crate::placement::mix::BoundDemand;
-use crate::placement::scorer::{ScoreContext, Scorer};
+use crate::placement::mix::{BoundDemand, WorkloadMix};
+use crate::placement::scorer::{Data, Facts, ScoreContext, Scorer, Shared};
 use gpuplace_core::cluster::{Cluster, Node};
 
 /// A list is short while the GPUs it could use are less than this many times what the pods bound
@@ -257,10 +260,122 @@ pub fn short_lists(
 /// the same placements within 0.02 points.
 pub const RELEASE: f64 = 2.0;
 
+/// What the scorer reads: the short lists, and the GPU models of the cluster's nodes (each node's
+/// first GPU's), each once.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ModelSupply {
+    pub short: Vec<Vec<String>>,
+    pub models: Vec<String>,
+}
+
+/// What the cluster has free for each list, kept per node ([`Facts`]).
+#[derive(Debug, Default)]
+pub struct SupplyFacts {
+    /// The mix's bound demand they were built for; the lists looked at are those and the
+    /// inventory's ([`inventory_lists`]).
+    learned: Vec<BoundDemand>,
+    lists: Vec<BoundDemand>,
+    /// Each list's [`limits`].
+    limits: Vec<(f64, f64)>,
+    /// What the cluster has free for the lists (their shortness), and each node's part.
+    supply: Supply,
+    node_supply: Vec<Supply>,
+    /// Per list, whether it was short at the last look ([`short_lists`]).
+    short: Vec<bool>,
+    models: Vec<String>,
+    /// Per node, its GPUs and host CPU (the inventory's lists count GPUs per model).
+    shapes: Vec<(usize, u64)>,
+    /// The last snapshot, kept while no node's supply changes.
+    last: Option<(Shared, u64)>,
+}
+
+impl SupplyFacts {
+    /// The lists looked at (the mix's and the inventory's), each with the GPUs its pods could use
+    /// now (thousandths) and whether it is short (what `/inspect` shows).
+    pub fn lists_with_supply(&self) -> Vec<(BoundDemand, u64, bool)> {
+        let short = |k: usize| self.short.get(k).copied().unwrap_or(false);
+        let within = self.lists.iter().zip(&self.supply.within).enumerate();
+        within.map(|(k, (l, &w))| (l.clone(), w, short(k))).collect()
+    }
+}
+
+impl Facts for SupplyFacts {
+    fn stale(&self, _cluster: &Cluster, mix: &WorkloadMix) -> bool {
+        self.learned != mix.bound
+    }
+
+    fn rebuild(&mut self, cluster: &Cluster, mix: &WorkloadMix) {
+        let nodes = cluster.nodes();
+        let bound = &mix.bound;
+        self.learned = bound.clone();
+        self.models = Vec::new();
+        for m in nodes.iter().filter_map(|n| n.gpus.first()).map(|g| &g.model) {
+            if !self.models.contains(m) {
+                self.models.push(m.clone());
+            }
+        }
+        // a list keeps its state through a new mix (it changes often)
+        let was: Vec<(Vec<String>, bool)> =
+            self.lists.iter().map(|l| l.models.clone()).zip(std::mem::take(&mut self.short)).collect();
+        self.lists = bound.iter().cloned().chain(inventory_lists(cluster, bound)).collect();
+        self.limits = limits(&self.lists, bound.len());
+        self.short = self.lists.iter().map(|b| was.iter().any(|(m, s)| *s && *m == b.models)).collect();
+        self.node_supply = nodes.iter().map(|n| Supply::of_node(&self.lists, n)).collect();
+        self.supply = Supply::new(self.lists.len());
+        for part in &self.node_supply {
+            self.supply.add(part);
+        }
+        self.shapes = nodes.iter().map(|n| (n.gpus.len(), n.cpu_milli)).collect();
+        self.last = None;
+    }
+
+    fn update(&mut self, cluster: &Cluster, i: usize) -> bool {
+        let (Some(node), Some(shape), Some(was)) =
+            (cluster.nodes().get(i), self.shapes.get(i), self.node_supply.get_mut(i))
+        else {
+            return false;
+        };
+        // a node's GPUs changed: the inventory's lists may have too
+        if *shape != (node.gpus.len(), node.cpu_milli) {
+            return false;
+        }
+        let part = Supply::of_node(&self.lists, node);
+        if part != *was {
+            let was = std::mem::replace(was, part);
+            self.supply.remove(&was);
+            self.supply.add(&self.node_supply[i]);
+            self.last = None;
+        }
+        true
+    }
+
+    /// Keyed on the short lists; 0 while none is, as the scorer is then left out.
+    fn snapshot(&mut self) -> (Shared, u64) {
+        if let Some(last) = &self.last {
+            return last.clone();
+        }
+        let short = short_lists(&self.lists, &self.limits, &self.supply, &mut self.short);
+        let key = if short.is_empty() {
+            0
+        } else {
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            short.hash(&mut h);
+            h.finish() | 1
+        };
+        let shared: Shared = Arc::new(ModelSupply { short, models: self.models.clone() });
+        self.last = Some((shared.clone(), key));
+        (shared, key)
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
 /// The short lists that `ctx`'s pod could run outside of.
-fn guarded<'a>(ctx: &'a ScoreContext<'_>) -> impl Iterator<Item = &'a Vec<String>> + 'a {
+fn guarded<'a>(ctx: &ScoreContext<'a>, supply: &'a ModelSupply) -> impl Iterator<Item = &'a Vec<String>> + 'a {
     let pod = &ctx.request.allowed_models;
-    ctx.reserve.short.iter().filter(move |l| !bound_within(pod, l))
+    supply.short.iter().filter(move |l| !bound_within(pod, l))
 }
 
 /// The scorer's name in profiles, weights and placement logs.
@@ -278,21 +393,27 @@ impl Scorer for ModelSupplyScorer {
         NAME
     }
 
-    fn applies(&self, ctx: &ScoreContext<'_>) -> bool {
+    fn facts(&self) -> Option<Box<dyn Facts>> {
+        Some(Box::<SupplyFacts>::default())
+    }
+
+    fn applies(&self, ctx: &ScoreContext<'_>, data: Data<'_>) -> bool {
         // GPU pods only: steering CPU-only pods off such nodes put them on the GPU nodes whose
         // hosts the GPU pods needed (`gpuspec-openb=5`: 7.67 percent unallocated at 100 percent
         // arrival instead of 4.52)
         // and only where some node it may use is on no guarded list: where all of them are, it
         // would score every node alike
         let r = ctx.request;
+        let Some(supply) = data.get::<ModelSupply>() else { return false };
         r.total_gpus() > 0
-            && guarded(ctx).next().is_some()
-            && ctx.reserve.models.iter().any(|m| r.allows_model(m) && !guarded(ctx).any(|l| contains(l, m)))
+            && guarded(ctx, supply).next().is_some()
+            && supply.models.iter().any(|m| r.allows_model(m) && !guarded(ctx, supply).any(|l| contains(l, m)))
     }
 
-    fn score(&self, ctx: &ScoreContext<'_>, node: &Node, _placement: &Placement) -> f64 {
+    fn score(&self, ctx: &ScoreContext<'_>, data: Data<'_>, node: &Node, _placement: &Placement) -> f64 {
+        let Some(supply) = data.get::<ModelSupply>() else { return 1.0 };
         let model = node.gpus.first().map_or("", |g| g.model.as_str());
-        if !node.gpus.is_empty() && guarded(ctx).any(|l| contains(l, model)) {
+        if !node.gpus.is_empty() && guarded(ctx, supply).any(|l| contains(l, model)) {
             0.0
         } else {
             1.0
@@ -427,6 +548,11 @@ mod tests {
         assert_eq!(short_lists(&bound, &limits, &Supply::new(3), &mut Vec::new()), vec![list("T4"), list("A10|T4")]);
     }
 
+    /// The short lists `e` sees in `c`.
+    fn short(e: &crate::placement::engine::Engine, c: &Cluster) -> Vec<Vec<String>> {
+        e.model_lists(c).into_iter().filter(|(_, _, short)| *short).map(|(l, _, _)| l.models).collect()
+    }
+
     fn engine(bound: Vec<BoundDemand>) -> crate::placement::engine::Engine {
         use crate::placement::mix::WorkloadMix;
         use crate::placement::profile::Profile;
@@ -472,11 +598,11 @@ mod tests {
         assert_eq!(best(&plain, &free), "T4-0");
         // nothing learned: T4, one GPU below its share of the free GPUs, is short for the
         // inventory's list already
-        assert_eq!(engine(Vec::new()).reserve_view(&c).short, vec![list("T4")]);
+        assert_eq!(short(&engine(Vec::new()), &c), vec![list("T4")]);
         assert!(best(&engine(Vec::new()), &free).starts_with("G2"));
         // a third of the demand bound to T4: its 7 free GPUs are short of it
         let bound = engine(vec![demand("T4", 0.3)]);
-        assert_eq!(bound.reserve_view(&c).short, vec![list("T4")]);
+        assert_eq!(short(&bound, &c), vec![list("T4")]);
         assert!(best(&bound, &free).starts_with("G2"), "{}", best(&bound, &free));
         // the pods bound to T4 still go there, and the scorer has nothing to say about them
         assert_eq!(best(&bound, &pod("ns/t4", &["T4"])), "T4-0");
@@ -488,7 +614,7 @@ mod tests {
         );
         // a list short of everything the pod may use scores all its nodes alike: left out
         let both = engine(vec![demand("T4", 0.3), demand("G2", 0.9)]);
-        assert_eq!(both.reserve_view(&c).short.len(), 2);
+        assert_eq!(short(&both, &c).len(), 2);
         assert_eq!(best(&both, &free), "T4-0");
     }
 }

@@ -1,10 +1,13 @@
 //! Network locality for jobs of several pods (`gpuplace.io/group`): the same ToR as the group's pods
 //! already placed, else the same spine, and room under that switch for the rest of the group.
 
+use std::collections::HashMap;
+use std::sync::Arc;
+
 use crate::placement::feasibility::Placement;
-use crate::placement::scorer::{ScoreContext, Scorer};
-use crate::placement::views::path_of;
-use gpuplace_core::cluster::Node;
+use crate::placement::scorer::{Data, ScoreContext, Scorer, Shared};
+use gpuplace_core::cluster::{Cluster, Node};
+use gpuplace_core::resources::GroupSpec;
 
 /// The scorer's name in profiles, weights and placement logs.
 pub const NAME: &str = "network";
@@ -14,6 +17,45 @@ pub const DEFAULT_WEIGHT: f64 = 3.0;
 
 #[derive(Debug, Default, Clone, Copy)]
 pub struct NetworkScorer;
+
+/// A node's network path: its value for each configured level, coarse to fine.
+pub type NetPath = Vec<Option<String>>;
+
+pub fn path_of(cluster: &Cluster, node: &Node) -> NetPath {
+    cluster.network_path(node).map(|v| v.map(str::to_string)).collect()
+}
+
+/// Where a pod's group stands: what the scorer prepares once per pod rather than once per node.
+#[derive(Debug, Clone, Default)]
+pub struct GroupView {
+    /// Network paths of the nodes holding the group's placed pods.
+    pub peer_paths: Vec<NetPath>,
+    pub placed: usize,
+    pub size: usize,
+    /// Idle healthy GPUs under each leaf switch (full path; nodes missing a label are left out).
+    pub idle_by_leaf: HashMap<NetPath, usize>,
+    pub levels: usize,
+}
+
+impl GroupView {
+    pub fn new(cluster: &Cluster, group: &GroupSpec) -> Self {
+        let mut v = Self { size: group.size as usize, levels: cluster.network_levels.len(), ..Self::default() };
+        for n in cluster.nodes() {
+            let path = path_of(cluster, n);
+            let holds = n.pods().filter(|p| p.group.as_deref() == Some(group.key.as_str())).count();
+            if holds > 0 {
+                v.placed += holds;
+                v.peer_paths.push(path.clone());
+            }
+            // a node missing a label is under no known leaf: pooling all such nodes would promise room
+            // near it that may be anywhere in the network
+            if path.iter().all(Option::is_some) {
+                *v.idle_by_leaf.entry(path).or_default() += n.idle_gpus();
+            }
+        }
+        v
+    }
+}
 
 /// How many levels (coarse to fine) two paths share before they differ or a label is missing.
 pub fn shared_levels(a: &[Option<String>], b: &[Option<String>]) -> usize {
@@ -25,8 +67,14 @@ impl Scorer for NetworkScorer {
         NAME
     }
 
-    fn score(&self, ctx: &ScoreContext<'_>, node: &Node, placement: &Placement) -> f64 {
-        let Some(view) = ctx.group else { return 1.0 };
+    /// Where the pod's group stands (nothing for a pod without a group).
+    fn prepare(&self, ctx: &ScoreContext<'_>, _facts: Option<&Shared>) -> Option<Shared> {
+        let group = ctx.request.group.as_ref()?;
+        Some(Arc::new(GroupView::new(ctx.cluster, group)))
+    }
+
+    fn score(&self, ctx: &ScoreContext<'_>, data: Data<'_>, node: &Node, placement: &Placement) -> f64 {
+        let Some(view) = data.get::<GroupView>() else { return 1.0 };
         // no network labels anywhere: nothing to prefer, as with no levels configured
         if view.levels == 0 || view.size <= 1 || view.idle_by_leaf.is_empty() {
             return 1.0;
@@ -63,7 +111,6 @@ mod tests {
     use super::*;
     use crate::placement::engine::Engine;
     use crate::placement::mix::WorkloadMix;
-    use crate::placement::views::GroupView;
     use crate::placement::{
         profile::{Profile, ProfileConfig},
         registry::Weights,
@@ -109,7 +156,6 @@ mod tests {
     fn score(c: &Cluster, req: &PodRequest, node: &str) -> f64 {
         let i = c.node_index(node).unwrap();
         let placement = Engine::default().place(c, req, i).unwrap();
-        let view = req.group.as_ref().map(|g| GroupView::new(c, g));
         let mix = WorkloadMix::default();
         let ctx = ScoreContext {
             cluster: c,
@@ -118,10 +164,9 @@ mod tests {
             mix: &mix,
             now_unix_ms: 0,
             max_sample_age_ms: 60_000,
-            group: view.as_ref(),
-            reserve: &Default::default(),
         };
-        NetworkScorer.score(&ctx, &c.nodes()[i], &placement)
+        let view = NetworkScorer.prepare(&ctx, None);
+        NetworkScorer.score(&ctx, Data::of(view.as_ref()), &c.nodes()[i], &placement)
     }
 
     fn close(a: f64, b: f64) -> bool {

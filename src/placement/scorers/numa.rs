@@ -10,7 +10,7 @@
 //! traffic to show a gain, and a default weight would move every multi-GPU placement.
 
 use crate::placement::feasibility::Placement;
-use crate::placement::scorer::{ScoreContext, Scorer};
+use crate::placement::scorer::{Data, ScoreContext, Scorer};
 use gpuplace_core::cluster::Node;
 
 /// The scorer's name in profiles, weights and placement logs.
@@ -28,11 +28,11 @@ impl Scorer for NumaScorer {
     }
 
     /// Only pods with a container of two GPUs or more: for the others every node scores alike.
-    fn applies(&self, ctx: &ScoreContext<'_>) -> bool {
+    fn applies(&self, ctx: &ScoreContext<'_>, _data: Data<'_>) -> bool {
         ctx.request.containers.iter().any(|c| c.demand.gpus() >= 2)
     }
 
-    fn score(&self, _ctx: &ScoreContext<'_>, node: &Node, placement: &Placement) -> f64 {
+    fn score(&self, _ctx: &ScoreContext<'_>, _data: Data<'_>, node: &Node, placement: &Placement) -> f64 {
         let mut total = 0.0;
         let mut counted = 0;
         for c in placement.assignment.containers.iter().filter(|c| !c.init && c.slices.len() >= 2) {
@@ -92,7 +92,7 @@ mod tests {
     /// The numa scorer's weighted part of `req` on node `i`, with the engine's own GPU choice.
     fn part(e: &Engine, c: &Cluster, req: &PodRequest, i: usize) -> f64 {
         let placement = e.place(c, req, i).expect("fits");
-        let s = e.score(c, req, i, &placement, 0, None);
+        let s = e.score(c, req, i, &placement, 0);
         s.parts.iter().find(|(n, _)| *n == NAME).map_or(f64::NAN, |p| p.1)
     }
 
@@ -120,6 +120,6 @@ mod tests {
         // single-GPU pods and shares: left out (every node alike)
         let one = PodRequest::single("ns/q", GpuDemand::Whole { gpus: 1 });
         assert_eq!(part(&e, &c, &one, 0), 0.0);
-        assert!(e.score(&c, &one, 0, &e.place(&c, &one, 0).unwrap(), 0, None).total > 0.0);
+        assert!(e.score(&c, &one, 0, &e.place(&c, &one, 0).unwrap(), 0).total > 0.0);
     }
 }

@@ -2,7 +2,7 @@
 //! spread load (keeps headroom everywhere). GPU-level packing happens in the GPU choice.
 
 use crate::placement::feasibility::Placement;
-use crate::placement::scorer::{ScoreContext, Scorer};
+use crate::placement::scorer::{Data, ScoreContext, Scorer};
 use gpuplace_core::cluster::Node;
 use gpuplace_core::resources::PackingPolicy;
 
@@ -53,7 +53,7 @@ impl Scorer for PackingScorer {
         NAME
     }
 
-    fn score(&self, ctx: &ScoreContext<'_>, node: &Node, placement: &Placement) -> f64 {
+    fn score(&self, ctx: &ScoreContext<'_>, _data: Data<'_>, node: &Node, placement: &Placement) -> f64 {
         let load = load_after(node, placement);
         match ctx.node_policy {
             PackingPolicy::Binpack => load,

@@ -26,15 +26,137 @@
 //! scorers' ranking (and the extender's 0..10 scale) is exactly what it is without it.
 //!
 //! Whether a class is scarce depends on every node of the cluster, not only on the one scored. The
-//! engine works it out once per cluster state ([`ScarcityMemo`], updated only for the nodes whose
-//! stamp changed), and callers that cache per-node verdicts key them on it too
-//! ([`Engine::shared_key`](crate::placement::engine::Engine::shared_key)).
+//! scorer's [`ReserveFacts`] count each class's free hosts per cluster state (the engine updates
+//! them only for the nodes whose stamp changed), and callers that cache per-node verdicts key them
+//! on which classes are scarce too ([`Engine::shared_key`](crate::placement::engine::Engine::shared_key)).
+
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
 
 use crate::placement::feasibility::Placement;
-use crate::placement::mix::{HostFree, MixEntry, ReserveClass};
-use crate::placement::scorer::{ScoreContext, Scorer};
+use crate::placement::mix::{HostFree, MixEntry, ReserveClass, WorkloadMix};
+use crate::placement::scorer::{Data, Facts, ScoreContext, Scorer, Shared};
 use gpuplace_core::cluster::{Cluster, Node};
 use gpuplace_core::resources::PodRequest;
+
+/// At most this many reserve classes are looked at (a bit each in the scarcity mask).
+pub const MAX_CLASSES: usize = 64;
+
+/// Bit `k` set: class `k` of a [`Reserve`] is scarce (at most `keep` free hosts left).
+pub type ScarceMask = u64;
+
+/// What the scorer reads: the reserve classes that hold for a cluster state, and which are scarce.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct Reserve {
+    /// The mix's classes (learned from requests), then those of the node inventory
+    /// ([`inventory_classes`]), at most [`MAX_CLASSES`].
+    pub classes: Vec<ReserveClass>,
+    pub scarce: ScarceMask,
+}
+
+/// Each class's free hosts, kept per node ([`Facts`]).
+#[derive(Debug, Default)]
+pub struct ReserveFacts {
+    /// The mix's classes they were built for.
+    learned: Vec<ReserveClass>,
+    classes: Vec<ReserveClass>,
+    /// Per node, its GPUs and host CPU (what [`inventory_classes`] reads).
+    shapes: Vec<(usize, u64)>,
+    /// Per node, the classes it is a free host of.
+    hosts: Vec<u64>,
+    /// Per class, its free hosts.
+    counts: Vec<u32>,
+    /// The last snapshot, kept while no class turns scarce or plentiful.
+    last: Option<(ScarceMask, Shared, u64)>,
+}
+
+fn host_bits(classes: &[ReserveClass], node: &Node) -> u64 {
+    classes.iter().enumerate().filter(|(_, c)| c.hosted_by(node)).fold(0, |m, (k, _)| m | (1 << k))
+}
+
+impl ReserveFacts {
+    fn scarce(&self) -> ScarceMask {
+        self.classes
+            .iter()
+            .zip(&self.counts)
+            .enumerate()
+            .filter(|(_, (c, &n))| c.keep > 0 && n <= c.keep)
+            .fold(0, |s, (k, _)| s | (1 << k))
+    }
+
+    /// Each class with its free hosts now and whether it is scarce (what `/inspect` shows).
+    pub fn classes_with_hosts(&self) -> Vec<(ReserveClass, u32, bool)> {
+        let scarce = self.scarce();
+        let flag = |k: usize| (scarce >> k) & 1 == 1;
+        self.classes.iter().zip(&self.counts).enumerate().map(|(k, (c, &n))| (c.clone(), n, flag(k))).collect()
+    }
+}
+
+impl Facts for ReserveFacts {
+    fn stale(&self, _cluster: &Cluster, mix: &WorkloadMix) -> bool {
+        self.learned != mix.reserve
+    }
+
+    fn rebuild(&mut self, cluster: &Cluster, mix: &WorkloadMix) {
+        let nodes = cluster.nodes();
+        self.learned = mix.reserve.clone();
+        self.classes = mix.reserve.iter().cloned().chain(inventory_classes(cluster)).take(MAX_CLASSES).collect();
+        self.shapes = nodes.iter().map(|n| (n.gpus.len(), n.cpu_milli)).collect();
+        self.hosts = nodes.iter().map(|n| host_bits(&self.classes, n)).collect();
+        self.counts = vec![0; self.classes.len()];
+        for &h in &self.hosts {
+            for (k, c) in self.counts.iter_mut().enumerate() {
+                *c += ((h >> k) & 1) as u32;
+            }
+        }
+        self.last = None;
+    }
+
+    fn update(&mut self, cluster: &Cluster, i: usize) -> bool {
+        let (Some(node), Some(shape), Some(hosts)) =
+            (cluster.nodes().get(i), self.shapes.get(i), self.hosts.get_mut(i))
+        else {
+            return false;
+        };
+        // a node's capacity changed: the inventory's classes may have too
+        if *shape != (node.gpus.len(), node.cpu_milli) {
+            return false;
+        }
+        let bits = host_bits(&self.classes, node);
+        let was = std::mem::replace(hosts, bits);
+        for (k, c) in self.counts.iter_mut().enumerate() {
+            *c = *c + ((bits >> k) & 1) as u32 - ((was >> k) & 1) as u32;
+        }
+        true
+    }
+
+    /// Keyed on the scarce classes alone (a class's `keep` only decides whether it is scarce); 0
+    /// while none is, as the scorer is then left out whatever the classes.
+    fn snapshot(&mut self) -> (Shared, u64) {
+        let scarce = self.scarce();
+        if let Some((mask, shared, key)) = &self.last {
+            if *mask == scarce {
+                return (shared.clone(), *key);
+            }
+        }
+        let key = if scarce == 0 {
+            0
+        } else {
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            for (k, c) in self.classes.iter().enumerate().filter(|(k, _)| (scarce >> k) & 1 == 1) {
+                (k, c.gpus, c.milli, c.cpu_milli, c.memory_mib, &c.models).hash(&mut h);
+            }
+            h.finish() | 1
+        };
+        let shared: Shared = Arc::new(Reserve { classes: self.classes.clone(), scarce });
+        self.last = Some((scarce, shared.clone(), key));
+        (shared, key)
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
 
 /// Of the nodes that have the most host CPU of all nodes with as many GPUs or more, this share is
 /// kept back from the start (at least one), before any request that needs one has been seen.
@@ -98,10 +220,10 @@ fn pod_size(req: &PodRequest) -> Option<MixEntry> {
 }
 
 /// The scarce classes `ctx`'s pod is not large enough to consume.
-fn guarded<'a>(ctx: &'a ScoreContext<'_>) -> impl Iterator<Item = &'a ReserveClass> + 'a {
+fn guarded<'a>(ctx: &ScoreContext<'_>, reserve: &'a Reserve) -> impl Iterator<Item = &'a ReserveClass> + 'a {
     let pod = pod_size(ctx.request);
-    let scarce = ctx.reserve.scarce;
-    ctx.reserve
+    let scarce = reserve.scarce;
+    reserve
         .classes
         .iter()
         .enumerate()
@@ -122,15 +244,17 @@ impl Scorer for ReserveScorer {
         NAME
     }
 
-    fn applies(&self, ctx: &ScoreContext<'_>) -> bool {
-        ctx.reserve.scarce != 0 && guarded(ctx).next().is_some()
+    fn facts(&self) -> Option<Box<dyn Facts>> {
+        Some(Box::<ReserveFacts>::default())
     }
 
-    fn score(&self, ctx: &ScoreContext<'_>, node: &Node, placement: &Placement) -> f64 {
-        if ctx.reserve.scarce == 0 {
-            return 1.0;
-        }
-        let taken = guarded(ctx).any(|c| c.hosted_by(node) && !hosted_after(c, node, placement));
+    fn applies(&self, ctx: &ScoreContext<'_>, data: Data<'_>) -> bool {
+        data.get::<Reserve>().is_some_and(|r| r.scarce != 0 && guarded(ctx, r).next().is_some())
+    }
+
+    fn score(&self, ctx: &ScoreContext<'_>, data: Data<'_>, node: &Node, placement: &Placement) -> f64 {
+        let Some(reserve) = data.get::<Reserve>().filter(|r| r.scarce != 0) else { return 1.0 };
+        let taken = guarded(ctx, reserve).any(|c| c.hosted_by(node) && !hosted_after(c, node, placement));
         if taken {
             0.0
         } else {
@@ -148,7 +272,6 @@ mod tests {
     use crate::placement::engine::Engine;
     use crate::placement::mix::{BoundDemand, WorkloadMix};
     use crate::placement::profile::Profile;
-    use crate::placement::scarcity::ScarcityMemo;
     use gpuplace_core::inventory::Board;
     use gpuplace_core::resources::{GpuDemand, PodRequest};
 
@@ -210,26 +333,36 @@ mod tests {
     #[test]
     fn scarcity_follows_the_cluster_incrementally() {
         let mut c = cluster();
-        let memo = ScarcityMemo::default();
-        let classes = [large(2), large(3)];
         // demand bound to the nodes' model: its usable GPUs are kept incrementally too
-        let bound = [BoundDemand {
+        let bound = vec![BoundDemand {
             models: vec!["G".into()],
             share: 0.5,
             gpus_per_pod: 1.0,
             cpu_milli_per_pod: 4000.0,
             memory_mib_per_pod: 0.0,
         }];
+        let mix = WorkloadMix::new(Vec::new(), vec![large(2), large(3)]).with_bound(bound);
+        // one engine follows the cluster; each check compares it with an engine that starts afresh
+        let kept = Engine::new(Profile::gpuplace(), mix.clone());
+        let fresh = || Engine::new(Profile::gpuplace(), mix.clone());
+        let agree = |c: &Cluster| {
+            let f = fresh();
+            assert_eq!(kept.reserve_classes(c), f.reserve_classes(c));
+            assert_eq!(kept.model_lists(c), f.model_lists(c));
+            assert_eq!(kept.shared_key(c), f.shared_key(c));
+        };
+        let scarce = |c: &Cluster| {
+            kept.reserve_classes(c).iter().enumerate().filter(|(_, (_, _, s))| *s).fold(0, |m, (k, _)| m | (1 << k))
+        };
         // the inventory adds its own class: 8 GPUs with more than 96 cores, 2 of 3 hosts kept
-        let view = memo.view(&c, &classes, &bound);
-        assert_eq!(view.classes.len(), 3);
-        assert_eq!((view.classes[2].gpus, view.classes[2].cpu_milli, view.classes[2].keep), (8, 96_001, 2));
-        assert_eq!(view.scarce, 0b010, "3 free hosts: scarce only for a keep of 3");
-        let scarce = |c: &Cluster| memo.view(c, &classes, &bound).scarce;
+        let classes = kept.reserve_classes(&c);
+        assert_eq!(classes.len(), 3);
+        assert_eq!((classes[2].0.gpus, classes[2].0.cpu_milli, classes[2].0.keep), (8, 96_001, 2));
+        assert_eq!(scarce(&c), 0b010, "3 free hosts: scarce only for a keep of 3");
         let e = engine(0);
         e.schedule(&mut c, &whole("ns/a", 1, 4000, 1024), 0).unwrap();
         // the incremental count equals a fresh one, whichever node took the pod
-        assert_eq!(memo.view(&c, &classes, &bound), ScarcityMemo::default().view(&c, &classes, &bound));
+        agree(&c);
         let a = c.pod_node("ns/a").unwrap().name.clone();
         // on a big node it leaves 2 free hosts: scarce for keeps of 2 and 3, and for the inventory's 2
         assert_eq!(scarce(&c), if a.starts_with("big") { 0b111 } else { 0b010 }, "{a}");
@@ -245,17 +378,25 @@ mod tests {
             })
             .unwrap();
         }
-        assert_eq!(memo.view(&c, &classes, &bound), ScarcityMemo::default().view(&c, &classes, &bound));
+        agree(&c);
         // its free-host counts are each class's hosts, counted afresh
-        let (view, hosts) = memo.view_with_hosts(&c, &classes, &bound);
-        let recount: Vec<u32> =
-            view.classes.iter().map(|k| c.nodes().iter().filter(|n| k.hosted_by(n)).count() as u32).collect();
+        let recount: Vec<u32> = (kept.reserve_classes(&c).iter())
+            .map(|(k, _, _)| c.nodes().iter().filter(|n| k.hosted_by(n)).count() as u32)
+            .collect();
+        let hosts: Vec<u32> = kept.reserve_classes(&c).iter().map(|(_, h, _)| *h).collect();
         assert_eq!(hosts, recount);
         c.release("ns/a").unwrap();
         c.release("ns/b0").unwrap();
         c.release("ns/b1").unwrap();
         assert_eq!(scarce(&c), 0b010);
-        assert_eq!(memo.view(&c, &[large(0)], &[]).scarce, 0, "keep 0 never protects; 3 of 3 inventory hosts free");
+        agree(&c);
+        // a new mix: the classes are worked out anew
+        let mut renewed = Engine::new(Profile::gpuplace(), mix.clone());
+        renewed.shared_key(&c);
+        renewed.mix = WorkloadMix::new(Vec::new(), vec![large(0)]);
+        let now = renewed.reserve_classes(&c);
+        assert_eq!(now.len(), 2);
+        assert!(now.iter().all(|(_, _, s)| !s), "keep 0 never protects; 3 of 3 inventory hosts free");
     }
 
     #[test]
@@ -270,14 +411,8 @@ mod tests {
         let first_small = ev.ranked.iter().position(|r| c.nodes()[r.node].name.starts_with("small")).unwrap();
         let first_big = ev.ranked.iter().position(|r| c.nodes()[r.node].name.starts_with("big")).unwrap();
         assert!(first_small < first_big, "{:?}", ev.ranked);
-        let parts = e.score(
-            &c,
-            &small,
-            ev.ranked[first_big].node,
-            &ev.ranked[first_big].placement(&c, &small).unwrap(),
-            0,
-            None,
-        );
+        let parts =
+            e.score(&c, &small, ev.ranked[first_big].node, &ev.ranked[first_big].placement(&c, &small).unwrap(), 0);
         assert!(parts.parts.iter().any(|(n, v)| *n == "reserve" && *v == 0.0));
         // a large request is what the reserve is for: no penalty, and it goes to a big node
         let monster = whole("ns/m", 8, 120_000, 720_000);

@@ -3,7 +3,7 @@
 //! fairly).
 
 use crate::placement::feasibility::Placement;
-use crate::placement::scorer::{ScoreContext, Scorer};
+use crate::placement::scorer::{Data, ScoreContext, Scorer};
 use gpuplace_core::cluster::Node;
 
 /// The scorer's name in profiles, weights and placement logs.
@@ -20,7 +20,7 @@ impl Scorer for TopologyScorer {
         NAME
     }
 
-    fn score(&self, _ctx: &ScoreContext<'_>, node: &Node, placement: &Placement) -> f64 {
+    fn score(&self, _ctx: &ScoreContext<'_>, _data: Data<'_>, node: &Node, placement: &Placement) -> f64 {
         let mut total = 0.0;
         let mut counted = 0;
         for (c, &got) in placement.assignment.containers.iter().zip(&placement.set_scores) {
@@ -59,7 +59,7 @@ mod tests {
         let e =
             Engine::new(Profile::new(ProfileConfig { weights, ..ProfileConfig::default() }), WorkloadMix::default());
         let req = PodRequest::single("ns/p", GpuDemand::Whole { gpus });
-        e.score(c, &req, i, &e.place(c, &req, i).expect("fits"), 0, None).total
+        e.score(c, &req, i, &e.place(c, &req, i).expect("fits"), 0).total
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! filters a node out: measurements are noisy, allocations are the contract.
 
 use crate::placement::feasibility::Placement;
-use crate::placement::scorer::{ScoreContext, Scorer};
+use crate::placement::scorer::{Data, ScoreContext, Scorer};
 use gpuplace_core::cluster::Node;
 
 /// The scorer's name in profiles, weights and placement logs.
@@ -71,7 +71,7 @@ impl Scorer for UtilizationScorer {
         NAME
     }
 
-    fn score(&self, ctx: &ScoreContext<'_>, node: &Node, placement: &Placement) -> f64 {
+    fn score(&self, ctx: &ScoreContext<'_>, _data: Data<'_>, node: &Node, placement: &Placement) -> f64 {
         // the worst GPU of any container (a GPU seen twice changes nothing; none at all gives 1.0)
         let slices = placement.assignment.containers.iter().flat_map(|c| &c.slices);
         1.0 - slices.map(|s| excess(ctx, node, s.gpu as usize)).fold(0.0, f64::max)
@@ -132,10 +132,8 @@ mod tests {
             mix: &mix,
             now_unix_ms: now,
             max_sample_age_ms: MAX_AGE,
-            group: None,
-            reserve: &Default::default(),
         };
-        UtilizationScorer.score(&ctx, &c.nodes()[0], &placement)
+        UtilizationScorer.score(&ctx, Data::NONE, &c.nodes()[0], &placement)
     }
 
     fn close(a: f64, b: f64) -> bool {
@@ -272,7 +270,7 @@ mod tests {
         let full = |i: usize| {
             let cand = &ev.ranked[i];
             let p = cand.placement(&c, &req).unwrap();
-            let s = engine.score(&c, &req, cand.node, &p, NOW, None);
+            let s = engine.score(&c, &req, cand.node, &p, NOW);
             assert!(close(s.total, cand.total));
             s
         };

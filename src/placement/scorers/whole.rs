@@ -21,7 +21,8 @@
 //! While no node is whole the scorer has nothing to say and is left out ([`Scorer::applies`]).
 
 use crate::placement::feasibility::Placement;
-use crate::placement::scorer::{ScoreContext, Scorer};
+use crate::placement::scorer::{Data, Facts, ScoreContext, Scorer};
+use crate::placement::whole_units::{WholeUnits, WholeView};
 use gpuplace_core::cluster::Node;
 
 /// The scorer's name in profiles, weights and placement logs.
@@ -47,8 +48,8 @@ fn index_of(ctx: &ScoreContext<'_>, node: &Node) -> Option<usize> {
 }
 
 /// How many whole units (the node, then its switches) a placement on `node` would break.
-pub fn breaks(ctx: &ScoreContext<'_>, node: &Node) -> u8 {
-    index_of(ctx, node).and_then(|i| ctx.reserve.whole.breaks.get(i).copied()).unwrap_or(0)
+pub fn breaks(ctx: &ScoreContext<'_>, whole: &WholeView, node: &Node) -> u8 {
+    index_of(ctx, node).and_then(|i| whole.breaks.get(i).copied()).unwrap_or(0)
 }
 
 /// Whether `node`'s host still feeds its idle GPUs after `placement`: each GPU left idle keeps at
@@ -71,18 +72,20 @@ impl Scorer for WholeScorer {
         NAME
     }
 
-    fn applies(&self, ctx: &ScoreContext<'_>) -> bool {
-        ctx.reserve.whole.any && ctx.request.total_gpus() > 0
+    fn facts(&self) -> Option<Box<dyn Facts>> {
+        Some(Box::<WholeUnits>::default())
     }
 
-    fn score(&self, ctx: &ScoreContext<'_>, node: &Node, placement: &Placement) -> f64 {
+    fn applies(&self, ctx: &ScoreContext<'_>, data: Data<'_>) -> bool {
+        data.get::<WholeView>().is_some_and(|w| w.any) && ctx.request.total_gpus() > 0
+    }
+
+    fn score(&self, ctx: &ScoreContext<'_>, data: Data<'_>, node: &Node, placement: &Placement) -> f64 {
         let uses_gpus = placement.assignment.containers.iter().any(|c| !c.slices.is_empty());
-        let units = ctx.reserve.whole.units.max(1);
-        if !uses_gpus {
-            return 1.0;
-        }
+        let Some(whole) = data.get::<WholeView>().filter(|_| uses_gpus) else { return 1.0 };
+        let units = whole.units.max(1);
         // a broken node whose host would run short counts as broken again
-        let b = match breaks(ctx, node) {
+        let b = match breaks(ctx, whole, node) {
             0 if !host_keeps_up(node, placement) => 1,
             b => b,
         };

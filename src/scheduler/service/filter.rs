@@ -217,15 +217,12 @@ impl Scheduler {
     /// The best nodes with each scorer's share, re-scored in full (the ranking pass keeps only totals).
     pub(super) fn top_scores(st: &State, req: &PodRequest, ev: &Evaluation, now: i64) -> Vec<TopScore> {
         let cluster = &st.cluster;
-        let group = req.group.as_ref().map(|g| GroupView::new(cluster, g));
+        let scoring = st.engine.scoring(cluster, req, now);
         ev.ranked
             .iter()
             .take(TOP_NODES)
             .map(|c| {
-                let parts = c
-                    .placement(cluster, req)
-                    .map(|p| st.engine.score(cluster, req, c.node, &p, now, group.as_ref()).parts)
-                    .unwrap_or_default();
+                let parts = c.placement(cluster, req).map(|p| scoring.score(c.node, &p).parts).unwrap_or_default();
                 TopScore {
                     node: cluster.nodes()[c.node].name.clone(),
                     score: c.score,

@@ -90,17 +90,8 @@ impl Scheduler {
     pub fn mix_report(&self) -> MixReport {
         let learned = self.learning().map(|l| (l.learner().observed(), l.learner().config().half_life));
         let st = self.read();
-        let (view, hosts) = st.engine.reserve_view_with_hosts(&st.cluster);
-        let reserve = view
-            .classes
-            .iter()
-            .zip(hosts)
-            .enumerate()
-            .map(|(k, (class, free_hosts))| ReserveReport {
-                class: class.clone(),
-                free_hosts,
-                scarce: (view.scarce >> k) & 1 == 1,
-            })
+        let reserve = (st.engine.reserve_classes(&st.cluster).into_iter())
+            .map(|(class, free_hosts, scarce)| ReserveReport { class, free_hosts, scarce })
             .collect();
         let learned_lists = st.engine.mix.bound.len();
         let model_lists = st
