@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod api;
 pub mod kubelet;
 
 use std::path::{Path, PathBuf};
