@@ -18,7 +18,6 @@ use std::sync::Arc;
 
 use crate::placement::mix::WorkloadMix;
 use crate::placement::scorer::{Facts, Shared};
-use crate::placement::scorers::network::{path_of, NetPath};
 use gpuplace_core::cluster::{Cluster, Node};
 use gpuplace_core::topology::NvlinkFabric;
 
@@ -67,7 +66,8 @@ fn state(node: &Node) -> State {
 #[derive(Debug, Default)]
 pub struct WholeUnits {
     levels: Vec<String>,
-    paths: Vec<NetPath>,
+    /// Per node, its value for each network level, coarse to fine.
+    paths: Vec<Vec<Option<String>>>,
     /// Per node, its switches (indices into `broken`), coarse to fine; a level whose label (or a
     /// coarser one) is missing has none, as the node is under no known switch there.
     units: Vec<Vec<u32>>,
@@ -82,7 +82,8 @@ impl WholeUnits {
     pub fn rebuild(&mut self, cluster: &Cluster) {
         let nodes = cluster.nodes();
         self.levels = cluster.network_levels.clone();
-        self.paths = nodes.iter().map(|n| path_of(cluster, n)).collect();
+        let owned = |n| cluster.network_path(n).map(|v| v.map(str::to_string)).collect();
+        self.paths = nodes.iter().map(owned).collect();
         let mut ids: HashMap<(usize, &[Option<String>]), u32> = HashMap::new();
         let mut units = Vec::with_capacity(nodes.len());
         for path in &self.paths {
