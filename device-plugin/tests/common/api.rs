@@ -1,6 +1,6 @@
 //! What the API-server tests share: the node, its pods and their assignments as the extender
-//! writes them, Events, and a plugin harness wired to the fake API server (tests/apiserver.rs,
-//! tests/assignments.rs).
+//! writes them, Events, and a plugin harness wired to the fake API server (the `apiserver` test binary:
+//! `main.rs` and `assignments.rs`).
 
 use std::collections::BTreeSet;
 use std::sync::Arc;

@@ -3,14 +3,12 @@
 //! annotations, an API server that is down, pods gpuplace did not place, twins admitted out of
 //! order, devices held without an assignment.
 
-mod common;
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::kubelet::FakePodResources;
-use common::{allocate, assignment_keys, Harness, SlotIds, WAIT};
+use crate::common::kubelet::FakePodResources;
+use crate::common::{allocate, assignment_keys, Harness, SlotIds, WAIT};
 use gpuplace_core::annotations::{
     AllocatedAnnotation, AllocationCounts, AssignmentAnnotation, ANNOTATION_ALLOCATED, ANNOTATION_ALLOCATION_COUNTS,
     ANNOTATION_ASSIGNMENT,
@@ -30,7 +28,7 @@ use k8s_openapi::api::core::v1::{Node, Pod, PodSpec, PodStatus};
 use kube::ResourceExt;
 use tonic::Code;
 
-use common::api::*;
+use crate::common::api::*;
 
 #[tokio::test]
 async fn allocate_applies_the_extenders_assignments_in_bind_order_and_out_of_order() {

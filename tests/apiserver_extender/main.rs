@@ -1,7 +1,7 @@
 //! API-server mode against the in-process fake API server: the binder (annotation, Binding,
 //! rollback, retry), the watchers (node selector, release, rebuild after restart, outages,
-//! utilization ConfigMaps, the learned mix, requeue). Signing keys: tests/apiserver_keys.rs;
-//! leader election and the standby's forward: tests/apiserver_leader.rs.
+//! utilization ConfigMaps, the learned mix, requeue). Signing keys: `keys.rs`; leader election and
+//! the standby's forward: `leader.rs`.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -25,9 +25,13 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::ResourceExt;
 use serde_json::{json, Value};
 
-#[path = "support/harness.rs"]
+#[path = "../support/tls.rs"]
+mod certs;
+#[path = "../support/harness.rs"]
 mod harness;
-#[path = "support/replicas.rs"]
+mod keys;
+mod leader;
+#[path = "../support/replicas.rs"]
 mod replicas;
 
 use replicas::*;

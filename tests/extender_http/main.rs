@@ -2,7 +2,7 @@
 //! kube-scheduler v1.36 fixture replayed in the order it was captured against static mode with
 //! `examples/clusters/fixture-cluster.yaml`, binds (idempotence, rollback), preemption, full-Nodes
 //! inventory, restore from annotations, metrics and the placement log. HTTP errors, limits on
-//! bodies and arbitrary request bodies: tests/extender_http_limits.rs.
+//! bodies and arbitrary request bodies: `limits.rs`.
 //!
 //! The capture order (see the fixtures' README and tests/extender_fixtures.rs): `nocache/` ran
 //! first (nc-whole4 bound on gpu-node-3, nc-gang-0 on gpu-node-2), then `cache/` on the same cluster
@@ -29,10 +29,13 @@ use gpuplace_core::inventory::Board;
 use harness::fixture;
 use serde_json::{json, Value};
 
-#[path = "support/harness.rs"]
+#[path = "../support/fuzz.rs"]
+mod fuzz;
+#[path = "../support/harness.rs"]
 mod harness;
-#[path = "support/http_server.rs"]
+#[path = "../support/http_server.rs"]
 mod http_server;
+mod limits;
 
 use http_server::*;
 

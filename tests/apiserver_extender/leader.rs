@@ -19,16 +19,9 @@ use k8s_openapi::ByteString;
 use kube::ResourceExt;
 use serde_json::{json, Value};
 
-#[path = "support/tls.rs"]
-mod certs;
+use crate::certs::{https, write as write_pem, Ca, Identity};
 
-use certs::{https, write as write_pem, Ca, Identity};
-#[path = "support/harness.rs"]
-mod harness;
-#[path = "support/replicas.rs"]
-mod replicas;
-
-use replicas::*;
+use crate::replicas::*;
 
 #[tokio::test]
 async fn two_replicas_elect_one_leader_and_fail_over() {

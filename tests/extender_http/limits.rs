@@ -3,27 +3,21 @@
 //! chunked bodies, and a property test of arbitrary request bodies (seeded from the kube-scheduler
 //! v1.36 fixtures).
 
-#[path = "support/fuzz.rs"]
-mod fuzz;
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::harness::fixture;
 use gpuplace::extender::http::HttpOptions;
 use gpuplace::extender::http_client::Connection;
 use gpuplace::scheduler::binder::RecordingBinder;
 use gpuplace::scheduler::inspect::InspectReport;
 use gpuplace_core::cluster::Cluster;
-use harness::fixture;
 use proptest::prelude::*;
 use serde_json::{json, Value};
 
-#[path = "support/harness.rs"]
-mod harness;
-#[path = "support/http_server.rs"]
-mod http_server;
-
-use http_server::*;
+use crate::fuzz;
+use crate::http_server::*;
 
 #[test]
 fn http_errors_are_clear_and_leave_state_alone() {

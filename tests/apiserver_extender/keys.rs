@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::harness::Harness;
 use gpuplace::extender::Extender;
 use gpuplace::k8s::binder::KubeBinder;
 use gpuplace::k8s::keys::KeyOptions;
@@ -17,18 +18,12 @@ use gpuplace_core::annotations::{AssignmentAnnotation, ANNOTATION_ASSIGNMENT};
 use gpuplace_core::cluster::Cluster;
 use gpuplace_core::signing::{KeyRing, PublicKeys};
 use gpuplace_testkit::apiserver::FakeApiServer;
-use harness::Harness;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::ByteString;
 use serde_json::Value;
 
-#[path = "support/harness.rs"]
-mod harness;
-#[path = "support/replicas.rs"]
-mod replicas;
-
-use replicas::*;
+use crate::replicas::*;
 
 /// Writes the key Secret's data as an operator would (`kubectl apply`).
 fn put_keys(fake: &FakeApiServer, data: BTreeMap<String, Vec<u8>>) {

@@ -1,7 +1,9 @@
 //! The plugin's Kubernetes side against the in-process fake API server (`gpuplace_testkit::apiserver`),
 //! with the fake kubelet over real gRPC: node status and annotations, the utilization sink, and the
-//! public keys. Allocate finding pods by the extender's assignments: tests/assignments.rs.
+//! public keys. Allocate finding pods by the extender's assignments: `assignments.rs`.
 
+mod assignments;
+#[path = "../common/mod.rs"]
 mod common;
 
 use std::collections::BTreeMap;
