@@ -4,6 +4,7 @@
 pub mod arrivals;
 pub mod figures;
 pub mod generate;
+pub mod native_dra;
 pub mod paper_results;
 pub mod policies;
 pub mod protocol;

@@ -1,5 +1,6 @@
 //! The scheduling policies the simulator compares: the FGD paper's five baselines and FGD itself,
-//! re-implemented from the paper's description, and gpuplace's own engine.
+//! re-implemented from the paper's description, gpuplace's own engine, and kube-scheduler's native
+//! DRA placement (`sim::native_dra`).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -13,6 +14,7 @@ use crate::placement::engine::Engine;
 use crate::placement::group_plan::{plan_group, GroupAsk};
 use crate::placement::mix_learner::{typical_gpu_memory_mib, MixLearner};
 use crate::placement::profile::{Profile, ProfileConfig};
+use crate::sim::native_dra::NativeDra;
 use crate::sim::state::{SimNode, SimState};
 use crate::sim::trace::TracePod;
 
@@ -26,10 +28,12 @@ pub enum PolicyKind {
     BestFit,
     Fgd,
     Gpuplace,
+    /// kube-scheduler v1.36 placing pods whose GPUs come from ResourceClaims, without gpuplace.
+    NativeDra,
 }
 
 impl PolicyKind {
-    pub const ALL: [PolicyKind; 7] = [
+    pub const ALL: [PolicyKind; 8] = [
         PolicyKind::Random,
         PolicyKind::DotProd,
         PolicyKind::Clustering,
@@ -37,6 +41,7 @@ impl PolicyKind {
         PolicyKind::BestFit,
         PolicyKind::Fgd,
         PolicyKind::Gpuplace,
+        PolicyKind::NativeDra,
     ];
 
     pub fn name(self) -> &'static str {
@@ -48,10 +53,11 @@ impl PolicyKind {
             PolicyKind::BestFit => "bestfit",
             PolicyKind::Fgd => "fgd",
             PolicyKind::Gpuplace => "gpuplace",
+            PolicyKind::NativeDra => "native-dra",
         }
     }
 
-    /// The paper's name for the policy in `fgd-paper-results/` (none for gpuplace).
+    /// The paper's name for the policy in `fgd-paper-results/` (none for gpuplace and native DRA).
     pub fn paper_name(self) -> Option<&'static str> {
         match self {
             PolicyKind::Random => Some("01-Random"),
@@ -60,7 +66,7 @@ impl PolicyKind {
             PolicyKind::Packing => Some("04-GpuPacking"),
             PolicyKind::BestFit => Some("05-BestFit"),
             PolicyKind::Fgd => Some("06-FGD"),
-            PolicyKind::Gpuplace => None,
+            PolicyKind::Gpuplace | PolicyKind::NativeDra => None,
         }
     }
 }
@@ -165,6 +171,8 @@ pub struct Policy {
     learner: Option<(MixLearner, u64)>,
     /// The `gpuplace` engine's [`Engine::shared_key`] the cached scores were made with.
     shared_key: u64,
+    /// Where kube-scheduler's next search for feasible nodes starts (`native-dra`).
+    native: NativeDra,
 }
 
 impl Policy {
@@ -181,7 +189,15 @@ impl Policy {
             };
             Engine::new(Profile::new(profile.clone()), start)
         });
-        Self { kind, engine, cache: ScoreCache::default(), shapes: HashMap::new(), learner, shared_key: 0 }
+        Self {
+            kind,
+            engine,
+            cache: ScoreCache::default(),
+            shapes: HashMap::new(),
+            learner,
+            shared_key: 0,
+            native: NativeDra::default(),
+        }
     }
 
     pub fn kind(&self) -> PolicyKind {
@@ -220,6 +236,7 @@ impl Policy {
                 return Some((node, gpus));
             }
             PolicyKind::Gpuplace => return self.choose_gpuplace(state, pod, shape, &models),
+            PolicyKind::NativeDra => return self.native.choose(state, pod, rng),
             _ => {}
         }
         for (i, s) in state.nodes.iter().enumerate() {
@@ -237,7 +254,9 @@ impl Policy {
                         PolicyKind::Clustering => (clustering(s, pod), s.best_fit(pod)),
                         PolicyKind::Packing => packing(s, pod),
                         PolicyKind::BestFit => (best_fit(s, pod), s.best_fit(pod)),
-                        PolicyKind::Random | PolicyKind::Gpuplace => unreachable!("handled above"),
+                        PolicyKind::Random | PolicyKind::Gpuplace | PolicyKind::NativeDra => {
+                            unreachable!("handled above")
+                        }
                     };
                     self.cache.insert((i, shape), (s.generation, Some(v.clone())));
                     v

@@ -15,7 +15,10 @@ use gpuplace_core::topology::{GpuTopology, Link, NvlinkFabric, PcieLevel};
 #[derive(Debug, Clone)]
 pub struct SimNode {
     pub model: String,
+    /// Host CPU (millicores) and memory (MiB) of the node, and what is left of them.
+    pub cpu_total: u64,
     pub cpu_left: u64,
+    pub mem_total: u64,
     pub mem_left: u64,
     /// Free share of each GPU in thousandths.
     pub left: Vec<u32>,
@@ -159,7 +162,9 @@ impl SimState {
             nodes.push(Node::new(t.name.clone(), labels, gpus, topo, t.cpu_milli, t.memory_mib));
             sim.push(SimNode {
                 model: t.model.clone(),
+                cpu_total: t.cpu_milli,
                 cpu_left: t.cpu_milli,
+                mem_total: t.memory_mib,
                 mem_left: t.memory_mib,
                 left: vec![1000; n],
                 kinds: BTreeMap::new(),
