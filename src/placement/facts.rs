@@ -24,10 +24,17 @@ pub struct FactsMemo {
 #[derive(Debug, Default)]
 struct MemoState {
     facts: Vec<(&'static str, Box<dyn Facts>)>,
-    /// Whether `layout` and `stamps` are those the facts were brought up to.
+    /// Whether `layout`, `stamps` and `shapes` are those the facts were brought up to.
     built: bool,
     layout: u64,
     stamps: Vec<u64>,
+    /// Per node, its GPUs and host CPU: what the node inventory's reserve classes and model lists
+    /// are read from, so a node whose shape changed rebuilds every fact.
+    shapes: Vec<(usize, u64)>,
+}
+
+fn shape(node: &gpuplace_core::cluster::Node) -> (usize, u64) {
+    (node.gpus.len(), node.cpu_milli)
 }
 
 /// The facts for one cluster state: each scorer's, by name, and their joint key.
@@ -86,13 +93,19 @@ impl FactsMemo {
     /// The facts brought up to `cluster`'s state.
     fn current(&self, cluster: &Cluster, mix: &WorkloadMix) -> MutexGuard<'_, MemoState> {
         let mut m = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let stamps = cluster.stamps();
-        if !m.built || m.layout != cluster.layout() || m.stamps.len() != stamps.len() {
+        let (stamps, nodes) = (cluster.stamps(), cluster.nodes());
+        let reshaped = !m.built
+            || m.layout != cluster.layout()
+            || m.stamps.len() != stamps.len()
+            || (m.stamps.iter().zip(stamps).zip(&m.shapes).zip(nodes))
+                .any(|(((old, new), was), node)| old != new && *was != shape(node));
+        if reshaped {
             for (_, f) in &mut m.facts {
                 f.rebuild(cluster, mix);
             }
             m.layout = cluster.layout();
             m.stamps = stamps.to_vec();
+            m.shapes = nodes.iter().map(shape).collect();
             m.built = true;
             return m;
         }
@@ -204,9 +217,13 @@ mod tests {
         take(&mut c, 2, "ns/b");
         assert_eq!(idle(&memo.snapshot(&c, &mix2)), 22);
         assert_eq!(counts(&memo, &c, &mix2), (2, 1), "rebuilt after the refused update");
+        // a node's host CPU changed (the inventory's classes read it): every fact rebuilt
+        c.node_mut("n0").unwrap().cpu_milli = 64_000;
+        memo.snapshot(&c, &mix2);
+        assert_eq!(counts(&memo, &c, &mix2), (3, 1));
         // another cluster (another layout): rebuilt
         let other = pcie_cluster(&[&[0]]);
         assert_eq!(idle(&memo.snapshot(&other, &mix2)), 7);
-        assert_eq!(counts(&memo, &other, &mix2), (3, 1));
+        assert_eq!(counts(&memo, &other, &mix2), (4, 1));
     }
 }

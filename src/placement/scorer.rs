@@ -62,8 +62,9 @@ impl std::fmt::Debug for Data<'_> {
 }
 
 /// Cluster-wide facts one scorer reads, kept per cluster state. The engine brings them up to date
-/// ([`FactsMemo`](crate::placement::facts::FactsMemo)): from scratch when the node layout changes
-/// or they say they are stale, else node by node for the nodes whose stamp changed.
+/// ([`FactsMemo`](crate::placement::facts::FactsMemo)): from scratch when the node layout or a
+/// node's GPUs or host CPU change (what the node inventory's classes and lists read) or they say
+/// they are stale, else node by node for the nodes whose stamp changed.
 pub trait Facts: Send + std::fmt::Debug {
     /// Whether they must be worked out anew for `mix` or `cluster` (what they were built from
     /// changed in a way a node's update does not cover).

@@ -283,8 +283,6 @@ pub struct SupplyFacts {
     /// Per list, whether it was short at the last look ([`short_lists`]).
     short: Vec<bool>,
     models: Vec<String>,
-    /// Per node, its GPUs and host CPU (the inventory's lists count GPUs per model).
-    shapes: Vec<(usize, u64)>,
     /// The last snapshot, kept while no node's supply changes.
     last: Option<(Shared, u64)>,
 }
@@ -325,20 +323,13 @@ impl Facts for SupplyFacts {
         for part in &self.node_supply {
             self.supply.add(part);
         }
-        self.shapes = nodes.iter().map(|n| (n.gpus.len(), n.cpu_milli)).collect();
         self.last = None;
     }
 
     fn update(&mut self, cluster: &Cluster, i: usize) -> bool {
-        let (Some(node), Some(shape), Some(was)) =
-            (cluster.nodes().get(i), self.shapes.get(i), self.node_supply.get_mut(i))
-        else {
-            return false;
-        };
-        // a node's GPUs changed: the inventory's lists may have too
-        if *shape != (node.gpus.len(), node.cpu_milli) {
-            return false;
-        }
+        // a node whose GPUs changed (the inventory's lists may have) never comes here: the memo
+        // rebuilds every fact then
+        let (Some(node), Some(was)) = (cluster.nodes().get(i), self.node_supply.get_mut(i)) else { return false };
         let part = Supply::of_node(&self.lists, node);
         if part != *was {
             let was = std::mem::replace(was, part);

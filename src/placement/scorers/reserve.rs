@@ -60,8 +60,6 @@ pub struct ReserveFacts {
     /// The mix's classes they were built for.
     learned: Vec<ReserveClass>,
     classes: Vec<ReserveClass>,
-    /// Per node, its GPUs and host CPU (what [`inventory_classes`] reads).
-    shapes: Vec<(usize, u64)>,
     /// Per node, the classes it is a free host of.
     hosts: Vec<u64>,
     /// Per class, its free hosts.
@@ -101,7 +99,6 @@ impl Facts for ReserveFacts {
         let nodes = cluster.nodes();
         self.learned = mix.reserve.clone();
         self.classes = mix.reserve.iter().cloned().chain(inventory_classes(cluster)).take(MAX_CLASSES).collect();
-        self.shapes = nodes.iter().map(|n| (n.gpus.len(), n.cpu_milli)).collect();
         self.hosts = nodes.iter().map(|n| host_bits(&self.classes, n)).collect();
         self.counts = vec![0; self.classes.len()];
         for &h in &self.hosts {
@@ -113,15 +110,9 @@ impl Facts for ReserveFacts {
     }
 
     fn update(&mut self, cluster: &Cluster, i: usize) -> bool {
-        let (Some(node), Some(shape), Some(hosts)) =
-            (cluster.nodes().get(i), self.shapes.get(i), self.hosts.get_mut(i))
-        else {
-            return false;
-        };
-        // a node's capacity changed: the inventory's classes may have too
-        if *shape != (node.gpus.len(), node.cpu_milli) {
-            return false;
-        }
+        // a node whose GPUs or host CPU changed (the inventory's classes may have) never comes
+        // here: the memo rebuilds every fact then
+        let (Some(node), Some(hosts)) = (cluster.nodes().get(i), self.hosts.get_mut(i)) else { return false };
         let bits = host_bits(&self.classes, node);
         let was = std::mem::replace(hosts, bits);
         for (k, c) in self.counts.iter_mut().enumerate() {
