@@ -63,6 +63,9 @@ const DEFAULT_FILES: &[&str] = &[
 /// the default rendering needs no CRD).
 const MONITORING_FILES: &[&str] = &["monitoring/servicemonitor.yaml", "monitoring/prometheus-rules.yaml"];
 
+/// Rendered with `devicePlugin.dra.enabled=true` (DRA mode), beside [`DEFAULT_FILES`].
+const DRA_FILE: &str = "device-plugin/dra.yaml";
+
 /// Rendered with `namespace.create=true` (off by default: `helm install --create-namespace`).
 const NAMESPACE_FILE: &str = "extender/namespace.yaml";
 
@@ -299,6 +302,7 @@ fn helm_lint_strict_is_clean() {
         ("no TLS", values(&["extender.tls.mode=off"])),
         ("scheduler.mode=config", values(&["scheduler.mode=config"])),
         ("fake topology", fake_topology_values()),
+        ("DRA", values(&["devicePlugin.dra.enabled=true", "devicePlugin.dra.driver=gpu.example.com"])),
         ("everything optional", every_option()),
     ];
     for (what, args) in cases {
@@ -318,7 +322,7 @@ fn helm_lint_strict_is_clean() {
 fn every_plain_file_is_accounted_for() {
     let root = config_dir();
     let mut known: Vec<&str> = DEFAULT_FILES.iter().chain(MONITORING_FILES).chain(NOT_OBJECTS).copied().collect();
-    known.push(NAMESPACE_FILE);
+    known.extend([NAMESPACE_FILE, DRA_FILE]);
     for f in yaml_files(&root) {
         let rel = f.strip_prefix(&root).unwrap().display().to_string();
         assert!(known.contains(&rel.as_str()), "scheduler-config/{rel}: not in tests/helm_chart.rs's lists");
@@ -339,6 +343,46 @@ fn the_default_rendering_is_the_plain_manifests() {
         assert!(!k.contains("monitoring.coreos.com") && !other_namespace, "{k} in the default rendering");
     }
     assert_extender_args_parse(find(&render(&[]), "Deployment", "gpuplace-extender"));
+}
+
+/// DRA mode: the DeviceClass and the resourceslices RBAC of `device-plugin/dra.yaml` beside the
+/// default objects, and the DaemonSet's plugin runs with `--dra` instead of `--no-assignments`'s
+/// place; another driver name renames the DeviceClass, its selector and the flag.
+#[test]
+fn dra_mode_adds_the_dra_manifest() {
+    let plain_ds = plain_documents("device-plugin/daemonset.yaml");
+    let plain_args = strings(&plain_ds[0]["spec"]["template"]["spec"]["containers"][0]["args"]);
+    let docs = render(&values(&["devicePlugin.dra.enabled=true"]));
+    let ds = find(&docs, "DaemonSet", "gpuplace-device-plugin").clone();
+    let args = strings(&ds["spec"]["template"]["spec"]["containers"][0]["args"]);
+    assert_eq!(args, [&plain_args[..1], &["--dra".to_string()], &plain_args[1..]].concat(), "the plugin's arguments");
+    // everything else is exactly the plain files
+    let strip = |mut m: BTreeMap<String, Value>| {
+        m.retain(|k, _| !k.contains(" DaemonSet "));
+        m
+    };
+    let files: Vec<&str> = DEFAULT_FILES.iter().copied().chain([DRA_FILE]).collect();
+    assert_same_objects(
+        "devicePlugin.dra.enabled",
+        &strip(plain_objects(&files)),
+        &strip(by_key(docs, "helm template")),
+    );
+
+    let docs = render(&values(&["devicePlugin.dra.enabled=true", "devicePlugin.dra.driver=gpu.example.com"]));
+    let class = find(&docs, "DeviceClass", "gpu.example.com");
+    assert_eq!(class["spec"]["selectors"][0]["cel"]["expression"], "device.driver == \"gpu.example.com\"");
+    let ds = find(&docs, "DaemonSet", "gpuplace-device-plugin");
+    let args = strings(&ds["spec"]["template"]["spec"]["containers"][0]["args"]);
+    assert!(
+        args.contains(&"--dra".to_string()) && args.contains(&"--dra-driver=gpu.example.com".to_string()),
+        "{args:?}"
+    );
+    // the plugin itself refuses --dra with --no-assignments: the chart never renders both
+    let docs = render(&values(&["devicePlugin.dra.enabled=true", "devicePlugin.noAssignments=true"]));
+    let ds = find(&docs, "DaemonSet", "gpuplace-device-plugin");
+    assert!(
+        !strings(&ds["spec"]["template"]["spec"]["containers"][0]["args"]).contains(&"--no-assignments".to_string())
+    );
 }
 
 #[test]

@@ -18,6 +18,7 @@
 //! - [`publish`]: when to publish `gpuplace.io/utilization`, and the [`publish::UtilizationSink`] seam.
 //! - [`k8s`]: the API server: this node's pods and assignments, node status and annotations.
 //! - [`discover`]: the `discover` command's output.
+//! - [`dra`]: the GPUs as DRA devices (DRA mode, `--dra`).
 //! - [`kubelet_api`]: the kubelet gRPC APIs (device plugin v1beta1, pod-resources v1), generated from device-plugin/proto by build.rs.
 //!
 //! The test doubles (a fake kubelet and API server) live in the dev-only `gpuplace-testkit` crate.
@@ -28,6 +29,7 @@ pub mod admitting;
 pub mod assign;
 pub mod crosscheck;
 pub mod discover;
+pub mod dra;
 pub mod exclusive;
 pub mod k8s;
 pub mod kubelet_api;

@@ -11,11 +11,13 @@ use clap::{Parser, Subcommand};
 use gpuplace_core::api_client::connect::{connect, ConnectArgs, ConnectError, Source};
 use gpuplace_core::logging::LogFormat;
 use gpuplace_device_plugin::assign::AssignmentSource;
+use gpuplace_device_plugin::dra::devices::DEFAULT_DRIVER;
 use gpuplace_device_plugin::k8s::assignments::KubeAssignments;
 use gpuplace_device_plugin::k8s::events::PluginEvents;
 use gpuplace_device_plugin::k8s::inventory::cluster_node;
 use gpuplace_device_plugin::k8s::keys::AssignmentKeys;
 use gpuplace_device_plugin::k8s::node::NodeSync;
+use gpuplace_device_plugin::k8s::slices::SliceSync;
 use gpuplace_device_plugin::k8s::utilization::KubeUtilizationSink;
 use gpuplace_device_plugin::k8s::CALL_TIMEOUT;
 use gpuplace_device_plugin::kubelet_api::DEFAULT_DEVICE_PLUGIN_DIR;
@@ -53,6 +55,15 @@ struct Cli {
     no_apiserver: bool,
     #[command(flatten)]
     connect: ConnectArgs,
+    /// DRA mode: publish the GPUs as DRA devices, in a ResourceSlice of --dra-driver (one device per
+    /// healthy GPU, with memory, cores and shares as consumable capacity), instead of registering
+    /// with kubelet as a device plugin; node capacity and the inventory annotation are not written.
+    /// Needs the API server (docs/deploy.md, "DRA").
+    #[arg(long, global = true, conflicts_with_all = ["no_apiserver", "no_assignments"])]
+    dra: bool,
+    /// The DRA driver name the GPUs are published under (the DeviceClass selects it).
+    #[arg(long, value_name = "NAME", default_value = DEFAULT_DRIVER, value_parser = parse_driver, global = true)]
+    dra_driver: String,
     /// With the API server, still let kubelet's slots decide the GPUs (no extender assignments, no
     /// per-pod limits; node capacity, inventory and utilization are written): for clusters whose
     /// extender does not write assignments yet (static mode), where every Allocate would be refused.
@@ -153,6 +164,24 @@ fn node_name(cli: &Cli) -> Option<String> {
     cli.node_name.clone().or_else(|| std::env::var("NODE_NAME").ok()).filter(|n| !n.trim().is_empty())
 }
 
+/// A DRA driver name: a lowercase DNS subdomain of at most 63 characters (the API server's rule).
+fn parse_driver(s: &str) -> Result<String, String> {
+    let label_ok = |l: &str| {
+        !l.is_empty()
+            && l.len() <= 63
+            && l.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+    };
+    if s.len() <= 63 && s.split('.').all(label_ok) {
+        Ok(s.to_string())
+    } else {
+        Err(format!(
+            "{s:?} is not a DRA driver name (a lowercase DNS subdomain of at most 63 characters, like gpu.gpuplace.io)"
+        ))
+    }
+}
+
 fn parse_namespaced(s: &str) -> Result<(String, String), String> {
     match s.split_once('/') {
         Some((ns, name)) if !ns.is_empty() && !name.is_empty() && !name.contains('/') => Ok((ns.into(), name.into())),
@@ -229,11 +258,18 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
     // the kube client and the pod watcher spawn tasks: they need the runtime's context
     let _rt_guard = rt.enter();
     let api = rt.block_on(api_client(cli))?;
+    if cli.dra && api.is_none() {
+        return Err("--dra publishes the GPUs to the API server, and none is configured or found: \
+                    pass --kubeconfig or --apiserver, or run in a cluster"
+            .into());
+    }
     let telemetry = Telemetry::new(inventory.gpus.len(), true);
     if api.is_some() {
         telemetry.enable_api();
     }
     let source: Option<Arc<dyn AssignmentSource>> = match &api {
+        // DRA: kubelet hands out what the claims' allocations say, not the extender's assignments
+        Some(_) if cli.dra => None,
         Some(_) if cli.no_assignments => {
             tracing::warn!("--no-assignments: kubelet's slots decide the GPUs; extender assignments are not applied");
             None
@@ -271,15 +307,29 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
     let mut node_sync = None;
     let sink: Arc<dyn UtilizationSink> = match &api {
         Some((client, node)) => {
-            let sync = NodeSync::new(
-                client.clone(),
-                node,
-                inventory.clone(),
-                plugin.clone(),
-                telemetry.clone(),
-                cli.node_sync_interval,
-            );
-            node_sync = Some(rt.spawn(sync.run()));
+            node_sync = Some(if cli.dra {
+                let slices = SliceSync::new(
+                    client.clone(),
+                    node,
+                    &cli.dra_driver,
+                    inventory.clone(),
+                    plugin.clone(),
+                    telemetry.clone(),
+                    cli.node_sync_interval,
+                );
+                tracing::info!(driver = %cli.dra_driver, "DRA mode: the GPUs are published as a ResourceSlice");
+                rt.spawn(slices.run())
+            } else {
+                let sync = NodeSync::new(
+                    client.clone(),
+                    node,
+                    inventory.clone(),
+                    plugin.clone(),
+                    telemetry.clone(),
+                    cli.node_sync_interval,
+                );
+                rt.spawn(sync.run())
+            });
             let namespace = cli.utilization_namespace.clone();
             let sink = KubeUtilizationSink::new(client.clone(), node, &namespace, telemetry.clone());
             tracing::info!(namespace = %namespace, configmap = %sink.name(), "utilization published to a ConfigMap");
@@ -299,7 +349,13 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
     let source = Arc::new(MetricsSource { hostname: hostname(cli), plugin: plugin.clone(), telemetry });
     let sampling = rt.spawn(sampler.run(cli.sample_interval));
     let metrics_server = rt.spawn(metrics::serve(listener, source, Box::pin(std::future::pending())));
-    let result = rt.block_on(run(plugin, cfg, Box::pin(shutdown_signal())));
+    let result = if cli.dra {
+        // not a device plugin: nothing registers with kubelet's device-plugin socket
+        rt.block_on(shutdown_signal());
+        Ok(())
+    } else {
+        rt.block_on(run(plugin, cfg, Box::pin(shutdown_signal())))
+    };
     sampling.abort();
     metrics_server.abort();
     if let Some(t) = node_sync {
@@ -388,5 +444,15 @@ mod tests {
         assert!(parse_duration("5 parsecs").is_err());
         assert!(parse_duration("s").is_err());
         assert!(parse_duration("-1s").is_err());
+    }
+
+    #[test]
+    fn driver_names_are_dns_subdomains() {
+        for ok in ["gpu.gpuplace.io", "gpu", "a-b.c1"] {
+            assert_eq!(parse_driver(ok).as_deref(), Ok(ok));
+        }
+        for bad in ["", "GPU.gpuplace.io", "gpu..io", "-gpu.io", "gpu_io", &"a".repeat(64)] {
+            assert!(parse_driver(bad).is_err(), "{bad}");
+        }
     }
 }

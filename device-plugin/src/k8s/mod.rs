@@ -11,12 +11,15 @@
 //! - [`events::PluginEvents`]: Events on pods whose assignment is skipped, and on both pods of an
 //!   allocation mismatch found by the pod-resources cross-check.
 //! - [`keys::AssignmentKeys`]: the extender's public keys, which every assignment must verify with.
+//! - [`slices::SliceSync`]: in DRA mode, this node's ResourceSlice (its healthy GPUs as devices).
 //! - [`inventory`]: what the node publishes, computed from the discovered GPUs and their health (pure).
 //!
 //! The calls, and so the RBAC (scheduler-config/device-plugin/rbac.yaml): pods list and watch (field
 //! selector `spec.nodeName`) and patch; its node get and patch; `nodes/status` patch; events.k8s.io
 //! events create and patch (kube's `Recorder` patches a repeated Event); configmaps patch and create
-//! in the utilization namespace (a Role there). A failed call
+//! in the utilization namespace (a Role there); in DRA mode, resourceslices list (field selector
+//! `spec.nodeName`, `spec.driver`), create, update and delete (scheduler-config/device-plugin/dra.yaml),
+//! and no node status, inventory or pod calls. A failed call
 //! never stops the plugin: it is logged, counted in `gpuplace_apiserver_errors_total{op}`, and
 //! retried (the loops) or reported to kubelet as `Unavailable` (Allocate).
 
@@ -25,13 +28,14 @@ pub mod events;
 pub mod inventory;
 pub mod keys;
 pub mod node;
+pub mod slices;
 pub mod utilization;
 
 use std::future::Future;
 use std::time::Duration;
 
 /// Labels of `gpuplace_apiserver_errors_total`, all exported from the start.
-pub const API_OPS: [&str; 9] = [
+pub const API_OPS: [&str; 13] = [
     "pods_list",
     "pods_watch",
     "pod_patch",
@@ -41,6 +45,10 @@ pub const API_OPS: [&str; 9] = [
     "configmap_patch",
     "configmap_create",
     "configmap_get",
+    "resourceslices_list",
+    "resourceslice_create",
+    "resourceslice_replace",
+    "resourceslice_delete",
 ];
 
 /// How long one API call may take. kubelet waits on Allocate, so a hung API server must turn into a

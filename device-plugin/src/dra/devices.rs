@@ -1,0 +1,382 @@
+//! This node's GPUs as DRA devices: the `spec` of its ResourceSlice (pure).
+//!
+//! One device per healthy GPU, named `gpu-<index>`, with `allowMultipleAllocations` so that claims
+//! can share it through consumable capacity (KEP-5075, beta and on by default in v1.36):
+//!
+//! | capacity | value | a request that does not name it takes | a request may ask |
+//! |---|---|---|---|
+//! | `memory` | the GPU's memory, `<MiB>Mi` | all of it | 1Mi and up, in whole MiB |
+//! | `cores` | `100` (percent of the GPU's compute) | all of it | 0-100 |
+//! | `shares` | K, the containers one GPU may serve (`--slots-per-gpu`) | 1 | 1 |
+//!
+//! So a claim that asks for a device and no capacity gets the whole GPU, as a `gpuplace.io/gpu`
+//! request without `gpu-mem` or `gpu-core` does, and at most K claims share one GPU, as at most K
+//! containers share it under the device plugin. A share names its `memory` (and its `cores`; left out,
+//! it takes all the compute: DRA has one default per capacity, so gpuplace's "memory alone reserves
+//! no compute" cannot be the default; `cores: 0` says it).
+//!
+//! Attributes (in the driver's domain, so `gpu.gpuplace.io/model` in CEL): `index`, `uuid`, `model`,
+//! `pciBusId`, `numaNode` (when known), `nvlinkDomain` (GPUs joined by NVLink, directly or through
+//! NVSwitch, share it: a multi-GPU claim's `matchAttribute`), `pcieRoot` (GPUs under one PCIe host
+//! bridge share it), and the node's place in the network from its labels (`spine`, `tor`: the last
+//! part of each of gpuplace's network level labels). Group values are the lowest GPU index of the
+//! group, so they compare within a node only, as one claim's devices always are.
+
+use std::collections::BTreeMap;
+
+use gpuplace_core::cluster::DEFAULT_NETWORK_LEVELS;
+use gpuplace_core::topology::PcieLevel;
+use k8s_openapi::api::resource::v1::{
+    CapacityRequestPolicy, CapacityRequestPolicyRange, Device, DeviceAttribute, DeviceCapacity, ResourcePool,
+    ResourceSliceSpec,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+
+use crate::nvml::Inventory;
+use crate::plugin::GpuHealth;
+
+/// The DRA driver name gpuplace publishes its GPUs under by default (`--dra-driver`); the DeviceClass
+/// of the same name selects them.
+pub const DEFAULT_DRIVER: &str = "gpu.gpuplace.io";
+
+/// The capacity names (and so the names in a claim's `capacity.requests`).
+pub const CAPACITY_MEMORY: &str = "memory";
+pub const CAPACITY_CORES: &str = "cores";
+pub const CAPACITY_SHARES: &str = "shares";
+
+/// The attribute names, in the driver's domain.
+pub const ATTR_INDEX: &str = "index";
+pub const ATTR_UUID: &str = "uuid";
+pub const ATTR_MODEL: &str = "model";
+pub const ATTR_PCI_BUS_ID: &str = "pciBusId";
+pub const ATTR_NUMA_NODE: &str = "numaNode";
+pub const ATTR_NVLINK_DOMAIN: &str = "nvlinkDomain";
+pub const ATTR_PCIE_ROOT: &str = "pcieRoot";
+
+/// The device name of GPU `index`.
+pub fn device_name(index: u32) -> String {
+    format!("gpu-{index}")
+}
+
+/// The GPU index a device name stands for, if it is one of ours.
+pub fn device_index(name: &str) -> Option<u32> {
+    let digits = name.strip_prefix("gpu-")?;
+    // "gpu-01" is not a name this module writes
+    if digits.len() > 1 && digits.starts_with('0') {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+/// The attribute name of a network level label: its name part (`network.gpuplace.io/tor` → `tor`).
+pub fn network_attribute(label: &str) -> &str {
+    label.rsplit('/').next().unwrap_or(label)
+}
+
+/// Per GPU, the lowest index of the group it is joined to by the links `joins` accepts (itself when
+/// none).
+fn groups(inventory: &Inventory, joins: impl Fn(&crate::nvml::PairLink) -> bool) -> Vec<u32> {
+    let n = inventory.gpus.len();
+    let mut parent: Vec<usize> = (0..n).collect();
+    fn root(parent: &mut [usize], mut i: usize) -> usize {
+        while parent[i] != i {
+            parent[i] = parent[parent[i]];
+            i = parent[i];
+        }
+        i
+    }
+    for l in inventory.links.iter().filter(|l| joins(l)) {
+        let (a, b) = (l.a as usize, l.b as usize);
+        if a >= n || b >= n {
+            continue;
+        }
+        let (ra, rb) = (root(&mut parent, a), root(&mut parent, b));
+        // the lower index becomes the root, so the root is the group's lowest index
+        let (lo, hi) = (ra.min(rb), ra.max(rb));
+        parent[hi] = lo;
+    }
+    (0..n).map(|i| root(&mut parent, i) as u32).collect()
+}
+
+/// Per GPU, its NVLink domain: GPUs with NVLink lanes between them (direct or through NVSwitch).
+pub fn nvlink_domains(inventory: &Inventory) -> Vec<u32> {
+    groups(inventory, |l| l.nvlinks > 0)
+}
+
+/// Per GPU, its PCIe root: GPUs whose common PCIe ancestor is at most the host bridge.
+pub fn pcie_roots(inventory: &Inventory) -> Vec<u32> {
+    groups(inventory, |l| matches!(l.pcie, PcieLevel::Pix | PcieLevel::Pxb | PcieLevel::Phb))
+}
+
+fn int(v: i64) -> DeviceAttribute {
+    DeviceAttribute { int: Some(v), ..Default::default() }
+}
+
+fn string(v: &str) -> DeviceAttribute {
+    DeviceAttribute { string: Some(v.to_string()), ..Default::default() }
+}
+
+fn capacity(value: String, policy: CapacityRequestPolicy) -> DeviceCapacity {
+    DeviceCapacity { value: Quantity(value), request_policy: Some(policy) }
+}
+
+/// The devices: one per healthy GPU (`health` by GPU index; a GPU without an entry counts as
+/// healthy), in index order. `node_labels` gives the network attributes.
+pub fn devices(
+    inventory: &Inventory,
+    health: &[GpuHealth],
+    node_labels: &BTreeMap<String, String>,
+    slots_per_gpu: u32,
+) -> Vec<Device> {
+    let nvlink = nvlink_domains(inventory);
+    let pcie = pcie_roots(inventory);
+    let network: Vec<(&str, &String)> = DEFAULT_NETWORK_LEVELS
+        .iter()
+        .filter_map(|label| node_labels.get(*label).map(|v| (network_attribute(label), v)))
+        .collect();
+    inventory
+        .gpus
+        .iter()
+        .filter(|g| health.get(g.index as usize).is_none_or(|h| h.healthy))
+        .map(|g| {
+            let i = g.index as usize;
+            let mut attributes = BTreeMap::from([
+                (ATTR_INDEX.to_string(), int(g.index.into())),
+                (ATTR_UUID.to_string(), string(&g.uuid)),
+                (ATTR_MODEL.to_string(), string(&g.model)),
+                (ATTR_PCI_BUS_ID.to_string(), string(&g.pci_bus_id)),
+                (ATTR_NVLINK_DOMAIN.to_string(), int(nvlink.get(i).copied().unwrap_or(g.index).into())),
+                (ATTR_PCIE_ROOT.to_string(), int(pcie.get(i).copied().unwrap_or(g.index).into())),
+            ]);
+            if let Some(numa) = g.numa_node {
+                attributes.insert(ATTR_NUMA_NODE.to_string(), int(numa.into()));
+            }
+            for (name, value) in &network {
+                attributes.insert(name.to_string(), string(value));
+            }
+            let mib = format!("{}Mi", g.memory_mib);
+            let capacity = BTreeMap::from([
+                (
+                    CAPACITY_MEMORY.to_string(),
+                    capacity(
+                        mib.clone(),
+                        CapacityRequestPolicy {
+                            default: Some(Quantity(mib)),
+                            valid_range: Some(CapacityRequestPolicyRange {
+                                min: Quantity("1Mi".into()),
+                                max: None,
+                                step: Some(Quantity("1Mi".into())),
+                            }),
+                            valid_values: None,
+                        },
+                    ),
+                ),
+                (
+                    CAPACITY_CORES.to_string(),
+                    capacity(
+                        "100".into(),
+                        CapacityRequestPolicy {
+                            default: Some(Quantity("100".into())),
+                            valid_range: Some(CapacityRequestPolicyRange {
+                                min: Quantity("0".into()),
+                                max: Some(Quantity("100".into())),
+                                step: Some(Quantity("1".into())),
+                            }),
+                            valid_values: None,
+                        },
+                    ),
+                ),
+                (
+                    CAPACITY_SHARES.to_string(),
+                    capacity(
+                        slots_per_gpu.to_string(),
+                        CapacityRequestPolicy {
+                            default: Some(Quantity("1".into())),
+                            valid_range: None,
+                            valid_values: Some(vec![Quantity("1".into())]),
+                        },
+                    ),
+                ),
+            ]);
+            Device {
+                name: device_name(g.index),
+                allow_multiple_allocations: Some(true),
+                attributes: Some(attributes),
+                capacity: Some(capacity),
+                ..Default::default()
+            }
+        })
+        .collect()
+}
+
+/// Whether two device lists say the same, quantities compared by value: the API server stores them
+/// canonicalized (`81920Mi` comes back as `80Gi`), so comparing text would rewrite the slice, and bump
+/// its pool's generation, at every pass.
+pub fn same_devices(a: &[Device], b: &[Device]) -> bool {
+    fn by_value(q: &mut Quantity) {
+        if let Ok(v) = gpuplace_core::quantity::parse(&q.0) {
+            q.0 = v.milli().to_string();
+        }
+    }
+    fn normalized(d: &Device) -> Device {
+        let mut d = d.clone();
+        for c in d.capacity.iter_mut().flat_map(|m| m.values_mut()) {
+            by_value(&mut c.value);
+            if let Some(p) = c.request_policy.as_mut() {
+                p.default.iter_mut().for_each(by_value);
+                p.valid_values.iter_mut().flatten().for_each(by_value);
+                if let Some(r) = p.valid_range.as_mut() {
+                    by_value(&mut r.min);
+                    r.max.iter_mut().for_each(by_value);
+                    r.step.iter_mut().for_each(by_value);
+                }
+            }
+        }
+        d
+    }
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| normalized(x) == normalized(y))
+}
+
+/// The whole spec of this node's one slice: its pool is named after the node and holds this one
+/// slice at `generation`.
+pub fn slice_spec(driver: &str, node: &str, devices: Vec<Device>, generation: i64) -> ResourceSliceSpec {
+    ResourceSliceSpec {
+        driver: driver.to_string(),
+        node_name: Some(node.to_string()),
+        pool: ResourcePool { name: node.to_string(), generation, resource_slice_count: 1 },
+        devices: Some(devices),
+        ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nvml::fake::FakeBackend;
+    use crate::nvml::GpuBackend;
+
+    fn board(name: &str) -> Inventory {
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../../shared/topologies/{name}.json"));
+        FakeBackend::load(&path, "n1").unwrap().inventory().unwrap()
+    }
+
+    fn healthy(n: usize) -> Vec<GpuHealth> {
+        vec![GpuHealth { healthy: true, reason: String::new(), xid_count: 0, last_xid: None }; n]
+    }
+
+    fn attr<'a>(d: &'a Device, name: &str) -> &'a DeviceAttribute {
+        &d.attributes.as_ref().unwrap()[name]
+    }
+
+    fn cap<'a>(d: &'a Device, name: &str) -> &'a DeviceCapacity {
+        &d.capacity.as_ref().unwrap()[name]
+    }
+
+    #[test]
+    fn names_round_trip() {
+        for i in [0, 7, 15, 123] {
+            assert_eq!(device_index(&device_name(i)), Some(i));
+        }
+        for bad in ["gpu-", "gpu-01", "gpu-x", "cpu-1", "gpu--1"] {
+            assert_eq!(device_index(bad), None, "{bad}");
+        }
+        assert_eq!(network_attribute("network.gpuplace.io/tor"), "tor");
+        assert_eq!(network_attribute("rack"), "rack");
+    }
+
+    #[test]
+    fn one_device_per_healthy_gpu_with_capacity_that_a_whole_request_takes_whole() {
+        let inv = board("hgx-h100-8");
+        let labels = gpuplace_core::cluster::network_labels("spine-1", "tor-3");
+        let mut health = healthy(8);
+        let devs = devices(&inv, &health, &labels, 10);
+        assert_eq!(devs.len(), 8);
+        let d = &devs[5];
+        assert_eq!(d.name, "gpu-5");
+        assert_eq!(d.allow_multiple_allocations, Some(true));
+        assert_eq!(attr(d, ATTR_UUID).string.as_deref(), Some(inv.gpus[5].uuid.as_str()));
+        assert_eq!(attr(d, ATTR_INDEX).int, Some(5));
+        assert_eq!(attr(d, "tor").string.as_deref(), Some("tor-3"));
+        assert_eq!(attr(d, "spine").string.as_deref(), Some("spine-1"));
+        let mem = cap(d, CAPACITY_MEMORY);
+        let mib = format!("{}Mi", inv.gpus[5].memory_mib);
+        assert_eq!(mem.value.0, mib);
+        // a request that names no memory takes the whole GPU's
+        assert_eq!(mem.request_policy.as_ref().unwrap().default.as_ref().unwrap().0, mib);
+        let cores = cap(d, CAPACITY_CORES);
+        assert_eq!(
+            (cores.value.0.as_str(), cores.request_policy.as_ref().unwrap().default.as_ref().unwrap().0.as_str()),
+            ("100", "100")
+        );
+        let shares = cap(d, CAPACITY_SHARES);
+        assert_eq!(shares.value.0, "10");
+        assert_eq!(shares.request_policy.as_ref().unwrap().valid_values.as_ref().unwrap()[0].0, "1");
+
+        // an unhealthy GPU leaves the slice; the others keep their names
+        health[3].healthy = false;
+        let devs = devices(&inv, &health, &labels, 10);
+        assert_eq!(
+            devs.iter().map(|d| d.name.as_str()).collect::<Vec<_>>(),
+            ["gpu-0", "gpu-1", "gpu-2", "gpu-4", "gpu-5", "gpu-6", "gpu-7"]
+        );
+        // without network labels, no network attributes
+        let bare = devices(&inv, &[], &BTreeMap::new(), 4);
+        assert!(!bare[0].attributes.as_ref().unwrap().contains_key("tor"));
+        assert_eq!(cap(&bare[0], CAPACITY_SHARES).value.0, "4");
+    }
+
+    #[test]
+    fn nvlink_domains_and_pcie_roots_follow_the_links() {
+        // NVSwitch: every GPU reaches every other over NVLink
+        let h100 = board("hgx-h100-8");
+        assert_eq!(nvlink_domains(&h100), vec![0; 8]);
+        // each GPU's group is the lowest index of GPUs under its host bridge
+        let roots = pcie_roots(&h100);
+        for (i, r) in roots.iter().enumerate() {
+            assert!(*r as usize <= i);
+            for (j, s) in roots.iter().enumerate() {
+                let same = h100.link(i as u32, j as u32).is_some_and(|l| l.pcie <= PcieLevel::Phb);
+                assert!(!same || r == s, "GPUs {i} and {j} share a host bridge but not a root");
+            }
+        }
+        // no links at all: every GPU is its own domain and root
+        let mut lone = h100.clone();
+        lone.links.clear();
+        assert_eq!(nvlink_domains(&lone), (0..8).collect::<Vec<u32>>());
+        assert_eq!(pcie_roots(&lone), (0..8).collect::<Vec<u32>>());
+        // two NVLink islands
+        let mut islands = lone.clone();
+        for (a, b) in [(0, 1), (1, 2), (4, 5), (6, 7), (5, 7)] {
+            islands.links.push(crate::nvml::PairLink { a, b, nvlinks: 2, pcie: PcieLevel::Sys });
+        }
+        assert_eq!(nvlink_domains(&islands), vec![0, 0, 0, 3, 4, 4, 4, 4]);
+    }
+
+    #[test]
+    fn devices_compare_by_quantity_value() {
+        let inv = board("hgx-h100-8");
+        let a = devices(&inv, &[], &BTreeMap::new(), 10);
+        let mut b = a.clone();
+        // what the API server returns for an 80 GiB GPU written as 81920Mi
+        for d in &mut b {
+            let mem = d.capacity.as_mut().unwrap().get_mut(CAPACITY_MEMORY).unwrap();
+            mem.value = Quantity(format!("{}Ki", inv.gpus[0].memory_mib * 1024));
+        }
+        assert!(same_devices(&a, &a.clone()));
+        assert!(same_devices(&a, &b) == (inv.gpus.iter().all(|g| g.memory_mib == inv.gpus[0].memory_mib)));
+        assert!(!same_devices(&a, &a[1..]));
+        let mut c = a.clone();
+        c[2].attributes.as_mut().unwrap().insert(ATTR_MODEL.into(), string("other"));
+        assert!(!same_devices(&a, &c));
+    }
+
+    #[test]
+    fn the_spec_names_one_pool_per_node() {
+        let inv = board("hgx-h100-8");
+        let spec = slice_spec(DEFAULT_DRIVER, "n1", devices(&inv, &[], &BTreeMap::new(), 10), 7);
+        assert_eq!((spec.pool.name.as_str(), spec.pool.generation, spec.pool.resource_slice_count), ("n1", 7, 1));
+        assert_eq!(spec.node_name.as_deref(), Some("n1"));
+        assert_eq!(spec.devices.as_ref().unwrap().len(), 8);
+    }
+}

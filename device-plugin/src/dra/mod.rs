@@ -1,0 +1,11 @@
+//! The GPUs as Dynamic Resource Allocation devices (`resource.k8s.io/v1`), for clusters that moved
+//! from device plugins to DRA (issue 32).
+//!
+//! - [`devices`]: what this node publishes in its ResourceSlice: one device per healthy GPU with
+//!   consumable capacity (`memory`, `cores`, `shares`) and its topology as attributes (pure).
+//!
+//! The slice is written by [`crate::k8s::slices::SliceSync`]. docs/deploy.md "DRA" has the
+//! DeviceClass and the claims that use these devices; docs/resources.md how a claim's capacity
+//! requests map to gpuplace's contract.
+
+pub mod devices;
