@@ -109,6 +109,11 @@ pub async fn set_kubelet_status(client: &Client, node: &str, gpus: u32) {
 /// The device plugin of `node` (a fake topology of `board`), as its ServiceAccount with a token bound
 /// to the Node.
 pub async fn start_plugin(cp: &ControlPlane, node: &str, board: &str) -> Proc {
+    start_plugin_with(cp, node, board, &[]).await
+}
+
+/// [`start_plugin`] with `extra` arguments.
+pub async fn start_plugin_with(cp: &ControlPlane, node: &str, board: &str, extra: &[&str]) -> Proc {
     let kubeconfig = cp.node_bound_kubeconfig(node).await;
     let dir = cp.dir.join("device-plugins").join(node);
     std::fs::create_dir_all(&dir).expect("plugin folder");
@@ -127,6 +132,7 @@ pub async fn start_plugin(cp: &ControlPlane, node: &str, board: &str) -> Proc {
             // port 0: sixteen plugins picking free ports at once could pick the same one
             .args(["--metrics-listen", "127.0.0.1:0"])
             .args(["--sample-interval", "1s", "--publish-min-interval", "1s", "--publish-max-interval", "5s"])
+            .args(extra)
             .env("RUST_LOG", "info"),
         cp.dir.join(format!("device-plugin-{node}.log")),
     )

@@ -9,6 +9,7 @@
 
 mod audit;
 mod cluster;
+mod dra;
 mod fleet;
 mod groups;
 mod netns;
