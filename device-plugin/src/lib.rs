@@ -6,6 +6,7 @@
 //! - [`plugin`]: the `DevicePlugin` gRPC service: ListAndWatch with health, GetPreferredAllocation
 //!   with the core's set search, Allocate.
 //! - [`assign`]: pod identity at admission: the [`assign::AssignmentSource`] seam and the matching rules.
+//! - [`container_env`]: the environment a container gets for its GPUs (device plugin and DRA alike).
 //! - [`exclusive`]: no GPU one pod holds exclusively is handed to another.
 //! - [`admitting`]: the pod the kubelet is admitting, from its pod-resources `List`.
 //! - [`server`]: the unix socket, registration with kubelet and re-registration.
@@ -27,6 +28,7 @@
 
 pub mod admitting;
 pub mod assign;
+pub mod container_env;
 pub mod crosscheck;
 pub mod discover;
 pub mod dra;

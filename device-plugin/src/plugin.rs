@@ -19,6 +19,7 @@ use crate::admitting::admitting;
 use crate::assign::{
     match_allocation, match_preference, AssignmentSource, Grant, MatchError, PendingPod, PodKey, SourceError,
 };
+use crate::container_env::{gpu_env, limit_env, GpuLimit};
 use crate::crosscheck::{check_grant, holder_container, sole_holder, Mismatch, Verdict};
 use crate::kubelet_api::podresources::ListPodResourcesResponse;
 use crate::kubelet_api::v1beta1::device_plugin_server::DevicePlugin;
@@ -725,11 +726,8 @@ impl Plugin {
 
     fn container_response(&self, slots: &[Slot], gpus: &[u32], grant: Option<&Grant>) -> ContainerAllocateResponse {
         let join = |v: Vec<String>| v.join(",");
-        let uuids = join(gpus.iter().map(|&g| self.slots.uuid(g).unwrap_or_default().to_string()).collect());
-        let mut envs = HashMap::new();
-        envs.insert("NVIDIA_VISIBLE_DEVICES".to_string(), uuids.clone());
-        envs.insert("GPUPLACE_GPU_UUIDS".to_string(), uuids);
-        envs.insert("GPUPLACE_GPU_INDICES".to_string(), join(gpus.iter().map(u32::to_string).collect()));
+        let ids: Vec<(u32, &str)> = gpus.iter().map(|&g| (g, self.slots.uuid(g).unwrap_or_default())).collect();
+        let mut envs: HashMap<String, String> = gpu_env(&ids).into_iter().collect();
         // in GPU index order like the two lists above, whatever order kubelet sent the devices in
         // (kubelet's own, e.g. 7,4,6,5 for a four-GPU container), so the i-th entries of all three name
         // one GPU
@@ -741,30 +739,15 @@ impl Plugin {
             envs.insert("GPUPLACE_POD".to_string(), g.pod.pod.clone());
             envs.insert("GPUPLACE_CONTAINER".to_string(), g.container.clone());
             // one value per GPU, in NVIDIA_VISIBLE_DEVICES order (container ordinals 0, 1, ...)
-            envs.insert(
-                "GPUPLACE_GPU_MEM_MIB".to_string(),
-                join(g.slices.iter().map(|s| s.mem_mib.to_string()).collect()),
-            );
-            envs.insert(
-                "GPUPLACE_GPU_CORE_PCT".to_string(),
-                join(g.slices.iter().map(|s| s.core_pct.to_string()).collect()),
-            );
-            let exclusive = g.slices.iter().all(|s| s.exclusive);
-            envs.insert("GPUPLACE_EXCLUSIVE".to_string(), exclusive.to_string());
-            if !exclusive {
-                let limits = g.slices.iter().enumerate().map(|(i, s)| format!("{i}={}M", s.mem_mib)).collect();
-                envs.insert("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT".to_string(), join(limits));
-                // MPS takes one percentage for all devices; slices of one container are equal by
-                // contract, and the smallest is the safe one if they ever differ
-                let core = g.slices.iter().map(|s| s.core_pct).min().unwrap_or(0);
-                if (1..100).contains(&core) {
-                    envs.insert("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".to_string(), core.to_string());
-                }
-                if let Some(dir) = &self.config.mps_pipe_dir {
-                    let d = dir.display().to_string();
-                    envs.insert("CUDA_MPS_PIPE_DIRECTORY".to_string(), d.clone());
-                    mounts.push(Mount { container_path: d.clone(), host_path: d, read_only: false });
-                }
+            let limits: Vec<GpuLimit> = g
+                .slices
+                .iter()
+                .map(|s| GpuLimit { mem_mib: s.mem_mib, core_pct: s.core_pct, exclusive: s.exclusive })
+                .collect();
+            let (limit_vars, pipe_dir) = limit_env(&limits, self.config.mps_pipe_dir.as_deref());
+            envs.extend(limit_vars);
+            if let Some(d) = pipe_dir {
+                mounts.push(Mount { container_path: d.clone(), host_path: d, read_only: false });
             }
         }
         ContainerAllocateResponse {
