@@ -356,6 +356,21 @@ fn dra_mode_adds_the_dra_manifest() {
     let ds = find(&docs, "DaemonSet", "gpuplace-device-plugin").clone();
     let args = strings(&ds["spec"]["template"]["spec"]["containers"][0]["args"]);
     assert_eq!(args, [&plain_args[..1], &["--dra".to_string()], &plain_args[1..]].concat(), "the plugin's arguments");
+    // kubelet's registration and DRA plugin folders and the CDI folder, from the host
+    let names = |v: &Value| -> Vec<String> {
+        v.as_array().unwrap().iter().map(|m| m["name"].as_str().unwrap().to_string()).collect()
+    };
+    let pod = &ds["spec"]["template"]["spec"];
+    let plain_pod = &plain_ds[0]["spec"]["template"]["spec"];
+    let dra_volumes = ["plugins-registry", "dra-plugins", "cdi"].map(String::from);
+    assert_eq!(names(&pod["volumes"]), [names(&plain_pod["volumes"]), dra_volumes.to_vec()].concat());
+    assert_eq!(
+        names(&pod["containers"][0]["volumeMounts"]),
+        [names(&plain_pod["containers"][0]["volumeMounts"]), dra_volumes.to_vec()].concat()
+    );
+    let mounts = pod["containers"][0]["volumeMounts"].as_array().unwrap();
+    let at = |name: &str| mounts.iter().find(|m| m["name"] == name).unwrap()["mountPath"].as_str().unwrap().to_string();
+    assert_eq!((at("dra-plugins"), at("cdi")), ("/var/lib/kubelet/plugins".to_string(), "/var/run/cdi".to_string()));
     // everything else is exactly the plain files
     let strip = |mut m: BTreeMap<String, Value>| {
         m.retain(|k, _| !k.contains(" DaemonSet "));
@@ -368,7 +383,11 @@ fn dra_mode_adds_the_dra_manifest() {
         &strip(by_key(docs, "helm template")),
     );
 
-    let docs = render(&values(&["devicePlugin.dra.enabled=true", "devicePlugin.dra.driver=gpu.example.com"]));
+    let docs = render(&values(&[
+        "devicePlugin.dra.enabled=true",
+        "devicePlugin.dra.driver=gpu.example.com",
+        "devicePlugin.kubeletRootDir=/var/snap/k8s/kubelet",
+    ]));
     let class = find(&docs, "DeviceClass", "gpu.example.com");
     assert_eq!(class["spec"]["selectors"][0]["cel"]["expression"], "device.driver == \"gpu.example.com\"");
     let ds = find(&docs, "DaemonSet", "gpuplace-device-plugin");

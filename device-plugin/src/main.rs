@@ -12,7 +12,9 @@ use gpuplace_core::api_client::connect::{connect, ConnectArgs, ConnectError, Sou
 use gpuplace_core::logging::LogFormat;
 use gpuplace_device_plugin::assign::AssignmentSource;
 use gpuplace_device_plugin::dra::devices::DEFAULT_DRIVER;
+use gpuplace_device_plugin::dra::kubelet::{DraConfig, DraNode};
 use gpuplace_device_plugin::k8s::assignments::KubeAssignments;
+use gpuplace_device_plugin::k8s::claims::KubeClaims;
 use gpuplace_device_plugin::k8s::events::PluginEvents;
 use gpuplace_device_plugin::k8s::inventory::cluster_node;
 use gpuplace_device_plugin::k8s::keys::AssignmentKeys;
@@ -20,7 +22,9 @@ use gpuplace_device_plugin::k8s::node::NodeSync;
 use gpuplace_device_plugin::k8s::slices::SliceSync;
 use gpuplace_device_plugin::k8s::utilization::KubeUtilizationSink;
 use gpuplace_device_plugin::k8s::CALL_TIMEOUT;
-use gpuplace_device_plugin::kubelet_api::DEFAULT_DEVICE_PLUGIN_DIR;
+use gpuplace_device_plugin::kubelet_api::{
+    DEFAULT_CDI_DIR, DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_PLUGINS_DIR, DEFAULT_PLUGINS_REGISTRY_DIR,
+};
 use gpuplace_device_plugin::metrics::{self, MetricsSource, DEFAULT_METRICS_LISTEN};
 use gpuplace_device_plugin::nvml::fake::{FakeBackend, FakeScript};
 use gpuplace_device_plugin::nvml::real::NvmlBackend;
@@ -56,11 +60,21 @@ struct Cli {
     #[command(flatten)]
     connect: ConnectArgs,
     /// DRA mode: publish the GPUs as DRA devices, in a ResourceSlice of --dra-driver (one device per
-    /// healthy GPU, with memory, cores and shares as consumable capacity), instead of registering
-    /// with kubelet as a device plugin; node capacity and the inventory annotation are not written.
+    /// healthy GPU, with memory, cores and shares as consumable capacity), and register with kubelet
+    /// as that DRA driver (its plugins_registry), preparing claims with CDI specs, instead of
+    /// registering as a device plugin; node capacity and the inventory annotation are not written.
     /// Needs the API server (docs/deploy.md, "DRA").
     #[arg(long, global = true, conflicts_with_all = ["no_apiserver", "no_assignments"])]
     dra: bool,
+    /// DRA mode: kubelet's plugin registration folder, where the driver's registration socket goes.
+    #[arg(long, value_name = "DIR", default_value = DEFAULT_PLUGINS_REGISTRY_DIR, global = true)]
+    plugins_registry_dir: PathBuf,
+    /// DRA mode: kubelet's DRA plugins folder; the driver's service socket goes in <DIR>/<driver>/.
+    #[arg(long, value_name = "DIR", default_value = DEFAULT_PLUGINS_DIR, global = true)]
+    plugins_dir: PathBuf,
+    /// DRA mode: the container runtime's CDI folder, where prepared claims' CDI specs are written.
+    #[arg(long, value_name = "DIR", default_value = DEFAULT_CDI_DIR, global = true)]
+    cdi_dir: PathBuf,
     /// The DRA driver name the GPUs are published under (the DeviceClass selects it).
     #[arg(long, value_name = "NAME", default_value = DEFAULT_DRIVER, value_parser = parse_driver, global = true)]
     dra_driver: String,
@@ -346,15 +360,27 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
     if let Some((client, node)) = &api {
         sampler.set_reporter(Arc::new(PluginEvents::new(client.clone(), node)));
     }
+    let telemetry_for_claims = telemetry.clone();
     let source = Arc::new(MetricsSource { hostname: hostname(cli), plugin: plugin.clone(), telemetry });
     let sampling = rt.spawn(sampler.run(cli.sample_interval));
     let metrics_server = rt.spawn(metrics::serve(listener, source, Box::pin(std::future::pending())));
-    let result = if cli.dra {
-        // not a device plugin: nothing registers with kubelet's device-plugin socket
-        rt.block_on(shutdown_signal());
-        Ok(())
-    } else {
-        rt.block_on(run(plugin, cfg, Box::pin(shutdown_signal())))
+    let result = match (&api, cli.dra) {
+        // not a device plugin: kubelet finds the DRA driver in its plugins_registry folder instead
+        (Some((client, node)), true) => {
+            let cfg = DraConfig {
+                driver: cli.dra_driver.clone(),
+                node: node.clone(),
+                registry_dir: cli.plugins_registry_dir.clone(),
+                plugins_dir: cli.plugins_dir.clone(),
+                cdi_dir: cli.cdi_dir.clone(),
+                mps_pipe_dir: cli.mps_pipe_dir.clone(),
+                poll_interval: Duration::from_millis(cli.poll_interval_ms.max(10)),
+            };
+            let claims = Arc::new(KubeClaims::new(client.clone(), telemetry_for_claims.clone()));
+            let dra = DraNode::new(cfg, inventory.clone(), plugin.clone(), claims);
+            rt.block_on(gpuplace_device_plugin::dra::kubelet::serve(dra, Box::pin(shutdown_signal())))
+        }
+        _ => rt.block_on(run(plugin, cfg, Box::pin(shutdown_signal()))),
     };
     sampling.abort();
     metrics_server.abort();

@@ -82,14 +82,14 @@ pub enum RegisterError {
 
 /// A file's identity: a recreated file has another inode or change time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct FileId {
+pub(crate) struct FileId {
     dev: u64,
     ino: u64,
     ctime: i64,
     ctime_nsec: i64,
 }
 
-fn file_id(path: &Path) -> Option<FileId> {
+pub(crate) fn file_id(path: &Path) -> Option<FileId> {
     let m = std::fs::symlink_metadata(path).ok()?;
     Some(FileId { dev: m.dev(), ino: m.ino(), ctime: m.ctime(), ctime_nsec: m.ctime_nsec() })
 }

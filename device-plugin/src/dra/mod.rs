@@ -3,9 +3,16 @@
 //!
 //! - [`devices`]: what this node publishes in its ResourceSlice: one device per healthy GPU with
 //!   consumable capacity (`memory`, `cores`, `shares`) and its topology as attributes (pure).
+//! - [`prepare`]: NodePrepareResources for one claim: its allocation to a CDI spec with gpuplace's
+//!   container environment (pure).
+//! - [`cdi`]: the claims' CDI spec files.
+//! - [`kubelet`]: registration with kubelet as a DRA driver, and the `v1.DRAPlugin` service.
 //!
 //! The slice is written by [`crate::k8s::slices::SliceSync`]. docs/deploy.md "DRA" has the
 //! DeviceClass and the claims that use these devices; docs/resources.md how a claim's capacity
 //! requests map to gpuplace's contract.
 
+pub mod cdi;
 pub mod devices;
+pub mod kubelet;
+pub mod prepare;

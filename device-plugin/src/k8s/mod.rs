@@ -11,6 +11,7 @@
 //! - [`events::PluginEvents`]: Events on pods whose assignment is skipped, and on both pods of an
 //!   allocation mismatch found by the pod-resources cross-check.
 //! - [`keys::AssignmentKeys`]: the extender's public keys, which every assignment must verify with.
+//! - [`claims::KubeClaims`]: in DRA mode, the claims kubelet asks to prepare.
 //! - [`slices::SliceSync`]: in DRA mode, this node's ResourceSlice (its healthy GPUs as devices).
 //! - [`inventory`]: what the node publishes, computed from the discovered GPUs and their health (pure).
 //!
@@ -18,12 +19,14 @@
 //! selector `spec.nodeName`) and patch; its node get and patch; `nodes/status` patch; events.k8s.io
 //! events create and patch (kube's `Recorder` patches a repeated Event); configmaps patch and create
 //! in the utilization namespace (a Role there); in DRA mode, resourceslices list (field selector
-//! `spec.nodeName`, `spec.driver`), create, update and delete (scheduler-config/device-plugin/dra.yaml),
+//! `spec.nodeName`, `spec.driver`), create, update and delete, and resourceclaims get
+//! (scheduler-config/device-plugin/dra.yaml),
 //! and no node status, inventory or pod calls. A failed call
 //! never stops the plugin: it is logged, counted in `gpuplace_apiserver_errors_total{op}`, and
 //! retried (the loops) or reported to kubelet as `Unavailable` (Allocate).
 
 pub mod assignments;
+pub mod claims;
 pub mod events;
 pub mod inventory;
 pub mod keys;
@@ -35,7 +38,7 @@ use std::future::Future;
 use std::time::Duration;
 
 /// Labels of `gpuplace_apiserver_errors_total`, all exported from the start.
-pub const API_OPS: [&str; 13] = [
+pub const API_OPS: [&str; 14] = [
     "pods_list",
     "pods_watch",
     "pod_patch",
@@ -49,6 +52,7 @@ pub const API_OPS: [&str; 13] = [
     "resourceslice_create",
     "resourceslice_replace",
     "resourceslice_delete",
+    "resourceclaim_get",
 ];
 
 /// How long one API call may take. kubelet waits on Allocate, so a hung API server must turn into a

@@ -1,6 +1,9 @@
-//! The plugin against a fake kubelet over the real gRPC stack (unix sockets in a temp dir).
+//! The plugin against a fake kubelet over the real gRPC stack (unix sockets in a temp dir). DRA
+//! mode's node side (registration, NodePrepareResources): `dra.rs`.
 
+#[path = "../common/mod.rs"]
 mod common;
+mod dra;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
