@@ -110,8 +110,9 @@ pub fn prepare(claim: &ResourceClaim, uid: &str, node: &NodeGpus) -> Result<Prep
         .iter()
         .flatten()
         .filter(|r| r.driver == node.driver && r.pool == node.node);
-    // by request, in the order of the allocation
-    let mut requests: Vec<(String, Vec<(u32, GpuLimit, String)>)> = Vec::new();
+    // by request, in the order of the allocation: (GPU index, its limit, device name)
+    type Held = (u32, GpuLimit, String);
+    let mut requests: Vec<(String, Vec<Held>)> = Vec::new();
     for r in results {
         let index = device_index(&r.device).filter(|&i| (i as usize) < node.inventory.gpus.len()).ok_or_else(|| {
             PrepareError::UnknownDevice { claim: name.clone(), device: r.device.clone(), node: node.node.into() }
@@ -202,8 +203,11 @@ mod tests {
         FakeBackend::load(&path, "n1").unwrap().inventory().unwrap()
     }
 
-    /// A claim allocated `results`: (request, driver, pool, device, shared, consumed memory and cores).
-    fn claim(uid: &str, results: &[(&str, &str, &str, &str, bool, Option<(&str, &str)>)]) -> ResourceClaim {
+    /// One result: request, driver, pool, device, shared, consumed memory and cores.
+    type Allocated<'a> = (&'a str, &'a str, &'a str, &'a str, bool, Option<(&'a str, &'a str)>);
+
+    /// A claim allocated `results`.
+    fn claim(uid: &str, results: &[Allocated]) -> ResourceClaim {
         let results: Vec<Value> = results
             .iter()
             .map(|(req, driver, pool, device, shared, consumed)| {

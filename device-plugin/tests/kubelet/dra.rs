@@ -37,8 +37,11 @@ impl ClaimSource for Claims {
     }
 }
 
-/// A claim of namespace `ns` allocated `devices` of this node: (request, device, memory, cores).
-fn claim(name: &str, uid: &str, devices: &[(&str, &str, Option<(&str, &str)>)]) -> ResourceClaim {
+/// One allocated device of this node: request, device, consumed memory and cores.
+type Allocated<'a> = (&'a str, &'a str, Option<(&'a str, &'a str)>);
+
+/// A claim of namespace `ns` allocated `devices`.
+fn claim(name: &str, uid: &str, devices: &[Allocated]) -> ResourceClaim {
     let results: Vec<Value> = devices
         .iter()
         .enumerate()
