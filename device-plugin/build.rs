@@ -1,5 +1,5 @@
-//! Generates the kubelet gRPC APIs (device plugin v1beta1, pod resources v1, plugin registration v1
-//! and DRA v1) with the protoc that
+//! Generates the kubelet gRPC APIs (device plugin v1beta1, pod resources v1, plugin registration v1,
+//! DRA v1 and DRA resource health v1alpha1) with the protoc that
 //! ships inside `protoc-bin-vendored`, so a build needs nothing installed by hand.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -12,6 +12,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "proto/podresources/v1/api.proto",
             "proto/pluginregistration/v1/api.proto",
             "proto/dra/v1/api.proto",
+            "proto/dra-health/v1alpha1/api.proto",
         ],
         &["proto"],
     )?;

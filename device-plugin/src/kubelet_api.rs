@@ -24,6 +24,14 @@ pub mod dra {
     tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1");
 }
 
+/// DRA resource health API v1alpha1 (served by us in DRA mode): the devices' health, streamed.
+#[allow(clippy::all, clippy::pedantic, missing_docs)]
+pub mod dra_health {
+    tonic::include_proto!("v1alpha1");
+}
+
+/// The health service this plugin serves, as registration names it.
+pub const DRA_HEALTH_SERVICE_V1ALPHA1: &str = "v1alpha1.DRAResourceHealth";
 /// The plugin type of a DRA driver in [`pluginregistration::PluginInfo`].
 pub const DRA_PLUGIN_TYPE: &str = "DRAPlugin";
 /// The DRA service this plugin serves, as kubelet's registration names it.

@@ -7,6 +7,8 @@
 //!   with the core's set search, Allocate.
 //! - [`assign`]: pod identity at admission: the [`assign::AssignmentSource`] seam and the matching rules.
 //! - [`container_env`]: the environment a container gets for its GPUs (device plugin and DRA alike).
+//! - [`grpc_authority`]: kubelet's gRPC clients that send a socket path as the authority, made
+//!   acceptable to tonic.
 //! - [`exclusive`]: no GPU one pod holds exclusively is handed to another.
 //! - [`admitting`]: the pod the kubelet is admitting, from its pod-resources `List`.
 //! - [`server`]: the unix socket, registration with kubelet and re-registration.
@@ -33,6 +35,7 @@ pub mod crosscheck;
 pub mod discover;
 pub mod dra;
 pub mod exclusive;
+pub mod grpc_authority;
 pub mod k8s;
 pub mod kubelet_api;
 pub mod metrics;

@@ -32,6 +32,7 @@ use crate::netns::Forward;
 use crate::node::{build_images, RealNode, BUSYBOX_IMAGE};
 use crate::SERIAL;
 
+mod dra;
 mod probes;
 
 use probes::*;
@@ -47,6 +48,11 @@ const ASSIGNMENT: &str = "gpuplace.io/assignment";
 /// kube-scheduler's
 /// configuration only (this test runs kube-scheduler itself, on the host).
 fn render_chart(images: &crate::node::Images, node: &RealNode) -> Vec<Value> {
+    render_chart_with(images, node, &[])
+}
+
+/// [`render_chart`] with more `--set` values.
+fn render_chart_with(images: &crate::node::Images, node: &RealNode, more: &[String]) -> Vec<Value> {
     let helm = shared_binary("helm");
     let topology = repo().join("../shared/topologies/hgx-h100-8.json");
     let (ext_repo, ext_tag) = images.extender.split_once(':').expect("name:tag");
@@ -69,7 +75,7 @@ fn render_chart(images: &crate::node::Images, node: &RealNode) -> Vec<Value> {
         .args(["--namespace", SYSTEM_NS, "--kube-version", "1.36.0"])
         .arg("--set-file")
         .arg(format!("devicePlugin.fakeTopology={}", topology.display()));
-    for s in &sets {
+    for s in sets.iter().chain(more) {
         cmd.args(["--set", s]);
     }
     let out = cmd.output().expect("e2e: running helm");

@@ -8,14 +8,17 @@
 //! - `<plugins>/<driver>/dra.sock` serves `v1.DRAPlugin`: `NodePrepareResources` reads each claim
 //!   from the API server ([`ClaimSource`]), turns its allocation into a CDI spec
 //!   ([`super::prepare`]) written to the CDI folder ([`super::cdi`]) and answers with the CDI device
-//!   of each request; `NodeUnprepareResources` removes the spec. kubelet hands the CDI devices to the
+//!   of each request; `NodeUnprepareResources` removes the spec. The same socket serves
+//!   `v1alpha1.DRAResourceHealth`: every GPU's health, streamed ([`HealthService`]). kubelet hands the CDI devices to the
 //!   runtime, which applies the spec's environment (and MPS mount) to the claim's containers.
 //!
 //! One claim's failure is its entry's error (kubelet retries it and shows it on the pod), never the
 //! call's. A kubelet that registered a driver removes that driver's ResourceSlices some time after
 //! the plugin goes away, and one that starts removes the slices of drivers not registered with it:
 //! the slices ([`crate::k8s::slices`]) live as long as this registration. The sockets are checked
-//! every poll interval and made again if removed or replaced.
+//! every poll interval and made again if removed or replaced. Both serve through
+//! [`crate::grpc_authority`], since kubelet's plugin watcher sends the socket's path as the
+//! request's authority, which tonic's HTTP/2 refuses.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -25,20 +28,27 @@ use std::time::Duration;
 
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use tokio::net::UnixListener;
-use tokio_stream::wrappers::UnixListenerStream;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::codegen::http;
 use tonic::transport::Server;
 use tonic::{Request, Response, Status};
 
 use super::cdi::{remove_spec, write_spec};
+use super::devices::device_name;
 use super::prepare::{prepare, NodeGpus};
+use crate::grpc_authority::incoming;
 use crate::kubelet_api::dra::dra_plugin_server::{DraPlugin, DraPluginServer};
 use crate::kubelet_api::dra::{
     Device, NodePrepareResourceResponse, NodePrepareResourcesRequest, NodePrepareResourcesResponse,
     NodeUnprepareResourceResponse, NodeUnprepareResourcesRequest, NodeUnprepareResourcesResponse,
 };
+use crate::kubelet_api::dra_health::dra_resource_health_server::{DraResourceHealth, DraResourceHealthServer};
+use crate::kubelet_api::dra_health::{
+    DeviceHealth, DeviceIdentifier, HealthStatus, NodeWatchResourcesRequest, NodeWatchResourcesResponse,
+};
 use crate::kubelet_api::pluginregistration::registration_server::{Registration, RegistrationServer};
 use crate::kubelet_api::pluginregistration::{InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse};
-use crate::kubelet_api::{DRA_PLUGIN_TYPE, DRA_SERVICE_V1};
+use crate::kubelet_api::{DRA_HEALTH_SERVICE_V1ALPHA1, DRA_PLUGIN_TYPE, DRA_SERVICE_V1};
 use crate::nvml::Inventory;
 use crate::plugin::Plugin;
 use crate::server::{file_id, ServeError, StopSignal};
@@ -107,6 +117,30 @@ impl DraNode {
         let mut v: Vec<String> = self.prepared.lock().map(|m| m.keys().cloned().collect()).unwrap_or_default();
         v.sort();
         v
+    }
+
+    /// Every GPU of this node with its health now (the resource health stream's message).
+    pub fn health_report(&self) -> NodeWatchResourcesResponse {
+        let health = self.plugin.health();
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs() as i64)
+            .unwrap_or_default();
+        let devices = self
+            .inventory
+            .gpus
+            .iter()
+            .map(|g| DeviceHealth {
+                device: Some(DeviceIdentifier { pool_name: self.cfg.node.clone(), device_name: device_name(g.index) }),
+                health: if health.get(g.index as usize).is_none_or(|h| h.healthy) {
+                    HealthStatus::Healthy
+                } else {
+                    HealthStatus::Unhealthy
+                } as i32,
+                last_updated_time: now,
+            })
+            .collect();
+        NodeWatchResourcesResponse { devices }
     }
 
     async fn prepare_one(&self, namespace: &str, name: &str, uid: &str) -> Result<Vec<Device>, String> {
@@ -195,6 +229,93 @@ impl DraPlugin for DraService {
     }
 }
 
+/// How often the health stream repeats itself unchanged: kubelet takes a device it has not heard
+/// about for a while as Unknown.
+pub const HEALTH_REPEAT: Duration = Duration::from_secs(10);
+
+/// The `v1alpha1.DRAResourceHealth` service: every GPU's health when kubelet opens the stream,
+/// again at every health change, and every [`HEALTH_REPEAT`]. kubelet shows it in the status of
+/// the pods holding the device (an unhealthy GPU also leaves the slice, so nothing new lands on it).
+/// The round's end (`true`) closes the open streams, so that the server's graceful shutdown does not
+/// wait on kubelet's never-ending stream.
+pub struct HealthService(pub Arc<DraNode>, pub tokio::sync::watch::Receiver<bool>);
+
+#[tonic::async_trait]
+impl DraResourceHealth for HealthService {
+    type NodeWatchResourcesStream = ReceiverStream<Result<NodeWatchResourcesResponse, Status>>;
+
+    async fn node_watch_resources(
+        &self,
+        _: Request<NodeWatchResourcesRequest>,
+    ) -> Result<Response<Self::NodeWatchResourcesStream>, Status> {
+        let node = self.0.clone();
+        let mut done = self.1.clone();
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        tokio::spawn(async move {
+            let mut changes = node.plugin.subscribe();
+            loop {
+                if tx.send(Ok(node.health_report())).await.is_err() {
+                    return;
+                }
+                tokio::select! {
+                    r = changes.changed() => if r.is_err() { return },
+                    _ = tokio::time::sleep(HEALTH_REPEAT) => {}
+                    _ = tx.closed() => return,
+                    _ = done.wait_for(|d| *d) => return,
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// Both services of the DRA socket, told apart by the gRPC path's service name (tonic serves one
+/// service per server without its axum-based router).
+#[derive(Clone)]
+struct DraSocket<A, B> {
+    dra: A,
+    health: B,
+}
+
+impl<A, B> tower::Service<http::Request<tonic::body::Body>> for DraSocket<A, B>
+where
+    A: tower::Service<
+            http::Request<tonic::body::Body>,
+            Response = http::Response<tonic::body::Body>,
+            Error = std::convert::Infallible,
+        > + Send
+        + 'static,
+    A::Future: Send + 'static,
+    B: tower::Service<
+            http::Request<tonic::body::Body>,
+            Response = http::Response<tonic::body::Body>,
+            Error = std::convert::Infallible,
+        > + Send
+        + 'static,
+    B::Future: Send + 'static,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = std::convert::Infallible;
+    type Future = futures::future::BoxFuture<'static, Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
+        // tonic's generated services are always ready; asked anyway, as the contract says
+        match (self.dra.poll_ready(cx), self.health.poll_ready(cx)) {
+            (std::task::Poll::Ready(a), std::task::Poll::Ready(b)) => std::task::Poll::Ready(a.and(b)),
+            _ => std::task::Poll::Pending,
+        }
+    }
+
+    fn call(&mut self, req: http::Request<tonic::body::Body>) -> Self::Future {
+        let health = format!("/{}/", <DraResourceHealthServer<HealthService> as tonic::server::NamedService>::NAME);
+        if req.uri().path().starts_with(&health) {
+            Box::pin(self.health.call(req))
+        } else {
+            Box::pin(self.dra.call(req))
+        }
+    }
+}
+
 /// The registration service kubelet's plugin watcher calls.
 pub struct RegistrationService(pub Arc<DraNode>);
 
@@ -206,7 +327,7 @@ impl Registration for RegistrationService {
             r#type: DRA_PLUGIN_TYPE.into(),
             name: cfg.driver.clone(),
             endpoint: cfg.service_socket().display().to_string(),
-            supported_versions: vec![DRA_SERVICE_V1.into()],
+            supported_versions: vec![DRA_SERVICE_V1.into(), DRA_HEALTH_SERVICE_V1ALPHA1.into()],
         }))
     }
 
@@ -253,14 +374,17 @@ pub async fn serve(node: Arc<DraNode>, mut stop: StopSignal) -> Result<(), Serve
         let until_done = |mut done: tokio::sync::watch::Receiver<bool>| async move {
             let _ = done.wait_for(|d| *d).await;
         };
-        let service = DraPluginServer::new(DraService(node.clone()));
+        let service = DraSocket {
+            dra: DraPluginServer::new(DraService(node.clone())),
+            health: DraResourceHealthServer::new(HealthService(node.clone(), done_rx.clone())),
+        };
         let (svc_done, reg_done) = (until_done(done_rx.clone()), until_done(done_rx));
         let svc_task = tokio::spawn(async move {
-            Server::builder().serve_with_incoming_shutdown(service, UnixListenerStream::new(svc), svc_done).await
+            Server::builder().serve_with_incoming_shutdown(service, incoming(svc), svc_done).await
         });
         let registration = RegistrationServer::new(RegistrationService(node.clone()));
         let reg_task = tokio::spawn(async move {
-            Server::builder().serve_with_incoming_shutdown(registration, UnixListenerStream::new(reg), reg_done).await
+            Server::builder().serve_with_incoming_shutdown(registration, incoming(reg), reg_done).await
         });
         let stopped = loop {
             tokio::select! {

@@ -10,6 +10,8 @@ use std::time::Duration;
 use gpuplace_device_plugin::dra::kubelet::{serve, ClaimSource, DraConfig, DraNode};
 use gpuplace_device_plugin::kubelet_api::dra::dra_plugin_client::DraPluginClient;
 use gpuplace_device_plugin::kubelet_api::dra::{Claim, NodePrepareResourcesRequest, NodeUnprepareResourcesRequest};
+use gpuplace_device_plugin::kubelet_api::dra_health::dra_resource_health_client::DraResourceHealthClient;
+use gpuplace_device_plugin::kubelet_api::dra_health::{HealthStatus, NodeWatchResourcesRequest};
 use gpuplace_device_plugin::kubelet_api::pluginregistration::registration_client::RegistrationClient;
 use gpuplace_device_plugin::kubelet_api::pluginregistration::{InfoRequest, RegistrationStatus};
 use gpuplace_device_plugin::nvml::fake::{FakeBackend, Fault};
@@ -112,7 +114,7 @@ async fn kubelet_registers_the_driver_and_prepares_claims_into_cdi_specs() {
     let mut reg = RegistrationClient::new(connect_unix(&reg_sock).await.unwrap());
     let info = reg.get_info(InfoRequest {}).await.unwrap().into_inner();
     assert_eq!((info.r#type.as_str(), info.name.as_str()), ("DRAPlugin", DRIVER));
-    assert_eq!(info.supported_versions, ["v1.DRAPlugin"]);
+    assert_eq!(info.supported_versions, ["v1.DRAPlugin", "v1alpha1.DRAResourceHealth"]);
     let endpoint = std::path::PathBuf::from(&info.endpoint);
     assert_eq!(endpoint, cfg.plugins_dir.join(DRIVER).join("dra.sock"));
     reg.notify_registration_status(RegistrationStatus { plugin_registered: true, error: String::new() }).await.unwrap();
@@ -141,6 +143,18 @@ async fn kubelet_registers_the_driver_and_prepares_claims_into_cdi_specs() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let mut dra = DraPluginClient::new(connect_unix(&endpoint).await.unwrap());
+    // the resource health stream on the same socket: every GPU, GPU 3 unhealthy
+    let mut health = DraResourceHealthClient::new(connect_unix(&endpoint).await.unwrap());
+    let mut stream = health.node_watch_resources(NodeWatchResourcesRequest {}).await.unwrap().into_inner();
+    let first = stream.message().await.unwrap().expect("a first health message");
+    let states: Vec<(String, i32)> =
+        first.devices.iter().map(|d| (d.device.as_ref().unwrap().device_name.clone(), d.health)).collect();
+    assert_eq!(states.len(), 8);
+    assert!(first.devices.iter().all(|d| d.device.as_ref().unwrap().pool_name == NODE && d.last_updated_time > 0));
+    for (name, h) in &states {
+        let want = if name == "gpu-3" { HealthStatus::Unhealthy } else { HealthStatus::Healthy };
+        assert_eq!(*h, want as i32, "{name}");
+    }
     let c = |name: &str, uid: &str| Claim { namespace: "ns".into(), uid: uid.into(), name: name.into() };
     let resp = dra
         .node_prepare_resources(NodePrepareResourcesRequest {
@@ -213,6 +227,17 @@ async fn kubelet_registers_the_driver_and_prepares_claims_into_cdi_specs() {
     }
     assert!(!cfg.cdi_dir.join(format!("{DRIVER}-claim_u-share.json")).exists());
     assert_eq!(node.prepared_claims(), ["u-pair"]);
+
+    // a recovered GPU is reported healthy on the open stream
+    backend.inject(3, Fault::Recover).unwrap();
+    let until = tokio::time::Instant::now() + WAIT;
+    loop {
+        let m = tokio::time::timeout(WAIT, stream.message()).await.expect("a health update").unwrap().unwrap();
+        if m.devices.iter().all(|d| d.health == HealthStatus::Healthy as i32) {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < until, "GPU 3 never reported healthy again");
+    }
 
     // a removed registration socket is served again, and kubelet finds the driver there
     std::fs::remove_file(&reg_sock).unwrap();
