@@ -97,15 +97,15 @@ async fn dra_mode_publishes_slices_that_native_dra_allocates_without_over_commit
     for (i, (node, _)) in boards.iter().enumerate() {
         create_node(&admin, node, gpu_node_labels(node, 0, i), Value::Null, 8).await;
     }
-    // GPU 3 of the H100 node falls off the bus 12 s after its plugin starts
+    // GPU 3 of the H100 node falls off the bus 6 s after its plugin starts
     let script = cp.dir.join("gpu-00-script.json");
-    std::fs::write(&script, json!({"steps": [{"at_s": 12, "gpu": 3, "fault": "fall_off_bus"}]}).to_string())
+    std::fs::write(&script, json!({"steps": [{"at_s": 6, "gpu": 3, "fault": "fall_off_bus"}]}).to_string())
         .expect("write the script");
     let script = script.display().to_string();
     let started = Instant::now();
     let mut plugins = Vec::new();
     for (node, board) in boards {
-        let mut extra = vec!["--dra", "--node-sync-interval", "2s"];
+        let mut extra = vec!["--dra", "--node-sync-interval", "1s"];
         if node == "gpu-00" {
             extra.extend(["--fake-script", &script]);
         }
@@ -143,7 +143,7 @@ async fn dra_mode_publishes_slices_that_native_dra_allocates_without_over_commit
 
     // passes that find the slice right write nothing
     let rv = v100.resource_version();
-    tokio::time::sleep(Duration::from_secs(5)).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
     let again = wait_slice(&slices, "gpu-01", "the slice", |_| true).await;
     assert_eq!(again.resource_version(), rv, "a pass rewrote an unchanged slice");
 
@@ -153,7 +153,7 @@ async fn dra_mode_publishes_slices_that_native_dra_allocates_without_over_commit
     assert!(!device_names(&lost).contains(&"gpu-3".to_string()), "{:?}", device_names(&lost));
     assert_eq!(lost.spec.pool.generation, gen + 1);
     figure(&format!(
-        "dra: GPU 3 of gpu-00 left its slice {:.1} s after the plugin started (fault at 12 s); pool generation {} -> {}",
+        "dra: GPU 3 of gpu-00 left its slice {:.1} s after the plugin started (fault at 6 s); pool generation {} -> {}",
         started.elapsed().as_secs_f64(),
         gen,
         lost.spec.pool.generation
@@ -163,7 +163,7 @@ async fn dra_mode_publishes_slices_that_native_dra_allocates_without_over_commit
     slices.delete(&v100.name_any(), &DeleteParams::default()).await.expect("delete a slice");
     let t = Instant::now();
     wait_slice(&slices, "gpu-01", "the slice back", |s| device_names(s).len() == 8).await;
-    figure(&format!("dra: a deleted slice was back in {:.1} s (resync 2 s)", t.elapsed().as_secs_f64()));
+    figure(&format!("dra: a deleted slice was back in {:.1} s (resync 1 s)", t.elapsed().as_secs_f64()));
 
     // a node's credential writes only its own node's slices
     let other = connect_with(&Source::Kubeconfig(cp.node_bound_kubeconfig("gpu-00").await), Transport::Multiplexed)
