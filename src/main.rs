@@ -687,7 +687,7 @@ struct SimulateArgs {
     /// GPU request); steps may be chained, e.g. default+multigpu=30+gpuspec=20.
     #[arg(long, default_value = "default")]
     workload: String,
-    /// Comma-separated policies: random, dotprod, clustering, packing, bestfit, fgd, gpuplace, native-dra (not by default).
+    /// Comma-separated policies: random, dotprod, clustering, packing, bestfit, fgd, gpuplace, native-dra and dra-steer (these two not by default).
     #[arg(long, value_delimiter = ',', default_value = "random,dotprod,clustering,packing,bestfit,fgd,gpuplace")]
     policy: Vec<PolicyKind>,
     /// Seeds, as a range (42-51) or a comma-separated list (42,43).

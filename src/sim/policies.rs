@@ -14,7 +14,8 @@ use crate::placement::engine::Engine;
 use crate::placement::group_plan::{plan_group, GroupAsk};
 use crate::placement::mix_learner::{typical_gpu_memory_mib, MixLearner};
 use crate::placement::profile::{Profile, ProfileConfig};
-use crate::sim::native_dra::NativeDra;
+use crate::placement::feasibility::Placement;
+use crate::sim::native_dra::{first_fit, NativeDra};
 use crate::sim::state::{SimNode, SimState};
 use crate::sim::trace::TracePod;
 
@@ -30,10 +31,11 @@ pub enum PolicyKind {
     Gpuplace,
     /// kube-scheduler v1.36 placing pods whose GPUs come from ResourceClaims, without gpuplace.
     NativeDra,
+    DraSteer,
 }
 
 impl PolicyKind {
-    pub const ALL: [PolicyKind; 8] = [
+    pub const ALL: [PolicyKind; 9] = [
         PolicyKind::Random,
         PolicyKind::DotProd,
         PolicyKind::Clustering,
@@ -42,6 +44,7 @@ impl PolicyKind {
         PolicyKind::Fgd,
         PolicyKind::Gpuplace,
         PolicyKind::NativeDra,
+        PolicyKind::DraSteer,
     ];
 
     pub fn name(self) -> &'static str {
@@ -54,6 +57,7 @@ impl PolicyKind {
             PolicyKind::Fgd => "fgd",
             PolicyKind::Gpuplace => "gpuplace",
             PolicyKind::NativeDra => "native-dra",
+            PolicyKind::DraSteer => "dra-steer",
         }
     }
 
@@ -66,7 +70,7 @@ impl PolicyKind {
             PolicyKind::Packing => Some("04-GpuPacking"),
             PolicyKind::BestFit => Some("05-BestFit"),
             PolicyKind::Fgd => Some("06-FGD"),
-            PolicyKind::Gpuplace | PolicyKind::NativeDra => None,
+            PolicyKind::Gpuplace | PolicyKind::NativeDra | PolicyKind::DraSteer => None,
         }
     }
 }
@@ -179,7 +183,8 @@ impl Policy {
     /// `profile` and `mix` configure the `gpuplace` policy (the others ignore them). FGD always
     /// knows the whole workload's mix in advance, as the paper defines it.
     pub fn new(kind: PolicyKind, state: &SimState, profile: &ProfileConfig, mix: MixSource) -> Self {
-        let gpuplace = kind == PolicyKind::Gpuplace;
+        // dra-steer scores nodes with gpuplace's engine too
+        let gpuplace = matches!(kind, PolicyKind::Gpuplace | PolicyKind::DraSteer);
         let learner = (gpuplace && mix == MixSource::Learned)
             .then(|| (MixLearner::default(), typical_gpu_memory_mib(&state.cluster)));
         let engine = gpuplace.then(|| {
@@ -237,6 +242,7 @@ impl Policy {
             }
             PolicyKind::Gpuplace => return self.choose_gpuplace(state, pod, shape, &models),
             PolicyKind::NativeDra => return self.native.choose(state, pod, rng),
+            PolicyKind::DraSteer => return self.choose_steered(state, pod, shape, &models),
             _ => {}
         }
         for (i, s) in state.nodes.iter().enumerate() {
@@ -254,7 +260,7 @@ impl Policy {
                         PolicyKind::Clustering => (clustering(s, pod), s.best_fit(pod)),
                         PolicyKind::Packing => packing(s, pod),
                         PolicyKind::BestFit => (best_fit(s, pod), s.best_fit(pod)),
-                        PolicyKind::Random | PolicyKind::Gpuplace | PolicyKind::NativeDra => {
+                        PolicyKind::Random | PolicyKind::Gpuplace | PolicyKind::NativeDra | PolicyKind::DraSteer => {
                             unreachable!("handled above")
                         }
                     };
@@ -357,6 +363,67 @@ impl Policy {
     }
 }
 
+impl Policy {
+    /// `dra-steer`: gpuplace steering kube-scheduler's native DRA (issue 32, item 3, the first way
+    /// in). gpuplace picks the node, but the DRA allocator then takes the first devices with room
+    /// on it ([`first_fit`]); so each feasible node is scored with gpuplace's engine on the placement
+    /// the allocator would make there, and the pod gets the best node and that placement. Members
+    /// of a group come one by one (no plan), as kube-scheduler sends them.
+    fn choose_steered(&mut self, state: &SimState, pod: &TracePod, shape: u32, models: &[String]) -> Option<Choice> {
+        let req = pod.request(&pod.name);
+        self.observe(&req);
+        let engine = self.engine.as_ref()?;
+        let key = engine.shared_key(&state.cluster);
+        if key != self.shared_key {
+            self.shared_key = key;
+            self.cache.clear();
+        }
+        let scoring = engine.scoring(&state.cluster, &req, 0);
+        let mut best: Option<(i64, usize)> = None;
+        for (i, s) in state.nodes.iter().enumerate() {
+            if !s.fits(pod, models) {
+                continue;
+            }
+            let cached = self.cache.get(&(i, shape)).filter(|(g, _)| *g == s.generation).map(|(_, v)| v.clone());
+            let scored = match cached {
+                Some(v) => v,
+                None => {
+                    let gpus = first_fit(s, pod);
+                    let v = engine.place(&state.cluster, &req, i).ok().and_then(|mut p| {
+                        retarget(&mut p, &gpus)?;
+                        let node = state.cluster.nodes().get(i)?;
+                        Some(((scoring.total(node, &p) * 1e9).round() as i64, gpus))
+                    });
+                    self.cache.insert((i, shape), (s.generation, v.clone()));
+                    v
+                }
+            };
+            if let Some((score, _)) = scored {
+                if best.is_none_or(|(b, _)| score > b) {
+                    best = Some((score, i));
+                }
+            }
+        }
+        let (_, node) = best?;
+        let gpus = self.cache.get(&(node, shape)).and_then(|(_, v)| v.as_ref()).map(|(_, g)| g.clone())?;
+        Some((node, gpus))
+    }
+}
+
+/// `p` moved onto `gpus` (its app containers' slices in order), as the allocator would place the
+/// same request; `None` when the counts differ.
+fn retarget(p: &mut Placement, gpus: &[usize]) -> Option<()> {
+    for c in p.assignment.containers.iter_mut().filter(|c| !c.init) {
+        if c.slices.len() != gpus.len() {
+            return None;
+        }
+        for (s, &g) in c.slices.iter_mut().zip(gpus) {
+            s.gpu = u32::try_from(g).ok()?;
+        }
+    }
+    Some(())
+}
+
 /// FGD: the node and GPU that raise the node's fragmentation least.
 fn fgd(state: &SimState, node: usize, pod: &TracePod) -> (i64, Vec<usize>) {
     let s = &state.nodes[node];
@@ -442,4 +509,79 @@ fn best_fit(s: &SimNode, pod: &TracePod) -> i64 {
     let cpu = (s.cpu_left - pod.cpu_milli) as f64 / 128_000.0;
     let gpu = f64::from(s.gpu_left() - pod.milli() * pod.num_gpu) / 8000.0;
     (100.0 * (1.0 - (0.5 * cpu + 0.5 * gpu))) as i64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::placement::mix::WorkloadMix;
+    use crate::sim::trace::TraceNode;
+    use rand::SeedableRng;
+
+    fn share(name: &str, gpu_milli: u32) -> TracePod {
+        TracePod {
+            name: name.into(),
+            cpu_milli: 1000,
+            memory_mib: 4096,
+            num_gpu: 1,
+            gpu_milli,
+            gpu_spec: String::new(),
+            group: None,
+        }
+    }
+
+    /// dra-steer picks the node as gpuplace scores it, but always takes the allocator's first GPU
+    /// with room there; gpuplace itself may choose another GPU on the node.
+    #[test]
+    fn dra_steer_takes_the_first_gpu_with_room_on_the_node_gpuplace_scores_best() {
+        let nodes: Vec<TraceNode> = (0..3)
+            .map(|i| TraceNode {
+                name: format!("n{i}"),
+                cpu_milli: 96_000,
+                memory_mib: 262_144,
+                gpu: 4,
+                model: "V100M16".into(),
+                nvswitch: false,
+            })
+            .collect();
+        let mut state = SimState::new(&nodes, WorkloadMix::default());
+        // n1 holds half a GPU on GPU 2: binpacking scorers prefer it for the next share
+        state.apply(1, &share("a", 500), &[2]).unwrap();
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        let mut steer = Policy::new(PolicyKind::DraSteer, &state, &ProfileConfig::default(), MixSource::Learned);
+        let mut full = Policy::new(PolicyKind::Gpuplace, &state, &ProfileConfig::default(), MixSource::Learned);
+        let pod = share("b", 300);
+        let (node, gpus) = steer.choose(&state, &pod, &mut rng).unwrap();
+        let (full_node, full_gpus) = full.choose(&state, &pod, &mut rng).unwrap();
+        assert_eq!(node, full_node, "the same node as gpuplace");
+        // the first GPU with room, not the half-used one gpuplace packs onto
+        assert_eq!(gpus, first_fit(&state.nodes[node], &pod));
+        assert_eq!(gpus, vec![0]);
+        assert_eq!((full_node, full_gpus), (1, vec![2]));
+        // no node fits: no choice
+        state.nodes.iter_mut().for_each(|n| n.left = vec![0; 4]);
+        assert!(steer.choose(&state, &pod, &mut rng).is_none());
+    }
+
+    #[test]
+    fn a_placement_moves_onto_the_gpus_given_or_not_at_all() {
+        let mut p = Placement {
+            assignment: gpuplace_core::assignment::PodAssignment {
+                pod: "ns/p".into(),
+                node: "n".into(),
+                containers: vec![gpuplace_core::assignment::ContainerAssignment {
+                    name: "c".into(),
+                    init: false,
+                    slices: vec![gpuplace_core::assignment::GpuSlice { gpu: 3, mem_mib: 1, core_pct: 1, exclusive: false }],
+                }],
+                cpu_milli: 0,
+                memory_mib: 0,
+                group: None,
+            },
+            set_scores: vec![0],
+        };
+        assert_eq!(retarget(&mut p, &[1]), Some(()));
+        assert_eq!(p.gpus(), vec![1]);
+        assert_eq!(retarget(&mut p, &[1, 2]), None);
+    }
 }
