@@ -11,10 +11,10 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::placement::compact::KeyHasher;
 use crate::placement::engine::Engine;
+use crate::placement::feasibility::Placement;
 use crate::placement::group_plan::{plan_group, GroupAsk};
 use crate::placement::mix_learner::{typical_gpu_memory_mib, MixLearner};
 use crate::placement::profile::{Profile, ProfileConfig};
-use crate::placement::feasibility::Placement;
 use crate::sim::native_dra::{first_fit, NativeDra};
 use crate::sim::state::{SimNode, SimState};
 use crate::sim::trace::TracePod;
@@ -572,7 +572,12 @@ mod tests {
                 containers: vec![gpuplace_core::assignment::ContainerAssignment {
                     name: "c".into(),
                     init: false,
-                    slices: vec![gpuplace_core::assignment::GpuSlice { gpu: 3, mem_mib: 1, core_pct: 1, exclusive: false }],
+                    slices: vec![gpuplace_core::assignment::GpuSlice {
+                        gpu: 3,
+                        mem_mib: 1,
+                        core_pct: 1,
+                        exclusive: false,
+                    }],
                 }],
                 cpu_milli: 0,
                 memory_mib: 0,
