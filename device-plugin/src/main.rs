@@ -377,7 +377,7 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
                 poll_interval: Duration::from_millis(cli.poll_interval_ms.max(10)),
             };
             let claims = Arc::new(KubeClaims::new(client.clone(), telemetry_for_claims.clone()));
-            let dra = DraNode::new(cfg, inventory.clone(), plugin.clone(), claims);
+            let dra = DraNode::new(cfg, inventory.clone(), plugin.clone(), claims, telemetry_for_claims.clone());
             rt.block_on(gpuplace_device_plugin::dra::kubelet::serve(dra, Box::pin(shutdown_signal())))
         }
         _ => rt.block_on(run(plugin, cfg, Box::pin(shutdown_signal()))),

@@ -346,13 +346,35 @@ pub fn render(
         let mut f = Family::new(&mut out, name, "counter", "gpuplace.io/utilization writes that failed.");
         f.series(name, &labels(&[("Hostname", hostname)]), t.publish_errors);
     }
+    if t.dra_enabled {
+        let name = "gpuplace_dra_claims_total";
+        let mut f = Family::new(
+            &mut out,
+            name,
+            "counter",
+            "DRA mode: claims kubelet asked to prepare or unprepare, by outcome (prepared, refused, unprepared).",
+        );
+        for outcome in crate::sampler::DRA_CLAIM_OUTCOMES {
+            let n = t.dra_claims.get(outcome).copied().unwrap_or(0);
+            f.series(name, &labels(&[("Hostname", hostname), ("outcome", outcome)]), n);
+        }
+        drop(f);
+        let name = "gpuplace_dra_registrations_total";
+        let mut f = Family::new(
+            &mut out,
+            name,
+            "counter",
+            "DRA mode: times kubelet confirmed the driver's registration (again after each kubelet restart).",
+        );
+        f.series(name, &labels(&[("Hostname", hostname)]), t.dra_registrations);
+    }
     if t.api_enabled {
         let name = "gpuplace_apiserver_errors_total";
         let mut f = Family::new(
             &mut out,
             name,
             "counter",
-            "Failed API-server calls, by operation (pods_list, pods_watch, pod_patch, node_get, node_patch, node_status_patch, configmap_patch, configmap_create).",
+            "Failed API-server calls, by operation (pods_list, pods_watch, pod_patch, node_get, node_patch, node_status_patch, configmap_*, resourceslice*, resourceclaim_get).",
         );
         for op in crate::k8s::API_OPS {
             let n = t.api_errors.get(op).copied().unwrap_or(0);

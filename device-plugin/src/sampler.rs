@@ -53,7 +53,17 @@ pub struct TelemetryState {
     /// (without an API server there is nothing to read: loaded from the start). Until then the two
     /// series are not exported, since 0 followed by the persisted total would read as an increase.
     pub allocation_counts_loaded: bool,
+    /// DRA mode: its series are exported only then.
+    pub dra_enabled: bool,
+    /// DRA mode: claims by outcome ([`DRA_CLAIM_OUTCOMES`]).
+    pub dra_claims: BTreeMap<&'static str, u64>,
+    /// DRA mode: times kubelet said the driver's registration succeeded.
+    pub dra_registrations: u64,
 }
+
+/// Labels of `gpuplace_dra_claims_total`, all exported from the start: claims prepared, refused
+/// (the reason is in the claim's entry, kubelet's Event and the log), unprepared.
+pub const DRA_CLAIM_OUTCOMES: [&str; 3] = ["prepared", "refused", "unprepared"];
 
 /// Shared between the sampler (writer) and the metrics endpoint (reader).
 #[derive(Debug, Default)]
@@ -118,6 +128,21 @@ impl Telemetry {
         let mut st = self.lock();
         st.api_enabled = true;
         st.allocation_counts_loaded = false;
+    }
+
+    /// Exports the DRA series (zero until something happens).
+    pub fn enable_dra(&self) {
+        self.lock().dra_enabled = true;
+    }
+
+    /// Counts one claim's outcome (one of [`DRA_CLAIM_OUTCOMES`]).
+    pub fn dra_claim(&self, outcome: &'static str) {
+        *self.lock().dra_claims.entry(outcome).or_insert(0) += 1;
+    }
+
+    /// Counts one successful registration with kubelet as the DRA driver.
+    pub fn dra_registered(&self) {
+        self.lock().dra_registrations += 1;
     }
 
     /// Counts one failed API-server call.

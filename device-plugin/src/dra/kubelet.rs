@@ -51,6 +51,7 @@ use crate::kubelet_api::pluginregistration::{InfoRequest, PluginInfo, Registrati
 use crate::kubelet_api::{DRA_HEALTH_SERVICE_V1ALPHA1, DRA_PLUGIN_TYPE, DRA_SERVICE_V1};
 use crate::nvml::Inventory;
 use crate::plugin::Plugin;
+use crate::sampler::Telemetry;
 use crate::server::{file_id, ServeError, StopSignal};
 
 /// Where claims are read (the API server; a map in fast tests).
@@ -93,14 +94,30 @@ pub struct DraNode {
     /// GPU health (the plugin's health monitor keeps it).
     plugin: Arc<Plugin>,
     claims: Arc<dyn ClaimSource>,
+    telemetry: Arc<Telemetry>,
     registrations: AtomicU64,
     /// Claim UID to the devices last handed to kubelet for it.
     prepared: Mutex<HashMap<String, Vec<Device>>>,
 }
 
 impl DraNode {
-    pub fn new(cfg: DraConfig, inventory: Inventory, plugin: Arc<Plugin>, claims: Arc<dyn ClaimSource>) -> Arc<Self> {
-        Arc::new(Self { cfg, inventory, plugin, claims, registrations: AtomicU64::new(0), prepared: Mutex::default() })
+    pub fn new(
+        cfg: DraConfig,
+        inventory: Inventory,
+        plugin: Arc<Plugin>,
+        claims: Arc<dyn ClaimSource>,
+        telemetry: Arc<Telemetry>,
+    ) -> Arc<Self> {
+        telemetry.enable_dra();
+        Arc::new(Self {
+            cfg,
+            inventory,
+            plugin,
+            claims,
+            telemetry,
+            registrations: AtomicU64::new(0),
+            prepared: Mutex::default(),
+        })
     }
 
     pub fn config(&self) -> &DraConfig {
@@ -193,8 +210,12 @@ impl DraPlugin for DraService {
         let mut claims = HashMap::new();
         for c in request.into_inner().claims {
             let entry = match self.0.prepare_one(&c.namespace, &c.name, &c.uid).await {
-                Ok(devices) => NodePrepareResourceResponse { devices, error: String::new() },
+                Ok(devices) => {
+                    self.0.telemetry.dra_claim("prepared");
+                    NodePrepareResourceResponse { devices, error: String::new() }
+                }
                 Err(error) => {
+                    self.0.telemetry.dra_claim("refused");
                     tracing::warn!(claim = %format!("{}/{}", c.namespace, c.name), uid = %c.uid, %error, "claim not prepared");
                     NodePrepareResourceResponse { devices: Vec::new(), error }
                 }
@@ -219,6 +240,7 @@ impl DraPlugin for DraService {
                 Err(e) => format!("removing the CDI spec of claim {}/{}: {e}", c.namespace, c.name),
             };
             if error.is_empty() {
+                node.telemetry.dra_claim("unprepared");
                 if let Ok(mut m) = node.prepared.lock() {
                     m.remove(&c.uid);
                 }
@@ -338,6 +360,7 @@ impl Registration for RegistrationService {
         let s = request.into_inner();
         if s.plugin_registered {
             let n = self.0.registrations.fetch_add(1, Ordering::Relaxed) + 1;
+            self.0.telemetry.dra_registered();
             tracing::info!(driver = %self.0.cfg.driver, registrations = n, "registered with kubelet as a DRA driver");
         } else {
             tracing::error!(driver = %self.0.cfg.driver, error = %s.error, "kubelet refused the DRA driver's registration");

@@ -17,6 +17,7 @@ use gpuplace_device_plugin::kubelet_api::pluginregistration::{InfoRequest, Regis
 use gpuplace_device_plugin::nvml::fake::{FakeBackend, Fault};
 use gpuplace_device_plugin::nvml::GpuBackend;
 use gpuplace_device_plugin::plugin::{spawn_health_monitor, Plugin, PluginConfig};
+use gpuplace_device_plugin::sampler::Telemetry;
 use gpuplace_device_plugin::unix_socket::connect_unix;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde_json::{json, Value};
@@ -99,7 +100,8 @@ async fn kubelet_registers_the_driver_and_prepares_claims_into_cdi_specs() {
         mps_pipe_dir: Some("/run/nvidia/mps".into()),
         poll_interval: Duration::from_millis(50),
     };
-    let node = DraNode::new(cfg.clone(), inventory.clone(), plugin.clone(), claims.clone());
+    let telemetry = Telemetry::new(inventory.gpus.len(), false);
+    let node = DraNode::new(cfg.clone(), inventory.clone(), plugin.clone(), claims.clone(), telemetry.clone());
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(serve(
         node.clone(),
@@ -215,6 +217,16 @@ async fn kubelet_registers_the_driver_and_prepares_claims_into_cdi_specs() {
         .unwrap()
         .into_inner();
     assert_eq!(again.claims["u-share"], resp.claims["u-share"]);
+
+    // counted for /metrics: 2 prepared and 5 refused so far, then the repeat
+    let metrics = gpuplace_device_plugin::metrics::render("n1", &[], &[], &Default::default(), &telemetry.snapshot());
+    for line in [
+        "gpuplace_dra_claims_total{Hostname=\"n1\",outcome=\"prepared\"} 3",
+        "gpuplace_dra_claims_total{Hostname=\"n1\",outcome=\"refused\"} 5",
+        "gpuplace_dra_registrations_total{Hostname=\"n1\"} 1",
+    ] {
+        assert!(metrics.contains(line), "{line} not in\n{metrics}");
+    }
 
     // unprepare removes the spec; twice is fine
     for _ in 0..2 {
