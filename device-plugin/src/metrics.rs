@@ -347,18 +347,19 @@ pub fn render(
         f.series(name, &labels(&[("Hostname", hostname)]), t.publish_errors);
     }
     if t.dra_enabled {
-        let name = "gpuplace_dra_claims_total";
-        let mut f = Family::new(
-            &mut out,
-            name,
-            "counter",
-            "DRA mode: claims kubelet asked to prepare or unprepare, by outcome (prepared, refused, unprepared).",
-        );
-        for outcome in crate::sampler::DRA_CLAIM_OUTCOMES {
-            let n = t.dra_claims.get(outcome).copied().unwrap_or(0);
-            f.series(name, &labels(&[("Hostname", hostname), ("outcome", outcome)]), n);
+        {
+            let name = "gpuplace_dra_claims_total";
+            let mut f = Family::new(
+                &mut out,
+                name,
+                "counter",
+                "DRA mode: claims kubelet asked to prepare or unprepare, by outcome (prepared, refused, unprepared).",
+            );
+            for outcome in crate::sampler::DRA_CLAIM_OUTCOMES {
+                let n = t.dra_claims.get(outcome).copied().unwrap_or(0);
+                f.series(name, &labels(&[("Hostname", hostname), ("outcome", outcome)]), n);
+            }
         }
-        drop(f);
         let name = "gpuplace_dra_registrations_total";
         let mut f = Family::new(
             &mut out,
