@@ -11,7 +11,7 @@ use clap::{Parser, Subcommand};
 use gpuplace_core::api_client::connect::{connect, ConnectArgs, ConnectError, Source};
 use gpuplace_core::logging::LogFormat;
 use gpuplace_device_plugin::assign::AssignmentSource;
-use gpuplace_device_plugin::dra::devices::DEFAULT_DRIVER;
+use gpuplace_device_plugin::dra::devices::{devices, slice_spec, DEFAULT_DRIVER};
 use gpuplace_device_plugin::dra::kubelet::{DraConfig, DraNode};
 use gpuplace_device_plugin::k8s::assignments::KubeAssignments;
 use gpuplace_device_plugin::k8s::claims::KubeClaims;
@@ -146,7 +146,9 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Print the GPUs, their links and NUMA placement, and exit.
+    /// Print the GPUs, their links and NUMA placement, and exit. With --dra: the ResourceSlice spec
+    /// DRA mode would publish (JSON; the node's network attributes come from its labels when
+    /// serving).
     Discover {
         /// JSON in the shared/topologies schema (plus UUIDs and the backend's name).
         #[arg(long)]
@@ -435,7 +437,13 @@ fn main() -> ExitCode {
     };
     let result = match cli.command {
         Some(Command::Discover { json }) => backend.inventory().map_err(|e| e.to_string()).map(|inv| {
-            if json {
+            if cli.dra {
+                // what DRA mode would publish now: the node's network labels are added when serving
+                let node = node_name(&cli).unwrap_or_else(|| hostname(&cli));
+                let devices = devices(&inv, &[], &std::collections::BTreeMap::new(), cli.slots_per_gpu);
+                let spec = slice_spec(&cli.dra_driver, &node, devices, 0);
+                println!("{}", serde_json::to_string_pretty(&spec).unwrap_or_default());
+            } else if json {
                 println!("{}", serde_json::to_string_pretty(&discover::to_json(&inv)).unwrap_or_default());
             } else {
                 print!("{}", discover::to_text(&inv));

@@ -34,6 +34,26 @@ fn discover_prints_text_and_topology_json() {
 }
 
 #[test]
+fn discover_with_dra_prints_the_slice_dra_mode_would_publish() {
+    let out = Command::new(BIN)
+        .args(["discover", "--dra", "--node-name", "gpu-07", "--slots-per-gpu", "4", "--fake-topology"])
+        .arg(topology("hgx-h100-8"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let spec: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(spec["driver"], "gpu.gpuplace.io");
+    assert_eq!((spec["nodeName"].as_str(), spec["pool"]["name"].as_str()), (Some("gpu-07"), Some("gpu-07")));
+    let devices = spec["devices"].as_array().unwrap();
+    assert_eq!(devices.len(), 8);
+    assert_eq!(devices[0]["name"], "gpu-0");
+    assert_eq!(devices[0]["allowMultipleAllocations"], true);
+    assert_eq!(devices[0]["capacity"]["shares"]["value"], "4");
+    assert_eq!(devices[0]["attributes"]["nvlinkDomain"]["int"], 0);
+    assert!(devices[0]["attributes"]["uuid"]["string"].as_str().is_some_and(|u| u.starts_with("GPU-")));
+}
+
+#[test]
 fn without_nvml_or_a_fake_node_it_fails_clearly() {
     let out = Command::new(BIN).arg("discover").output().unwrap();
     if out.status.success() {
