@@ -319,19 +319,22 @@ impl Policy {
         }
     }
 
-    fn choose_gpuplace(&mut self, state: &SimState, pod: &TracePod, shape: u32, models: &[String]) -> Option<Choice> {
+    /// The pod's request, seen by the learner, with the score cache voided when the cluster-wide
+    /// facts changed: scores depend on the whole cluster too (the reserve's scarcity).
+    fn engine_request(&mut self, state: &SimState, pod: &TracePod) -> Option<gpuplace_core::resources::PodRequest> {
         let req = pod.request(&pod.name);
         self.observe(&req);
-        let engine = self.engine.as_ref()?;
-        // scores depend on the whole cluster too (the reserve's scarcity): a new key voids them all
-        let key = engine.shared_key(&state.cluster);
+        let key = self.engine.as_ref()?.shared_key(&state.cluster);
         if key != self.shared_key {
             self.shared_key = key;
             self.cache.clear();
         }
-        fn fresh<'c>(c: &'c ScoreCache, state: &SimState, i: usize, shape: u32) -> Option<&'c Option<Scored>> {
-            c.get(&(i, shape)).filter(|(g, _)| *g == state.nodes[i].generation).map(|(_, v)| v)
-        }
+        Some(req)
+    }
+
+    fn choose_gpuplace(&mut self, state: &SimState, pod: &TracePod, shape: u32, models: &[String]) -> Option<Choice> {
+        let req = self.engine_request(state, pod)?;
+        let engine = self.engine.as_ref()?;
         let stale: Vec<usize> = (0..state.nodes.len())
             .filter(|&i| state.nodes[i].fits(pod, models) && fresh(&self.cache, state, i, shape).is_none())
             .collect();
@@ -370,22 +373,15 @@ impl Policy {
     /// the allocator would make there, and the pod gets the best node and that placement. Members
     /// of a group come one by one (no plan), as kube-scheduler sends them.
     fn choose_steered(&mut self, state: &SimState, pod: &TracePod, shape: u32, models: &[String]) -> Option<Choice> {
-        let req = pod.request(&pod.name);
-        self.observe(&req);
+        let req = self.engine_request(state, pod)?;
         let engine = self.engine.as_ref()?;
-        let key = engine.shared_key(&state.cluster);
-        if key != self.shared_key {
-            self.shared_key = key;
-            self.cache.clear();
-        }
         let scoring = engine.scoring(&state.cluster, &req, 0);
         let mut best: Option<(i64, usize)> = None;
         for (i, s) in state.nodes.iter().enumerate() {
             if !s.fits(pod, models) {
                 continue;
             }
-            let cached = self.cache.get(&(i, shape)).filter(|(g, _)| *g == s.generation).map(|(_, v)| v.clone());
-            let scored = match cached {
+            let scored = match fresh(&self.cache, state, i, shape).cloned() {
                 Some(v) => v,
                 None => {
                     let gpus = first_fit(s, pod);
@@ -422,6 +418,11 @@ fn retarget(p: &mut Placement, gpus: &[usize]) -> Option<()> {
         }
     }
     Some(())
+}
+
+/// The cached score of node `i` for pod shape `shape`, if the node has not changed since.
+fn fresh<'c>(c: &'c ScoreCache, state: &SimState, i: usize, shape: u32) -> Option<&'c Option<Scored>> {
+    c.get(&(i, shape)).filter(|(g, _)| *g == state.nodes[i].generation).map(|(_, v)| v)
 }
 
 /// FGD: the node and GPU that raise the node's fragmentation least.

@@ -35,6 +35,22 @@ pub fn remove_spec(dir: &Path, driver: &str, uid: &str) -> std::io::Result<bool>
     }
 }
 
+/// The UIDs of the claims of `driver` with a spec in `dir` (prepared and not unprepared, by this run
+/// of the plugin or an earlier one), sorted.
+pub fn prepared_uids(dir: &Path, driver: &str) -> std::io::Result<Vec<String>> {
+    let prefix = format!("{driver}-claim_");
+    let mut uids = Vec::new();
+    for entry in std::fs::read_dir(dir)? {
+        let name = entry?.file_name();
+        let name = name.to_string_lossy();
+        if let Some(uid) = name.strip_prefix(&prefix).and_then(|r| r.strip_suffix(".json")) {
+            uids.push(uid.to_string());
+        }
+    }
+    uids.sort();
+    Ok(uids)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -49,6 +65,8 @@ mod tests {
         assert_eq!(back, spec);
         // only the spec is left in the folder
         assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
+        assert_eq!(prepared_uids(&dir, "gpu.gpuplace.io").unwrap(), ["u1"]);
+        assert!(prepared_uids(&dir, "other.example.com").unwrap().is_empty());
         assert!(remove_spec(&dir, "gpu.gpuplace.io", "u1").unwrap());
         assert!(!remove_spec(&dir, "gpu.gpuplace.io", "u1").unwrap());
         let _ = std::fs::remove_dir_all(&dir);

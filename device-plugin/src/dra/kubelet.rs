@@ -22,8 +22,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -33,7 +32,7 @@ use tonic::codegen::http;
 use tonic::transport::Server;
 use tonic::{Request, Response, Status};
 
-use super::cdi::{remove_spec, write_spec};
+use super::cdi::{prepared_uids, remove_spec, write_spec};
 use super::devices::device_name;
 use super::prepare::{prepare, NodeGpus};
 use crate::grpc_authority::incoming;
@@ -95,9 +94,6 @@ pub struct DraNode {
     plugin: Arc<Plugin>,
     claims: Arc<dyn ClaimSource>,
     telemetry: Arc<Telemetry>,
-    registrations: AtomicU64,
-    /// Claim UID to the devices last handed to kubelet for it.
-    prepared: Mutex<HashMap<String, Vec<Device>>>,
 }
 
 impl DraNode {
@@ -109,15 +105,7 @@ impl DraNode {
         telemetry: Arc<Telemetry>,
     ) -> Arc<Self> {
         telemetry.enable_dra();
-        Arc::new(Self {
-            cfg,
-            inventory,
-            plugin,
-            claims,
-            telemetry,
-            registrations: AtomicU64::new(0),
-            prepared: Mutex::default(),
-        })
+        Arc::new(Self { cfg, inventory, plugin, claims, telemetry })
     }
 
     pub fn config(&self) -> &DraConfig {
@@ -126,14 +114,12 @@ impl DraNode {
 
     /// How many times kubelet said the registration succeeded.
     pub fn registrations(&self) -> u64 {
-        self.registrations.load(Ordering::Relaxed)
+        self.telemetry.snapshot().dra_registrations
     }
 
-    /// The UIDs of the claims prepared and not unprepared since the plugin started.
-    pub fn prepared_claims(&self) -> Vec<String> {
-        let mut v: Vec<String> = self.prepared.lock().map(|m| m.keys().cloned().collect()).unwrap_or_default();
-        v.sort();
-        v
+    /// The UIDs of the claims prepared on this node and not unprepared: those with a CDI spec.
+    pub fn prepared_claims(&self) -> std::io::Result<Vec<String>> {
+        prepared_uids(&self.cfg.cdi_dir, &self.cfg.driver)
     }
 
     /// Every GPU of this node with its health now (the resource health stream's message).
@@ -191,9 +177,6 @@ impl DraNode {
             .collect();
         let gpus: Vec<&str> = devices.iter().map(|d| d.device_name.as_str()).collect();
         tracing::info!(claim = %format!("{namespace}/{name}"), uid, gpus = ?gpus, spec = %path.display(), "claim prepared");
-        if let Ok(mut m) = self.prepared.lock() {
-            m.insert(uid.to_string(), devices.clone());
-        }
         Ok(devices)
     }
 }
@@ -241,9 +224,6 @@ impl DraPlugin for DraService {
             };
             if error.is_empty() {
                 node.telemetry.dra_claim("unprepared");
-                if let Ok(mut m) = node.prepared.lock() {
-                    m.remove(&c.uid);
-                }
             }
             claims.insert(c.uid, NodeUnprepareResourceResponse { error });
         }
@@ -359,8 +339,8 @@ impl Registration for RegistrationService {
     ) -> Result<Response<RegistrationStatusResponse>, Status> {
         let s = request.into_inner();
         if s.plugin_registered {
-            let n = self.0.registrations.fetch_add(1, Ordering::Relaxed) + 1;
             self.0.telemetry.dra_registered();
+            let n = self.0.registrations();
             tracing::info!(driver = %self.0.cfg.driver, registrations = n, "registered with kubelet as a DRA driver");
         } else {
             tracing::error!(driver = %self.0.cfg.driver, error = %s.error, "kubelet refused the DRA driver's registration");

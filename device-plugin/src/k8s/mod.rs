@@ -102,3 +102,46 @@ pub async fn call<T>(
         Err(_) => Err(CallError::Timeout { op, timeout }),
     }
 }
+
+/// The wait before a reconcile loop's next pass: `resync` after a pass that worked; after a failed
+/// one 1 s (at most `resync`), doubling with each failure in a row up to `resync`.
+#[derive(Debug, Clone, Copy)]
+pub struct Backoff {
+    resync: Duration,
+    first: Duration,
+    next: Duration,
+}
+
+impl Backoff {
+    pub fn new(resync: Duration) -> Self {
+        let first = Duration::from_secs(1).min(resync);
+        Self { resync, first, next: first }
+    }
+
+    /// The wait after a pass that worked (`ok`) or failed.
+    pub fn after(&mut self, ok: bool) -> Duration {
+        if ok {
+            self.next = self.first;
+            return self.resync;
+        }
+        let wait = self.next;
+        self.next = (self.next * 2).min(self.resync);
+        wait
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failures_back_off_from_a_second_to_the_resync_and_a_success_resets() {
+        let mut b = Backoff::new(Duration::from_secs(5));
+        let waits: Vec<u64> = [false, false, false, false].iter().map(|&ok| b.after(ok).as_secs()).collect();
+        assert_eq!(waits, [1, 2, 4, 5]);
+        assert_eq!(b.after(true), Duration::from_secs(5));
+        assert_eq!(b.after(false), Duration::from_secs(1));
+        // a resync under a second bounds the first retry too
+        assert_eq!(Backoff::new(Duration::from_millis(300)).after(false), Duration::from_millis(300));
+    }
+}

@@ -33,7 +33,7 @@ use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 
 use super::inventory::{capacity, node_inventory, NodeCapacity};
-use super::{call, CallError, CALL_TIMEOUT};
+use super::{call, Backoff, CallError, CALL_TIMEOUT};
 use crate::nvml::Inventory;
 use crate::plugin::Plugin;
 use crate::sampler::Telemetry;
@@ -197,22 +197,14 @@ impl NodeSync {
     pub async fn run(self) {
         let mut registrations = self.plugin.subscribe_registrations();
         let mut devices = self.plugin.subscribe();
-        let first_retry = Duration::from_secs(1).min(self.resync);
-        let mut backoff = first_retry;
+        let mut backoff = Backoff::new(self.resync);
         let mut settle_at: Option<tokio::time::Instant> = None;
         loop {
-            let wait = match self.reconcile().await {
-                Ok(_) => {
-                    backoff = first_retry;
-                    self.resync
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, retry_in = ?backoff, "node status and inventory not written");
-                    let w = backoff;
-                    backoff = (backoff * 2).min(self.resync);
-                    w
-                }
-            };
+            let result = self.reconcile().await;
+            let wait = backoff.after(result.is_ok());
+            if let Err(e) = &result {
+                tracing::warn!(error = %e, retry_in = ?wait, "node status and inventory not written");
+            }
             let mut wake = tokio::time::Instant::now() + wait;
             if let Some(s) = settle_at {
                 wake = wake.min(s);

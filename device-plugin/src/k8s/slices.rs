@@ -22,7 +22,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference}
 use kube::api::{DeleteParams, ListParams, PostParams};
 use kube::{Api, Client, ResourceExt};
 
-use super::{call, CallError, CALL_TIMEOUT};
+use super::{call, Backoff, CallError, CALL_TIMEOUT};
 use crate::dra::devices::{devices, same_devices, slice_spec};
 use crate::nvml::Inventory;
 use crate::plugin::Plugin;
@@ -192,21 +192,13 @@ impl SliceSync {
     /// Passes until the plugin goes away (see the module docs); never returns an error.
     pub async fn run(self) {
         let mut devices = self.plugin.subscribe();
-        let first_retry = Duration::from_secs(1).min(self.resync);
-        let mut backoff = first_retry;
+        let mut backoff = Backoff::new(self.resync);
         loop {
-            let wait = match self.reconcile().await {
-                Ok(_) => {
-                    backoff = first_retry;
-                    self.resync
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, retry_in = ?backoff, "ResourceSlice not written");
-                    let w = backoff;
-                    backoff = (backoff * 2).min(self.resync);
-                    w
-                }
-            };
+            let result = self.reconcile().await;
+            let wait = backoff.after(result.is_ok());
+            if let Err(e) = &result {
+                tracing::warn!(error = %e, retry_in = ?wait, "ResourceSlice not written");
+            }
             tokio::select! {
                 r = devices.changed() => if r.is_err() { return },
                 _ = tokio::time::sleep(wait) => {}

@@ -208,7 +208,7 @@ async fn kubelet_registers_the_driver_and_prepares_claims_into_cdi_specs() {
     let env = env_of(&spec_of("u-pair"));
     assert_eq!((env["GPUPLACE_GPU_INDICES"].as_str(), env["GPUPLACE_EXCLUSIVE"].as_str()), ("6,7", "true"));
     assert_eq!(std::fs::read_dir(&cfg.cdi_dir).unwrap().count(), 2, "no spec for a claim that failed");
-    assert_eq!(node.prepared_claims(), ["u-pair", "u-share"]);
+    assert_eq!(node.prepared_claims().unwrap(), ["u-pair", "u-share"]);
 
     // prepare again (kubelet repeats calls): the same answer, the same spec
     let again = dra
@@ -238,7 +238,7 @@ async fn kubelet_registers_the_driver_and_prepares_claims_into_cdi_specs() {
         assert!(r.claims["u-share"].error.is_empty());
     }
     assert!(!cfg.cdi_dir.join(format!("{DRIVER}-claim_u-share.json")).exists());
-    assert_eq!(node.prepared_claims(), ["u-pair"]);
+    assert_eq!(node.prepared_claims().unwrap(), ["u-pair"]);
 
     // a recovered GPU is reported healthy on the open stream
     backend.inject(3, Fault::Recover).unwrap();
