@@ -13,6 +13,7 @@ use gpuplace::extender::http::{
 use gpuplace::extender::Extender;
 use gpuplace::k8s::binder::KubeBinder;
 use gpuplace::k8s::certificates::SelfIssuedTls;
+use gpuplace::k8s::dra::DraOptions;
 use gpuplace::k8s::keys::{KeyOptions, KeySecret, DEFAULT_KEY_SECRET_NAME, DEFAULT_PUBLIC_KEYS_NAME};
 use gpuplace::k8s::leader::LeaderConfig;
 use gpuplace::k8s::serve::ApiOptions;
@@ -151,17 +152,21 @@ struct ServeArgs {
     /// API-server mode: watch only Nodes with these labels (e.g. `nvidia.com/gpu.present=true`).
     #[arg(long, value_name = "SELECTOR")]
     node_selector: Option<String>,
-    /// API-server mode: namespace of the device plugins' utilization ConfigMaps, one of their own
-    /// (the device plugins' --utilization-namespace).
+    /// DRA front end: allocate the claims of this driver's DeviceClass (scheduler-config/dra/).
+    #[arg(long, value_name = "DRIVER", conflicts_with = "cluster")]
+    dra_driver: Option<String>,
+    /// The DeviceClass whose claims the DRA front end allocates (default: the driver's).
+    #[arg(long, value_name = "CLASS", requires = "dra_driver")]
+    dra_class: Option<String>,
+    /// API-server mode: namespace of the device plugins' utilization ConfigMaps (their --utilization-namespace).
     #[arg(long, value_name = "NAMESPACE", default_value = gpuplace_core::utilization_configmap::DEFAULT_UTILIZATION_NAMESPACE)]
     utilization_namespace: String,
-    /// API-server mode: the Secret holding the keys that sign assignments, NAMESPACE/NAME (default:
-    /// $POD_NAMESPACE, else gpuplace-system, /gpuplace-assignment-keys); created when absent.
+    /// API-server mode: the Secret of the keys that sign assignments, NAMESPACE/NAME, created when
+    /// absent (default: $POD_NAMESPACE, else gpuplace-system, /gpuplace-assignment-keys).
     #[arg(long, value_name = "NAMESPACE/NAME", conflicts_with = "cluster")]
     assignment_key_secret: Option<KeySecret>,
-    /// API-server mode: the ConfigMap the leader publishes the assignment keys' public halves in,
-    /// which the device plugins verify with, NAMESPACE/NAME (default: the key Secret's namespace,
-    /// /gpuplace-assignment-public-keys).
+    /// API-server mode: the ConfigMap of the assignment keys' public halves (the device plugins'),
+    /// NAMESPACE/NAME (default: the key Secret's namespace, /gpuplace-assignment-public-keys).
     #[arg(long, value_name = "NAMESPACE/NAME", conflicts_with = "cluster")]
     assignment_public_keys: Option<KeySecret>,
     /// API-server mode: also count assignments with no signature at all (never a bad one), for one
@@ -208,35 +213,31 @@ struct ServeArgs {
     #[arg(long, default_value = DEFAULT_LISTEN)]
     listen: String,
     /// Also serve /metrics, /healthz and /readyz, and nothing else, on this address over plain
-    /// HTTP, so that scrapers and probes need no access to the verbs' port (the manifests use
-    /// 0.0.0.0:9090).
+    /// HTTP: scrapers and probes need no access to the verbs' port (the manifests: 0.0.0.0:9090).
     #[arg(long, value_name = "ADDR")]
     metrics_listen: Option<String>,
     /// URL path before the verbs: kube-scheduler's urlPrefix is http://HOST:PORT<prefix>.
     #[arg(long, default_value = DEFAULT_PREFIX)]
     prefix: String,
-    /// Largest request body accepted; larger ones get 413. The default fits kube-scheduler's
-    /// requests with `nodeCacheCapable: true` at 5,000 nodes; without it, allow ~6 KiB per node.
+    /// Largest request body accepted (413 beyond): the default fits `nodeCacheCapable: true` at 5,000
+    /// nodes; without it, allow ~6 KiB per node.
     #[arg(long, default_value_t = DEFAULT_MAX_BODY_BYTES)]
     max_body_bytes: usize,
     /// Most nodes one request may name; a request naming more gets 413 while it is decoded
     /// (kube-scheduler never sends more nodes than the cluster has).
     #[arg(long, default_value_t = DEFAULT_MAX_REQUEST_NODES, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     max_request_nodes: usize,
-    /// Write one JSON line per decision to this file (rotated by size) or to stdout (`-`). A filter
-    /// that repeats the pod's last written verdict (kube-scheduler's retries) is counted in the
-    /// pod's next line (`repeats`) instead (docs/placement-log.md).
+    /// Write one JSON line per decision to this file (rotated by size) or to stdout (`-`); a repeated
+    /// filter verdict is counted in the pod's next line (`repeats`) instead (docs/placement-log.md).
     #[arg(long)]
     placement_log: Option<String>,
-    /// Rotate the placement log file beyond this size (the old one is kept as PATH.1).
+    /// Rotate the placement log file beyond this size (the old one kept as PATH.1).
     #[arg(long, default_value_t = 100)]
     placement_log_max_mib: u64,
-    /// Write a placement log line for every filter call, repeats included (`gpuplace compact-log`
-    /// turns such a log into what the default writes).
+    /// Write a placement log line for every filter call, repeats included (`gpuplace compact-log`).
     #[arg(long, requires = "placement_log")]
     placement_log_every_call: bool,
-    /// A pod whose filter keeps repeating its verdict gets a line again (with the repeats counted
-    /// since) when its last line is this many seconds old.
+    /// A pod whose filter keeps repeating gets a line again when its last line is this many seconds old.
     #[arg(long, value_name = "SECONDS", default_value_t = 600, conflicts_with = "placement_log_every_call")]
     placement_log_restate_s: u64,
     /// Profile (YAML, as for simulate); default: the built-in profile.
@@ -247,13 +248,11 @@ struct ServeArgs {
     /// Without it the mix is learned from the GPU pods seen, starting from a bundled generic prior.
     #[arg(long, value_name = "FILE")]
     mix: Option<PathBuf>,
-    /// Half-life of the learned mix, in GPU pods: a pod counts half as much as a new one after this
-    /// many newer pods (default 5000).
+    /// Half-life of the learned mix in GPU pods: a pod counts half after this many newer (default 5000).
     #[arg(long, value_name = "N", conflicts_with = "mix", value_parser = parse_half_life)]
     mix_half_life: Option<f64>,
-    /// Keep the learned mix across restarts in this file (the JSON of GET /mix): read at start if it
-    /// exists (a bad file is a warning and a fresh start), written every 60 s when it changed and at
-    /// shutdown.
+    /// Keep the learned mix across restarts in this file (the JSON of GET /mix): read at start (a bad
+    /// file is a warning and a fresh start), written every 60 s when it changed and at shutdown.
     #[arg(long, value_name = "FILE", conflicts_with = "mix")]
     mix_state: Option<PathBuf>,
     /// HTTP worker threads (0: one per core).
@@ -266,13 +265,11 @@ struct ServeArgs {
     /// /inspect and /mix need a client certificate the CA signed.
     #[arg(long, value_name = "SECRET", conflicts_with_all = ["cluster", "tls_cert"])]
     tls_ca_secret: Option<String>,
-    /// With --tls-ca-secret: the Secret where the leader keeps kube-scheduler's client certificate
-    /// (ca.crt, kube-scheduler.crt, kube-scheduler.key), in the CA Secret's namespace.
+    /// With --tls-ca-secret: the Secret of kube-scheduler's client certificate (the CA's namespace).
     #[arg(long, value_name = "NAME", requires = "tls_ca_secret", default_value = gpuplace::k8s::certificates::DEFAULT_SCHEDULER_SECRET_NAME)]
     tls_scheduler_secret: String,
-    /// With --tls-ca-secret: the Service whose names the serving certificate carries (NAME,
-    /// NAME.NAMESPACE, NAME.NAMESPACE.svc, NAME.NAMESPACE.svc.cluster.local), besides the host of
-    /// --advertise-url ($POD_IP).
+    /// With --tls-ca-secret: the Service whose names (NAME, NAME.NAMESPACE, NAME.NAMESPACE.svc, …)
+    /// the serving certificate carries, besides the host of --advertise-url ($POD_IP).
     #[arg(long, value_name = "NAME", requires = "tls_ca_secret", default_value = "gpuplace-extender")]
     tls_service: String,
     /// Serve HTTPS with this certificate (PEM; a chain, the leaf first). With --tls-key.
@@ -286,13 +283,12 @@ struct ServeArgs {
     /// /metrics stay open on this port for probes and scrapers, and the rest answers 403.
     #[arg(long, value_name = "FILE", requires = "tls_cert")]
     tls_client_ca: Option<PathBuf>,
-    /// API-server mode: the URL prefix at which the other replica reaches this one's verbs, written
-    /// on the Lease while this replica leads (default: http://$POD_IP:<--listen port><--prefix>,
-    /// https:// with --tls-cert).
+    /// API-server mode: the URL prefix at which the other replica reaches this one's verbs, on the
+    /// Lease while it leads (default: http://$POD_IP:<--listen port><--prefix>; https with --tls-cert).
     #[arg(long, value_name = "URL", conflicts_with = "cluster")]
     advertise_url: Option<String>,
-    /// API-server mode: how long a replica that does not lead waits for the leader's answer to a
-    /// forwarded verb before answering as not ready itself (keep it below kube-scheduler's httpTimeout).
+    /// API-server mode: how long a standby waits for the leader's answer to a forwarded verb before
+    /// answering as not ready (keep it below kube-scheduler's httpTimeout).
     #[arg(long, value_name = "MS", default_value_t = 4000, conflicts_with = "cluster")]
     forward_timeout_ms: u64,
     /// API-server mode over HTTPS: the CA (PEM) that verifies the leader's certificate when a
@@ -523,6 +519,10 @@ fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
             ..KeyOptions::default()
         },
         scheduler_tls: self_issued.as_ref().map(|s| s.scheduler.clone()),
+        dra: args.dra_driver.as_ref().map(|driver| DraOptions {
+            driver: driver.clone(),
+            class: args.dra_class.clone().unwrap_or_else(|| driver.clone()),
+        }),
     };
     let http = HttpOptions {
         prefix: args.prefix.clone(),

@@ -5,6 +5,7 @@
 //! (to stdout or a file that rotates by size), [`compact`] folds a pending pod's repeated filter
 //! verdicts into counts, and [`read`] reads a log back.
 
+pub mod capacity;
 pub mod compactor;
 pub mod read;
 pub mod writer;
@@ -13,7 +14,6 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use gpuplace_core::cluster::Cluster;
 use gpuplace_core::resources::ContainerDemand;
 use gpuplace_core::room::Room;
 
@@ -237,91 +237,14 @@ pub struct NodeCapacity {
     pub allocated_gpus: f64,
 }
 
+/// The room jobs have goes on a bind line at most this often: working it out reads every node's
+/// network labels, and at 1,000 nodes it was a fifth of the extender's CPU per pod when written on
+/// every bind (docs/performance-journal.md, "The extender's CPU per pod at 1,000 nodes").
+pub const ROOM_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Thousandths of a GPU as GPUs.
 fn gpus_of_milli(milli: u64) -> f64 {
     milli as f64 / 1000.0
-}
-
-impl CapacitySummary {
-    /// The figures of `cluster` now; `node` is the bind's node. Reads every GPU once (a bind's
-    /// Binding call costs far more), and only when a placement log is written.
-    pub fn of(cluster: &Cluster, node: &str) -> Self {
-        #[derive(Default)]
-        struct Acc {
-            gpus: u32,
-            allocated: u64,
-            idle: u32,
-            fragmented: u64,
-        }
-        impl Acc {
-            fn add(&mut self, o: &Acc) {
-                self.gpus += o.gpus;
-                self.allocated += o.allocated;
-                self.idle += o.idle;
-                self.fragmented += o.fragmented;
-            }
-        }
-        let mut total = Acc::default();
-        let mut unhealthy_gpus = 0;
-        let mut models: BTreeMap<&str, Acc> = BTreeMap::new();
-        let mut this = None;
-        for n in cluster.nodes() {
-            let mut node_allocated = 0u64;
-            // a node's GPUs are one model, nearly always: one model lookup per run of a model, not
-            // per GPU (this runs at every logged bind, over every GPU of the cluster)
-            let mut run: Option<(&str, Acc)> = None;
-            for (i, used) in n.used_milli().enumerate() {
-                let used = u64::from(used);
-                let healthy = n.gpu_facts()[i].healthy;
-                let idle = healthy && n.is_gpu_free(i);
-                let fragmented = if healthy && !idle { 1000u64.saturating_sub(used) } else { 0 };
-                unhealthy_gpus += u32::from(!healthy);
-                node_allocated += used;
-                let model = n.gpus[i].model.as_str();
-                if run.as_ref().is_some_and(|(m, _)| *m != model) {
-                    if let Some((m, acc)) = run.take() {
-                        models.entry(m).or_default().add(&acc);
-                    }
-                }
-                let one = Acc { gpus: 1, allocated: used, idle: u32::from(idle), fragmented };
-                total.add(&one);
-                run.get_or_insert_with(|| (model, Acc::default())).1.add(&one);
-            }
-            if let Some((m, acc)) = run {
-                models.entry(m).or_default().add(&acc);
-            }
-            if n.name == node {
-                this = Some(NodeCapacity {
-                    name: n.name.clone(),
-                    model: n.gpus.first().map(|g| g.model.clone()).unwrap_or_default(),
-                    gpus: n.gpus.len() as u32,
-                    allocated_gpus: gpus_of_milli(node_allocated),
-                });
-            }
-        }
-        Self {
-            nodes: cluster.nodes().len(),
-            gpus: total.gpus,
-            allocated_gpus: gpus_of_milli(total.allocated),
-            idle_gpus: total.idle,
-            fragmented_gpus: gpus_of_milli(total.fragmented),
-            unhealthy_gpus,
-            by_model: models
-                .into_iter()
-                .map(|(m, a)| {
-                    let s = ModelCapacity {
-                        gpus: a.gpus,
-                        allocated_gpus: gpus_of_milli(a.allocated),
-                        idle_gpus: a.idle,
-                        fragmented_gpus: gpus_of_milli(a.fragmented),
-                    };
-                    (m.to_string(), s)
-                })
-                .collect(),
-            node: this,
-            room: Some(Room::of(cluster)),
-        }
-    }
 }
 
 /// What happened to a group, for the placement log and the debug log.
@@ -404,7 +327,7 @@ mod tests {
             g.model = "L40S".into();
         }
         let name = nodes[0].name.clone();
-        let mixed = CapacitySummary::of(&Cluster::new(nodes), &name);
+        let mixed = CapacitySummary::of(&gpuplace_core::cluster::Cluster::new(nodes), &name);
         assert_eq!((mixed.gpus, mixed.idle_gpus), (32, 29));
         let (h100, l40s) = (&mixed.by_model["NVIDIA H100 80GB HBM3"], &mixed.by_model["L40S"]);
         assert_eq!((h100.gpus + l40s.gpus, h100.idle_gpus + l40s.idle_gpus), (32, 29));

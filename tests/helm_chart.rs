@@ -65,6 +65,8 @@ const MONITORING_FILES: &[&str] = &["monitoring/servicemonitor.yaml", "monitorin
 
 /// Rendered with `devicePlugin.dra.enabled=true` (DRA mode), beside [`DEFAULT_FILES`].
 const DRA_FILE: &str = "device-plugin/dra.yaml";
+/// Rendered with `devicePlugin.dra.allocator=gpuplace` too: the gate policy and the extender's DRA RBAC.
+const DRA_GPUPLACE_FILE: &str = "dra/gpuplace-allocates.yaml";
 
 /// Rendered with `namespace.create=true` (off by default: `helm install --create-namespace`).
 const NAMESPACE_FILE: &str = "extender/namespace.yaml";
@@ -322,7 +324,7 @@ fn helm_lint_strict_is_clean() {
 fn every_plain_file_is_accounted_for() {
     let root = config_dir();
     let mut known: Vec<&str> = DEFAULT_FILES.iter().chain(MONITORING_FILES).chain(NOT_OBJECTS).copied().collect();
-    known.extend([NAMESPACE_FILE, DRA_FILE]);
+    known.extend([NAMESPACE_FILE, DRA_FILE, DRA_GPUPLACE_FILE]);
     for f in yaml_files(&root) {
         let rel = f.strip_prefix(&root).unwrap().display().to_string();
         assert!(known.contains(&rel.as_str()), "scheduler-config/{rel}: not in tests/helm_chart.rs's lists");
@@ -402,6 +404,37 @@ fn dra_mode_adds_the_dra_manifest() {
     assert!(
         !strings(&ds["spec"]["template"]["spec"]["containers"][0]["args"]).contains(&"--no-assignments".to_string())
     );
+}
+
+/// gpuplace allocating the claims: the gate policy and the extender's DRA RBAC of
+/// `dra/gpuplace-allocates.yaml` beside DRA mode's objects, the plugins taint their devices and the
+/// extender runs its DRA front end (flags its parser takes).
+#[test]
+fn gpuplace_as_the_dra_allocator_adds_the_gate_policy_and_its_rbac() {
+    let docs = render(&values(&["devicePlugin.dra.enabled=true", "devicePlugin.dra.allocator=gpuplace"]));
+    let ds = find(&docs, "DaemonSet", "gpuplace-device-plugin");
+    let args = strings(&ds["spec"]["template"]["spec"]["containers"][0]["args"]);
+    assert!(args.contains(&"--dra-allocator=gpuplace".to_string()), "{args:?}");
+    let deployment = find(&docs, "Deployment", "gpuplace-extender");
+    let args = strings(&deployment["spec"]["template"]["spec"]["containers"][0]["args"]);
+    assert!(args.contains(&"--dra-driver=gpu.gpuplace.io".to_string()), "{args:?}");
+    assert_extender_args_parse(deployment);
+    let strip = |mut m: BTreeMap<String, Value>| {
+        m.retain(|k, _| !k.contains(" DaemonSet ") && !k.contains(" Deployment "));
+        m
+    };
+    let files: Vec<&str> = DEFAULT_FILES.iter().copied().chain([DRA_FILE, DRA_GPUPLACE_FILE]).collect();
+    assert_same_objects(
+        "devicePlugin.dra.allocator=gpuplace",
+        &strip(plain_objects(&files)),
+        &strip(by_key(docs.clone(), "helm template")),
+    );
+    // kube-scheduler allocating (the default): neither the policy nor the flags
+    let docs = render(&values(&["devicePlugin.dra.enabled=true"]));
+    assert!(!by_key(docs.clone(), "helm template").keys().any(|k| k.contains("gpuplace-dra-gate")));
+    let deployment = find(&docs, "Deployment", "gpuplace-extender");
+    let args = strings(&deployment["spec"]["template"]["spec"]["containers"][0]["args"]);
+    assert!(!args.iter().any(|a| a.starts_with("--dra")), "{args:?}");
 }
 
 #[test]

@@ -843,6 +843,21 @@ impl Cluster {
         Ok(())
     }
 
+    /// Counts an allocation that exists in the world (a claim another allocator wrote), even past
+    /// capacity: it holds the GPUs. `Ok(Some(why))`: counted over capacity; `Err`: refused as
+    /// [`Cluster::allocate`] refuses anything else (unknown node or GPU, counted already, exclusivity).
+    pub fn count_observed(&mut self, a: PodAssignment) -> Result<Option<AllocError>, AllocError> {
+        if let Some(&i) = self.pod_node.get(&a.pod) {
+            return Err(AllocError::AlreadyAllocated { pod: a.pod, node: self.nodes[i].name.clone() });
+        }
+        let i = *self.by_name.get(&a.node).ok_or_else(|| AllocError::UnknownNode(a.node.clone()))?;
+        let pod = a.pod.clone();
+        let over = self.nodes[i].allocate_over_capacity(a)?;
+        self.stamps.0[i] = self.nodes[i].generation;
+        self.pod_node.insert(pod, i);
+        Ok(over)
+    }
+
     /// Gives back everything a pod holds, restoring the node exactly.
     pub fn release(&mut self, pod: &str) -> Result<PodAssignment, AllocError> {
         let i = self.pod_node.remove(pod).ok_or_else(|| AllocError::NotAllocated(pod.to_string()))?;

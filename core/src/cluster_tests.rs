@@ -213,3 +213,23 @@ fn remove_node_keeps_the_other_nodes_and_their_pods_findable() {
     assert!(c.remove_node("n").is_none());
     assert_eq!(c.name_rank(), [0, 1]);
 }
+
+#[test]
+fn an_observed_allocation_counts_even_past_capacity_and_releases_exactly() {
+    let mut c = Cluster::new(vec![node("n", 2)]);
+    let empty = c.clone();
+    c.allocate(share("a", 0, 600, 50)).unwrap();
+    // another allocator put 500 MiB beside it: it holds them, so it counts, over capacity
+    let over = c.count_observed(share("b", 0, 500, 10)).unwrap();
+    assert!(matches!(over, Some(AllocError::MemoryOvercommit { need: 1100, .. })), "{over:?}");
+    assert_eq!(c.node("n").unwrap().usage(0).mem_mib, 1100);
+    assert_eq!(c.node("n").unwrap().free_mem(0), 0);
+    assert_eq!(c.count_observed(share("c", 1, 10, 10)), Ok(None));
+    // what allocate refuses for any other reason is refused here too
+    assert!(matches!(c.count_observed(share("b", 1, 1, 1)), Err(AllocError::AlreadyAllocated { .. })));
+    assert!(matches!(c.count_observed(share("d", 7, 1, 1)), Err(AllocError::UnknownGpu { .. })));
+    for p in ["a", "b", "c"] {
+        c.release(p).unwrap();
+    }
+    assert_eq!(c, empty);
+}

@@ -18,6 +18,7 @@ pub mod api_client;
 pub mod assignment;
 pub mod clock;
 pub mod cluster;
+pub mod dra;
 pub mod inventory;
 pub mod logging;
 pub mod node_constraints;

@@ -75,6 +75,11 @@ struct Cli {
     /// DRA mode: the container runtime's CDI folder, where prepared claims' CDI specs are written.
     #[arg(long, value_name = "DIR", default_value = DEFAULT_CDI_DIR, global = true)]
     cdi_dir: PathBuf,
+    /// DRA mode: who allocates the driver's claims. `kube-scheduler`: its own allocator (first fit
+    /// on the node it picks). `gpuplace`: the extender's DRA front end (`gpuplace serve
+    /// --dra-driver`); the devices are tainted so that kube-scheduler never allocates them.
+    #[arg(long, value_enum, default_value_t = DraAllocator::KubeScheduler, global = true)]
+    dra_allocator: DraAllocator,
     /// The DRA driver name the GPUs are published under (the DeviceClass selects it).
     #[arg(long, value_name = "NAME", default_value = DEFAULT_DRIVER, value_parser = parse_driver, global = true)]
     dra_driver: String,
@@ -332,8 +337,9 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
                     plugin.clone(),
                     telemetry.clone(),
                     cli.node_sync_interval,
-                );
-                tracing::info!(driver = %cli.dra_driver, "DRA mode: the GPUs are published as a ResourceSlice");
+                )
+                .with_gpuplace_allocating(cli.dra_allocator == DraAllocator::Gpuplace);
+                tracing::info!(driver = %cli.dra_driver, allocator = ?cli.dra_allocator, "DRA mode: the GPUs are published as a ResourceSlice");
                 rt.spawn(slices.run())
             } else {
                 let sync = NodeSync::new(
@@ -418,6 +424,13 @@ async fn api_client(cli: &Cli) -> Result<Option<(kube::Client, String)>, String>
          or run with --no-apiserver",
     )?;
     Ok(Some((client, node)))
+}
+
+/// Who allocates the DRA driver's claims (`--dra-allocator`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum DraAllocator {
+    KubeScheduler,
+    Gpuplace,
 }
 
 fn main() -> ExitCode {

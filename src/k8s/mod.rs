@@ -4,11 +4,13 @@
 //! [`utilization`] and [`pod_groups`] (watchers), [`leader`] (Lease election), [`keys`] (the assignment key Secret), [`certificates`] (the
 //! extender's CA and kube-scheduler's client certificate, mTLS by default), [`resign`] (re-signing after
 //! a key rotation), [`stale`] (assignments left on unbound pods), [`requeue`] (pending pods sent back
-//! to kube-scheduler's queue when GPUs are freed), [`serve`] (API-server mode wired, and readiness).
+//! to kube-scheduler's queue when GPUs are freed), [`dra`] (the DRA front end: slices, claims and the
+//! scheduling gate), [`serve`] (API-server mode wired, and readiness).
 //! Named `k8s`, not `kube`, so the `kube` crate stays visible.
 
 pub mod binder;
 pub mod certificates;
+pub mod dra;
 pub mod keys;
 pub mod leader;
 pub mod nodes;

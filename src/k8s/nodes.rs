@@ -37,6 +37,11 @@ pub fn apply(ext: &Scheduler, node: &Node, events: Option<&EventSink>) -> bool {
     let labels = node.metadata.labels.as_ref().unwrap_or(&empty);
     let annotations = node.metadata.annotations.as_ref().unwrap_or(&empty);
     ext.observe_node_taints(&name, Some(taints_of(node)));
+    // a DRA node's host is gpuplace's to check
+    if ext.dra_enabled() {
+        let (cpu, mib) = crate::k8s::dra::allocatable(node);
+        ext.observe_allocatable(&name, cpu, mib);
+    }
     match ext.observe_node(&name, labels, annotations) {
         NodeOutcome::Refused(why) => {
             if let Some(ev) = events {

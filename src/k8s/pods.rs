@@ -27,9 +27,35 @@ use crate::scheduler::Scheduler;
 use gpuplace_core::api_client::events::{EventSink, REASON_ASSIGNMENT};
 use gpuplace_core::clock::now_unix_ms;
 
+/// A DRA node's host is gpuplace's to check: the pod's requests, read only with the DRA front end
+/// on; a bound pod with claims is its group's member on its node. `observed`: the pod as already
+/// read, whose request is not parsed again.
+fn observe_host_use(ext: &Scheduler, pod: &Pod, observed: Option<&ObservedPod>) {
+    use crate::scheduler::input::PodView;
+    if !ext.dra_enabled() {
+        return;
+    }
+    let uid = pod.metadata.uid.as_deref().unwrap_or_default();
+    let use_ = crate::k8s::dra::host_use(pod);
+    if let Some((node, _, _)) = use_ {
+        let claims = pod.spec.as_ref().and_then(|s| s.resource_claims.as_ref()).is_some_and(|c| !c.is_empty());
+        if claims {
+            let request = match observed {
+                Some(p) => p.request.clone(),
+                None => PodView::request(pod),
+            };
+            if let Ok(req) = request {
+                ext.observe_claim_member(uid, &PodView::key(pod), &req, node);
+            }
+        }
+    }
+    ext.observe_host_use(uid, use_);
+}
+
 /// Applies one added or changed pod, raising an Event when its assignment is refused.
 pub fn apply(ext: &Scheduler, pod: &Pod, events: Option<&EventSink>) -> PodOutcome {
     let p = ObservedPod::of(pod);
+    observe_host_use(ext, pod, Some(&p));
     let outcome = ext.observe_pod(&p);
     if let (PodOutcome::Refused(why), Some(ev)) = (&outcome, events) {
         ev.warn(pod.object_ref(&()), REASON_ASSIGNMENT, "CountAssignment", why);
@@ -137,6 +163,9 @@ pub async fn watch_pods(
                     return;
                 }
                 rebuild(&ext, &buffer, events.as_ref());
+                for p in &buffer {
+                    observe_host_use(&ext, p, None);
+                }
                 buffer = Vec::new();
                 initial = false;
                 ext.metrics().watch_fresh(Watched::Pods, now_unix_ms());
@@ -144,6 +173,7 @@ pub async fn watch_pods(
             }
             Event::InitDone => {
                 ext.retain_pods(&listed, since.into_std());
+                ext.retain_host_uses(&listed);
             }
             Event::Apply(p) => {
                 apply(&ext, &p, events.as_ref());
@@ -151,6 +181,9 @@ pub async fn watch_pods(
             Event::Delete(p) => {
                 if let Some(uid) = &p.metadata.uid {
                     ext.release_pod(uid);
+                    // a pod deleted before it was bound: the host requests its placement held go too
+                    ext.release_held(&[gpuplace_core::dra::claims::host_key(uid)]);
+                    ext.observe_host_use(uid, None);
                 }
             }
         }

@@ -30,12 +30,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Secret};
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::{Api, Client};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::extender::forward::{Role, Route};
 use crate::k8s::certificates::{self, SchedulerTls};
+use crate::k8s::dra::{self, DraOptions};
 use crate::k8s::keys::{self, KeyOptions, KeyStatus};
 use crate::k8s::leader::{self, LeaderConfig, Leadership};
 use crate::k8s::stale;
@@ -65,6 +67,8 @@ pub struct ApiOptions {
     /// mTLS by default: the Secret where the leader keeps kube-scheduler's client certificate, and
     /// the CA that signs it (`certificates`); `None`: certificates are the operator's.
     pub scheduler_tls: Option<SchedulerTls>,
+    /// The DRA front end (`dra`): gpuplace allocates the claims of this driver's DeviceClass.
+    pub dra: Option<DraOptions>,
 }
 
 /// Whether this replica is synced (rebuilt, key ring loaded: `/readyz`), and whether it decides
@@ -223,6 +227,18 @@ pub fn start(client: Client, ext: Arc<Scheduler>, leadership: Arc<Leadership>, o
         events.clone(),
         synced_tx,
     )));
+    if let Some(d) = &opts.dra {
+        ext.enable_dra();
+        let store = Arc::new(dra::ClaimStore::default());
+        let (slices_tx, slices_rx) = watch::channel(false);
+        let (claims_tx, claims_rx) = watch::channel(false);
+        let slices = Api::<ResourceSlice>::all(client.clone());
+        tasks.push(tokio::spawn(dra::watch_slices(slices, d.driver.clone(), ext.clone(), slices_tx)));
+        let claims = Api::<ResourceClaim>::all(client.clone());
+        tasks.push(tokio::spawn(dra::watch_claims(claims, d.driver.clone(), ext.clone(), store.clone(), claims_tx)));
+        let synced = dra::Synced { slices: slices_rx, claims: claims_rx };
+        tasks.push(tokio::spawn(dra::run_gates(client.clone(), ext.clone(), d.clone(), store, events.clone(), synced)));
+    }
     let r = readiness.clone();
     tasks.push(tokio::spawn(pods::watch_pods(
         Api::<Pod>::all(client.clone()),

@@ -20,6 +20,10 @@ use super::{Decision, MAX_LINE_BYTES};
 #[derive(Debug)]
 pub struct PlacementLog {
     inner: Mutex<Inner>,
+    /// When a bind line last carried the room (`room_due`).
+    room_at: Mutex<Option<std::time::Instant>>,
+    /// Each node's part of the bind lines' cluster figures (`capacity`).
+    capacity: Mutex<super::capacity::SummaryMemo>,
 }
 
 #[derive(Debug)]
@@ -112,7 +116,7 @@ impl PlacementLog {
             Sink::File(RotatingFile { path, max_bytes: max_bytes.max(1), file, size })
         };
         let inner = Inner { sink, compactor: Compactor::new(CompactOptions::default()) };
-        Ok(Self { inner: Mutex::new(inner) })
+        Ok(Self { inner: Mutex::new(inner), room_at: Mutex::new(None), capacity: Mutex::new(Default::default()) })
     }
 
     pub fn with_options(mut self, opts: CompactOptions) -> Self {
@@ -130,6 +134,26 @@ impl PlacementLog {
         let mut inner = self.inner();
         let lines = inner.compactor.push(d);
         inner.write(lines)
+    }
+
+    /// Whether the bind line written now carries the room: the first, then one every
+    /// [`ROOM_EVERY`](super::ROOM_EVERY).
+    pub fn room_due(&self) -> bool {
+        let now = std::time::Instant::now();
+        let mut at = self.room_at.lock().unwrap_or_else(|e| e.into_inner());
+        let due = at.is_none_or(|t| now.duration_since(t) >= super::ROOM_EVERY);
+        if due {
+            *at = Some(now);
+        }
+        due
+    }
+
+    /// The cluster's figures for a bind line on `node` (`CapacitySummary`), each unchanged node's
+    /// part from the last line's, with the room when it is due ([`Self::room_due`]).
+    pub fn capacity(&self, cluster: &gpuplace_core::cluster::Cluster, node: &str) -> super::CapacitySummary {
+        let with_room = self.room_due();
+        let mut memo = self.capacity.lock().unwrap_or_else(|e| e.into_inner());
+        super::CapacitySummary::sampled(cluster, node, with_room, &mut memo)
     }
 
     /// Whether `d` would be written now rather than counted as a repeat (so that what only a
@@ -198,6 +222,15 @@ mod tests {
         // an ordinary line carries no `truncated` field at all
         assert!(!lines[1].contains("truncated"));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_room_goes_on_the_first_bind_line_then_once_a_second() {
+        let log = PlacementLog::open("-", 1 << 20).unwrap();
+        assert!(log.room_due(), "the first bind line carries it");
+        assert!(!log.room_due() && !log.room_due(), "not again within ROOM_EVERY");
+        *log.room_at.lock().unwrap() = Some(std::time::Instant::now() - crate::placement_log::ROOM_EVERY);
+        assert!(log.room_due());
     }
 
     #[test]

@@ -184,6 +184,9 @@ impl Groups {
         // out of the map while it is decided, so that the other groups can be read (room kept for them)
         let mut g = self.groups.remove(&spec.key).unwrap_or_else(|| Group::new(&spec));
         g.settle_spec(&spec, info.as_ref());
+        if let Some(off) = arrival.excluded {
+            g.excluded = off.iter().cloned().collect();
+        }
         let ctx = Planning { cluster, engine, others: &self.groups, now, now_unix_ms };
         let verdict = if g.gang && info.is_none() && spec.size == 0 {
             MemberVerdict::NoPlan { reason: format!("PodGroup {} is not known to gpuplace yet; retry", spec.key) }
@@ -364,6 +367,11 @@ impl Groups {
     /// Whether the pod (by UID) is a known member of some group.
     pub fn is_member(&self, uid: &str) -> bool {
         self.member_of.contains_key(uid)
+    }
+
+    /// The node a member is counted as bound to.
+    pub fn bound_node(&self, uid: &str) -> Option<&str> {
+        self.groups.get(self.member_of.get(uid)?)?.members.get(uid)?.bound.as_deref()
     }
 
     /// Whether some plan is past the time-out.

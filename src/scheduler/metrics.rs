@@ -137,10 +137,23 @@ pub enum Watched {
     UtilizationConfigMaps,
     /// kube-scheduler's PodGroups (optional: served only with the alpha API enabled).
     PodGroups,
+    /// DRA (`--dra-driver`): the driver's ResourceSlices, every ResourceClaim, and unscheduled pods
+    /// (for gpuplace's scheduling gate).
+    ResourceSlices,
+    ResourceClaims,
+    GatedPods,
 }
 
 impl Watched {
-    pub const ALL: [Watched; 4] = [Watched::Nodes, Watched::Pods, Watched::UtilizationConfigMaps, Watched::PodGroups];
+    pub const ALL: [Watched; 7] = [
+        Watched::Nodes,
+        Watched::Pods,
+        Watched::UtilizationConfigMaps,
+        Watched::PodGroups,
+        Watched::ResourceSlices,
+        Watched::ResourceClaims,
+        Watched::GatedPods,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -148,6 +161,9 @@ impl Watched {
             Watched::Pods => "pods",
             Watched::UtilizationConfigMaps => "configmaps",
             Watched::PodGroups => "podgroups",
+            Watched::ResourceSlices => "resourceslices",
+            Watched::ResourceClaims => "resourceclaims",
+            Watched::GatedPods => "gatedpods",
         }
     }
 

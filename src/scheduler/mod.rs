@@ -14,6 +14,7 @@
 //! - [`reasons`]: the texts kube-scheduler shows (reasons that group across nodes, never a `%`).
 //! - [`groups`]: groups placed whole (gangs and `gpuplace.io/group` jobs): their plans and the
 //!   reservations that hold the plans' GPUs.
+//! - [`offers`]: the GPUs a filter answer promised a single pod, held until its bind.
 //! - [`requeue`]: pods just turned away for want of GPUs, sent back to kube-scheduler's queue when
 //!   those GPUs are freed (its watch can be ahead of ours).
 //! - [`mix`]: the typical request mix, learned from the pods seen (or fixed), and its state file.
@@ -28,6 +29,7 @@ pub mod input;
 pub mod inspect;
 pub mod metrics;
 pub mod mix;
+pub mod offers;
 pub mod reasons;
 pub mod requeue;
 pub mod room_gauges;

@@ -113,6 +113,32 @@ impl RecentRejections {
             return None;
         }
         let nodes = if many { Nodes::Many } else { Nodes::Few(few) };
+        self.remember(uid, namespace, name, nodes, read_at, now)
+    }
+
+    /// Records a pod turned away until GPUs are freed on any node: a group member that waits for
+    /// room for its group (which node frees it is the group's planning's to say). As
+    /// [`Self::record`] otherwise.
+    pub fn record_anywhere(
+        &mut self,
+        uid: &str,
+        namespace: &str,
+        name: &str,
+        read_at: Instant,
+        now: Instant,
+    ) -> Option<RequeuePod> {
+        self.remember(uid, namespace, name, Nodes::Many, read_at, now)
+    }
+
+    fn remember(
+        &mut self,
+        uid: &str,
+        namespace: &str,
+        name: &str,
+        nodes: Nodes,
+        read_at: Instant,
+        now: Instant,
+    ) -> Option<RequeuePod> {
         let freed_since = |node: &str| self.freed.get(node).is_some_and(|&t| t > read_at);
         let stale = match &nodes {
             Nodes::Few(v) => v.iter().find(|n| freed_since(n)).cloned(),
@@ -227,6 +253,18 @@ mod tests {
         let names: Vec<String> = (0..MAX_NODES + 5).map(|i| format!("n{i}")).collect();
         r.record("u1", "ns", "a", names.iter().map(String::as_str), at(t, 0), at(t, 0));
         assert_eq!(r.freed("elsewhere", at(t, 1)).len(), 1);
+    }
+
+    #[test]
+    fn a_waiting_group_member_is_handed_over_by_a_freeing_anywhere_even_one_seen_first() {
+        let t = Instant::now();
+        let mut r = RecentRejections::default();
+        assert_eq!(r.record_anywhere("u1", "ns", "a", at(t, 0), at(t, 1)), None);
+        assert_eq!(r.freed("n7", at(t, 2)).into_iter().map(|p| p.name).collect::<Vec<_>>(), ["a"]);
+        // the freeing was seen while the verdict was being made: handed over as it is recorded
+        let got = r.record_anywhere("u2", "ns", "b", at(t, 1), at(t, 3));
+        assert_eq!(got.map(|p| p.node), Some("n7".to_string()));
+        assert!(r.is_empty());
     }
 
     #[test]

@@ -19,7 +19,8 @@
 //! what to trust are in the `observe` submodule, the assignment MAC and its keys in `trust`), and
 //! the utilization ConfigMap watcher calls [`Scheduler::observe_utilization`] and
 //! [`Scheduler::forget_utilization`] (the `utilization` submodule); the kube-rs binder implements
-//! [`Binder`].
+//! [`Binder`]. The DRA front end's seams (nodes from ResourceSlices, claims' allocations, placements
+//! held while their claims are written) are in the `claims` submodule.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
@@ -31,7 +32,7 @@ use serde::{Deserialize, Serialize};
 use crate::placement::engine::{Engine, Evaluation, Rejection};
 use crate::placement::mix_learner::MixLearner;
 use crate::placement_log::writer::PlacementLog;
-use crate::placement_log::{CapacitySummary, Chosen, ChosenGpu, Decision, Requests, TopScore, PLACEMENT_LOG_VERSION};
+use crate::placement_log::{Chosen, ChosenGpu, Decision, Requests, TopScore, PLACEMENT_LOG_VERSION};
 use crate::scheduler::binder::{BindRequest, Binder};
 use crate::scheduler::groups::{Groups, DEFAULT_GROUP_TIMEOUT};
 use crate::scheduler::input::{BindOrder, NodeObject, NodeQuery, NodeVictims, PodView, PreemptQuery, Victim};
@@ -184,6 +185,18 @@ struct State {
     /// confirmed yet (`gpuplace.io/allocated`): what bind waits for on nodes whose plugin confirms
     /// allocations (the `admission` submodule).
     awaiting: HashMap<String, HashSet<String>>,
+    /// DRA (the `claims` submodule): node → its GPUs from its ResourceSlices; the labels of Node
+    /// objects without an inventory annotation (a DRA node is built from both); claim key → when a
+    /// placement held it, until the claim watcher shows its allocation written.
+    dra_gpus: HashMap<String, gpuplace_core::dra::slices::SliceGpus>,
+    dra_labels: HashMap<String, BTreeMap<String, String>>,
+    /// Node → its allocatable CPU (millicores) and memory (MiB), and pod UID → its node and host
+    /// requests (DRA front end on only): a DRA node's host is checked by gpuplace.
+    dra_host: HashMap<String, (u64, u64)>,
+    host_uses: HashMap<String, (String, u64, u64)>,
+    held: HashMap<String, Instant>,
+    /// Pod UID → the GPUs a filter answer promised it, held until its bind (`offers`).
+    offers: crate::scheduler::offers::Offers,
 }
 
 /// Options of the service.
@@ -288,6 +301,8 @@ pub struct Scheduler {
     nodes_to_score: NodesToScore,
     /// Bumped whenever a pod stops awaiting its admission: binds waiting for it look again.
     admissions: tokio::sync::watch::Sender<u64>,
+    /// The DRA front end is on: pods' host requests are kept for DRA nodes (`claims`).
+    dra_enabled: AtomicBool,
 }
 
 impl std::fmt::Debug for Scheduler {
@@ -325,6 +340,12 @@ impl Scheduler {
             bound_at: HashMap::new(),
             groups: Groups::new(opts.group_timeout),
             awaiting: HashMap::new(),
+            dra_gpus: HashMap::new(),
+            dra_labels: HashMap::new(),
+            dra_host: HashMap::new(),
+            host_uses: HashMap::new(),
+            held: HashMap::new(),
+            offers: Default::default(),
         };
         Self {
             state: RwLock::new(state),
@@ -350,6 +371,7 @@ impl Scheduler {
             requeuer: OnceLock::new(),
             nodes_to_score: opts.nodes_to_score,
             admissions: tokio::sync::watch::Sender::new(0),
+            dra_enabled: AtomicBool::new(false),
         }
     }
 
@@ -363,6 +385,21 @@ impl Scheduler {
         self.rejections.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// After filter, what both kinds of verdict share: a pod that was offered a node is forgotten;
+    /// for one turned away (and with a requeuer to hand it to), the requeuer and the pod's UID.
+    fn turned_away<'p>(&self, pod: &'p dyn PodView, fits: bool) -> Option<(&Arc<dyn Requeuer>, &'p str)> {
+        let requeuer = self.requeuer.get()?;
+        let uid = pod.uid();
+        if uid.is_empty() {
+            return None;
+        }
+        if fits {
+            self.rejections().forget(uid);
+            return None;
+        }
+        Some((requeuer, uid))
+    }
+
     /// After filter: a pod that fits nowhere among the candidates is remembered with the nodes where
     /// only capacity stood in the way (preemptable rejections); one that fits is forgotten.
     fn note_verdict(
@@ -373,20 +410,23 @@ impl Scheduler {
         feasible: usize,
         read_at: Instant,
     ) {
-        let Some(requeuer) = self.requeuer.get() else { return };
-        let uid = pod.uid();
-        if uid.is_empty() {
-            return;
-        }
-        if feasible > 0 {
-            self.rejections().forget(uid);
-            return;
-        }
+        let Some((requeuer, uid)) = self.turned_away(pod, feasible > 0) else { return };
         let capacity = c
             .unique()
             .filter(|&p| matches!(&answers[p], Answer::No(r) if r.class == RejectClass::Preemptable))
             .map(|p| c.names[p]);
         let due = self.rejections().record(uid, pod.namespace(), pod.name(), capacity, read_at, Instant::now());
+        if let Some(p) = due {
+            requeuer.requeue(vec![p]);
+        }
+    }
+
+    /// After filter: a group member turned away on every candidate while its group waits for room
+    /// (its verdict read from the state at `read_at`) goes back to kube-scheduler's queue when GPUs
+    /// are freed anywhere in the next few seconds; one that was offered a node is forgotten.
+    pub(super) fn note_group_verdict(&self, pod: &dyn PodView, fits: bool, read_at: Instant) {
+        let Some((requeuer, uid)) = self.turned_away(pod, fits) else { return };
+        let due = self.rejections().record_anywhere(uid, pod.namespace(), pod.name(), read_at, Instant::now());
         if let Some(p) = due {
             requeuer.requeue(vec![p]);
         }
@@ -550,7 +590,7 @@ impl Scheduler {
         }
     }
 
-    fn taints_of(&self, name: &str) -> Vec<Taint> {
+    pub fn taints_of(&self, name: &str) -> Vec<Taint> {
         self.node_taints.lock().unwrap_or_else(|e| e.into_inner()).get(name).cloned().unwrap_or_default()
     }
 
@@ -582,7 +622,13 @@ impl Scheduler {
         // a node deleted and created again: its pods' allocations count again where they still fit
         for a in st.parked.remove(&name).unwrap_or_default() {
             let pod = a.pod.clone();
-            if let Err(e) = st.cluster.allocate(a) {
+            // a claim's allocation holds the devices whatever else is counted (the `claims` submodule)
+            let counted = if gpuplace_core::dra::claims::is_observed_key(&pod) {
+                st.cluster.count_observed(a).map(|_| ())
+            } else {
+                st.cluster.allocate(a)
+            };
+            if let Err(e) = counted {
                 self.metrics.conflict(ConflictKind::BadAssignment);
                 tracing::warn!(pod = %pod, node = %name, error = %e, "allocation kept from the deleted node no longer fits; dropped");
                 if let Some(uid) = st.uid_of.remove(&pod) {
@@ -642,6 +688,8 @@ impl Scheduler {
                 }
             }
         }
+        // claims' allocations and DRA nodes' host use come from their watchers, not from annotations: kept
+        let claims = Self::observed_records(&st.cluster);
         for c in st.cluster.rebuild(records) {
             self.metrics.conflict(ConflictKind::BadAssignment);
             tracing::warn!(pod = %c.pod, reason = %c.reason, "assignment collides with another pod's; not counted");
@@ -649,6 +697,11 @@ impl Scheduler {
                 refused.insert(b.uid, (b.annotation.unwrap_or_default(), Some(b.node)));
             }
             conflicts.push(RestoreConflict { pod: c.pod, reason: c.reason.to_string() });
+        }
+        for c in claims {
+            if let Err(e) = st.cluster.count_observed(c) {
+                tracing::warn!(error = %e, "claim allocation collides with a restored pod's; not counted");
+            }
         }
         st.bound.clear();
         st.uid_of.clear();
@@ -791,11 +844,13 @@ impl Scheduler {
 
 mod admission;
 mod bind;
+pub mod claims;
 mod eval_cache;
 mod filter;
 mod groups;
 mod learning;
 pub mod observe;
+mod offers;
 mod preempt;
 mod prioritize;
 pub mod trust;

@@ -266,6 +266,7 @@ impl ControlPlane {
     }
 
     async fn start_gated(name: &str, gates: Option<&str>) -> ControlPlane {
+        restate_panics();
         let bin = kube_bin_dir();
         let dir = scratch().join("e2e").join(name);
         let _ = fs::remove_dir_all(&dir);
@@ -365,6 +366,12 @@ impl ControlPlane {
     /// ServiceAccounts and `kube-root-ca.crt` (automounted service-account tokens work), node
     /// lifecycle (it lifts a Ready node's `not-ready` taint).
     pub fn start_controller_manager(&mut self) {
+        self.start_controllers("*");
+    }
+
+    /// kube-controller-manager running only `controllers` (its `--controllers` value): on Nodes
+    /// without kubelets, `*` would run the node lifecycle controller, which taints them unreachable.
+    pub fn start_controllers(&mut self, controllers: &str) {
         let bin = shared_binary("kube-controller-manager");
         let ca = self.serving_ca();
         self.controller_manager = Some(Proc::spawn(
@@ -373,7 +380,11 @@ impl ControlPlane {
                 .arg(format!("--kubeconfig={}", self.kubeconfig(User::Admin).display()))
                 .arg(format!("--service-account-private-key-file={}", self.dir.join("sa.key").display()))
                 .arg(format!("--root-ca-file={}", ca.display()))
-                .args(["--use-service-account-credentials", "--controllers=*", "--leader-elect=false"])
+                .args([
+                    "--use-service-account-credentials",
+                    &format!("--controllers={controllers}"),
+                    "--leader-elect=false",
+                ])
                 .args(["--bind-address=127.0.0.1", "--secure-port=0"])
                 .args(self.feature_gates.iter().map(|g| format!("--feature-gates={g}")))
                 .arg("-v=1"),
@@ -605,6 +616,28 @@ pub async fn apply(client: &Client, obj: &Value, dry_run: bool) -> Result<String
     }
     api.patch(&name, &pp, &Patch::Apply(&obj)).await.map_err(|e| format!("{} {name}: {e}", gvk.kind))?;
     Ok(format!("{}/{}/{name}", gvk.kind, if caps.scope == Scope::Namespaced { ns.as_str() } else { "" }))
+}
+
+/// Repeats a scenario's panic message after its backtrace: CI shows the beginning and the end of a
+/// long output, and with `RUST_BACKTRACE` set the message of a failed scenario fell in the part left
+/// out. Printed through `eprintln!`, so it stays with the failed test's captured output.
+fn restate_panics() {
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    HOOK.call_once(|| {
+        let default = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            default(info);
+            let message = info
+                .payload()
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| info.payload().downcast_ref::<&str>().copied())
+                .unwrap_or("(no message)");
+            let at = info.location().map(|l| format!("{}:{}", l.file(), l.line())).unwrap_or_default();
+            let thread = std::thread::current().name().unwrap_or("?").to_string();
+            eprintln!("e2e failure in {thread} at {at}: {message}");
+        }));
+    });
 }
 
 /// Prints a measured figure straight to stderr (past the test harness's capture, so `.ci/run` shows

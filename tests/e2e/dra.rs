@@ -22,16 +22,16 @@ use crate::cluster::{apply, figure, repo, yaml_objects, ControlPlane, User};
 use crate::fleet::{create_node, gpu_node_labels, start_plugin_with};
 use crate::{install, scheduler_config, NS, SERIAL};
 
-const DRIVER: &str = "gpu.gpuplace.io";
+pub(crate) const DRIVER: &str = "gpu.gpuplace.io";
 const H100_MIB: i128 = 81559;
 
-async fn slices_of(api: &Api<ResourceSlice>, node: &str) -> Vec<ResourceSlice> {
+pub(crate) async fn slices_of(api: &Api<ResourceSlice>, node: &str) -> Vec<ResourceSlice> {
     let fields = format!("spec.nodeName={node}");
     api.list(&ListParams::default().fields(&fields)).await.expect("list slices").items
 }
 
 /// Waits until `node` has exactly one slice and `ok` holds for it.
-async fn wait_slice(
+pub(crate) async fn wait_slice(
     api: &Api<ResourceSlice>,
     node: &str,
     what: &str,
@@ -50,17 +50,17 @@ async fn wait_slice(
     }
 }
 
-fn device_names(s: &ResourceSlice) -> Vec<String> {
+pub(crate) fn device_names(s: &ResourceSlice) -> Vec<String> {
     s.spec.devices.iter().flatten().map(|d| d.name.clone()).collect()
 }
 
 /// A quantity as an integer (milli-units for `cores`-like plain numbers would not be whole; these
 /// are MiB, percent and counts).
-fn qty(q: &str) -> i128 {
+pub(crate) fn qty(q: &str) -> i128 {
     gpuplace_core::quantity::parse(q).unwrap_or_else(|e| panic!("{q}: {e}")).ceil_integer()
 }
 
-fn claim(name: &str, count: u32, capacity: Value, nvlink_pair: bool) -> ResourceClaim {
+pub(crate) fn claim(name: &str, count: u32, capacity: Value, nvlink_pair: bool) -> ResourceClaim {
     let mut exactly = json!({"deviceClassName": DRIVER, "count": count});
     if !capacity.is_null() {
         exactly["capacity"] = json!({"requests": capacity});
@@ -72,7 +72,7 @@ fn claim(name: &str, count: u32, capacity: Value, nvlink_pair: bool) -> Resource
     serde_json::from_value(json!({"metadata": {"name": name}, "spec": {"devices": devices}})).expect("a claim")
 }
 
-fn claim_pod(name: &str, claim: &str) -> Pod {
+pub(crate) fn claim_pod(name: &str, claim: &str) -> Pod {
     serde_json::from_value(json!({
         "metadata": {"name": name},
         "spec": {
@@ -81,6 +81,96 @@ fn claim_pod(name: &str, claim: &str) -> Pod {
         },
     }))
     .expect("a pod")
+}
+
+/// A control plane where gpuplace allocates the claims: its plugins, each node's slice, and the
+/// extender.
+pub(crate) struct GpuplaceDra {
+    pub plugins: Vec<crate::cluster::Proc>,
+    pub slices: Vec<ResourceSlice>,
+    pub ext: crate::fleet::Extender,
+}
+
+/// gpuplace as the DRA allocator on `cp`: the project and the DRA manifests installed
+/// (scheduler-config/dra/gpuplace-allocates.yaml: the gate policy), `boards` (node, board) as GPU
+/// nodes, two per ToR, whose plugins publish tainted slices (`--dra-allocator gpuplace`), then
+/// kube-controller-manager's resourceclaim controller, `gpuplace serve --dra-driver` and
+/// kube-scheduler (no extender: claim pods never reach one), once every slice has its 8 devices and
+/// the gate policy applies.
+pub(crate) async fn gpuplace_allocates_on(
+    cp: &mut ControlPlane,
+    admin: &Client,
+    boards: &[(&str, &str)],
+) -> GpuplaceDra {
+    install(admin).await;
+    for file in ["scheduler-config/device-plugin/dra.yaml", "scheduler-config/dra/gpuplace-allocates.yaml"] {
+        for obj in yaml_objects(&repo().join(file)) {
+            apply(admin, &obj, false).await.unwrap_or_else(|e| panic!("{file}: {e}"));
+        }
+    }
+    for (i, (node, _)) in boards.iter().enumerate() {
+        create_node(admin, node, gpu_node_labels(node, 0, i / 2), Value::Null, 8).await;
+    }
+    let mut plugins = Vec::new();
+    for (node, board) in boards {
+        let extra = ["--dra", "--dra-allocator", "gpuplace", "--node-sync-interval", "1s"];
+        plugins.push(start_plugin_with(cp, node, board, &extra).await);
+    }
+    let api: Api<ResourceSlice> = Api::all(admin.clone());
+    let mut slices = Vec::new();
+    for (node, _) in boards {
+        slices.push(wait_slice(&api, node, "8 devices", |s| device_names(s).len() == 8).await);
+    }
+    cp.start_controllers("resourceclaim-controller");
+    let mut ext = crate::fleet::Extender::start(cp, "replica-a", 0, &["--dra-driver", DRIVER]);
+    ext.wait_ready(Duration::from_secs(60)).await;
+    cp.start_scheduler(&scheduler_config(), None);
+    wait_gate_policy(admin, NS).await;
+    GpuplaceDra { plugins, slices, ext }
+}
+
+/// Waits until the gate policy applies to new claim pods in `namespace`: the API server's admission
+/// loads a policy shortly after it is written, and a pod created before that is not gated (probed
+/// with dry runs).
+pub(crate) async fn wait_gate_policy(admin: &Client, namespace: &str) {
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), namespace);
+    let dry = PostParams { dry_run: true, ..PostParams::default() };
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        let p = pods.create(&dry, &claim_pod("probe", "probe")).await.expect("dry run");
+        let gated = p.spec.and_then(|s| s.scheduling_gates).is_some_and(|g| !g.is_empty());
+        if gated {
+            return;
+        }
+        assert!(Instant::now() < until, "the gate policy does not apply 30 s after it was written");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// `whole` claims of one whole GPU (`whole-<i>`), `shares` of 20000Mi and 25 cores (`share-<i>`) and
+/// an NVLink pair (`pair`), each with a pod of its name; the names, in that order.
+pub(crate) async fn create_claim_pods(
+    claims: &Api<ResourceClaim>,
+    pods: &Api<Pod>,
+    whole: usize,
+    shares: usize,
+) -> Vec<String> {
+    let mut made = Vec::new();
+    for i in 0..whole {
+        made.push((format!("whole-{i}"), claim(&format!("whole-{i}"), 1, Value::Null, false)));
+    }
+    for i in 0..shares {
+        let share = json!({"memory": "20000Mi", "cores": "25"});
+        made.push((format!("share-{i}"), claim(&format!("share-{i}"), 1, share, false)));
+    }
+    made.push(("pair".to_string(), claim("pair", 2, Value::Null, true)));
+    for (name, c) in &made {
+        claims.create(&PostParams::default(), c).await.unwrap_or_else(|e| panic!("create claim {name}: {e}"));
+        pods.create(&PostParams::default(), &claim_pod(name, name))
+            .await
+            .unwrap_or_else(|e| panic!("create pod {name}: {e}"));
+    }
+    made.into_iter().map(|(name, _)| name).collect()
 }
 
 #[tokio::test(flavor = "current_thread")]
@@ -196,23 +286,7 @@ async fn native_dra_allocates_without_over_commit(cp: &mut ControlPlane, admin: 
     cp.start_scheduler(&scheduler_config(), None);
     let claims: Api<ResourceClaim> = Api::namespaced(admin.clone(), NS);
     let pods: Api<Pod> = Api::namespaced(admin.clone(), NS);
-    let mut made = Vec::new();
-    for i in 0..5 {
-        made.push((format!("whole-{i}"), claim(&format!("whole-{i}"), 1, Value::Null, false)));
-    }
-    for i in 0..8 {
-        made.push((
-            format!("share-{i}"),
-            claim(&format!("share-{i}"), 1, json!({"memory": "20000Mi", "cores": "25"}), false),
-        ));
-    }
-    made.push(("pair".to_string(), claim("pair", 2, Value::Null, true)));
-    for (name, c) in &made {
-        claims.create(&PostParams::default(), c).await.unwrap_or_else(|e| panic!("create claim {name}: {e}"));
-        pods.create(&PostParams::default(), &claim_pod(name, name))
-            .await
-            .unwrap_or_else(|e| panic!("create pod {name}: {e}"));
-    }
+    let made = create_claim_pods(&claims, &pods, 5, 8).await;
     let until = Instant::now() + Duration::from_secs(90);
     loop {
         let list = pods.list(&ListParams::default()).await.expect("list pods").items;
@@ -228,54 +302,75 @@ async fn native_dra_allocates_without_over_commit(cp: &mut ControlPlane, admin: 
         );
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
-    // the devices' capacities, from the slices
-    let mut capacity: BTreeMap<(String, String), BTreeMap<String, i128>> = BTreeMap::new();
+    let results = |name: &str| if name == "pair" { 2 } else { 1 };
+    let check = |name: &str, consumed: &BTreeMap<String, i128>, cap: &BTreeMap<String, i128>| {
+        if name.starts_with("share") {
+            assert_eq!((consumed["memory"], consumed["cores"], consumed["shares"]), (20000 * 1024 * 1024, 25, 1));
+        } else {
+            // no capacity asked: the whole GPU, and one share of it
+            assert_eq!(consumed["memory"], cap["memory"], "claim {name}: {consumed:?}");
+            assert_eq!((consumed["cores"], consumed["shares"]), (100, 1), "claim {name}");
+        }
+    };
+    let (capacity, used, whole) = device_use(slices, &claims, results, check).await;
+    for (key, u) in &used {
+        for (k, v) in u {
+            assert!(*v <= capacity[key][k], "device {key:?} over-committed on {k}: {v} of {}", capacity[key][k]);
+        }
+    }
+    let shared = used.values().filter(|u| u["shares"] > 1).count();
+    figure(&format!(
+        "dra: native DRA allocated {} claims on {} devices ({whole} whole-GPU results, {shared} devices shared); 0 over-committed",
+        made.len(),
+        used.len()
+    ));
+}
+
+/// Per device (pool, name): its capacities from the slices, and what the claims' allocations
+/// consume of them; and the number of results that took a whole GPU. Every claim must be allocated
+/// with `results(name)` results (none: skipped), each with a `shareID`, on a device of a slice; `check` sees each
+/// result's consumption beside its device's capacity.
+pub(crate) type DeviceTotals = BTreeMap<(String, String), BTreeMap<String, i128>>;
+
+pub(crate) async fn device_use(
+    slices: &Api<ResourceSlice>,
+    claims: &Api<ResourceClaim>,
+    results: impl Fn(&str) -> usize,
+    check: impl Fn(&str, &BTreeMap<String, i128>, &BTreeMap<String, i128>),
+) -> (DeviceTotals, DeviceTotals, usize) {
+    let mut capacity: DeviceTotals = BTreeMap::new();
     for s in slices.list(&ListParams::default()).await.expect("list slices").items {
         for d in s.spec.devices.iter().flatten() {
             let caps = d.capacity.iter().flatten().map(|(k, c)| (k.clone(), qty(&c.value.0))).collect();
             capacity.insert((s.spec.pool.name.clone(), d.name.clone()), caps);
         }
     }
-    // what the allocations consume, per device
-    let mut used: BTreeMap<(String, String), BTreeMap<String, i128>> = BTreeMap::new();
+    let mut used: DeviceTotals = BTreeMap::new();
     let mut whole = 0;
     for c in claims.list(&ListParams::default()).await.expect("list claims").items {
         let name = c.name_any();
-        let results = c.status.as_ref().and_then(|s| s.allocation.as_ref()).and_then(|a| a.devices.as_ref());
-        let results = &results.unwrap_or_else(|| panic!("claim {name} not allocated")).results;
-        let want = if name == "pair" { 2 } else { 1 };
-        assert_eq!(results.as_ref().map_or(0, |r| r.len()), want, "claim {name}: {results:?}");
-        for r in results.iter().flatten() {
+        if results(&name) == 0 {
+            // left unallocated on purpose
+            continue;
+        }
+        let allocation = c.status.as_ref().and_then(|s| s.allocation.as_ref()).and_then(|a| a.devices.as_ref());
+        let got = &allocation.unwrap_or_else(|| panic!("claim {name} not allocated")).results;
+        assert_eq!(got.as_ref().map_or(0, |r| r.len()), results(&name), "claim {name}: {got:?}");
+        for r in got.iter().flatten() {
             assert_eq!(r.driver, DRIVER);
             assert!(r.share_id.is_some(), "claim {name}: a result without shareID counts as exclusive");
             let key = (r.pool.clone(), r.device.clone());
             let cap = capacity.get(&key).unwrap_or_else(|| panic!("claim {name}: device {key:?} is in no slice"));
             let consumed: BTreeMap<String, i128> =
                 r.consumed_capacity.iter().flatten().map(|(k, q)| (k.clone(), qty(&q.0))).collect();
-            if !name.starts_with("share") {
-                // no capacity asked: the whole GPU, and one share of it
-                assert_eq!(consumed["memory"], cap["memory"], "claim {name}: {consumed:?}");
-                assert_eq!((consumed["cores"], consumed["shares"]), (100, 1), "claim {name}");
+            check(&name, &consumed, cap);
+            if consumed["memory"] == cap["memory"] && consumed["cores"] == 100 {
                 whole += 1;
-            } else {
-                assert_eq!((consumed["memory"], consumed["cores"], consumed["shares"]), (20000 * 1024 * 1024, 25, 1));
             }
             for (k, v) in consumed {
                 *used.entry(key.clone()).or_default().entry(k).or_default() += v;
             }
         }
     }
-    let mut shared = 0;
-    for (key, u) in &used {
-        let cap = &capacity[key];
-        for (k, v) in u {
-            assert!(*v <= cap[k], "device {key:?} over-committed on {k}: {v} of {}", cap[k]);
-        }
-        shared += usize::from(u["shares"] > 1);
-    }
-    figure(&format!(
-        "dra: native DRA allocated {} claims on {} devices ({whole} whole-GPU results, {shared} devices shared); 0 over-committed",
-        made.len(),
-        used.len()
-    ));
+    (capacity, used, whole)
 }

@@ -117,6 +117,8 @@ pub async fn start_plugin_with(cp: &ControlPlane, node: &str, board: &str, extra
     let kubeconfig = cp.node_bound_kubeconfig(node).await;
     let dir = cp.dir.join("device-plugins").join(node);
     std::fs::create_dir_all(&dir).expect("plugin folder");
+    let dra_dir = std::env::temp_dir().join(format!("gp-{}-{node}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dra_dir);
     Proc::spawn(
         &format!("device-plugin {node}"),
         Command::new(workspace_bin("gpuplace-device-plugin"))
@@ -129,6 +131,14 @@ pub async fn start_plugin_with(cp: &ControlPlane, node: &str, board: &str, extra
             .arg(&dir)
             .arg("--pod-resources-socket")
             .arg(dir.join("pod-resources.sock"))
+            // DRA mode's kubelet folders: the test's own, never the host's, one per node, and short
+            // (a socket's path must fit in sockaddr_un)
+            .arg("--plugins-registry-dir")
+            .arg(dra_dir.join("r"))
+            .arg("--plugins-dir")
+            .arg(dra_dir.join("p"))
+            .arg("--cdi-dir")
+            .arg(dra_dir.join("c"))
             // port 0: sixteen plugins picking free ports at once could pick the same one
             .args(["--metrics-listen", "127.0.0.1:0"])
             .args(["--sample-interval", "1s", "--publish-min-interval", "1s", "--publish-max-interval", "5s"])

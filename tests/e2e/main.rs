@@ -10,6 +10,9 @@
 mod audit;
 mod cluster;
 mod dra;
+mod dra_compare;
+mod dra_gpuplace;
+mod dra_groups;
 mod fleet;
 mod groups;
 mod netns;

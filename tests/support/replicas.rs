@@ -76,6 +76,7 @@ pub fn start_replica(
         utilization_namespace: Some(UTIL_NS.into()),
         keys,
         scheduler_tls: None,
+        dra: None,
     };
     let ctl = serve::start(client, ext.scheduler().clone(), leadership, opts);
     Replica { ext, binder, ctl }

@@ -20,14 +20,14 @@
 //! NVSwitch, share it: a multi-GPU claim's `matchAttribute`), `pcieRoot` (GPUs under one PCIe host
 //! bridge share it), and the node's place in the network from its labels (`spine`, `tor`: the last
 //! part of each of gpuplace's network level labels). Group values are the lowest GPU index of the
-//! group, so they compare within a node only, as one claim's devices always are.
+//! group, so they compare within a node only, as one claim's devices always are. For gpuplace's own
+//! placement of claims, the whole link graph: `nvlinkFabric` and each GPU's row of it, `links`
+//! (`gpuplace_core::dra::link_row`; boards of up to 32 GPUs).
 
 use std::collections::BTreeMap;
 
-use gpuplace_core::cluster::DEFAULT_NETWORK_LEVELS;
-use gpuplace_core::topology::PcieLevel;
 use k8s_openapi::api::resource::v1::{
-    CapacityRequestPolicy, CapacityRequestPolicyRange, Device, DeviceAttribute, DeviceCapacity, ResourcePool,
+    CapacityRequestPolicy, CapacityRequestPolicyRange, Device, DeviceCapacity, DeviceTaint, ResourcePool,
     ResourceSliceSpec,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -35,86 +35,14 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use crate::nvml::Inventory;
 use crate::plugin::GpuHealth;
 
-/// The DRA driver name gpuplace publishes its GPUs under by default (`--dra-driver`); the DeviceClass
-/// of the same name selects them.
-pub const DEFAULT_DRIVER: &str = "gpu.gpuplace.io";
-
-/// The capacity names (and so the names in a claim's `capacity.requests`).
-pub const CAPACITY_MEMORY: &str = "memory";
-pub const CAPACITY_CORES: &str = "cores";
-pub const CAPACITY_SHARES: &str = "shares";
-
-/// The attribute names, in the driver's domain.
-pub const ATTR_INDEX: &str = "index";
-pub const ATTR_UUID: &str = "uuid";
-pub const ATTR_MODEL: &str = "model";
-pub const ATTR_PCI_BUS_ID: &str = "pciBusId";
-pub const ATTR_NUMA_NODE: &str = "numaNode";
-pub const ATTR_NVLINK_DOMAIN: &str = "nvlinkDomain";
-pub const ATTR_PCIE_ROOT: &str = "pcieRoot";
-
-/// The device name of GPU `index`.
-pub fn device_name(index: u32) -> String {
-    format!("gpu-{index}")
-}
-
-/// The GPU index a device name stands for, if it is one of ours.
-pub fn device_index(name: &str) -> Option<u32> {
-    let digits = name.strip_prefix("gpu-")?;
-    // "gpu-01" is not a name this module writes
-    if digits.len() > 1 && digits.starts_with('0') {
-        return None;
-    }
-    digits.parse().ok()
-}
-
-/// The attribute name of a network level label: its name part (`network.gpuplace.io/tor` → `tor`).
-pub fn network_attribute(label: &str) -> &str {
-    label.rsplit('/').next().unwrap_or(label)
-}
-
-/// Per GPU, the lowest index of the group it is joined to by the links `joins` accepts (itself when
-/// none).
-fn groups(inventory: &Inventory, joins: impl Fn(&crate::nvml::PairLink) -> bool) -> Vec<u32> {
-    let n = inventory.gpus.len();
-    let mut parent: Vec<usize> = (0..n).collect();
-    fn root(parent: &mut [usize], mut i: usize) -> usize {
-        while parent[i] != i {
-            parent[i] = parent[parent[i]];
-            i = parent[i];
-        }
-        i
-    }
-    for l in inventory.links.iter().filter(|l| joins(l)) {
-        let (a, b) = (l.a as usize, l.b as usize);
-        if a >= n || b >= n {
-            continue;
-        }
-        let (ra, rb) = (root(&mut parent, a), root(&mut parent, b));
-        // the lower index becomes the root, so the root is the group's lowest index
-        let (lo, hi) = (ra.min(rb), ra.max(rb));
-        parent[hi] = lo;
-    }
-    (0..n).map(|i| root(&mut parent, i) as u32).collect()
-}
-
-/// Per GPU, its NVLink domain: GPUs with NVLink lanes between them (direct or through NVSwitch).
-pub fn nvlink_domains(inventory: &Inventory) -> Vec<u32> {
-    groups(inventory, |l| l.nvlinks > 0)
-}
-
-/// Per GPU, its PCIe root: GPUs whose common PCIe ancestor is at most the host bridge.
-pub fn pcie_roots(inventory: &Inventory) -> Vec<u32> {
-    groups(inventory, |l| matches!(l.pcie, PcieLevel::Pix | PcieLevel::Pxb | PcieLevel::Phb))
-}
-
-fn int(v: i64) -> DeviceAttribute {
-    DeviceAttribute { int: Some(v), ..Default::default() }
-}
-
-fn string(v: &str) -> DeviceAttribute {
-    DeviceAttribute { string: Some(v.to_string()), ..Default::default() }
-}
+use gpuplace_core::cluster::Gpu;
+use gpuplace_core::dra::attributes::NodeAttributes;
+pub use gpuplace_core::dra::{
+    device_index, device_name, network_attribute, ATTR_INDEX, ATTR_LINKS, ATTR_MODEL, ATTR_NUMA_NODE,
+    ATTR_NVLINK_DOMAIN, ATTR_NVLINK_FABRIC, ATTR_PCIE_ROOT, ATTR_PCI_BUS_ID, ATTR_UUID, CAPACITY_CORES,
+    CAPACITY_MEMORY, CAPACITY_SHARES, DEFAULT_DRIVER,
+};
+use gpuplace_core::topology::{GpuTopology, NvlinkFabric, PcieLevel};
 
 fn capacity(value: String, policy: CapacityRequestPolicy) -> DeviceCapacity {
     DeviceCapacity { value: Quantity(value), request_policy: Some(policy) }
@@ -128,32 +56,27 @@ pub fn devices(
     node_labels: &BTreeMap<String, String>,
     slots_per_gpu: u32,
 ) -> Vec<Device> {
-    let nvlink = nvlink_domains(inventory);
-    let pcie = pcie_roots(inventory);
-    let network: Vec<(&str, &String)> = DEFAULT_NETWORK_LEVELS
-        .iter()
-        .filter_map(|label| node_labels.get(*label).map(|v| (network_attribute(label), v)))
-        .collect();
+    // an inventory whose links do not make a graph is published as GPUs without links
+    let topology = inventory
+        .topology()
+        .or_else(|_| GpuTopology::new(inventory.gpus.len(), NvlinkFabric::None, [], PcieLevel::Sys))
+        .unwrap_or_else(|_| GpuTopology::flat(inventory.gpus.len()));
+    let attributes = NodeAttributes::new(&topology, node_labels);
     inventory
         .gpus
         .iter()
         .filter(|g| health.get(g.index as usize).is_none_or(|h| h.healthy))
         .map(|g| {
-            let i = g.index as usize;
-            let mut attributes = BTreeMap::from([
-                (ATTR_INDEX.to_string(), int(g.index.into())),
-                (ATTR_UUID.to_string(), string(&g.uuid)),
-                (ATTR_MODEL.to_string(), string(&g.model)),
-                (ATTR_PCI_BUS_ID.to_string(), string(&g.pci_bus_id)),
-                (ATTR_NVLINK_DOMAIN.to_string(), int(nvlink.get(i).copied().unwrap_or(g.index).into())),
-                (ATTR_PCIE_ROOT.to_string(), int(pcie.get(i).copied().unwrap_or(g.index).into())),
-            ]);
-            if let Some(numa) = g.numa_node {
-                attributes.insert(ATTR_NUMA_NODE.to_string(), int(numa.into()));
-            }
-            for (name, value) in &network {
-                attributes.insert(name.to_string(), string(value));
-            }
+            let gpu = Gpu {
+                uuid: g.uuid.clone(),
+                index: g.index,
+                model: g.model.clone(),
+                memory_mib: g.memory_mib,
+                numa_node: g.numa_node,
+                pci_bus_id: g.pci_bus_id.clone(),
+                healthy: true,
+            };
+            let attributes = attributes.of(&gpu, &topology);
             let mib = format!("{}Mi", g.memory_mib);
             let capacity = BTreeMap::from([
                 (
@@ -209,6 +132,26 @@ pub fn devices(
         .collect()
 }
 
+/// The taint on every device when gpuplace allocates the driver's claims (`--dra-allocator
+/// gpuplace`): kube-scheduler's allocator then never picks a device for a claim that does not
+/// tolerate it, so a pod that got past gpuplace's scheduling gate stays pending instead of being
+/// allocated beside gpuplace's claims (nothing checks capacity across claims). gpuplace writes its
+/// allocations itself, and a taint with `NoSchedule` affects allocation only.
+pub const ALLOCATOR_TAINT_KEY: &str = "gpu.gpuplace.io/allocator";
+pub const ALLOCATOR_TAINT_VALUE: &str = "gpuplace";
+
+/// Taints every device for gpuplace's allocator (see [`ALLOCATOR_TAINT_KEY`]).
+pub fn taint_for_gpuplace(devices: &mut [Device]) {
+    for d in devices {
+        d.taints = Some(vec![DeviceTaint {
+            key: ALLOCATOR_TAINT_KEY.into(),
+            value: Some(ALLOCATOR_TAINT_VALUE.into()),
+            effect: "NoSchedule".into(),
+            time_added: None,
+        }]);
+    }
+}
+
 /// Whether two device lists say the same, quantities compared by value: the API server stores them
 /// canonicalized (`81920Mi` comes back as `80Gi`), so comparing text would rewrite the slice, and bump
 /// its pool's generation, at every pass.
@@ -220,6 +163,10 @@ pub fn same_devices(a: &[Device], b: &[Device]) -> bool {
     }
     fn normalized(d: &Device) -> Device {
         let mut d = d.clone();
+        // the API server stamps a taint's time when it is written
+        for t in d.taints.iter_mut().flatten() {
+            t.time_added = None;
+        }
         for c in d.capacity.iter_mut().flat_map(|m| m.values_mut()) {
             by_value(&mut c.value);
             if let Some(p) = c.request_policy.as_mut() {
@@ -265,7 +212,7 @@ mod tests {
         vec![GpuHealth { healthy: true, reason: String::new(), xid_count: 0, last_xid: None }; n]
     }
 
-    fn attr<'a>(d: &'a Device, name: &str) -> &'a DeviceAttribute {
+    fn attr<'a>(d: &'a Device, name: &str) -> &'a k8s_openapi::api::resource::v1::DeviceAttribute {
         &d.attributes.as_ref().unwrap()[name]
     }
 
@@ -273,16 +220,44 @@ mod tests {
         &d.capacity.as_ref().unwrap()[name]
     }
 
+    /// What gpuplace's own placement reads back from the published slice is the board's link graph,
+    /// pair by pair, on every real board (and with a GPU gone from the slice).
     #[test]
-    fn names_round_trip() {
-        for i in [0, 7, 15, 123] {
-            assert_eq!(device_index(&device_name(i)), Some(i));
+    fn the_slice_carries_each_boards_whole_link_graph() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/topologies");
+        let mut boards = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().and_then(|e| e.to_str()) != Some("json") {
+                continue;
+            }
+            let name = path.file_stem().unwrap().to_str().unwrap().to_string();
+            let inv = board(&name);
+            let want = inv.topology().unwrap();
+            let mut health = healthy(inv.gpus.len());
+            for gone in [None, Some(1)] {
+                if let Some(g) = gone.filter(|&g| g < health.len()) {
+                    health[g].healthy = false;
+                }
+                let spec = slice_spec(DEFAULT_DRIVER, "n1", devices(&inv, &health, &BTreeMap::new(), 4), 1);
+                let read = gpuplace_core::dra::slices::slice_gpus(&[&spec], None).unwrap().unwrap();
+                assert_eq!(read.gpus.len(), inv.gpus.len(), "{name}");
+                assert_eq!(read.topology.fabric(), want.fabric(), "{name}");
+                assert_eq!(read.slots_per_gpu, Some(4));
+                for (a, b, link) in want.links() {
+                    assert_eq!(read.topology.link(a, b), Some(link), "{name}: {a}-{b}");
+                }
+                for g in &inv.gpus {
+                    let got = &read.gpus[g.index as usize];
+                    assert_eq!(got.healthy, gone != Some(g.index as usize), "{name}");
+                    if got.healthy {
+                        assert_eq!((got.uuid.as_str(), got.memory_mib), (g.uuid.as_str(), g.memory_mib), "{name}");
+                    }
+                }
+            }
+            boards += 1;
         }
-        for bad in ["gpu-", "gpu-01", "gpu-x", "cpu-1", "gpu--1"] {
-            assert_eq!(device_index(bad), None, "{bad}");
-        }
-        assert_eq!(network_attribute("network.gpuplace.io/tor"), "tor");
-        assert_eq!(network_attribute("rack"), "rack");
+        assert!(boards >= 5, "only {boards} boards in {}", dir.display());
     }
 
     #[test]
@@ -328,6 +303,8 @@ mod tests {
 
     #[test]
     fn nvlink_domains_and_pcie_roots_follow_the_links() {
+        let nvlink_domains = |inv: &Inventory| gpuplace_core::dra::attributes::nvlink_domains(&inv.topology().unwrap());
+        let pcie_roots = |inv: &Inventory| gpuplace_core::dra::attributes::pcie_roots(&inv.topology().unwrap());
         // NVSwitch: every GPU reaches every other over NVLink
         let h100 = board("hgx-h100-8");
         assert_eq!(nvlink_domains(&h100), vec![0; 8]);
@@ -367,8 +344,31 @@ mod tests {
         assert!(same_devices(&a, &b) == (inv.gpus.iter().all(|g| g.memory_mib == inv.gpus[0].memory_mib)));
         assert!(!same_devices(&a, &a[1..]));
         let mut c = a.clone();
-        c[2].attributes.as_mut().unwrap().insert(ATTR_MODEL.into(), string("other"));
+        c[2].attributes.as_mut().unwrap().insert(
+            ATTR_MODEL.into(),
+            k8s_openapi::api::resource::v1::DeviceAttribute { string: Some("other".into()), ..Default::default() },
+        );
         assert!(!same_devices(&a, &c));
+    }
+
+    #[test]
+    fn gpuplaces_taint_is_on_every_device_and_its_server_stamp_is_not_a_change() {
+        let inv = board("hgx-h100-8");
+        let mut mine = devices(&inv, &[], &BTreeMap::new(), 4);
+        let plain = mine.clone();
+        taint_for_gpuplace(&mut mine);
+        assert!(mine.iter().all(|d| d
+            .taints
+            .as_ref()
+            .is_some_and(|t| t.len() == 1 && t[0].key == ALLOCATOR_TAINT_KEY && t[0].effect == "NoSchedule")));
+        assert!(!same_devices(&mine, &plain));
+        // the API server adds timeAdded: still the same devices
+        let mut stored = mine.clone();
+        for d in &mut stored {
+            d.taints.as_mut().unwrap()[0].time_added =
+                Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH));
+        }
+        assert!(same_devices(&mine, &stored));
     }
 
     #[test]

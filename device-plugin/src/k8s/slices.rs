@@ -23,7 +23,7 @@ use kube::api::{DeleteParams, ListParams, PostParams};
 use kube::{Api, Client, ResourceExt};
 
 use super::{call, Backoff, CallError, CALL_TIMEOUT};
-use crate::dra::devices::{devices, same_devices, slice_spec};
+use crate::dra::devices::{devices, same_devices, slice_spec, taint_for_gpuplace};
 use crate::nvml::Inventory;
 use crate::plugin::Plugin;
 use crate::sampler::Telemetry;
@@ -81,6 +81,8 @@ pub struct SliceSync {
     plugin: Arc<Plugin>,
     telemetry: Arc<Telemetry>,
     resync: Duration,
+    /// The devices carry gpuplace's allocator taint (`--dra-allocator gpuplace`).
+    gpuplace_allocates: bool,
 }
 
 impl SliceSync {
@@ -104,7 +106,14 @@ impl SliceSync {
             plugin,
             telemetry,
             resync,
+            gpuplace_allocates: false,
         }
+    }
+
+    /// Taints the devices for gpuplace's allocator (`dra::devices::taint_for_gpuplace`).
+    pub fn with_gpuplace_allocating(mut self, yes: bool) -> Self {
+        self.gpuplace_allocates = yes;
+        self
     }
 
     fn failed(&self, source: CallError) -> SliceSyncError {
@@ -121,7 +130,10 @@ impl SliceSync {
                 self.telemetry.api_error("node_get");
                 SliceSyncError::Missing(self.node.clone())
             })?;
-        let want = devices(&self.inventory, &self.plugin.health(), node.labels(), self.slots_per_gpu);
+        let mut want = devices(&self.inventory, &self.plugin.health(), node.labels(), self.slots_per_gpu);
+        if self.gpuplace_allocates {
+            taint_for_gpuplace(&mut want);
+        }
         let owner = OwnerReference {
             api_version: "v1".into(),
             kind: "Node".into(),

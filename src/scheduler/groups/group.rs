@@ -25,6 +25,11 @@ pub struct PodGroupInfo {
 pub struct Arrival<'a> {
     pub uid: &'a str,
     pub request: &'a PodRequest,
+    /// Nodes the member may not go to, which its group's plans leave out from now on (`Some`: the
+    /// whole set, for a claim pod the nodes without ResourceSlices and those its selector, affinity
+    /// or tolerations refuse). `None` for a filter's member, which has kube-scheduler's candidates
+    /// instead (a planned node missing from them is left out then).
+    pub excluded: Option<&'a [String]>,
 }
 
 /// What filter answers a member.

@@ -26,8 +26,9 @@ impl Scheduler {
         if self.is_ready() && self.pods_watched() && self.seen_pod(&order.uid).is_none() {
             self.await_watched(&order.uid).await;
         }
+        let mut offered_on = None;
         let prepared = if self.is_ready() {
-            self.prepare_bind(order, &mut d)
+            self.prepare_bind(order, &mut d, &mut offered_on)
         } else {
             Err((BindOutcome::NotReady, NOT_READY.into()))
         };
@@ -70,6 +71,9 @@ impl Scheduler {
         self.metrics.bind(outcome);
         if outcome.is_success() {
             self.metrics.pod_settled(&order.uid);
+        } else if let Some(node) = offered_on {
+            // the GPUs its filter held are free again: pods turned away meanwhile may fit
+            self.note_freed(&node);
         }
         d.outcome = Some(outcome.name().into());
         d.feasible = usize::from(outcome.is_success());
@@ -80,10 +84,10 @@ impl Scheduler {
         } else {
             d.chosen = None;
         }
-        if self.log.is_some() {
+        if let Some(log) = &self.log {
             // the cluster after this bind, for capacity reports (docs/placement-log.md)
             let st = self.read();
-            d.cluster = Some(CapacitySummary::of(&st.cluster, &order.node));
+            d.cluster = Some(log.capacity(&st.cluster, &order.node));
             if d.group.is_some() {
                 d.group_totals = Some(st.groups.totals(&st.cluster));
             }
@@ -140,12 +144,21 @@ impl Scheduler {
 
     /// Re-checks and counts the allocation. `Ok(None)`: a retry of a bind already done. With the
     /// request, the pods awaiting admission it must wait for (the `admission` submodule).
-    fn prepare_bind(&self, order: &BindOrder, d: &mut Decision) -> Result<Option<Prepared>, (BindOutcome, String)> {
+    /// `offered_on`: the node of the hold its filter made, which this ends (`offers`).
+    fn prepare_bind(
+        &self,
+        order: &BindOrder,
+        d: &mut Decision,
+        offered_on: &mut Option<String>,
+    ) -> Result<Option<Prepared>, (BindOutcome, String)> {
         let key = order.pod_key();
         let fail = |o: BindOutcome, m: String| Err((o, prefixed(&m)));
         let seen = self.seen_pod(&order.uid);
         let mut st = self.write();
         let st = &mut *st;
+        // whatever comes of it, the bind ends the hold its filter made: the pod is placed below
+        // on the node kube-scheduler chose, with the held GPUs free again
+        *offered_on = Self::release_offer(st, &order.uid);
         if let Some(b) = st.bound.get(&order.uid) {
             return if b.node != order.node {
                 fail(BindOutcome::Conflict, format!("pod {key} is already bound to {}", b.node))
@@ -301,10 +314,7 @@ impl Scheduler {
         if st.cluster.assignment(&key).is_some_and(|a| a.node == order.node) {
             let _ = st.cluster.release(&key);
         }
-        // a group member's slot is held for it again: the other members keep what they hold
-        if let Some(res) = st.groups.slot_returned(&order.uid) {
-            let _ = st.cluster.allocate(res);
-        }
+        Self::return_slot(&mut st, &order.uid);
     }
 
     // -----------------------------------------------------------------------------------------------

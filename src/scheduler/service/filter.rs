@@ -287,10 +287,12 @@ impl Scheduler {
         self.observe_arrival(q.pod.uid(), &req);
         self.expire_groups();
         if req.group.is_some() {
-            if let Some(out) = self.group_filter(q.pod.uid(), &req, &names, &mut d) {
+            if let Some(out) = self.group_filter(q.pod, &req, &names, &mut d) {
                 return self.finish(d, started, out);
             }
         }
+        // a pod filtered again is past its previous attempt: its own hold must not turn it away
+        self.drop_offer(q.pod.uid());
         let st = self.read();
         // after the read lock: a freeing stamped later than this is not in the verdict
         let read_at = Instant::now();
@@ -395,6 +397,7 @@ impl Scheduler {
         self.metrics.pod_filtered(q.pod.uid(), waits_on, read_at);
         self.note_verdict(q.pod, &c, &answers, feasible, read_at);
         d.offered = self.offer(q.pod, &c, &mut answers, feasible);
+        self.hold_offer(q.pod, &req, &c, &answers);
         self.finish(d, started, FilterDecision::Judged(c, answers))
     }
 

@@ -21,6 +21,7 @@ use crate::placement::group_plan::group_name;
 use crate::placement_log::GroupEvent;
 use crate::placement_log::{Decision, PLACEMENT_LOG_VERSION};
 use crate::scheduler::groups::{Arrival, MemberVerdict, PodGroupInfo};
+use crate::scheduler::input::PodView;
 use crate::scheduler::reasons::prefixed;
 use crate::scheduler::verdict_cache::RejectClass;
 use crate::scheduler::verdict_cache::{Answer, Candidates, FilterDecision, Reason};
@@ -35,6 +36,12 @@ impl Scheduler {
         if !known {
             self.write().groups.observe_pod_group(key, info);
         }
+    }
+
+    /// The `spec.schedulingConstraints.topology` keys of the PodGroup `key` (`namespace/name`), as
+    /// last seen (none when it is not known).
+    pub fn pod_group_topology(&self, key: &str) -> Vec<String> {
+        self.read().groups.pod_group(key).map(|p| p.topology_keys.clone()).unwrap_or_default()
     }
 
     /// A PodGroup deleted: its group's reservations end.
@@ -58,13 +65,15 @@ impl Scheduler {
     /// Filter's answer for a group member (`None`: judge it as a single pod).
     pub(super) fn group_filter<'a>(
         &self,
-        uid: &str,
+        pod: &dyn PodView,
         req: &PodRequest,
         names: &[&'a str],
         d: &mut Decision,
     ) -> Option<FilterDecision<'a>> {
         let group = req.group.as_ref()?;
-        let arrival = Arrival { uid, request: req };
+        let uid = pod.uid();
+        let arrival = Arrival { uid, request: req, excluded: None };
+        // before the state is read: a freeing stamped later is not in the verdict
         let now = Instant::now();
         let settled = {
             let st = self.read();
@@ -128,6 +137,9 @@ impl Scheduler {
             d.rejection_classes.insert(RejectClass::Unresolvable.name().into(), rejected);
         }
         self.metrics.pod_filtered(uid, (feasible == 0).then_some(RejectClass::Unresolvable), Instant::now());
+        // plain rejections get no retry from kube-scheduler until a cluster event: a freeing its
+        // retry raced past (the extender's watch later than kube-scheduler's) must requeue it
+        self.note_group_verdict(pod, feasible > 0, now);
         Some(FilterDecision::Judged(c, answers))
     }
 
@@ -137,7 +149,7 @@ impl Scheduler {
     pub(super) fn group_priorities(&self, uid: &str, req: &PodRequest, names: &[&str]) -> Option<Vec<u8>> {
         req.group.as_ref()?;
         let st = self.read();
-        match st.groups.settled(&st.cluster, &Arrival { uid, request: req }, Instant::now())? {
+        match st.groups.settled(&st.cluster, &Arrival { uid, request: req, excluded: None }, Instant::now())? {
             MemberVerdict::Planned { node } => Some(names.iter().map(|n| if *n == node { 10 } else { 0 }).collect()),
             MemberVerdict::NoPlan { .. } | MemberVerdict::Waits { .. } => Some(vec![0; names.len()]),
             MemberVerdict::Single => None,
@@ -196,6 +208,14 @@ impl Scheduler {
     /// reservation goes back.
     pub(super) fn restore_reservation(st: &mut State, uid: &str, node: &str) {
         if let Some(res) = st.groups.reservation_for_bind(uid, node) {
+            let _ = st.cluster.allocate(res);
+        }
+    }
+
+    /// A member's placement was undone after it took its slot (a failed Binding, or claims not
+    /// written): the slot is held for it again, so the other members keep what they hold.
+    pub(super) fn return_slot(st: &mut State, uid: &str) {
+        if let Some(res) = st.groups.slot_returned(uid) {
             let _ = st.cluster.allocate(res);
         }
     }

@@ -121,26 +121,20 @@ impl Scheduler {
         labels: &BTreeMap<String, String>,
         annotations: &BTreeMap<String, String>,
     ) -> NodeOutcome {
-        let inventory = annotations.get(ANNOTATION_INVENTORY);
+        let Some(text) = annotations.get(ANNOTATION_INVENTORY) else {
+            return self.observe_plain_node(name, labels);
+        };
         let utilization = annotations.get(ANNOTATION_UTILIZATION);
         {
             // most Node updates are status heartbeats: answered under the read lock
             let st = self.read();
             let known = st.cluster.node(name).is_some();
-            let same_inventory = match inventory {
-                Some(text) => st.node_sources.get(name).is_some_and(|(t, l)| t == text && l == labels),
-                None => !known,
-            };
+            let same_inventory = st.node_sources.get(name).is_some_and(|(t, l)| t == text && l == labels);
             let same_util = utilization.is_none_or(|u| !known || !Self::annotation_utilization_pending(&st, name, u));
             if same_inventory && same_util {
-                return if known || inventory.is_some() { NodeOutcome::Unchanged } else { NodeOutcome::NotGpu };
+                return NodeOutcome::Unchanged;
             }
         }
-        let Some(text) = inventory else {
-            let parked = self.remove_node(name).unwrap_or(0);
-            tracing::info!(node = %name, parked, "inventory annotation gone; node removed");
-            return NodeOutcome::Removed { parked };
-        };
         let mut st = self.write();
         let st = &mut *st;
         let mut outcome = NodeOutcome::Unchanged;
@@ -170,6 +164,34 @@ impl Scheduler {
         outcome
     }
 
+    /// A Node object without an inventory annotation: its labels are kept, for a node whose GPUs
+    /// come from ResourceSlices (the `claims` submodule); a node that had an inventory leaves the
+    /// model.
+    fn observe_plain_node(&self, name: &str, labels: &BTreeMap<String, String>) -> NodeOutcome {
+        {
+            let st = self.read();
+            if st.dra_labels.get(name) == Some(labels) && !st.node_sources.contains_key(name) {
+                return if st.cluster.node(name).is_some() { NodeOutcome::Unchanged } else { NodeOutcome::NotGpu };
+            }
+        }
+        let mut st = self.write();
+        let st = &mut *st;
+        st.dra_labels.insert(name.to_string(), labels.clone());
+        if st.node_sources.remove(name).is_some() {
+            // it had an inventory annotation: gone now
+            let parked = self.drop_node_locked(st, name).unwrap_or(0);
+            tracing::info!(node = %name, parked, "inventory annotation gone; node removed");
+            return NodeOutcome::Removed { parked };
+        }
+        if !st.dra_gpus.contains_key(name) {
+            return NodeOutcome::NotGpu;
+        }
+        match self.dra_node_locked(st, name) {
+            Some(gpus) => NodeOutcome::Upserted { gpus },
+            None => NodeOutcome::Unchanged,
+        }
+    }
+
     /// Whether a GPU node of this name is in the model.
     pub fn has_node(&self, name: &str) -> bool {
         self.read().cluster.node(name).is_some()
@@ -179,7 +201,15 @@ impl Scheduler {
     /// allocations are parked until their pods go or the node comes back. `None`: not a known node.
     pub fn remove_node(&self, name: &str) -> Option<usize> {
         let mut st = self.write();
+        let st = &mut *st;
+        st.dra_labels.remove(name);
         st.node_sources.remove(name);
+        self.drop_node_locked(st, name)
+    }
+
+    /// The node leaves the model (what gpuplace knows of its Node object stays); its allocations are
+    /// parked. `None`: not a known node.
+    pub(super) fn drop_node_locked(&self, st: &mut State, name: &str) -> Option<usize> {
         st.util_sources.remove(name);
         let node = st.cluster.remove_node(name)?;
         st.gpu_memory_mib.store(super::UNKNOWN_GPU_MEMORY, std::sync::atomic::Ordering::Relaxed);
@@ -189,8 +219,7 @@ impl Scheduler {
         if n > 0 {
             st.parked.entry(name.to_string()).or_default().extend(pods);
         }
-        let events = Self::groups_after_node_change(&mut st);
-        drop(st);
+        let events = Self::groups_after_node_change(st);
         self.group_events(events);
         tracing::info!(node = %name, parked = n, "node removed");
         Some(n)
@@ -278,6 +307,8 @@ impl Scheduler {
             tracing::warn!(pod = %pod.key, old_uid = %old, new_uid = %pod.uid, "pod name counted again under a new UID; releasing the old record");
             Self::release_locked(st, &old);
         }
+        // bound (by another replica, or in a bind this one lost track of): its hold is over
+        Self::release_offer(st, &pod.uid);
         if let Err(e) = st.cluster.allocate(record) {
             return self.refuse(st, pod, text, format!("collides with GPUs already counted: {e}"));
         }
@@ -308,6 +339,7 @@ impl Scheduler {
         // its filter repeats the placement log holds go out now: no later line of it will carry them
         self.log_with(|log| log.forget(uid));
         self.metrics.pod_settled(uid);
+        self.drop_offer(uid);
         let released = self.release_record(uid);
         // after its GPUs are back: a bound member's slot is reserved again for its replacement
         self.forget_group_member(uid);
@@ -441,11 +473,16 @@ impl Scheduler {
             });
         }
         drop(seen);
-        // a gang is every pod that names its PodGroup: its plan counts the members not filtered yet
         if let Ok(req) = &pod.request {
-            if req.group.is_some() && !self.read().groups.knows_pending(&pod.uid, req) {
-                self.write().groups.observe_pending(&pod.uid, req);
-            }
+            self.observe_pending_member(&pod.uid, req);
+        }
+    }
+
+    /// A pending pod of a group, before any placement of it: a gang is every pod that names its
+    /// PodGroup, so its plan counts the members not placed yet.
+    pub fn observe_pending_member(&self, uid: &str, req: &PodRequest) {
+        if req.group.is_some() && !uid.is_empty() && !self.read().groups.knows_pending(uid, req) {
+            self.write().groups.observe_pending(uid, req);
         }
     }
 }

@@ -4,7 +4,10 @@
 //! kubelet calls NodePrepareResources and hands the claim's CDI device to containerd 2, which applies
 //! the CDI spec: each container's environment is read back and checked against its claim's
 //! allocation. From the kubelet's side, its DRA checkpoint names each claim with the CDI device the
-//! plugin answered; deleting the pods unprepares the claims (their CDI specs go).
+//! plugin answered; deleting the pods unprepares the claims (their CDI specs go). Then the same with
+//! gpuplace allocating the claims (`devicePlugin.dra.allocator=gpuplace` and `gpuplace serve
+//! --dra-driver`): the pods are gated at admission, gpuplace writes the allocations, and the kubelet
+//! prepares those.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -18,6 +21,7 @@ use serde_json::json;
 
 use super::{create_and_time, env_of, render_chart_with, wait_for, NS, SYSTEM_NS};
 use crate::cluster::{apply, figure, repo, workspace_bin, ControlPlane, User};
+use crate::fleet::Extender;
 use crate::node::{build_images, RealNode, BUSYBOX_IMAGE};
 use crate::SERIAL;
 
@@ -99,11 +103,26 @@ fn dra_env_problems(
 
 #[tokio::test(flavor = "current_thread")]
 async fn dra_claim_pods_get_their_gpus_through_node_prepare_resources_on_a_real_node() {
+    claim_pods_run_on_the_real_node(false).await;
+}
+
+/// The same with gpuplace allocating the claims (`devicePlugin.dra.allocator=gpuplace`: the gate
+/// policy, the tainted devices, `gpuplace serve --dra-driver`): the kubelet prepares what gpuplace
+/// wrote, and each container's environment is gpuplace's allocation.
+#[tokio::test(flavor = "current_thread")]
+async fn claims_gpuplace_allocates_are_prepared_by_the_kubelet_on_a_real_node() {
+    claim_pods_run_on_the_real_node(true).await;
+}
+
+/// The scenario of the module documentation; with `gpuplace`, gpuplace allocates the claims instead
+/// of kube-scheduler.
+async fn claim_pods_run_on_the_real_node(gpuplace: bool) {
     let _serial = SERIAL.lock().await;
+    let who = if gpuplace { "gpuplace" } else { "native DRA" };
     let t0 = Instant::now();
     let bin_dir = workspace_bin("gpuplace-device-plugin").parent().expect("the binaries' folder").to_path_buf();
     let images = build_images(&bin_dir);
-    let mut cp = ControlPlane::start("real-node-dra").await;
+    let mut cp = ControlPlane::start(if gpuplace { "real-node-dra-gpuplace" } else { "real-node-dra" }).await;
     cp.start_controller_manager();
     let admin = cp.client(User::Admin).await;
     let node = RealNode::start(&cp, NODE, &images).await;
@@ -119,11 +138,14 @@ async fn dra_claim_pods_get_their_gpus_through_node_prepare_resources_on_a_real_
 
     // ---- the device plugin from the chart, in DRA mode; no extender (native DRA places the pods)
     let cdi_dir = node.dir.join("containerd/cdi");
-    let more = [
+    let mut more = vec![
         "devicePlugin.dra.enabled=true".to_string(),
         format!("devicePlugin.dra.cdiDir={}", cdi_dir.display()),
         "scheduler.mode=none".to_string(),
     ];
+    if gpuplace {
+        more.push("devicePlugin.dra.allocator=gpuplace".to_string());
+    }
     let objects = render_chart_with(&images, &node, &more);
     for name in [SYSTEM_NS, NS] {
         let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": name}})).expect("ns");
@@ -133,6 +155,15 @@ async fn dra_claim_pods_get_their_gpus_through_node_prepare_resources_on_a_real_
         apply(&admin, o, false).await.unwrap_or_else(|e| panic!("applying the chart's objects: {e}"));
     }
     cp.start_scheduler(&repo().join("scheduler-config/kube-scheduler-config-http.yaml"), None);
+    // gpuplace's extender (not through kube-scheduler: claim pods never reach an extender) allocates
+    let ext = if gpuplace {
+        let mut ext = Extender::start(&cp, "replica-a", 0, &["--dra-driver", DRIVER]);
+        ext.wait_ready(Duration::from_secs(60)).await;
+        crate::dra::wait_gate_policy(&admin, NS).await;
+        Some(ext)
+    } else {
+        None
+    };
     let t = Instant::now();
     let daemonsets: Api<DaemonSet> = Api::namespaced(admin.clone(), SYSTEM_NS);
     let slices: Api<ResourceSlice> = Api::all(admin.clone());
@@ -214,7 +245,12 @@ async fn dra_claim_pods_get_their_gpus_through_node_prepare_resources_on_a_real_
         for p in api.list(&ListParams::default()).await.expect("pods").items {
             report += &format!("{}: {:?}\n", p.name_any(), p.status.as_ref().and_then(|s| s.conditions.clone()));
         }
-        panic!("only {:?} of {n} claim pods Running:\n{report}\nkubelet:\n{}", times.keys(), node.kubelet_tail());
+        let ext_log = ext.as_ref().map(|e| e.proc.tail(30)).unwrap_or_default();
+        panic!(
+            "only {:?} of {n} claim pods Running:\n{report}\nkubelet:\n{}\nextender:\n{ext_log}",
+            times.keys(),
+            node.kubelet_tail()
+        );
     }
 
     // ---- each container's environment is its claim's allocation
@@ -231,6 +267,18 @@ async fn dra_claim_pods_get_their_gpus_through_node_prepare_resources_on_a_real_
             env = env_of(&node, &p);
         }
         problems.extend(dra_env_problems(&p.name_any(), &claim, &uuids, &env));
+        if gpuplace {
+            // gpuplace's write: its deterministic share IDs on every result
+            let uid = claim.uid().unwrap_or_default();
+            let results = claim.status.as_ref().and_then(|s| s.allocation.as_ref()).and_then(|a| a.devices.as_ref());
+            for r in results.iter().flat_map(|d| d.results.iter().flatten()) {
+                let gpu = gpuplace_core::dra::device_index(&r.device).expect("a gpuplace device");
+                let want = gpuplace_core::dra::claims::share_id(&uid, &r.request, gpu);
+                if r.share_id.as_deref() != Some(want.as_str()) {
+                    problems.push(format!("{}: {} not allocated by gpuplace", p.name_any(), claim.name_any()));
+                }
+            }
+        }
     }
     assert!(problems.is_empty(), "containers without their claim's environment:\n{}", problems.join("\n"));
 
@@ -273,11 +321,11 @@ async fn dra_claim_pods_get_their_gpus_through_node_prepare_resources_on_a_real_
     })
     .await;
     figure(&format!(
-        "real node: the kubelet shows the claim devices Healthy in the pods' status {:.1} s after they ran (the plugin's DRAResourceHealth stream)",
+        "real node ({who}): the kubelet shows the claim devices Healthy in the pods' status {:.1} s after they ran (the plugin's DRAResourceHealth stream)",
         t.elapsed().as_secs_f64()
     ));
     figure(&format!(
-        "real node: {n} DRA claim pods (2 shares of 20000Mi and 25 cores from a template, an NVLink pair) Running with their allocation's environment through NodePrepareResources and CDI; create to Running {:?} s",
+        "real node ({who} allocating): {n} DRA claim pods (2 shares of 20000Mi and 25 cores from a template, an NVLink pair) Running with their allocation's environment through NodePrepareResources and CDI; create to Running {:?} s",
         times.values().map(|t| (t * 10.0).round() / 10.0).collect::<Vec<_>>()
     ));
 
@@ -299,9 +347,10 @@ async fn dra_claim_pods_get_their_gpus_through_node_prepare_resources_on_a_real_
     })
     .await;
     figure(&format!(
-        "real node: pods deleted, their claims unprepared (CDI specs removed) in {:.1} s; scenario {:.0} s",
+        "real node ({who}): pods deleted, their claims unprepared (CDI specs removed) in {:.1} s; scenario {:.0} s",
         t.elapsed().as_secs_f64(),
         t0.elapsed().as_secs_f64()
     ));
+    drop(ext);
     drop(node);
 }

@@ -1,0 +1,231 @@
+//! Issue 32, item 3, on the real API server and kube-scheduler: gpuplace allocates the claims of its
+//! DeviceClass (`gpuplace serve --dra-driver`, scheduler-config/dra/gpuplace-allocates.yaml).
+//!
+//! Three nodes run `gpuplace-device-plugin --dra --dra-allocator gpuplace` (tainted devices). The
+//! admission policy gates every new pod with claims; gpuplace's extender allocates the claims of its
+//! class (whole GPUs, shares, an NVLink pair, a claim made from a template by kube-controller-manager's
+//! resourceclaim controller) and lifts the gates, and kube-scheduler binds each pod where its claims
+//! are. A pod whose claims are of another class is let go at once; one that also asks for gpuplace's
+//! own resources stays gated with an Event; one that got past the gate (policy unbound) is never
+//! allocated by kube-scheduler, because the devices are tainted. No device is over-committed.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use gpuplace_core::dra::claims::{share_id, DELETE_PROTECTION_FINALIZER};
+use gpuplace_core::dra::device_index;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimTemplate, ResourceSlice};
+use kube::api::{DeleteParams, DynamicObject, ListParams, PostParams};
+use kube::{Api, Client, ResourceExt};
+use serde_json::{json, Value};
+
+use crate::cluster::{apply, figure, ControlPlane, User};
+use crate::dra::{claim, claim_pod, create_claim_pods, device_use, gpuplace_allocates_on, GpuplaceDra, DRIVER};
+use crate::{NS, SERIAL};
+
+const GATE: &str = "gpuplace.io/dra";
+
+fn gates(p: &Pod) -> Vec<String> {
+    p.spec.as_ref().and_then(|s| s.scheduling_gates.as_ref()).into_iter().flatten().map(|g| g.name.clone()).collect()
+}
+
+fn node_of(p: &Pod) -> Option<String> {
+    p.spec.as_ref().and_then(|s| s.node_name.clone())
+}
+
+async fn create(client: &Client, obj: Value) {
+    apply(client, &obj, false).await.unwrap_or_else(|e| panic!("create {obj}: {e}"));
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn gpuplace_allocates_the_claims_of_its_class_and_kube_scheduler_binds_their_pods() {
+    let _serial = SERIAL.lock().await;
+    let mut cp = ControlPlane::start("dra-gpuplace").await;
+    let admin = cp.client(User::Admin).await;
+    let boards = [("gpu-00", "hgx-h100-8"), ("gpu-01", "dgx1-volta"), ("gpu-02", "hgx-h100-8")];
+    let GpuplaceDra { plugins, slices: published, mut ext } = gpuplace_allocates_on(&mut cp, &admin, &boards).await;
+    let slices: Api<ResourceSlice> = Api::all(admin.clone());
+    for ((node, _), s) in boards.iter().zip(&published) {
+        // the API server kept the taint (it drops it when DRADeviceTaints is off)
+        let taints = s.spec.devices.as_ref().and_then(|d| d[0].taints.clone()).unwrap_or_default();
+        assert_eq!(taints.len(), 1, "{node}: the allocator taint was not kept: {taints:?}");
+        assert_eq!((taints[0].key.as_str(), taints[0].effect.as_str()), ("gpu.gpuplace.io/allocator", "NoSchedule"));
+    }
+
+    let claims: Api<ResourceClaim> = Api::namespaced(admin.clone(), NS);
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), NS);
+    let started = Instant::now();
+    let mut ours = create_claim_pods(&claims, &pods, 3, 6).await;
+    // a share from a template: kube-controller-manager makes the claim after the pod
+    let template: ResourceClaimTemplate = serde_json::from_value(json!({
+        "metadata": {"name": "small-share"},
+        "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+            "deviceClassName": DRIVER, "capacity": {"requests": {"memory": "10Gi", "cores": "10"}}}}]}}},
+    }))
+    .expect("a template");
+    Api::<ResourceClaimTemplate>::namespaced(admin.clone(), NS)
+        .create(&PostParams::default(), &template)
+        .await
+        .expect("create the template");
+    create(
+        &admin,
+        json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "templated", "namespace": NS}, "spec": {
+        "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "small-share"}],
+        "containers": [{"name": "main", "image": "busybox", "resources": {"claims": [{"name": "gpu"}]}}]}}),
+    )
+    .await;
+    ours.push("templated".into());
+    // a claim of another class: let go at once (nothing publishes such devices, so it stays pending)
+    create(
+        &admin,
+        json!({"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": "nic.example.com"},
+        "spec": {"selectors": [{"cel": {"expression": "device.driver == \"nic.example.com\""}}]}}),
+    )
+    .await;
+    create(&admin, json!({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "nic", "namespace": NS},
+        "spec": {"devices": {"requests": [{"name": "nic", "exactly": {"deviceClassName": "nic.example.com"}}]}}}))
+    .await;
+    pods.create(&PostParams::default(), &claim_pod("nic", "nic")).await.expect("pod nic");
+    // claims and gpuplace's own resources in one pod: refused with a reason
+    claims.create(&PostParams::default(), &claim("mixed", 1, Value::Null, false)).await.expect("claim mixed");
+    let mut mixed: Value = serde_json::to_value(claim_pod("mixed", "mixed")).expect("json");
+    mixed["spec"]["containers"][0]["resources"]["limits"] = json!({"gpuplace.io/gpu": "1"});
+    pods.create(&PostParams::default(), &serde_json::from_value(mixed).expect("a pod")).await.expect("pod mixed");
+
+    // every pod of gpuplace's claims bound; the others as described
+    let until = Instant::now() + Duration::from_secs(90);
+    let list = loop {
+        let list = pods.list(&ListParams::default()).await.expect("list pods").items;
+        let bound = list.iter().filter(|p| ours.contains(&p.name_any()) && node_of(p).is_some()).count();
+        let nic_free = list.iter().any(|p| p.name_any() == "nic" && gates(p).is_empty());
+        if bound == ours.len() && nic_free {
+            break list;
+        }
+        assert!(
+            Instant::now() < until,
+            "{bound} of {} pods bound in 90 s (nic gate lifted: {nic_free}); extender:\n{}\nkube-scheduler:\n{}",
+            ours.len(),
+            ext.proc.tail(40),
+            cp.scheduler.as_ref().map(|s| s.tail(20)).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    figure(&format!(
+        "dra gpuplace: {} claim pods gated at admission, allocated by gpuplace and bound by kube-scheduler in {:.1} s",
+        ours.len(),
+        started.elapsed().as_secs_f64()
+    ));
+    let mixed = list.iter().find(|p| p.name_any() == "mixed").expect("pod mixed");
+    assert_eq!(gates(mixed), [GATE], "a pod mixing claims and gpuplace.io resources stays gated");
+    assert!(node_of(list.iter().find(|p| p.name_any() == "nic").expect("nic")).is_none());
+
+    // each claim: written by gpuplace (its share IDs), protected, on its pod's node
+    let all = claims.list(&ListParams::default()).await.expect("list claims").items;
+    let mut on_node: BTreeMap<String, usize> = BTreeMap::new();
+    for c in all.iter().filter(|c| c.name_any() != "nic" && c.name_any() != "mixed") {
+        let name = c.name_any();
+        let a = c.status.as_ref().and_then(|s| s.allocation.as_ref()).unwrap_or_else(|| panic!("{name} not allocated"));
+        assert!(c.finalizers().iter().any(|f| f == DELETE_PROTECTION_FINALIZER), "{name}: no delete protection");
+        let uid = c.uid().unwrap_or_default();
+        for r in a.devices.iter().flat_map(|d| d.results.iter().flatten()) {
+            let gpu = device_index(&r.device).expect("a gpuplace device");
+            assert_eq!(
+                r.share_id.as_deref(),
+                Some(share_id(&uid, &r.request, gpu).as_str()),
+                "{name}: not gpuplace's write"
+            );
+            *on_node.entry(r.pool.clone()).or_default() += 1;
+        }
+        let node = a
+            .node_selector
+            .as_ref()
+            .and_then(|s| s.node_selector_terms[0].match_fields.as_ref())
+            .map(|f| f[0].values.clone());
+        let pod_name = if name.starts_with("templated") { "templated".to_string() } else { name.clone() };
+        let pod = list.iter().find(|p| p.name_any() == pod_name).unwrap_or_else(|| panic!("no pod for claim {name}"));
+        assert_eq!(
+            node,
+            Some(Some(vec![node_of(pod).expect("bound")])),
+            "{name}: pod and allocation on different nodes"
+        );
+    }
+    let claims_all: Api<ResourceClaim> = Api::namespaced(admin.clone(), NS);
+    let results = |name: &str| match name {
+        "pair" => 2,
+        "nic" | "mixed" => 0,
+        _ => 1,
+    };
+    let check = |_: &str, _: &BTreeMap<String, i128>, _: &BTreeMap<String, i128>| {};
+    let (capacity, used, whole) = device_use(&slices, &claims_all, results, check).await;
+    let mut over = 0;
+    for (key, u) in &used {
+        for (k, v) in u {
+            over += usize::from(*v > capacity[key][k]);
+        }
+    }
+    assert_eq!(over, 0, "over-committed devices: {used:?}");
+    let shared = used.values().filter(|u| u["shares"] > 1).count();
+    figure(&format!(
+        "dra gpuplace: {} results on {} devices of {} nodes ({whole} whole GPUs, {shared} devices shared: the 7 shares on {shared}); 0 over-committed",
+        on_node.values().sum::<usize>(),
+        used.len(),
+        on_node.len()
+    ));
+
+    // past the gate (the policy unbound), kube-scheduler cannot allocate the tainted devices
+    let bindings: Api<DynamicObject> = Api::all_with(admin.clone(), &mutating_binding_resource());
+    bindings.delete("gpuplace-dra-gate", &DeleteParams::default()).await.expect("unbind the gate policy");
+    claims.create(&PostParams::default(), &claim("ungated", 1, Value::Null, false)).await.expect("claim ungated");
+    let until = Instant::now() + Duration::from_secs(30);
+    // the policy's unbinding reaches the API server's admission shortly: probed with dry runs
+    let dry = PostParams { dry_run: true, ..PostParams::default() };
+    loop {
+        let p = pods.create(&dry, &claim_pod("ungated", "ungated")).await.expect("dry run");
+        if gates(&p).is_empty() {
+            break;
+        }
+        assert!(Instant::now() < until, "the gate policy still applies 30 s after its binding was deleted");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    pods.create(&PostParams::default(), &claim_pod("ungated", "ungated")).await.expect("pod ungated");
+    let why = loop {
+        let p = pods.get("ungated").await.expect("pod");
+        let cond = p
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .and_then(|c| c.iter().find(|c| c.type_ == "PodScheduled").cloned());
+        if let Some(c) = cond {
+            let claim = claims.get("ungated").await.expect("claim");
+            assert_eq!(c.status, "False", "the ungated pod was scheduled: {:?}", claim.status);
+            break c.message.unwrap_or_default();
+        }
+        assert!(Instant::now() < until, "kube-scheduler did not judge the ungated pod: {:?}", p.status);
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let c = claims.get("ungated").await.expect("claim");
+    assert!(
+        c.status.as_ref().and_then(|s| s.allocation.as_ref()).is_none(),
+        "kube-scheduler allocated a tainted device"
+    );
+    assert!(node_of(&pods.get("ungated").await.expect("pod")).is_none());
+    figure(&format!("dra gpuplace: a claim pod past the gate stays unscheduled on tainted devices: {why}"));
+
+    for mut p in plugins {
+        assert!(p.running(), "{} exited:\n{}", p.name, p.tail(30));
+        p.kill();
+    }
+    assert!(ext.proc.running(), "the extender exited:\n{}", ext.proc.tail(40));
+}
+
+fn mutating_binding_resource() -> kube::api::ApiResource {
+    kube::api::ApiResource {
+        group: "admissionregistration.k8s.io".into(),
+        version: "v1".into(),
+        api_version: "admissionregistration.k8s.io/v1".into(),
+        kind: "MutatingAdmissionPolicyBinding".into(),
+        plural: "mutatingadmissionpolicybindings".into(),
+    }
+}
