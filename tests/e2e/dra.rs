@@ -135,14 +135,16 @@ pub(crate) async fn gpuplace_allocates_on(
 pub(crate) async fn wait_gate_policy(admin: &Client, namespace: &str) {
     let pods: Api<Pod> = Api::namespaced(admin.clone(), namespace);
     let dry = PostParams { dry_run: true, ..PostParams::default() };
-    let until = Instant::now() + Duration::from_secs(30);
+    let limit = Duration::from_secs(60);
+    let until = Instant::now() + limit;
     loop {
-        let p = pods.create(&dry, &claim_pod("probe", "probe")).await.expect("dry run");
-        let gated = p.spec.and_then(|s| s.scheduling_gates).is_some_and(|g| !g.is_empty());
-        if gated {
-            return;
-        }
-        assert!(Instant::now() < until, "the gate policy does not apply 30 s after it was written");
+        // an error (the API server still loading the policy) is retried like an ungated answer
+        let seen = match pods.create(&dry, &claim_pod("probe", "probe")).await {
+            Ok(p) if p.spec.as_ref().and_then(|s| s.scheduling_gates.as_ref()).is_some_and(|g| !g.is_empty()) => return,
+            Ok(_) => "the probe pod was not gated".to_string(),
+            Err(e) => format!("the dry run failed: {e}"),
+        };
+        assert!(Instant::now() < until, "the gate policy does not apply {limit:?} after it was written: {seen}");
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
 }

@@ -158,7 +158,9 @@ async fn claim_pods_run_on_the_real_node(gpuplace: bool) {
     // gpuplace's extender (not through kube-scheduler: claim pods never reach an extender) allocates
     let ext = if gpuplace {
         let mut ext = Extender::start(&cp, "replica-a", 0, &["--dra-driver", DRIVER]);
-        ext.wait_ready(Duration::from_secs(60)).await;
+        // generous limits: CI machines are slower than the dev VM, and this scenario failed there
+        // once before its first figure with the message cut out (stop 43)
+        ext.wait_ready(Duration::from_secs(120)).await;
         crate::dra::wait_gate_policy(&admin, NS).await;
         Some(ext)
     } else {
@@ -185,7 +187,7 @@ async fn claim_pods_run_on_the_real_node(gpuplace: bool) {
     .await;
     // kubelet registered the driver and connected to its service socket (its DRA plugin manager
     // logs the connection); claim pods created before that would wait on kubelet's back-off
-    wait_for("the kubelet's registration of the DRA driver", Duration::from_secs(30), || {
+    wait_for("the kubelet's registration of the DRA driver", Duration::from_secs(60), || {
         let log = std::fs::read_to_string(node.dir.join("kubelet.log")).unwrap_or_default();
         async move {
             let connected =
@@ -193,7 +195,10 @@ async fn claim_pods_run_on_the_real_node(gpuplace: bool) {
             if connected {
                 Ok(())
             } else {
-                Err(format!("the kubelet has not connected to {DRIVER}"))
+                // the kubelet's last lines about DRA plugins say how far it got
+                let dra: Vec<&str> = log.lines().filter(|l| l.contains("DRA") || l.contains("plugin")).collect();
+                let tail = dra[dra.len().saturating_sub(6)..].join("\n");
+                Err(format!("the kubelet has not connected to {DRIVER}; its last plugin lines:\n{tail}"))
             }
         }
     })
