@@ -27,35 +27,66 @@ use crate::scheduler::Scheduler;
 use gpuplace_core::api_client::events::{EventSink, REASON_ASSIGNMENT};
 use gpuplace_core::clock::now_unix_ms;
 
-/// A DRA node's host is gpuplace's to check: the pod's requests, read only with the DRA front end
-/// on; a bound pod with claims is its group's member on its node. `observed`: the pod as already
-/// read, whose request is not parsed again.
-fn observe_host_use(ext: &Scheduler, pod: &Pod, observed: Option<&ObservedPod>) {
-    use crate::scheduler::input::PodView;
-    if !ext.dra_enabled() {
-        return;
-    }
-    let uid = pod.metadata.uid.as_deref().unwrap_or_default();
-    let use_ = crate::k8s::dra::host_use(pod);
-    if let Some((node, _, _)) = use_ {
-        let claims = pod.spec.as_ref().and_then(|s| s.resource_claims.as_ref()).is_some_and(|c| !c.is_empty());
-        if claims {
-            let request = match observed {
-                Some(p) => p.request.clone(),
-                None => PodView::request(pod),
-            };
-            if let Ok(req) = request {
-                ext.observe_claim_member(uid, &PodView::key(pod), &req, node);
-            }
+/// What the DRA front end reads of a pod (its host use, and whether it holds claims), taken as the
+/// pod arrives; `None` without the DRA front end.
+#[derive(Debug)]
+struct HostUse {
+    /// Its node and host requests (CPU millicores, MiB), when bound and unfinished.
+    use_: Option<(String, u64, u64)>,
+    claims: bool,
+}
+
+impl HostUse {
+    fn of(ext: &Scheduler, pod: &Pod) -> Option<HostUse> {
+        if !ext.dra_enabled() {
+            return None;
         }
+        let use_ = crate::k8s::dra::host_use(pod).map(|(n, c, m)| (n.to_string(), c, m));
+        let claims = pod.spec.as_ref().and_then(|s| s.resource_claims.as_ref()).is_some_and(|c| !c.is_empty());
+        Some(HostUse { use_, claims })
     }
-    ext.observe_host_use(uid, use_);
+
+    /// A DRA node's host is gpuplace's to check: the pod's host use counted; a bound pod with
+    /// claims is its group's member on its node.
+    fn observe(&self, ext: &Scheduler, pod: &ObservedPod) {
+        if let (Some((node, _, _)), true, Ok(req)) = (&self.use_, self.claims, &pod.request) {
+            ext.observe_claim_member(&pod.uid, &pod.key, req, node);
+        }
+        ext.observe_host_use(&pod.uid, self.use_.as_ref().map(|(n, c, m)| (n.as_str(), *c, *m)));
+    }
+}
+
+/// A pod of the first list as gpuplace reads it: a decoded Pod is tens of KiB, and a large
+/// cluster's first list held whole made a restart's peak memory (issue 33); pods with nothing for
+/// gpuplace are not kept at all.
+#[derive(Debug)]
+pub struct Listed {
+    pod: ObservedPod,
+    /// For the Event that refuses its assignment: only for a pod that may hold one.
+    reference: Option<ObjectReference>,
+    host: Option<HostUse>,
+}
+
+impl Listed {
+    /// `None` when the pod is nothing to gpuplace: finished or foreign, and no DRA host use to count.
+    fn of(ext: &Scheduler, pod: &Pod) -> Option<Listed> {
+        let observed = ObservedPod::of(pod);
+        let host = HostUse::of(ext, pod);
+        let counted = !(observed.finished || observed.is_foreign());
+        (counted || host.is_some()).then(|| Listed {
+            reference: counted.then(|| pod.object_ref(&())),
+            pod: observed,
+            host,
+        })
+    }
 }
 
 /// Applies one added or changed pod, raising an Event when its assignment is refused.
 pub fn apply(ext: &Scheduler, pod: &Pod, events: Option<&EventSink>) -> PodOutcome {
     let p = ObservedPod::of(pod);
-    observe_host_use(ext, pod, Some(&p));
+    if let Some(host) = HostUse::of(ext, pod) {
+        host.observe(ext, &p);
+    }
     let outcome = ext.observe_pod(&p);
     if let (PodOutcome::Refused(why), Some(ev)) = (&outcome, events) {
         ev.warn(pod.object_ref(&()), REASON_ASSIGNMENT, "CountAssignment", why);
@@ -63,56 +94,61 @@ pub fn apply(ext: &Scheduler, pod: &Pod, events: Option<&EventSink>) -> PodOutco
     outcome
 }
 
-/// Rebuilds every allocation from one complete list of pods: bound, unfinished pods with an
-/// assignment and a readable request go to [`Scheduler::restore`] together; the rest (unbound,
-/// unreadable request) are judged one by one afterwards ([`Scheduler::refuse_unbound`]). Returns the number of pods refused.
-pub fn rebuild(ext: &Scheduler, pods: &[Pod], events: Option<&EventSink>) -> usize {
+/// Rebuilds every allocation from one complete list of pods (`listed` of them in all, the ones kept
+/// in `pods`): bound, unfinished pods with an assignment and a readable request go to
+/// [`Scheduler::restore`] together; the rest (unbound, unreadable request) are judged one by one
+/// afterwards ([`Scheduler::refuse_unbound`]); then the DRA host uses. Returns the number of pods
+/// refused.
+pub fn rebuild(ext: &Scheduler, pods: &[Listed], listed: usize, events: Option<&EventSink>) -> usize {
     let mut restored = Vec::new();
     let mut observed_restored = Vec::new();
-    let mut refs: HashMap<String, ObjectReference> = HashMap::new();
     let mut later = Vec::new();
-    for pod in pods {
-        let p = ObservedPod::of(pod);
-        if p.finished || p.is_foreign() {
-            continue;
-        }
+    for l in pods.iter().filter(|l| l.reference.is_some()) {
+        let p = &l.pod;
         match (&p.node, &p.annotation, &p.request) {
             (Some(node), Some(annotation), Ok(request)) => {
-                refs.insert(p.key.clone(), pod.object_ref(&()));
                 restored.push(RestoredPod {
                     uid: p.uid.clone(),
                     request: request.clone(),
                     node: node.clone(),
                     annotation: annotation.clone(),
                 });
-                observed_restored.push(p);
+                observed_restored.push(l);
             }
-            _ => later.push(pod),
+            _ => later.push(l),
         }
     }
     let counted = restored.len();
     let conflicts = ext.restore(restored);
     // the records restored await their admission until their device-plugin markers say otherwise
-    for p in &observed_restored {
-        ext.observe_pod(p);
+    for l in &observed_restored {
+        ext.observe_pod(&l.pod);
     }
     let mut refused = conflicts.len();
-    for c in &conflicts {
-        if let (Some(ev), Some(r)) = (events, refs.get(&c.pod)) {
-            ev.warn(r.clone(), REASON_ASSIGNMENT, "RebuildAssignments", &c.reason);
-        }
-    }
-    for pod in later {
-        let p = ObservedPod::of(pod);
-        if let PodOutcome::Refused(why) = ext.refuse_unbound(&p) {
-            refused += 1;
-            if let Some(ev) = events {
-                ev.warn(pod.object_ref(&()), REASON_ASSIGNMENT, "RebuildAssignments", &why);
+    if let Some(ev) = events {
+        let refs: HashMap<&str, &ObjectReference> =
+            observed_restored.iter().filter_map(|l| Some((l.pod.key.as_str(), l.reference.as_ref()?))).collect();
+        for c in &conflicts {
+            if let Some(r) = refs.get(c.pod.as_str()) {
+                ev.warn((*r).clone(), REASON_ASSIGNMENT, "RebuildAssignments", &c.reason);
             }
         }
     }
+    for l in later {
+        if let PodOutcome::Refused(why) = ext.refuse_unbound(&l.pod) {
+            refused += 1;
+            if let (Some(ev), Some(r)) = (events, &l.reference) {
+                ev.warn(r.clone(), REASON_ASSIGNMENT, "RebuildAssignments", &why);
+            }
+        }
+    }
+    for l in pods {
+        if let Some(host) = &l.host {
+            host.observe(ext, &l.pod);
+        }
+    }
     tracing::info!(
-        pods = pods.len(),
+        pods = listed,
         counted = counted - conflicts.len(),
         refused,
         "allocations rebuilt from pod assignments"
@@ -133,7 +169,9 @@ pub async fn watch_pods(
 ) {
     let mut stream = watcher::watcher(api, watcher::Config::default().page_size(500)).default_backoff().boxed();
     let mut initial = true;
-    let mut buffer: Vec<Pod> = Vec::new();
+    // the first list, as gpuplace reads it (not whole Pods), and how many pods it had
+    let mut buffer: Vec<Listed> = Vec::new();
+    let mut listed_total = 0;
     let mut listed: HashSet<String> = HashSet::new();
     let mut since = Instant::now();
     while let Some(ev) = next_event(&mut stream, &ext, Watched::Pods).await {
@@ -143,8 +181,12 @@ pub async fn watch_pods(
                 since = Instant::now();
                 buffer.clear();
                 listed.clear();
+                listed_total = 0;
             }
-            Event::InitApply(p) if initial => buffer.push(p),
+            Event::InitApply(p) if initial => {
+                listed_total += 1;
+                buffer.extend(Listed::of(&ext, &p));
+            }
             Event::InitApply(p) => {
                 if let Some(uid) = &p.metadata.uid {
                     listed.insert(uid.clone());
@@ -162,10 +204,7 @@ pub async fn watch_pods(
                     tracing::error!("key watcher ended before loading the key ring; pods not rebuilt");
                     return;
                 }
-                rebuild(&ext, &buffer, events.as_ref());
-                for p in &buffer {
-                    observe_host_use(&ext, p, None);
-                }
+                rebuild(&ext, &buffer, listed_total, events.as_ref());
                 buffer = Vec::new();
                 initial = false;
                 ext.metrics().watch_fresh(Watched::Pods, now_unix_ms());

@@ -38,10 +38,14 @@ use crate::fleet::{
 use crate::proc_usage::usage;
 use crate::{counter, inspect, install, scheduler_config, wait_scheduler_leading, NS, SERIAL};
 
+mod burst;
+use burst::{burst, restart_rss};
+
 /// Node objects created at once.
 const NODE_CREATES_IN_FLIGHT: usize = 48;
 
-/// One scale scenario.
+/// One scale scenario (what it leaves out: none).
+#[derive(Default)]
 pub struct Scale {
     pub name: &'static str,
     pub nodes: usize,
@@ -54,6 +58,11 @@ pub struct Scale {
     /// Also the pace with the extender naming every node that fits (`--nodes-to-score 0`, as
     /// before it named only the best).
     pub every_node_too: bool,
+    /// Whole-GPU pods created at once while kube-scheduler runs with gpuplace, client limits
+    /// raised: bind latency from both sides ([`burst`]); 0 for none.
+    pub burst: usize,
+    /// Pods of half a GPU bound before the extender's restart is measured ([`restart_rss`]); 0 for none.
+    pub restart_pods: usize,
 }
 
 /// `gpu-0042`.
@@ -157,6 +166,11 @@ impl Binds {
         self.state.lock().expect("bind state").pods
     }
 
+    /// Pod name → when it was first seen bound.
+    fn bound_at(&self) -> HashMap<String, Instant> {
+        self.state.lock().expect("bind state").bound.clone()
+    }
+
     /// The first and the last bind seen.
     fn span(&self) -> Option<(Instant, Instant)> {
         let st = self.state.lock().expect("bind state");
@@ -189,24 +203,30 @@ impl Drop for Binds {
     }
 }
 
-/// A latency quantile (ms) from a Prometheus histogram of the extender's metrics, interpolated
+/// A histogram's buckets, `(le, cumulative count)`, summed over the lines of exposition `text` that
+/// start with `prefix` and hold every label of `labels` (other labels summed over).
+fn buckets(text: &str, prefix: &str, labels: &[&str]) -> Vec<(f64, f64)> {
+    let mut by_le: BTreeMap<u64, (f64, f64)> = BTreeMap::new();
+    for l in text.lines().filter(|l| l.starts_with(prefix) && labels.iter().all(|want| l.contains(want))) {
+        let Some(le) = l.split("le=\"").nth(1).and_then(|r| r.split('"').next()) else { continue };
+        let le = if le == "+Inf" { f64::INFINITY } else { le.parse().unwrap_or(f64::NAN) };
+        let Some(count) = l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) else { continue };
+        if !le.is_nan() {
+            by_le.entry(le.to_bits()).or_insert((le, 0.0)).1 += count;
+        }
+    }
+    let mut out: Vec<(f64, f64)> = by_le.into_values().collect();
+    out.sort_by(|a, b| a.0.total_cmp(&b.0));
+    out
+}
+
+/// A quantile (ms) of histogram buckets (`(le seconds, cumulative count)`, ascending), interpolated
 /// linearly inside its bucket (so as coarse as the buckets around it).
-fn histogram_quantile(metrics: &str, verb: &str, q: f64) -> f64 {
-    let prefix = "gpuplace_request_duration_seconds_bucket{";
-    let mut buckets: Vec<(f64, f64)> = metrics
-        .lines()
-        .filter(|l| l.starts_with(prefix) && l.contains(&format!("verb=\"{verb}\"")))
-        .filter_map(|l| {
-            let le = l.split("le=\"").nth(1)?.split('"').next()?;
-            let le = if le == "+Inf" { f64::INFINITY } else { le.parse().ok()? };
-            Some((le, l.rsplit(' ').next()?.parse().ok()?))
-        })
-        .collect();
-    buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+fn quantile_ms(buckets: &[(f64, f64)], q: f64) -> f64 {
     let Some(&(_, total)) = buckets.last() else { return f64::NAN };
     let rank = q * total;
     let (mut lo, mut below) = (0.0, 0.0);
-    for (le, cum) in buckets {
+    for &(le, cum) in buckets {
         if cum >= rank {
             if le.is_infinite() {
                 return lo * 1e3;
@@ -217,6 +237,12 @@ fn histogram_quantile(metrics: &str, verb: &str, q: f64) -> f64 {
         (lo, below) = (le, cum);
     }
     f64::NAN
+}
+
+/// A latency quantile (ms) of one verb from the extender's metrics.
+fn histogram_quantile(metrics: &str, verb: &str, q: f64) -> f64 {
+    let verb = format!("verb=\"{verb}\"");
+    quantile_ms(&buckets(metrics, "gpuplace_request_duration_seconds_bucket{", &[&verb]), q)
 }
 
 /// kube-scheduler's scheduling attempts in its log so far (`-v=2` logs each outcome).
@@ -443,12 +469,16 @@ pub async fn scale(s: Scale) {
     // GPUPLACE_E2E_PACE_RUNS: runs of each (the median is compared), for the acceptance's "median of 3"
     let runs: usize = std::env::var("GPUPLACE_E2E_PACE_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(1).max(1);
     let mut alone = Vec::new();
-    for &(what, config) in &configs {
+    for &(what, config) in configs.iter().filter(|_| s.pace_pods > 0) {
         let mut each = Vec::new();
         for _ in 0..runs {
             each.push(pace(&mut cp, &admin, &format!("kube-scheduler alone, {what}"), config, None, s.pace_pods).await);
         }
         alone.push(median_pace(each));
+    }
+
+    if s.burst > 0 {
+        burst(&mut cp, &admin, &s, &unthrottled, None).await;
     }
 
     // 2. the extender's first sync
@@ -466,7 +496,7 @@ pub async fn scale(s: Scale) {
     if s.every_node_too {
         variants.push((", every node that fits named", &["--nodes-to-score", "0"][..]));
     }
-    for (variant, flags) in variants {
+    for (variant, flags) in variants.into_iter().filter(|_| s.pace_pods > 0) {
         if !flags.is_empty() {
             ext.proc.kill();
             ext = Extender::start(&cp, "replica-a", ext.port, flags);
@@ -499,6 +529,12 @@ pub async fn scale(s: Scale) {
         ext.proc.kill();
         ext = Extender::start(&cp, "replica-a", ext.port, &[]);
         ext.wait_ready(Duration::from_secs(600)).await;
+    }
+    if s.burst > 0 {
+        burst(&mut cp, &admin, &s, &unthrottled, Some(&ext)).await;
+    }
+    if s.restart_pods > 0 {
+        ext = restart_rss(&mut cp, &admin, &s, &unthrottled, ext).await;
     }
     if s.pods == 0 {
         return;
@@ -627,20 +663,37 @@ pub async fn scale(s: Scale) {
 /// The size `.ci/run` runs.
 #[tokio::test(flavor = "current_thread")]
 async fn scale_100_nodes_800_openb_pods() {
-    scale(Scale { name: "scale-100", nodes: 100, plugins: 3, pods: 800, pace_pods: 200, every_node_too: false }).await;
+    scale(Scale {
+        name: "scale-100",
+        nodes: 100,
+        plugins: 3,
+        pods: 800,
+        pace_pods: 200,
+        burst: 200,
+        ..Scale::default()
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "current_thread")]
 #[ignore = "a measurement for docs/performance.md: about 25 minutes"]
 async fn scale_1000_nodes_10000_openb_pods() {
-    scale(Scale { name: "scale-1000", nodes: 1000, plugins: 4, pods: 10_000, pace_pods: 1000, every_node_too: true })
-        .await;
+    scale(Scale {
+        name: "scale-1000",
+        nodes: 1000,
+        plugins: 4,
+        pods: 10_000,
+        pace_pods: 1000,
+        every_node_too: true,
+        ..Scale::default()
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "current_thread")]
 #[ignore = "a measurement for docs/performance.md: about 40 minutes"]
 async fn scale_5000_nodes_10000_openb_pods() {
-    scale(Scale { name: "scale-5000", nodes: 5000, plugins: 4, pods: 10_000, pace_pods: 1000, every_node_too: false })
+    scale(Scale { name: "scale-5000", nodes: 5000, plugins: 4, pods: 10_000, pace_pods: 1000, ..Scale::default() })
         .await;
 }
 
@@ -648,12 +701,28 @@ async fn scale_5000_nodes_10000_openb_pods() {
 #[tokio::test(flavor = "current_thread")]
 #[ignore = "a measurement for docs/performance.md: about 2 minutes"]
 async fn pace_on_100_nodes() {
-    scale(Scale { name: "pace-100", nodes: 100, plugins: 0, pods: 0, pace_pods: 600, every_node_too: false }).await;
+    scale(Scale { name: "pace-100", nodes: 100, pace_pods: 600, ..Scale::default() }).await;
 }
 
 /// Only the pace, alone and with gpuplace naming the best node or every node (for working on it).
 #[tokio::test(flavor = "current_thread")]
 #[ignore = "a measurement for docs/performance.md: about 8 minutes"]
 async fn pace_on_1000_nodes() {
-    scale(Scale { name: "pace-1000", nodes: 1000, plugins: 0, pods: 0, pace_pods: 1000, every_node_too: true }).await;
+    scale(Scale { name: "pace-1000", nodes: 1000, pace_pods: 1000, every_node_too: true, ..Scale::default() }).await;
+}
+
+/// Issue 33's burst: 1,000 whole-GPU pods created at once on 1,000 nodes while kube-scheduler runs
+/// with gpuplace, its client limits raised; bind latency p50/p99 from both sides.
+#[tokio::test(flavor = "current_thread")]
+#[ignore = "a measurement for docs/performance.md: about 5 minutes"]
+async fn burst_on_1000_nodes() {
+    scale(Scale { name: "burst-1000", nodes: 1000, burst: 1000, ..Scale::default() }).await;
+}
+
+/// Issue 33's restart: the extender's memory after a restart with 10,000 pods bound, against its
+/// steady state (1,000 nodes).
+#[tokio::test(flavor = "current_thread")]
+#[ignore = "a measurement for docs/performance.md: about 5 minutes"]
+async fn restart_with_10000_pods_on_1000_nodes() {
+    scale(Scale { name: "restart-1000", nodes: 1000, restart_pods: 10_000, ..Scale::default() }).await;
 }
