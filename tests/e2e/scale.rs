@@ -353,10 +353,15 @@ async fn pace(
     (from_lead, steady, attempts / last.saturating_duration_since(led).as_secs_f64())
 }
 
+/// The API server's metrics text (empty when it cannot be read).
+async fn apiserver_metrics(admin: &Client) -> String {
+    let req = http::Request::get("/metrics").body(Vec::new()).expect("a request");
+    admin.request_text(req).await.unwrap_or_default()
+}
+
 /// The API server's `apiserver_request_total`, summed by client, verb, resource and subresource.
 async fn api_requests(admin: &Client) -> HashMap<String, f64> {
-    let req = http::Request::get("/metrics").body(Vec::new()).expect("a request");
-    let text = admin.request_text(req).await.unwrap_or_default();
+    let text = apiserver_metrics(admin).await;
     let mut out = HashMap::new();
     for line in text.lines().filter(|l| l.starts_with("apiserver_request_total{")) {
         let label = |key: &str| {

@@ -10,7 +10,8 @@ use kube::api::{DeleteParams, PostParams};
 use kube::{Api, Client};
 use serde_json::Value;
 
-use super::{buckets, quantile_ms, scheduler_attempts, Binds, Scale};
+use super::{apiserver_metrics, buckets, quantile_ms, scheduler_attempts, Binds, Scale};
+use crate::audit::percentile;
 use crate::cluster::{figure, ControlPlane};
 use crate::fleet::{create_pods, Extender, Shape};
 use crate::proc_usage::usage;
@@ -126,9 +127,8 @@ pub(super) async fn burst(
     }
     let q = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
-        let at = |p: f64| v.get(((v.len() as f64 * p).ceil() as usize).clamp(1, v.len().max(1)) - 1).copied();
-        let f = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{x:.1}"));
-        format!("p50/p99/max {}/{}/{} ms", f(at(0.5)), f(at(0.99)), f(v.last().copied()))
+        let max = v.last().copied().unwrap_or(f64::NAN);
+        format!("p50/p99/max {:.1}/{:.1}/{max:.1} ms", percentile(v, 0.5), percentile(v, 0.99))
     };
     // the API server's Binding histogram over the burst: after less before, bucket by bucket
     let binding: Vec<(f64, f64)> = api_after
@@ -164,8 +164,6 @@ pub(super) async fn burst(
 
 /// The API server's latency histogram of Binding calls (`POST pods/binding`), from whichever client.
 async fn binding_buckets(admin: &Client) -> Vec<(f64, f64)> {
-    let req = http::Request::get("/metrics").body(Vec::new()).expect("a request");
-    let text = admin.request_text(req).await.unwrap_or_default();
     let labels = ["verb=\"POST\"", "resource=\"pods\"", "subresource=\"binding\""];
-    buckets(&text, "apiserver_request_duration_seconds_bucket{", &labels)
+    buckets(&apiserver_metrics(admin).await, "apiserver_request_duration_seconds_bucket{", &labels)
 }
