@@ -587,6 +587,22 @@ fn a_values_file_from_before_tls_modes_is_refused_with_what_to_set() {
     assert!(err.contains("extender.tls.mode"), "{err}");
 }
 
+/// kubelet dials a DRA driver's sockets by their host paths: a root folder that makes them longer
+/// than a Unix socket path holds is refused at render time, not found as a driver that never
+/// registers.
+#[test]
+fn a_dra_socket_path_too_long_for_kubelet_is_refused() {
+    let root = format!("/var/lib/{}", "k".repeat(60));
+    let mut args = vec!["template".to_string(), "gpuplace".into(), chart().display().to_string()];
+    args.extend(values(&["devicePlugin.dra.enabled=true", &format!("devicePlugin.kubeletRootDir={root}")]));
+    let out = Command::new(helm()).args(&args).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "rendered");
+    assert!(err.contains("plugins_registry/gpu.gpuplace.io-reg.sock 111 bytes long"), "{err}");
+    // the same folder without DRA renders (the device-plugin socket's path is fixed)
+    render(&values(&[&format!("devicePlugin.kubeletRootDir={root}")]));
+}
+
 #[test]
 fn the_config_mode_is_the_reference_file() {
     let reference = plain_documents("kube-scheduler-config.yaml").remove(0);

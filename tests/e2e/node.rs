@@ -41,6 +41,16 @@ pub const BUSYBOX_IMAGE: &str = "localhost/gpuplace-e2e/busybox:1";
 /// its `--root-dir`, so one per machine.
 pub const DEVICE_PLUGIN_DIR: &str = "/var/lib/kubelet/device-plugins";
 
+/// Where the node's folders go (containerd, CNI, the kubelet's `--root-dir`), one per control
+/// plane, linked from `<control plane>/node`. Not inside the checkout: the kubelet dials its
+/// plugins' Unix sockets by path, and a socket path holds at most 107 bytes
+/// (`plugins_registry/gpu.gpuplace.io-reg.sock` under CI's deeper checkout was 109: `connect:
+/// invalid argument`, the DRA driver never registered). One real node per machine, as above.
+const NODE_BASE: &str = "/var/lib/gpuplace-e2e";
+
+/// The most bytes a Unix socket path may have (`sun_path` is 108 with its NUL).
+const MAX_SOCKET_PATH: usize = 107;
+
 /// Packages the real node needs, by Debian name (`.ci/run` installs the missing ones).
 const PACKAGES: &str = "runc buildah containernetworking-plugins busybox-static iproute2 util-linux";
 
@@ -248,12 +258,24 @@ impl RealNode {
         let _ = fs::remove_dir_all(DEVICE_PLUGIN_DIR);
         let kubelet_bin = shared_binary("kubelet");
         let ctrd = containerd_bin();
-        let dir = cp.dir.join("node");
+        let dir = Path::new(NODE_BASE).join(cp.dir.file_name().expect("the control plane's folder has a name"));
         let _ = fs::remove_dir_all(&dir);
+        let link = cp.dir.join("node");
+        let _ = fs::remove_file(&link);
+        let _ = fs::remove_dir_all(&link);
+        std::os::unix::fs::symlink(&dir, &link).expect("link the node's folder from the control plane's");
         for d in ["containerd", "cni/net.d", "cni/ipam", "kubelet", "pod-logs", "sysctl", "pki"] {
             fs::create_dir_all(dir.join(d)).expect("create the node's folders");
         }
         let root_dir = dir.join("kubelet");
+        // the longest socket the kubelet dials: a DRA driver's registration
+        let longest = root_dir.join("plugins_registry/gpu.gpuplace.io-reg.sock");
+        assert!(
+            longest.as_os_str().len() <= MAX_SOCKET_PATH,
+            "e2e: {} is {} bytes, a Unix socket path holds at most {MAX_SOCKET_PATH}",
+            longest.display(),
+            longest.as_os_str().len()
+        );
         let pod_logs = dir.join("pod-logs");
         let foreign_cni = cni_netns();
         let netns = NetNs::create(
@@ -508,7 +530,7 @@ exec "$@"
             .unwrap_or_default()
             .lines()
             .filter_map(|l| l.split(' ').nth(4).map(str::to_string))
-            .filter(|m| m.starts_with(&dir))
+            .filter(|m| m == &dir || m.starts_with(&format!("{dir}/")))
             .collect();
         mounts.sort_by_key(|m| std::cmp::Reverse(m.len()));
         for m in mounts {

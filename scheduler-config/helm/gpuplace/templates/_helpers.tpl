@@ -58,4 +58,15 @@ default --listen) and the default --prefix /gpuplace; http:// with extender.tls.
 {{- if and .Values.extender.placementLogEveryCall (not (kindIs "invalid" .Values.extender.placementLogRestateSeconds)) }}
 {{- fail "extender.placementLogEveryCall writes every call: it cannot go with extender.placementLogRestateSeconds" }}
 {{- end }}
+{{- $dp := .Values.devicePlugin }}
+{{- if $dp.dra.enabled }}
+{{- /* kubelet dials the driver's sockets by their host paths; a Unix socket path holds 107 bytes */}}
+{{- $reg := printf "%s/plugins_registry/%s-reg.sock" $dp.kubeletRootDir $dp.dra.driver }}
+{{- $svc := printf "%s/plugins/%s/dra.sock" $dp.kubeletRootDir $dp.dra.driver }}
+{{- range list $reg $svc }}
+{{- if gt (len .) 107 }}
+{{- fail (printf "devicePlugin.kubeletRootDir and devicePlugin.dra.driver make the DRA socket path %s %d bytes long: a Unix socket path holds at most 107, and kubelet could not dial it" . (len .)) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- end }}
