@@ -3,15 +3,20 @@
 //! clock jumps, answer every request alike and end in the same state. Plus the cases it exists
 //! for (a later pod of the same shape is answered from the cache, a bind re-judges one node) and
 //! the ones it must stay out of (a group's pods, ageing utilization samples).
+//! The placement logs written alongside agree too, down to each scorer's part of the best nodes.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use gpuplace::extender::wire::{decode, ExtenderFilterResult, HostPriorityList, Pod};
 use gpuplace::extender::Extender;
 use gpuplace::placement::mix::ReserveClass;
 use gpuplace::placement::mix::WorkloadMix;
 use gpuplace::placement::{profile::ProfileConfig, registry::Weights};
+use gpuplace::placement_log::compactor::CompactOptions;
+use gpuplace::placement_log::writer::PlacementLog;
+use gpuplace::placement_log::{Decision, TopScore};
 use gpuplace::scheduler::service::{RestoredPod, ServiceOptions};
 use gpuplace_core::cluster::{Cluster, Node, UtilSample};
 use gpuplace_core::inventory::Board;
@@ -55,7 +60,7 @@ fn reserve_mix() -> WorkloadMix {
     WorkloadMix::new(Vec::new(), vec![class])
 }
 
-fn service_with(shape_cache: usize, mix: WorkloadMix) -> Extender {
+fn service_with(shape_cache: usize, mix: WorkloadMix, log: Option<PlacementLog>) -> Extender {
     let cluster = Cluster::new(NODES.iter().map(|n| node(n)).collect());
     let opts =
         ServiceOptions { shape_cache, eval_cache: if shape_cache == 0 { 0 } else { 64 }, ..ServiceOptions::default() };
@@ -67,7 +72,30 @@ fn service_with(shape_cache: usize, mix: WorkloadMix) -> Extender {
         .mix(mix)
         .options(opts)
         .clock(NOW)
+        .placement_log(log)
         .build()
+}
+
+/// A placement log that writes every call, in a folder of its own under the test's temporary folder.
+fn every_call_log(name: &str) -> (PathBuf, PlacementLog) {
+    static SEQ: AtomicUsize = AtomicUsize::new(0);
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!(
+        "shape-cache-{}-{}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::Relaxed)
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    let opts = CompactOptions { every_call: true, ..CompactOptions::default() };
+    let log = PlacementLog::open(path.to_str().unwrap(), 1 << 30).unwrap().with_options(opts);
+    (path, log)
+}
+
+/// Each line's verb, pod and best nodes with every scorer's part: what a line says about scores.
+fn tops(path: &Path) -> Vec<(String, String, Vec<TopScore>)> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines = text.lines().map(|l| serde_json::from_str::<Decision>(l).unwrap());
+    lines.map(|d| (d.verb, d.pod, d.top)).collect()
 }
 
 /// Pod shapes: GPU resources, then annotations (the policies that are part of a shape), and a group.
@@ -165,6 +193,18 @@ struct Twins {
     seq: usize,
     /// Bound pods: UID → (request, node).
     bound: BTreeMap<String, PodRequest>,
+    /// The placement logs of `cached` and of `plain`.
+    logs: [PathBuf; 2],
+}
+
+impl Drop for Twins {
+    fn drop(&mut self) {
+        for log in &self.logs {
+            if let Some(dir) = log.parent() {
+                let _ = std::fs::remove_dir_all(dir);
+            }
+        }
+    }
 }
 
 impl Twins {
@@ -173,11 +213,35 @@ impl Twins {
     }
 
     fn with_mix(mix: WorkloadMix) -> Self {
-        let cached = service_with(2, mix.clone());
+        let (cached_log, log) = every_call_log("cached.jsonl");
+        let cached = service_with(2, mix.clone(), Some(log));
         // one key ring: `restore` hands both services the assignments the cached one signed
-        let plain = service_with(0, mix);
+        let (plain_log, log) = every_call_log("plain.jsonl");
+        let plain = service_with(0, mix, Some(log));
         plain.set_key_ring(cached.key_ring().as_deref().cloned().unwrap());
-        Self { cached, plain, now: NOW, seq: 0, bound: BTreeMap::new() }
+        Self { cached, plain, now: NOW, seq: 0, bound: BTreeMap::new(), logs: [cached_log, plain_log] }
+    }
+
+    /// The placement logs' lines agree on the best nodes and each scorer's part of their scores
+    /// (the cached service keeps the parts with its verdicts: `TopParts`).
+    fn same_tops(&self) {
+        let [cached, plain] = [&self.logs[0], &self.logs[1]].map(|p| tops(p));
+        assert_eq!(cached.len(), plain.len(), "placement log lines");
+        for (c, p) in cached.iter().zip(&plain) {
+            assert_eq!(c.0, p.0);
+            assert_eq!(c.1, p.1);
+            assert_eq!(c.2.len(), p.2.len(), "{} {}: top", c.0, c.1);
+            for (a, b) in c.2.iter().zip(&p.2) {
+                assert_eq!((&a.node, a.score), (&b.node, b.score), "{} {}: top", c.0, c.1);
+                // the same arithmetic on the same placement: equal to the bit, or nearly where the
+                // parts were summed in another order
+                assert!((a.total - b.total).abs() < 1e-12, "{} {}: {a:?} / {b:?}", c.0, c.1);
+                assert_eq!(a.parts.keys().collect::<Vec<_>>(), b.parts.keys().collect::<Vec<_>>());
+                for (x, y) in a.parts.values().zip(b.parts.values()) {
+                    assert!((x - y).abs() < 1e-12, "{} {}: {a:?} / {b:?}", c.0, c.1);
+                }
+            }
+        }
     }
 
     fn both<T: PartialEq + std::fmt::Debug>(&self, what: &str, f: impl Fn(&Extender) -> T) -> T {
@@ -293,6 +357,7 @@ proptest! {
         }
         prop_assert_eq!(t.cached.cluster(), t.plain.cluster());
         prop_assert_eq!(t.cached.bound_pods(), t.plain.bound_pods());
+        t.same_tops();
     }
 
     /// The same with a reserve, whose scarcity depends on every node (`Engine::shared_key`).
@@ -303,6 +368,7 @@ proptest! {
             t.apply(op);
         }
         prop_assert_eq!(t.cached.cluster(), t.plain.cluster());
+        t.same_tops();
     }
 }
 

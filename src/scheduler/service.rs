@@ -41,7 +41,7 @@ use crate::scheduler::mix::Learning;
 use crate::scheduler::reasons::{self, prefixed, UnknownNode, MAX_DETAILED_NODES};
 use crate::scheduler::requeue::{RecentRejections, Requeuer};
 use crate::scheduler::verdict_cache::{
-    Answer, Candidates, FilterDecision, NameOrder, Reason, ReasonKey, RejectClass, Shape, ShapeCache,
+    Answer, Candidates, FilterDecision, NameOrder, Reason, ReasonKey, RejectClass, Shape, ShapeCache, TopParts,
     DEFAULT_SHAPE_CACHE, MAX_SCORE,
 };
 use gpuplace_core::annotations::{

@@ -41,7 +41,7 @@ use gpuplace_core::resources::PodRequest;
 /// `MaxExtenderPriority`.
 pub const MAX_SCORE: i64 = 10;
 
-/// Request shapes kept by default: each holds a verdict slot per node (40 bytes; 200 KB for 5,000
+/// Request shapes kept by default: each holds a verdict slot per node (48 bytes; 240 KB for 5,000
 /// nodes), least recently used dropped first.
 pub const DEFAULT_SHAPE_CACHE: usize = 64;
 
@@ -293,6 +293,18 @@ impl NameOrder {
 // The cache
 // ---------------------------------------------------------------------------------------------------
 
+/// A fitting node's score in full, as the placement log's `top` shows it: the engine's total and
+/// each scorer's weighted part. Made only for the nodes a written line names, and kept beside the
+/// node's verdict (so for its stamp, window and shared key): the next pod of the shape names mostly
+/// the same best nodes, and placing and scoring them again was about 15 % of the extender's CPU in
+/// a burst (docs/performance-journal.md).
+#[derive(Debug, PartialEq)]
+pub(crate) struct TopParts {
+    pub total: f64,
+    /// (scorer, weighted part of `total`).
+    pub parts: Vec<(&'static str, f64)>,
+}
+
 /// A node's cached verdict for one shape.
 #[derive(Debug, Clone, Default)]
 struct Slot {
@@ -302,6 +314,8 @@ struct Slot {
     from: i64,
     until: i64,
     answer: Option<Answer>,
+    /// The verdict's score in full, once a placement log line named the node.
+    top: Option<Arc<TopParts>>,
 }
 
 /// The verdicts of one shape, by node index.
@@ -337,7 +351,21 @@ impl Table {
         if self.slots.len() <= i {
             self.slots.resize(i + 1, Slot::default());
         }
-        self.slots[i] = Slot { stamp, from, until, answer: Some(answer) };
+        self.slots[i] = Slot { stamp, from, until, answer: Some(answer), top: None };
+    }
+
+    /// The full score kept with node `i`'s verdict, when the verdict holds (as [`Self::get`]).
+    pub fn top(&self, i: usize, stamp: u64, now: i64) -> Option<Arc<TopParts>> {
+        self.get(i, stamp, now)?;
+        self.slots.get(i)?.top.clone()
+    }
+
+    /// Keeps `top` with node `i`'s verdict made at `stamp`; nothing when the slot holds another
+    /// (or no) verdict, which `top` was not made for.
+    pub fn set_top(&mut self, i: usize, stamp: u64, top: Arc<TopParts>) {
+        if let Some(s) = self.slots.get_mut(i).filter(|s| s.stamp == stamp && s.answer.is_some()) {
+            s.top = Some(top);
+        }
     }
 
     /// The reason, shared with every other node of this shape turned down for the same key; `text`
@@ -466,6 +494,12 @@ pub fn push_str(out: &mut Vec<u8>, s: &str) {
 mod tests {
     use super::*;
     use gpuplace_core::resources::{GpuDemand, GroupSpec, PackingPolicy};
+
+    /// The size `DEFAULT_SHAPE_CACHE`'s memory figure is worked out from.
+    #[test]
+    fn a_slot_is_48_bytes() {
+        assert_eq!(std::mem::size_of::<Slot>(), 48);
+    }
 
     #[test]
     fn name_guesses_never_outlive_a_node_removal() {

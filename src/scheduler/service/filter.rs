@@ -72,14 +72,54 @@ impl Scheduler {
         self.shapes.shape(req)
     }
 
-    /// The placement log's `top` where the verdicts came from the shape cache, which keeps no
-    /// scorer's part: the best [`TOP_NODES`] of `fits` (node index, score, total) by score, then
-    /// total, evaluated again in full. Only for a line that is written.
-    pub(super) fn top_of_cached(st: &State, req: &PodRequest, mut fits: Vec<Ranked>, now: i64) -> Vec<TopScore> {
+    /// The placement log's `top` where the verdicts came from the shape cache: the best
+    /// [`TOP_NODES`] of `fits` (node index, score, total) by score, then total, each with its
+    /// scorers' parts. A node's parts are kept with its cached verdict ([`TopParts`]); the nodes
+    /// without are placed and scored in full, and theirs kept. Only for a line that is written.
+    pub(super) fn top_of_cached(
+        st: &State,
+        shape: &Shape,
+        req: &PodRequest,
+        mut fits: Vec<Ranked>,
+        now: i64,
+    ) -> Vec<TopScore> {
         keep_best(&mut fits, TOP_NODES);
-        let nodes: Vec<usize> = fits.iter().map(|f| f.0).collect();
-        let ev = st.engine.evaluate_in_order(&st.cluster, req, &nodes, now, true);
-        Self::top_scores(st, req, &ev, now)
+        let cluster = &st.cluster;
+        let stamps = cluster.stamps();
+        let mut full: Vec<Option<Arc<TopParts>>> = {
+            let table = shape.table();
+            fits.iter().map(|f| table.top(f.0, stamps[f.0], now)).collect()
+        };
+        if full.iter().any(Option::is_none) {
+            let scoring = st.engine.scoring(cluster, req, now);
+            let mut made = Vec::new();
+            for (f, top) in fits.iter().zip(&mut full).filter(|(_, t)| t.is_none()) {
+                // the placement the verdict was made from: the same pure function of the node
+                if let Ok(p) = st.engine.place(cluster, req, f.0) {
+                    let score = scoring.score(f.0, &p);
+                    let parts = Arc::new(TopParts { total: score.total, parts: score.parts });
+                    made.push((f.0, parts.clone()));
+                    *top = Some(parts);
+                }
+            }
+            let mut table = shape.table();
+            for (i, parts) in made {
+                table.set_top(i, stamps[i], parts);
+            }
+        }
+        let rank = cluster.name_rank();
+        let mut top: Vec<(&Ranked, Option<Arc<TopParts>>)> = fits.iter().zip(full).collect();
+        // the engine's ranking: total, then name
+        let total = |(f, t): &(&Ranked, Option<Arc<TopParts>>)| t.as_ref().map_or(f.2 as f64, |t| t.total);
+        top.sort_by(|a, b| total(b).total_cmp(&total(a)).then_with(|| rank.get(a.0 .0).cmp(&rank.get(b.0 .0))));
+        top.iter()
+            .map(|entry| TopScore {
+                node: cluster.nodes()[entry.0 .0].name.clone(),
+                score: entry.0 .1 as i64,
+                total: total(entry),
+                parts: entry.1.iter().flat_map(|t| t.parts.iter()).map(|(n, v)| (n.to_string(), *v)).collect(),
+            })
+            .collect()
     }
 
     /// When the scores of the judged nodes (`scores` by index) hold: the intersection of their windows.
@@ -371,7 +411,7 @@ impl Scheduler {
         // placement log and the debug log, written only for them, and not for a retry whose line
         // the log only counts (its verdict is the pod's last one)
         let logged = self.log.as_ref().is_some_and(|log| log.writes(&d));
-        if logged && from_cache.is_some() {
+        if let (true, Some(shape)) = (logged, &from_cache) {
             let fits = c
                 .unique()
                 .filter_map(|p| match (&answers[p], c.at[p]) {
@@ -379,7 +419,7 @@ impl Scheduler {
                     _ => None,
                 })
                 .collect();
-            d.top = Self::top_of_cached(&st, &req, fits, now);
+            d.top = Self::top_of_cached(&st, shape, &req, fits, now);
         }
         if logged || tracing::enabled!(tracing::Level::DEBUG) {
             for (node, detail, reason) in Self::rejection_details(&st, &req, q, &c, &answers) {

@@ -53,7 +53,7 @@ impl Scheduler {
                         _ => REJECTED,
                     })
                 });
-                let top = if logged { Self::top_of_cached(&st, &req, fits, now) } else { Vec::new() };
+                let top = if logged { Self::top_of_cached(&st, &shape, &req, fits, now) } else { Vec::new() };
                 (scores, top)
             }
             None => {
