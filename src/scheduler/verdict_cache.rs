@@ -296,8 +296,8 @@ impl NameOrder {
 /// A fitting node's score in full, as the placement log's `top` shows it: the engine's total and
 /// each scorer's weighted part. Made only for the nodes a written line names, and kept beside the
 /// node's verdict (so for its stamp, window and shared key): the next pod of the shape names mostly
-/// the same best nodes, and placing and scoring them again was about 15 % of the extender's CPU in
-/// a burst (docs/performance-journal.md).
+/// the same best nodes, which were placed and scored again twice a line before
+/// (docs/performance-journal.md, "The placement log's own cost").
 #[derive(Debug, PartialEq)]
 pub(crate) struct TopParts {
     pub total: f64,

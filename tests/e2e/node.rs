@@ -41,12 +41,13 @@ pub const BUSYBOX_IMAGE: &str = "localhost/gpuplace-e2e/busybox:1";
 /// its `--root-dir`, so one per machine.
 pub const DEVICE_PLUGIN_DIR: &str = "/var/lib/kubelet/device-plugins";
 
-/// Where the node's folders go (containerd, CNI, the kubelet's `--root-dir`), one per control
-/// plane, linked from `<control plane>/node`. Not inside the checkout: the kubelet dials its
-/// plugins' Unix sockets by path, and a socket path holds at most 107 bytes
-/// (`plugins_registry/gpu.gpuplace.io-reg.sock` under CI's deeper checkout was 109: `connect:
-/// invalid argument`, the DRA driver never registered). One real node per machine, as above.
-const NODE_BASE: &str = "/var/lib/gpuplace-e2e";
+/// Where the kubelet's `--root-dir` goes, one per control plane, linked from the node's folder as
+/// `kubelet`. Not inside the checkout: the kubelet dials its plugins' Unix sockets by path, and a
+/// socket path holds at most 107 bytes (`plugins_registry/gpu.gpuplace.io-reg.sock` under CI's
+/// deeper checkout was 109: `connect: invalid argument`, the DRA driver never registered). The rest
+/// of the node (containerd's snapshots above all) stays in the checkout's file system. One real
+/// node per machine, as above.
+const KUBELET_ROOT_BASE: &str = "/var/lib/gpuplace-e2e";
 
 /// The most bytes a Unix socket path may have (`sun_path` is 108 with its NUL).
 const MAX_SOCKET_PATH: usize = 107;
@@ -258,16 +259,18 @@ impl RealNode {
         let _ = fs::remove_dir_all(DEVICE_PLUGIN_DIR);
         let kubelet_bin = shared_binary("kubelet");
         let ctrd = containerd_bin();
-        let dir = Path::new(NODE_BASE).join(cp.dir.file_name().expect("the control plane's folder has a name"));
+        let dir = cp.dir.join("node");
         let _ = fs::remove_dir_all(&dir);
-        let link = cp.dir.join("node");
-        let _ = fs::remove_file(&link);
-        let _ = fs::remove_dir_all(&link);
-        std::os::unix::fs::symlink(&dir, &link).expect("link the node's folder from the control plane's");
-        for d in ["containerd", "cni/net.d", "cni/ipam", "kubelet", "pod-logs", "sysctl", "pki"] {
+        for d in ["containerd", "cni/net.d", "cni/ipam", "pod-logs", "sysctl", "pki"] {
             fs::create_dir_all(dir.join(d)).expect("create the node's folders");
         }
-        let root_dir = dir.join("kubelet");
+        let root_dir = Path::new(KUBELET_ROOT_BASE)
+            .join(cp.dir.file_name().expect("the control plane's folder has a name"))
+            .join("kubelet");
+        let _ = fs::remove_dir_all(&root_dir);
+        fs::create_dir_all(&root_dir).expect("create the kubelet's root folder");
+        std::os::unix::fs::symlink(&root_dir, dir.join("kubelet"))
+            .expect("link the kubelet's root from the node's folder");
         // the longest socket the kubelet dials: a DRA driver's registration
         let longest = root_dir.join("plugins_registry/gpu.gpuplace.io-reg.sock");
         assert!(
@@ -523,14 +526,15 @@ exec "$@"
         for pid in pids_with_arg(&sock) {
             let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
         }
-        // mounts under the node's folder (the kubelet's volumes, container root filesystems,
+        // mounts under the node's folder and the kubelet's root (the kubelet's volumes, container root filesystems,
         // sandbox /dev/shm), deepest first; then the CNI namespaces containerd made
-        let dir = self.dir.display().to_string();
+        let dirs = [&self.dir, &self.root_dir].map(|d| d.display().to_string());
+        let under = |m: &str| dirs.iter().any(|d| m == d || m.starts_with(&format!("{d}/")));
         let mut mounts: Vec<String> = fs::read_to_string("/proc/self/mountinfo")
             .unwrap_or_default()
             .lines()
             .filter_map(|l| l.split(' ').nth(4).map(str::to_string))
-            .filter(|m| m == &dir || m.starts_with(&format!("{dir}/")))
+            .filter(|m| under(m))
             .collect();
         mounts.sort_by_key(|m| std::cmp::Reverse(m.len()));
         for m in mounts {
