@@ -91,11 +91,14 @@ fn every_call_log(name: &str) -> (PathBuf, PlacementLog) {
     (path, log)
 }
 
-/// Each line's verb, pod and best nodes with every scorer's part: what a line says about scores.
-fn tops(path: &Path) -> Vec<(String, String, Vec<TopScore>)> {
+type Details = std::collections::BTreeMap<String, String>;
+
+/// Each line's verb, pod, best nodes with every scorer's part, and rejected nodes' details: what a
+/// line says about scores and rejections.
+fn tops(path: &Path) -> Vec<(String, String, Vec<TopScore>, Details)> {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let lines = text.lines().map(|l| serde_json::from_str::<Decision>(l).unwrap());
-    lines.map(|d| (d.verb, d.pod, d.top)).collect()
+    lines.map(|d| (d.verb, d.pod, d.top, d.rejection_details)).collect()
 }
 
 /// Pod shapes: GPU resources, then annotations (the policies that are part of a shape), and a group.
@@ -223,13 +226,15 @@ impl Twins {
     }
 
     /// The placement logs' lines agree on the best nodes and each scorer's part of their scores
-    /// (the cached service keeps the parts with its verdicts: `TopParts`).
+    /// (the cached service keeps the parts with its verdicts: `TopParts`), and on the rejected
+    /// nodes' details (kept with their verdicts too).
     fn same_tops(&self) {
         let [cached, plain] = [&self.logs[0], &self.logs[1]].map(|p| tops(p));
         assert_eq!(cached.len(), plain.len(), "placement log lines");
         for (c, p) in cached.iter().zip(&plain) {
             assert_eq!(c.0, p.0);
             assert_eq!(c.1, p.1);
+            assert_eq!(c.3, p.3, "{} {}: rejection details", c.0, c.1);
             assert_eq!(c.2.len(), p.2.len(), "{} {}: top", c.0, c.1);
             for (a, b) in c.2.iter().zip(&p.2) {
                 assert_eq!((&a.node, a.score), (&b.node, b.score), "{} {}: top", c.0, c.1);

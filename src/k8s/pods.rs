@@ -2,6 +2,8 @@
 //! gpuplace resources nor carry an assignment are dropped cheaply) goes to
 //! [`Scheduler::observe_pod`], deletions to [`Scheduler::release_pod`].
 //!
+//! Pods are decoded without the fields gpuplace never reads ([`WatchedPod`]).
+//!
 //! Start-up: the first complete list is held back until the node watcher has listed too, then the
 //! whole set rebuilds every allocation at once ([`Scheduler::restore`]) and readiness may turn on. A
 //! later re-list (after a watch broke and its history expired) releases the pods it no longer shows
@@ -20,6 +22,7 @@ use tokio::time::Instant;
 
 use crate::k8s::keys::KeyStatus;
 use crate::k8s::watch::next_event;
+use crate::k8s::watched_pod::WatchedPod;
 use crate::scheduler::metrics::Watched;
 use crate::scheduler::service::observe::{ObservedPod, PodOutcome};
 use crate::scheduler::service::RestoredPod;
@@ -160,7 +163,7 @@ pub fn rebuild(ext: &Scheduler, pods: &[Listed], listed: usize, events: Option<&
 /// The first complete list waits for `nodes_synced` and for the key ring (`keys`: every assignment
 /// is verified with it), is rebuilt from, and then `rebuilt` is called.
 pub async fn watch_pods(
-    api: Api<Pod>,
+    api: Api<WatchedPod>,
     ext: Arc<Scheduler>,
     events: Option<EventSink>,
     mut nodes_synced: watch::Receiver<bool>,
@@ -183,11 +186,11 @@ pub async fn watch_pods(
                 listed.clear();
                 listed_total = 0;
             }
-            Event::InitApply(p) if initial => {
+            Event::InitApply(WatchedPod(p)) if initial => {
                 listed_total += 1;
                 buffer.extend(Listed::of(&ext, &p));
             }
-            Event::InitApply(p) => {
+            Event::InitApply(WatchedPod(p)) => {
                 if let Some(uid) = &p.metadata.uid {
                     listed.insert(uid.clone());
                 }
@@ -214,10 +217,10 @@ pub async fn watch_pods(
                 ext.retain_pods(&listed, since.into_std());
                 ext.retain_host_uses(&listed);
             }
-            Event::Apply(p) => {
+            Event::Apply(WatchedPod(p)) => {
                 apply(&ext, &p, events.as_ref());
             }
-            Event::Delete(p) => {
+            Event::Delete(WatchedPod(p)) => {
                 if let Some(uid) = &p.metadata.uid {
                     ext.release_pod(uid);
                     // a pod deleted before it was bound: the host requests its placement held go too

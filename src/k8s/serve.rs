@@ -29,7 +29,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Secret};
+use crate::k8s::watched_pod::WatchedPod;
+use k8s_openapi::api::core::v1::{ConfigMap, Node, Secret};
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::{Api, Client};
 use tokio::sync::watch;
@@ -241,7 +242,7 @@ pub fn start(client: Client, ext: Arc<Scheduler>, leadership: Arc<Leadership>, o
     }
     let r = readiness.clone();
     tasks.push(tokio::spawn(pods::watch_pods(
-        Api::<Pod>::all(client.clone()),
+        Api::<WatchedPod>::all(client.clone()),
         ext.clone(),
         events,
         synced_rx,

@@ -21,7 +21,6 @@ use std::time::Duration;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Patch, PatchParams};
-use kube::core::PartialObjectMeta;
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
 use kube::{Api, Client, ResourceExt};
@@ -29,6 +28,7 @@ use serde_json::json;
 use tokio::time::Instant;
 
 use crate::k8s::leader::Leadership;
+use crate::k8s::watched_pod::WatchedMeta;
 use crate::scheduler::Scheduler;
 use gpuplace_core::annotations::ANNOTATION_ASSIGNMENT;
 
@@ -46,8 +46,9 @@ struct Candidate {
 
 /// Runs until aborted. `grace`: how long an assignment may sit on an unbound pod.
 pub async fn run(client: Client, ext: Arc<Scheduler>, leadership: Arc<Leadership>, grace: Duration) {
-    // metadata only: the annotation and the resourceVersion are all this needs
-    let api: Api<PartialObjectMeta<Pod>> = Api::all(client.clone());
+    // metadata only: the annotation and the resourceVersion are all this needs (decoded without
+    // managedFields: this sees every pod twice, created and bound)
+    let api: Api<WatchedMeta> = Api::all(client.clone());
     let config = watcher::Config::default().fields("spec.nodeName=");
     let mut stream = watcher::watcher(api, config).default_backoff().boxed();
     let mut candidates: HashMap<String, Candidate> = HashMap::new();

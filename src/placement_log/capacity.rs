@@ -48,6 +48,14 @@ impl Acc {
         self.idle += o.idle;
         self.fragmented += o.fragmented;
     }
+
+    /// Takes back what [`Self::add`] added (exact: only parts that were added are taken back).
+    fn sub(&mut self, o: &Acc) {
+        self.gpus -= o.gpus;
+        self.allocated -= o.allocated;
+        self.idle -= o.idle;
+        self.fragmented -= o.fragmented;
+    }
 }
 
 /// One node's part: its figures per model (by index into [`SummaryMemo::models`]).
@@ -59,11 +67,19 @@ struct NodePart {
     unhealthy: u32,
 }
 
-/// Each node's part of the summary, by node index, valid while the node's stamp is the one stored.
+/// Each node's part of the summary, by node index, valid while the node's stamp is the one stored,
+/// and the sums of those parts: a bind line changes one node or two, so a summary takes the other
+/// nodes' parts as summed for the previous line instead of adding up every node again (at 1,000
+/// nodes that was 2 % of the extender's CPU; docs/performance-journal.md, "The last third").
 #[derive(Debug, Default)]
 pub struct SummaryMemo {
     models: Vec<String>,
     nodes: Vec<Option<NodePart>>,
+    /// The cluster layout the parts are indexed by ([`Cluster::layout`]).
+    layout: u64,
+    by_model: Vec<Acc>,
+    total: Acc,
+    unhealthy: u32,
 }
 
 impl SummaryMemo {
@@ -109,26 +125,36 @@ impl SummaryMemo {
     pub fn summarize(&mut self, cluster: &Cluster, node: &str) -> CapacitySummary {
         let nodes = cluster.nodes();
         let stamps = cluster.stamps();
+        if self.layout != cluster.layout() || self.nodes.len() > nodes.len() {
+            // indices moved: every part is summed again (the model names are kept)
+            *self =
+                SummaryMemo { models: std::mem::take(&mut self.models), layout: cluster.layout(), ..Self::default() };
+        }
         self.nodes.resize(nodes.len(), None);
-        let mut by_model: Vec<Acc> = vec![Acc::default(); self.models.len()];
-        let mut total = Acc::default();
-        let mut unhealthy_gpus = 0;
         for (i, n) in nodes.iter().enumerate() {
             let stamp = stamps[i];
-            let part = match self.nodes[i].take() {
-                Some(p) if p.stamp == stamp => p,
-                _ => self.part_of(n, stamp),
-            };
-            if by_model.len() < self.models.len() {
-                by_model.resize(self.models.len(), Acc::default());
+            if self.nodes[i].as_ref().is_some_and(|p| p.stamp == stamp) {
+                continue;
+            }
+            if let Some(old) = self.nodes[i].take() {
+                for (m, acc) in &old.by_model {
+                    self.by_model[*m].sub(acc);
+                    self.total.sub(acc);
+                }
+                self.unhealthy -= old.unhealthy;
+            }
+            let part = self.part_of(n, stamp);
+            if self.by_model.len() < self.models.len() {
+                self.by_model.resize(self.models.len(), Acc::default());
             }
             for (m, acc) in &part.by_model {
-                by_model[*m].add(acc);
-                total.add(acc);
+                self.by_model[*m].add(acc);
+                self.total.add(acc);
             }
-            unhealthy_gpus += part.unhealthy;
+            self.unhealthy += part.unhealthy;
             self.nodes[i] = Some(part);
         }
+        let (total, unhealthy_gpus, by_model) = (self.total, self.unhealthy, &self.by_model);
         let this = cluster.node_index(node).and_then(|i| {
             let n = nodes.get(i)?;
             let part = self.nodes.get(i)?.as_ref()?;
@@ -197,6 +223,12 @@ mod tests {
             if k == 5 {
                 // a node leaves: indices shift, stamps still tell
                 cluster.remove_node(&names[0]);
+            }
+            if k == 8 {
+                // a node comes (appended) and a pod goes: sums taken back exactly
+                let back = gpuplace_core::inventory::load_cluster(&path).unwrap().nodes()[0].clone();
+                cluster.upsert_node(back);
+                let _ = cluster.release("ns/p7");
             }
         }
         let last = names.last().unwrap();

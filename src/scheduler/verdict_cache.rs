@@ -29,6 +29,7 @@
 //! Pods of a group are never cached: their network score depends on other nodes.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
@@ -175,10 +176,14 @@ impl<'a> Candidates<'a> {
 
 /// Name to node index, guessing from the order of the last request: for each node, the index of
 /// the node that followed it. kube-scheduler sends its node list in one order, rotated from call to
-/// call, so nearly every guess is right and costs one comparison with a copy of the node's name
-/// (all names in one array: the nodes' own names lie scattered over the heap, a cache miss each)
-/// instead of a hash and a probe; a wrong guess falls back to the cluster's map. Shared by all
-/// workers: the guesses are relaxed atomics, and a stale guess is only a miss.
+/// call, so most guesses are right and cost one comparison with a copy of the node's name (all
+/// names in one array: the nodes' own names lie scattered over the heap, a cache miss each)
+/// instead of a hash and a probe. A wrong guess falls back to a hash table over that same array:
+/// kube-scheduler's filters run on 16 goroutines and list the feasible nodes in the order they
+/// finished, so with `nodeCacheCapable` a filter's 1,000 names break the chain every few dozen
+/// names, and the cluster's map of `String`s was 7 % of the extender's CPU at 1,000 nodes
+/// (docs/performance-journal.md, "The last third"). Shared by all workers: the guesses are
+/// relaxed atomics, and a stale guess is only a miss.
 #[derive(Debug, Default)]
 pub(crate) struct NameOrder {
     table: RwLock<OrderTable>,
@@ -191,6 +196,9 @@ struct OrderTable {
     /// ([`Cluster::layout`]): removing a node shifts the indices after it, and the table starts over.
     spans: Vec<(u32, u32)>,
     arena: Vec<u8>,
+    /// Node indices by their name's hash (the names in `arena`).
+    index: hashbrown::HashTable<u32>,
+    hasher: hashbrown::DefaultHashBuilder,
     layout: u64,
 }
 
@@ -200,6 +208,28 @@ impl OrderTable {
             .get(i)
             .and_then(|&(a, b)| self.arena.get(a as usize..b as usize))
             .is_some_and(|n| same(n, name.as_bytes()))
+    }
+
+    fn push(&mut self, name: &str) {
+        let start = self.arena.len() as u32;
+        self.arena.extend_from_slice(name.as_bytes());
+        let end = self.arena.len() as u32;
+        let i = self.spans.len() as u32;
+        self.spans.push((start, end));
+        self.next.push(AtomicU32::new(NO_GUESS));
+        let hash = self.hasher.hash_one(name.as_bytes());
+        let (arena, spans) = (&self.arena, &self.spans);
+        let rehash = |&j: &u32| {
+            let (a, b) = spans[j as usize];
+            self.hasher.hash_one(&arena[a as usize..b as usize])
+        };
+        self.index.insert_unique(hash, i, rehash);
+    }
+
+    /// The index of the node of this name, when the table has it.
+    fn find(&self, name: &str) -> Option<usize> {
+        let hash = self.hasher.hash_one(name.as_bytes());
+        self.index.find(hash, |&i| self.is(i as usize, name)).map(|&i| i as usize)
     }
 }
 
@@ -235,12 +265,8 @@ impl NameOrder {
                 *w = OrderTable { layout: cluster.layout(), ..OrderTable::default() };
             }
             while w.next.len() < nodes.len() {
-                let name = nodes[w.next.len()].name.as_bytes();
-                let start = w.arena.len() as u32;
-                w.arena.extend_from_slice(name);
-                let end = w.arena.len() as u32;
-                w.spans.push((start, end));
-                w.next.push(AtomicU32::new(NO_GUESS));
+                let i = w.next.len();
+                w.push(&nodes[i].name);
             }
         }
         let t = self.table.read().unwrap_or_else(|e| e.into_inner());
@@ -268,7 +294,9 @@ impl NameOrder {
             let i = match found {
                 Some(g) => Some(g),
                 None => {
-                    let i = cluster.node_index(name);
+                    // a name the table lacks is not in the cluster either, unless a node came
+                    // since the table was extended above
+                    let i = t.find(name).filter(|&i| i < nodes.len()).or_else(|| cluster.node_index(name));
                     if let (Some(p), Some(i)) = (prev, i) {
                         if let Some(slot) = t.next.get(p) {
                             slot.store(i as u32, Ordering::Relaxed);
@@ -325,6 +353,10 @@ pub(crate) struct Table {
     /// The engine's shared key the verdicts were made with.
     shared: u64,
     reasons: HashMap<ReasonKey, Arc<Reason>>,
+    /// A rejected node's detail (the node's own figures behind its reason), once a placement log
+    /// line named it, by node index, with the stamp and window start of the verdict it explains:
+    /// the next pods of the shape list the same full nodes first.
+    details: HashMap<u32, (u64, i64, Arc<str>)>,
 }
 
 impl Table {
@@ -333,7 +365,25 @@ impl Table {
     pub fn keep_only(&mut self, key: u64) {
         if self.shared != key {
             self.slots.clear();
+            self.details.clear();
             self.shared = key;
+        }
+    }
+
+    /// The detail kept with node `i`'s rejection, when that verdict holds (as [`Self::get`]) and
+    /// the detail was made for it.
+    pub fn detail(&self, i: usize, stamp: u64, now: i64) -> Option<Arc<str>> {
+        let from = self.get(i, stamp, now).map(|_| self.slots[i].from)?;
+        let (s, f, text) = self.details.get(&u32::try_from(i).ok()?)?;
+        (*s == stamp && *f == from).then(|| text.clone())
+    }
+
+    /// Keeps `detail` with node `i`'s verdict made at `stamp`; nothing when the slot holds another
+    /// (or no) verdict.
+    pub fn set_detail(&mut self, i: usize, stamp: u64, detail: Arc<str>) {
+        let Ok(key) = u32::try_from(i) else { return };
+        if let Some(s) = self.slots.get(i).filter(|s| s.stamp == stamp && s.answer.is_some()) {
+            self.details.insert(key, (stamp, s.from, detail));
         }
     }
 
@@ -513,6 +563,38 @@ mod tests {
         c.remove_node("a");
         assert_eq!(order.resolve(&c, names.clone()).at, [None, Some(0), Some(1)]);
         assert_eq!(order.resolve(&c, vec!["b", "c"]).at, [Some(0), Some(1)]);
+    }
+
+    proptest::proptest! {
+        /// Whatever the order (kube-scheduler's parallel filters scramble it), repeats, unknown
+        /// names, and nodes added or removed between calls, every name resolves as the cluster's
+        /// own map has it.
+        #[test]
+        fn names_resolve_as_the_cluster_has_them(
+            calls in proptest::collection::vec(
+                (proptest::collection::vec(0usize..40, 0..60), proptest::option::of(0usize..40), proptest::bool::ANY),
+                1..8,
+            ),
+        ) {
+            use crate::placement::test_fixtures::node;
+            let name = |i: usize| format!("gpu-node-{i}");
+            let mut c = Cluster::new((0..20).map(|i| node(&name(i), 1)).collect());
+            let order = NameOrder::default();
+            for (picks, change, add) in calls {
+                let names: Vec<String> = picks.iter().map(|&i| name(i)).collect();
+                let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+                let got = order.resolve(&c, refs.clone());
+                let want: Vec<Option<usize>> = refs.iter().map(|n| c.node_index(n)).collect();
+                proptest::prop_assert_eq!(got.at, want);
+                if let Some(i) = change {
+                    if add {
+                        c.upsert_node(node(&name(i), 1));
+                    } else {
+                        c.remove_node(&name(i));
+                    }
+                }
+            }
+        }
     }
 
     #[test]

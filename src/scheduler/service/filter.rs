@@ -224,15 +224,19 @@ impl Scheduler {
     }
 
     /// The first [`MAX_DETAILED_NODES`] rejected candidates, in the order sent, with the node's own
-    /// figures behind the reason each was given.
+    /// figures behind the reason each was given. With the pod's shape (`cached`), each rejection's
+    /// detail is kept with its verdict, for the next pods of the shape.
     fn rejection_details(
         st: &State,
         req: &PodRequest,
         q: &NodeQuery<'_>,
         c: &Candidates<'_>,
         answers: &[Answer],
+        cached: Option<(&Shape, i64)>,
     ) -> Vec<(String, String, Arc<Reason>)> {
         let objects = q.objects.as_deref();
+        let stamps = st.cluster.stamps();
+        let mut table = cached.map(|(shape, now)| (shape.table(), now));
         let rejected = c.unique().filter_map(|p| match answers.get(p) {
             Some(Answer::No(r)) => Some((p, r)),
             _ => None,
@@ -241,19 +245,33 @@ impl Scheduler {
             .take(MAX_DETAILED_NODES)
             .map(|(p, r)| {
                 let name = c.names[p];
-                let detail = match c.at[p] {
+                let detail = match (c.at[p], r.class) {
                     // the same node state the answer was made from (the read lock is held). The
                     // answer's class says whether the emptied node would take the pod: placing it
                     // there again to find out was 17 % of the extender's CPU in a burst
-                    Some(i) => match r.class {
-                        RejectClass::Preemptable | RejectClass::Unresolvable => {
-                            let unresolvable = r.class == RejectClass::Unresolvable;
-                            st.engine.explain_rejection(&st.cluster, req, &Rejection { node: i, unresolvable })
+                    (Some(i), RejectClass::Preemptable | RejectClass::Unresolvable) => {
+                        let kept = table.as_ref().and_then(|(t, now)| t.detail(i, stamps[i], *now));
+                        match kept {
+                            Some(text) => text.to_string(),
+                            None => {
+                                let unresolvable = r.class == RejectClass::Unresolvable;
+                                let rejection = Rejection { node: i, unresolvable };
+                                let text = st
+                                    .engine
+                                    .explain_rejection(&st.cluster, req, &rejection)
+                                    .map_or_else(|| r.text.clone(), |w| w.why().detail.clone());
+                                if let Some((t, _)) = table.as_mut() {
+                                    t.set_detail(i, stamps[i], Arc::from(text.as_str()));
+                                }
+                                text
+                            }
                         }
-                        RejectClass::Contract | RejectClass::UnknownNode => st.engine.explain(&st.cluster, req, i),
                     }
-                    .map_or_else(|| r.text.clone(), |w| w.why().detail.clone()),
-                    None => UnknownNode::of(objects.and_then(|o| o.get(p))).detail(name),
+                    (Some(i), RejectClass::Contract | RejectClass::UnknownNode) => st
+                        .engine
+                        .explain(&st.cluster, req, i)
+                        .map_or_else(|| r.text.clone(), |w| w.why().detail.clone()),
+                    (None, _) => UnknownNode::of(objects.and_then(|o| o.get(p))).detail(name),
                 };
                 (name.to_string(), detail, r.clone())
             })
@@ -428,7 +446,8 @@ impl Scheduler {
             d.top = Self::top_of_cached(&st, shape, &req, fits, now);
         }
         if logged || tracing::enabled!(tracing::Level::DEBUG) {
-            for (node, detail, reason) in Self::rejection_details(&st, &req, q, &c, &answers) {
+            let cached = from_cache.as_deref().map(|shape| (shape, now));
+            for (node, detail, reason) in Self::rejection_details(&st, &req, q, &c, &answers, cached) {
                 tracing::debug!(pod = %d.pod, node = %node, reason = %reason.text, detail = %detail, "node rejected");
                 d.rejection_details.insert(node, detail);
             }
