@@ -94,30 +94,9 @@ impl kube::Resource for WatchedMeta {
 }
 
 impl<'de> Deserialize<'de> for WatchedMeta {
+    /// A `PartialObjectMetadata` object is a Pod with only its metadata, read the same way.
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_map(MetaVisitor)
-    }
-}
-
-struct MetaVisitor;
-
-impl<'de> Visitor<'de> for MetaVisitor {
-    type Value = WatchedMeta;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a PartialObjectMetadata object")
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<WatchedMeta, A::Error> {
-        let mut meta = ObjectMeta::default();
-        while let Some(key) = map.next_key::<Key<'de>>()? {
-            if key.0 == "metadata" {
-                meta = map.next_value_seed(Without::<ObjectMeta>::new(META_SKIPPED))?;
-            } else {
-                map.next_value::<IgnoredAny>()?;
-            }
-        }
-        Ok(WatchedMeta(meta))
+        WatchedPod::deserialize(d).map(|p| WatchedMeta(p.0.metadata))
     }
 }
 

@@ -294,8 +294,8 @@ impl NameOrder {
             let i = match found {
                 Some(g) => Some(g),
                 None => {
-                    // a name the table lacks is not in the cluster either, unless a node came
-                    // since the table was extended above
+                    // the table was made from this cluster (callers hold the state's read lock), so
+                    // a name it lacks is not a node; the cluster's map stays the last word
                     let i = t.find(name).filter(|&i| i < nodes.len()).or_else(|| cluster.node_index(name));
                     if let (Some(p), Some(i)) = (prev, i) {
                         if let Some(slot) = t.next.get(p) {

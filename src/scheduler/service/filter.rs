@@ -4,7 +4,7 @@
 
 use super::eval_cache::CachedEval;
 use super::*;
-use crate::placement::feasibility::{largest_gpus, oversized};
+use crate::placement::feasibility::{largest_gpus, oversized, Infeasible};
 
 /// Placement log lines name at most this many top nodes.
 const TOP_NODES: usize = 5;
@@ -245,21 +245,18 @@ impl Scheduler {
             .take(MAX_DETAILED_NODES)
             .map(|(p, r)| {
                 let name = c.names[p];
+                let text_of = |why: Option<Infeasible>| why.map_or_else(|| r.text.clone(), |w| w.why().detail.clone());
                 let detail = match (c.at[p], r.class) {
                     // the same node state the answer was made from (the read lock is held). The
                     // answer's class says whether the emptied node would take the pod: placing it
                     // there again to find out was 17 % of the extender's CPU in a burst
                     (Some(i), RejectClass::Preemptable | RejectClass::Unresolvable) => {
-                        let kept = table.as_ref().and_then(|(t, now)| t.detail(i, stamps[i], *now));
-                        match kept {
-                            Some(text) => text.to_string(),
+                        match table.as_ref().and_then(|(t, now)| t.detail(i, stamps[i], *now)) {
+                            Some(kept) => kept.to_string(),
                             None => {
                                 let unresolvable = r.class == RejectClass::Unresolvable;
                                 let rejection = Rejection { node: i, unresolvable };
-                                let text = st
-                                    .engine
-                                    .explain_rejection(&st.cluster, req, &rejection)
-                                    .map_or_else(|| r.text.clone(), |w| w.why().detail.clone());
+                                let text = text_of(st.engine.explain_rejection(&st.cluster, req, &rejection));
                                 if let Some((t, _)) = table.as_mut() {
                                     t.set_detail(i, stamps[i], Arc::from(text.as_str()));
                                 }
@@ -267,10 +264,9 @@ impl Scheduler {
                             }
                         }
                     }
-                    (Some(i), RejectClass::Contract | RejectClass::UnknownNode) => st
-                        .engine
-                        .explain(&st.cluster, req, i)
-                        .map_or_else(|| r.text.clone(), |w| w.why().detail.clone()),
+                    (Some(i), RejectClass::Contract | RejectClass::UnknownNode) => {
+                        text_of(st.engine.explain(&st.cluster, req, i))
+                    }
                     (None, _) => UnknownNode::of(objects.and_then(|o| o.get(p))).detail(name),
                 };
                 (name.to_string(), detail, r.clone())
