@@ -90,3 +90,41 @@ fn several_nodes_named_hold_nothing() {
     assert_eq!(passed(&filter(&ext, &p)).len(), 3);
     assert!(ext.scheduler().offer_holds().is_empty());
 }
+
+/// The GPUs (index, MiB, percent) of pod `key` in the cluster model, sorted.
+fn gpus_of(ext: &Extender, key: &str) -> Vec<(u32, u64, u32)> {
+    let cluster = ext.cluster();
+    let a = cluster.assignment(key).unwrap_or_else(|| panic!("{key} not counted"));
+    let mut gpus: Vec<_> =
+        a.containers.iter().flat_map(|c| c.slices.iter().map(|g| (g.gpu, g.mem_mib, g.core_pct))).collect();
+    gpus.sort();
+    gpus
+}
+
+#[test]
+fn a_bind_to_the_held_node_takes_the_held_gpus_over_and_a_node_changed_since_is_placed_again() {
+    let ext = service(1);
+    let slice =
+        || serde_json::json!({ "gpuplace.io/gpu": "1", "gpuplace.io/gpu-mem": "20000", "gpuplace.io/gpu-core": "30" });
+    // nothing else on the node since the hold: the bind counts exactly the held GPUs
+    let p = pod("p", slice());
+    assert_eq!(passed(&filter(&ext, &p)), ["gpu-0"]);
+    let held = gpus_of(&ext, "ns/p#offer");
+    assert_eq!(bind(&ext, &p, "gpu-0"), "");
+    assert_eq!(gpus_of(&ext, "ns/p"), held);
+    assert!(ext.cluster().assignment("ns/p#offer").is_none());
+
+    // q's hold, then r filtered and bound on the node first: q's node changed, so q is placed again
+    // against the node as it is now, never over it
+    let q = pod("q", slice());
+    assert_eq!(passed(&filter(&ext, &q)), ["gpu-0"]);
+    let r = pod("r", whole(1));
+    assert_eq!(passed(&filter(&ext, &r)), ["gpu-0"]);
+    assert_eq!(bind(&ext, &r, "gpu-0"), "");
+    assert_eq!(bind(&ext, &q, "gpu-0"), "");
+    let (q_gpus, r_gpus) = (gpus_of(&ext, "ns/q"), gpus_of(&ext, "ns/r"));
+    assert!(q_gpus.iter().all(|g| r_gpus.iter().all(|w| w.0 != g.0)), "a whole GPU shared: q {q_gpus:?}, r {r_gpus:?}");
+    assert!(ext.scheduler().offer_holds().is_empty());
+    let bound: usize = ext.cluster().nodes().iter().map(|n| n.pods().count()).sum();
+    assert_eq!(bound, 3);
+}

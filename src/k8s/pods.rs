@@ -21,6 +21,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::k8s::keys::KeyStatus;
+use crate::k8s::stale::UnboundAssignments;
 use crate::k8s::watch::next_event;
 use crate::k8s::watched_pod::WatchedPod;
 use crate::scheduler::metrics::Watched;
@@ -161,10 +162,12 @@ pub fn rebuild(ext: &Scheduler, pods: &[Listed], listed: usize, events: Option<&
 
 /// Watches every pod until the stream ends, which it does not: errors are retried with backoff.
 /// The first complete list waits for `nodes_synced` and for the key ring (`keys`: every assignment
-/// is verified with it), is rebuilt from, and then `rebuilt` is called.
+/// is verified with it), is rebuilt from, and then `rebuilt` is called. Every pod also goes to
+/// `unbound`, which tracks the assignments left on unbound pods (`stale`).
 pub async fn watch_pods(
     api: Api<WatchedPod>,
     ext: Arc<Scheduler>,
+    unbound: Arc<UnboundAssignments>,
     events: Option<EventSink>,
     mut nodes_synced: watch::Receiver<bool>,
     mut keys: watch::Receiver<KeyStatus>,
@@ -188,12 +191,14 @@ pub async fn watch_pods(
             }
             Event::InitApply(WatchedPod(p)) if initial => {
                 listed_total += 1;
+                unbound.observe(&p);
                 buffer.extend(Listed::of(&ext, &p));
             }
             Event::InitApply(WatchedPod(p)) => {
                 if let Some(uid) = &p.metadata.uid {
                     listed.insert(uid.clone());
                 }
+                unbound.observe(&p);
                 apply(&ext, &p, events.as_ref());
             }
             Event::InitDone if initial => {
@@ -214,14 +219,17 @@ pub async fn watch_pods(
                 rebuilt();
             }
             Event::InitDone => {
+                unbound.retain(&listed);
                 ext.retain_pods(&listed, since.into_std());
                 ext.retain_host_uses(&listed);
             }
             Event::Apply(WatchedPod(p)) => {
+                unbound.observe(&p);
                 apply(&ext, &p, events.as_ref());
             }
             Event::Delete(WatchedPod(p)) => {
                 if let Some(uid) = &p.metadata.uid {
+                    unbound.forget(uid);
                     ext.release_pod(uid);
                     // a pod deleted before it was bound: the host requests its placement held go too
                     ext.release_held(&[gpuplace_core::dra::claims::host_key(uid)]);

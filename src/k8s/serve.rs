@@ -241,9 +241,11 @@ pub fn start(client: Client, ext: Arc<Scheduler>, leadership: Arc<Leadership>, o
         tasks.push(tokio::spawn(dra::run_gates(client.clone(), ext.clone(), d.clone(), store, events.clone(), synced)));
     }
     let r = readiness.clone();
+    let unbound = Arc::new(stale::UnboundAssignments::default());
     tasks.push(tokio::spawn(pods::watch_pods(
         Api::<WatchedPod>::all(client.clone()),
         ext.clone(),
+        unbound.clone(),
         events,
         synced_rx,
         keys_rx.clone(),
@@ -278,7 +280,7 @@ pub fn start(client: Client, ext: Arc<Scheduler>, leadership: Arc<Leadership>, o
     tasks.push(tokio::spawn(requeue::run(client.clone(), ext.clone(), requeue_rx)));
     // a bind of a former leader is over once its Lease has expired
     let grace = opts.leader.as_ref().map_or(DEFAULT_STALE_GRACE, |cfg| cfg.lease_duration.max(DEFAULT_STALE_GRACE));
-    tasks.push(tokio::spawn(stale::run(client.clone(), ext.clone(), leadership.clone(), grace)));
+    tasks.push(tokio::spawn(stale::run(client.clone(), ext.clone(), leadership.clone(), unbound, grace)));
     let election = opts.leader.map(|cfg| (client.clone(), cfg));
     if let Some((client, cfg)) = election.clone() {
         let r = readiness.clone();

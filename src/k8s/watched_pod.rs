@@ -6,10 +6,6 @@
 //! (docs/performance-journal.md, "The last third"). Those keys are skipped in the JSON reader,
 //! without building anything; every other field decodes as k8s-openapi's own types, so the rest of
 //! the code keeps reading a [`Pod`].
-//!
-//! [`WatchedMeta`] is the same for a metadata-only watch of pods (the API server sends
-//! `PartialObjectMetadata`): kube's `PartialObjectMeta` decodes `managedFields` too, and buffers
-//! the whole object first for its flattened type fields.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -52,51 +48,6 @@ impl k8s_openapi::Metadata for WatchedPod {
 
     fn metadata_mut(&mut self) -> &mut ObjectMeta {
         &mut self.0.metadata
-    }
-}
-
-/// A pod's metadata from a metadata-only watch, without `managedFields`.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct WatchedMeta(pub ObjectMeta);
-
-impl kube::Resource for WatchedMeta {
-    type DynamicType = ();
-    type Scope = <Pod as k8s_openapi::Resource>::Scope;
-
-    /// What makes kube ask for `PartialObjectMetadata` (as for kube's own `PartialObjectMeta`).
-    fn metadata_api() -> bool {
-        true
-    }
-
-    fn kind(_: &()) -> Cow<'_, str> {
-        <Pod as k8s_openapi::Resource>::KIND.into()
-    }
-
-    fn group(_: &()) -> Cow<'_, str> {
-        <Pod as k8s_openapi::Resource>::GROUP.into()
-    }
-
-    fn version(_: &()) -> Cow<'_, str> {
-        <Pod as k8s_openapi::Resource>::VERSION.into()
-    }
-
-    fn plural(_: &()) -> Cow<'_, str> {
-        <Pod as k8s_openapi::Resource>::URL_PATH_SEGMENT.into()
-    }
-
-    fn meta(&self) -> &ObjectMeta {
-        &self.0
-    }
-
-    fn meta_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.0
-    }
-}
-
-impl<'de> Deserialize<'de> for WatchedMeta {
-    /// A `PartialObjectMetadata` object is a Pod with only its metadata, read the same way.
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        WatchedPod::deserialize(d).map(|p| WatchedMeta(p.0.metadata))
     }
 }
 
@@ -312,30 +263,15 @@ mod tests {
     }
 
     #[test]
-    fn watched_metadata_is_kubes_partial_metadata_without_managed_fields() {
-        use kube::Resource;
-        let mut object = pod_json();
-        object["kind"] = json!("PartialObjectMetadata");
-        object["apiVersion"] = json!("meta.k8s.io/v1");
-        let text = serde_json::to_vec(&object).expect("json");
-        let ours: WatchedMeta = serde_json::from_slice(&text).expect("watched metadata");
-        let mut kubes: kube::core::PartialObjectMeta<Pod> = serde_json::from_slice(&text).expect("kube's");
-        kubes.metadata.managed_fields = None;
-        assert_eq!(ours.0, kubes.metadata);
-        assert!(WatchedMeta::metadata_api(), "a metadata-only request");
-        assert_eq!(WatchedMeta::url_path(&(), Some("ns")), Pod::url_path(&(), Some("ns")));
-    }
-
-    #[test]
     fn a_malformed_pod_is_an_error_not_a_panic() {
-        for text in
-            [r#"{"metadata":[]}"#, r#"{"spec":{"containers":7}}"#, r#"[1,2]"#, r#"{"metadata":{"managedFields":"#]
-        {
+        for text in [
+            r#"{"metadata":[]}"#,
+            r#"{"metadata":{"uid":7}}"#,
+            r#"{"spec":{"containers":7}}"#,
+            r#"[1,2]"#,
+            r#"{"metadata":{"managedFields":"#,
+        ] {
             assert!(serde_json::from_str::<WatchedPod>(text).is_err(), "{text}");
-        }
-        for text in [r#"{"metadata":[]}"#, r#"{"metadata":{"uid":7}}"#, r#"[1,2]"#, r#"{"metadata":{"managedFields":"#]
-        {
-            assert!(serde_json::from_str::<WatchedMeta>(text).is_err(), "{text}");
         }
     }
 }

@@ -4,6 +4,8 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+use gpuplace_core::resources::PodRequest;
+
 /// How long an offer holds GPUs without a bind. kube-scheduler sends the bind moments after its
 /// cycle (later only behind a Permit or PreBind wait); past this the GPUs go back.
 pub const OFFER_HOLD: Duration = Duration::from_secs(10);
@@ -21,6 +23,11 @@ pub struct Offer {
     /// The allocation's key in the cluster model ([`hold_key`]).
     pub key: String,
     pub until: Instant,
+    /// The node's stamp with the hold counted: while it is unchanged, nothing else moved on the
+    /// node and the pod's bind may take the held GPUs over as they are.
+    pub stamp: u64,
+    /// What the hold was placed for.
+    pub request: PodRequest,
 }
 
 /// The holds, by pod UID.
@@ -63,8 +70,13 @@ mod tests {
     fn holds_fall_due_at_their_time() {
         let mut offers = Offers::default();
         let t = Instant::now();
-        let at =
-            |s: u64, node: &str| Offer { node: node.into(), key: hold_key("ns/p"), until: t + Duration::from_secs(s) };
+        let at = |s: u64, node: &str| Offer {
+            node: node.into(),
+            key: hold_key("ns/p"),
+            until: t + Duration::from_secs(s),
+            stamp: 1,
+            request: PodRequest::single("ns/p", gpuplace_core::resources::GpuDemand::Whole { gpus: 1 }),
+        };
         offers.insert("a", at(1, "n1"));
         offers.insert("b", at(5, "n2"));
         assert!(offers.due(t).is_empty());

@@ -157,8 +157,10 @@ impl Scheduler {
         let mut st = self.write();
         let st = &mut *st;
         // whatever comes of it, the bind ends the hold its filter made: the pod is placed below
-        // on the node kube-scheduler chose, with the held GPUs free again
-        *offered_on = Self::release_offer(st, &order.uid);
+        // on the node kube-scheduler chose, with the held GPUs free again (or those GPUs counted as
+        // they are, when nothing changed: `end_offer`)
+        let offer = Self::end_offer(st, &order.uid);
+        *offered_on = offer.as_ref().map(|(o, _)| o.node.clone());
         if let Some(b) = st.bound.get(&order.uid) {
             return if b.node != order.node {
                 fail(BindOutcome::Conflict, format!("pod {key} is already bound to {}", b.node))
@@ -227,9 +229,16 @@ impl Scheduler {
                 let events = st.groups.leave_plan(&mut st.cluster, &order.uid, &order.node);
                 self.group_events(st.groups.stamped(&st.cluster, events));
             }
-            let placement = match reserved {
-                Some(assignment) => crate::placement::feasibility::Placement { assignment, set_scores: Vec::new() },
-                None => match st.engine.place(&st.cluster, &req, index) {
+            let held = offer.and_then(|(o, held)| held.filter(|_| o.node == order.node && o.request == req));
+            let placement = match (reserved, held) {
+                (Some(assignment), _) => {
+                    crate::placement::feasibility::Placement { assignment, set_scores: Vec::new() }
+                }
+                (None, Some(mut assignment)) => {
+                    assignment.pod = key.clone();
+                    crate::placement::feasibility::Placement { assignment, set_scores: Vec::new() }
+                }
+                (None, None) => match st.engine.place(&st.cluster, &req, index) {
                     Ok(p) => p,
                     Err(why) => {
                         // the event gets the cause; the node's figures go to the logs

@@ -13,8 +13,9 @@
 //! there), the pod's placement on that node is held in the cluster model as an allocation under
 //! `<namespace>/<name>#offer` (a key no pod has; `#` marks reservations, which counts of bound pods
 //! and audits skip). Later filters see those GPUs taken, exactly as kube-scheduler's own cache sees
-//! the assumed pod. The hold ends when the pod's bind arrives (any node, any outcome: the bind then
-//! places the pod itself), when the pod is filtered again (its previous attempt is over), deleted or
+//! the assumed pod. The hold ends when the pod's bind arrives (any node, any outcome: a bind to the
+//! held node for the same request, with nothing else changed on the node since, counts the held
+//! GPUs as they are; any other places the pod itself), when the pod is filtered again (its previous attempt is over), deleted or
 //! counted bound from the watch, or after `OFFER_HOLD` (kube-scheduler gave the pod up without a
 //! bind). A hold never over-commits: it is made only where the pod still fits under the write lock.
 
@@ -52,7 +53,9 @@ impl Scheduler {
                 st.cluster.allocate(a).ok()
             });
             if held.is_some() {
-                st.offers.insert(uid, Offer { node: node.to_string(), key, until: now + OFFER_HOLD });
+                let stamp = st.cluster.stamps()[index];
+                let offer = Offer { node: node.to_string(), key, until: now + OFFER_HOLD, stamp, request: req.clone() };
+                st.offers.insert(uid, offer);
             }
         }
         drop(guard);
@@ -72,10 +75,20 @@ impl Scheduler {
 
     /// Releases the pod's hold under the write lock; the node it was on.
     pub(super) fn release_offer(st: &mut State, uid: &str) -> Option<String> {
+        Self::end_offer(st, uid).map(|(offer, _)| offer.node)
+    }
+
+    /// Releases the pod's hold under the write lock, for its bind: the hold, and its placement
+    /// when nothing else moved on the node since (the node's stamp is the hold's), so that a bind
+    /// to that node for the same request can count it again as it is instead of placing the pod a
+    /// second time: the engine's choice for the same node state.
+    pub(super) fn end_offer(st: &mut State, uid: &str) -> Option<(Offer, Option<PodAssignment>)> {
         let offer = st.offers.remove(uid)?;
+        let unchanged =
+            st.cluster.node_index(&offer.node).is_some_and(|i| st.cluster.stamps().get(i) == Some(&offer.stamp));
         // gone with its node when the node was dropped or redefined
-        let _ = st.cluster.release(&offer.key);
-        Some(offer.node)
+        let held = st.cluster.release(&offer.key).ok().filter(|_| unchanged);
+        Some((offer, held))
     }
 
     /// Releases the holds past their time; the nodes they were on.
