@@ -382,10 +382,15 @@ fn median_pace(mut runs: Vec<(f64, f64, f64)>) -> (f64, f64, f64) {
     runs[runs.len() / 2]
 }
 
-/// CPU time so far of the machine (busy and idle, all cores) and of named processes, in seconds.
+/// CPU time so far of the machine (busy, idle and stolen, all cores) and of named processes, in
+/// seconds.
 struct CpuSplit {
     busy: f64,
     idle: f64,
+    /// Time the hypervisor ran something else while this VM had work: the same code takes up to
+    /// twice the CPU per pod from one hour to the next on the dev VM, and this says whether steal
+    /// is why.
+    steal: f64,
     procs: Vec<(&'static str, f64)>,
 }
 
@@ -394,14 +399,16 @@ impl CpuSplit {
         let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
         let ticks: Vec<f64> =
             stat.lines().next().unwrap_or_default().split_whitespace().skip(1).filter_map(|t| t.parse().ok()).collect();
-        // user nice system idle iowait irq softirq steal: idle and iowait are not busy
-        let idle = ticks.get(3).copied().unwrap_or(0.0) + ticks.get(4).copied().unwrap_or(0.0);
-        let busy = ticks.iter().take(8).sum::<f64>() - idle;
+        // user nice system idle iowait irq softirq steal: idle and iowait are not busy, nor steal
+        let tick = |i: usize| ticks.get(i).copied().unwrap_or(0.0);
+        let (idle, steal) = (tick(3) + tick(4), tick(7));
+        let busy = ticks.iter().take(8).sum::<f64>() - idle - steal;
         let procs = procs.iter().map(|&(name, pid)| (name, usage(pid).2)).collect();
-        CpuSplit { busy: busy / 100.0, idle: idle / 100.0, procs }
+        CpuSplit { busy: busy / 100.0, idle: idle / 100.0, steal: steal / 100.0, procs }
     }
 
-    /// `name a.b` per process, the rest of the machine, and its idle time, each in ms per pod.
+    /// `name a.b` per process, the rest of the machine, its idle time and the time stolen from it,
+    /// each in ms per pod.
     fn per_pod_since(&self, before: &CpuSplit, n: usize) -> String {
         let per = |s: f64| s * 1e3 / n as f64;
         let mut named = 0.0;
@@ -416,6 +423,7 @@ impl CpuSplit {
             .collect();
         parts.push(format!("the rest {:.2}", per(self.busy - before.busy - named)));
         parts.push(format!("idle {:.2}", per(self.idle - before.idle)));
+        parts.push(format!("steal {:.2}", per(self.steal - before.steal)));
         parts.join(", ")
     }
 }

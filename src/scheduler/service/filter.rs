@@ -18,9 +18,27 @@ fn keep_best(fits: &mut Vec<Ranked>, n: usize) {
         return;
     }
     let best = |a: &Ranked, b: &Ranked| b.1.cmp(&a.1).then(b.2.total_cmp(&a.2)).then(a.0.cmp(&b.0));
-    fits.select_nth_unstable_by(n - 1, best);
-    fits.truncate(n);
+    if n > FEW {
+        fits.select_nth_unstable_by(n - 1, best);
+        fits.truncate(n);
+        return;
+    }
+    // a few of a thousand (the answer's node, the log's top): one pass keeps them in order, and
+    // most nodes lose to the last of them in one comparison
+    let mut top: Vec<Ranked> = Vec::with_capacity(n + 1);
+    for f in fits.iter() {
+        if top.len() == n && top.last().is_some_and(|last| best(f, last).is_ge()) {
+            continue;
+        }
+        let at = top.partition_point(|t| best(t, f).is_lt());
+        top.insert(at, *f);
+        top.truncate(n);
+    }
+    *fits = top;
 }
+
+/// Up to this many, [`keep_best`] keeps the best in one pass.
+const FEW: usize = 8;
 
 /// Filter's and prioritize's evaluation of the known candidates without the shape cache.
 pub(super) struct Judged {
@@ -480,9 +498,12 @@ impl Scheduler {
             })
             .collect();
         keep_best(&mut fits, n);
-        let keep: HashSet<&str> = fits.iter().map(|&(p, ..)| c.names[p]).collect();
-        for (a, name) in answers.iter_mut().zip(&c.names) {
-            if !matches!(a, Answer::Fits(..)) || !keep.contains(name) {
+        // by node index, which a name named twice shares (a node that fits is a known one): a
+        // thousand names are not hashed again
+        let mut keep: Vec<usize> = fits.iter().filter_map(|&(p, ..)| c.at[p]).collect();
+        keep.sort_unstable();
+        for (a, i) in answers.iter_mut().zip(&c.at) {
+            if !matches!(a, Answer::Fits(..)) || !i.is_some_and(|i| keep.binary_search(&i).is_ok()) {
                 *a = Answer::NotOffered;
             }
         }
@@ -493,5 +514,31 @@ impl Scheduler {
         d.latency_us = started.elapsed().as_micros() as u64;
         self.log(d);
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// The one-pass way and the partition keep the same nodes as a full sort: the best by
+        /// score, then total, then the first (ties of score and total included).
+        #[test]
+        fn keep_best_keeps_what_a_full_sort_ranks_first(
+            raw in prop::collection::vec((0u8..4, 0u8..4), 0..60),
+            n in 0usize..14,
+        ) {
+            let fits: Vec<Ranked> = raw.iter().enumerate().map(|(p, &(s, t))| (p, s, f32::from(t) / 2.0)).collect();
+            let mut sorted = fits.clone();
+            sorted.sort_by(|a, b| b.1.cmp(&a.1).then(b.2.total_cmp(&a.2)).then(a.0.cmp(&b.0)));
+            let mut kept = fits.clone();
+            keep_best(&mut kept, n);
+            kept.sort_by_key(|f| f.0);
+            let mut want: Vec<Ranked> = if n == 0 { fits } else { sorted.into_iter().take(n).collect() };
+            want.sort_by_key(|f| f.0);
+            prop_assert_eq!(kept, want);
+        }
     }
 }
