@@ -1,7 +1,8 @@
 //! `gpuplace serve --tls-cert --tls-key --tls-client-ca`: the real binary serves HTTPS with a
 //! certificate from a CA made in the test (rcgen), answers probes without a client certificate,
 //! refuses the verbs to a client without one (403) and the handshake to a client whose
-//! certificate another CA signed, and answers kube-scheduler's filter to a client with one.
+//! certificate another CA signed, and answers kube-scheduler's filter to a client with one, over
+//! HTTP/1.1 and over HTTP/2 alike.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -16,7 +17,7 @@ mod harness;
 #[path = "support/tls.rs"]
 mod tls;
 
-use tls::{https, write, Ca};
+use tls::{https, https2, write, Ca};
 
 /// A child process killed when the test ends, also on failure.
 struct Serve(Child);
@@ -100,6 +101,16 @@ fn serve_over_https_requires_a_client_certificate_from_the_ca_for_the_verbs() {
     assert!(!answer["NodeNames"].as_array().unwrap().is_empty(), "{text}");
     let (status, text) = https(addr, name, &ca.cert_pem, Some(&scheduler), "GET", "/inspect", b"").unwrap();
     assert_eq!(status, 200, "{text}");
+    // over HTTP/2, which kube-scheduler's Go transport takes when the handshake offers it: the
+    // same answers, and the same refusal without a client certificate
+    let (status, text) =
+        https2(addr, name, &ca.cert_pem, Some(&scheduler), "POST", "/gpuplace/filter", &filter).unwrap();
+    assert_eq!(status, 200, "{text}");
+    let answer: Value = serde_json::from_str(&text).unwrap();
+    assert!(!answer["NodeNames"].as_array().unwrap().is_empty(), "{text}");
+    let (status, text) = https2(addr, name, &ca.cert_pem, None, "POST", "/gpuplace/filter", &filter).unwrap();
+    assert_eq!(status, 403, "{text}");
+    assert_eq!(https2(addr, name, &ca.cert_pem, None, "GET", "/readyz", b"").unwrap().0, 200);
     // and a client that does not trust the server's CA does not get through
     let other_ca = Ca::new("not the server's CA");
     assert!(https(addr, name, &other_ca.cert_pem, Some(&scheduler), "GET", "/readyz", b"").is_err());

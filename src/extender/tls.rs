@@ -157,9 +157,17 @@ fn client_verifier(
     verifier.build().map_err(|e| e.to_string())
 }
 
-/// The serving configuration: TLS 1.2 and 1.3, HTTP/1.1 (kube-scheduler's extender client speaks
-/// it), and with a client CA, a verifier that asks for a certificate, refuses a bad one, and lets a
-/// client without one through to the routes that need none.
+/// The serving configuration: TLS 1.2 and 1.3, and with a client CA, a verifier that asks for a
+/// certificate, refuses a bad one, and lets a client without one through to the routes that need
+/// none.
+///
+/// The protocols offered in the handshake are actix-web's, put in by its acceptor: `h2`, then
+/// `http/1.1` (its `http2` feature). kube-scheduler's extender client is Go's transport with HTTP/2
+/// configured (`makeTransport` in kube-scheduler's `extender.go` hands it to
+/// `utilnet.SetTransportDefaults`), so over TLS it takes `h2`: filters and binds multiplexed on one
+/// connection. Over HTTP/1.1 it kept at most 2 idle connections and opened a new one, with a full
+/// handshake, for each call beyond them (binds in flight beside the next pod's filter). Plain HTTP
+/// stays HTTP/1.1 (Go sends no cleartext HTTP/2).
 pub fn server_config(files: &ServerFiles) -> Result<ServerTls, TlsError> {
     let builder = ServerConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
@@ -172,10 +180,9 @@ pub fn server_config(files: &ServerFiles) -> Result<ServerTls, TlsError> {
         }
         None => builder.with_no_client_auth(),
     };
-    let mut config = builder
+    let config = builder
         .with_single_cert(load_certs("certificate", &files.cert)?, load_key(&files.key)?)
         .map_err(|source| TlsError::Rustls { what: "certificate and key", source })?;
-    config.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(ServerTls { config: Arc::new(config), require_client_cert: files.client_ca.is_some() })
 }
 
@@ -298,12 +305,11 @@ fn ca_roots(ca: &Ca) -> Result<RootCertStore, TlsError> {
 pub fn self_issued_server_config(identity: Arc<SelfIssued>, client_auth: ClientAuth) -> Result<ServerTls, TlsError> {
     let verifier = client_verifier(ca_roots(identity.ca())?, client_auth)
         .map_err(|message| TlsError::SelfIssuedVerifier { message })?;
-    let mut config = ServerConfig::builder_with_provider(provider())
+    let config = ServerConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
         .map_err(|source| TlsError::Rustls { what: "TLS versions", source })?
         .with_client_cert_verifier(verifier)
         .with_cert_resolver(identity);
-    config.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(ServerTls { config: Arc::new(config), require_client_cert: true })
 }
 

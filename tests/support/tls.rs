@@ -1,5 +1,5 @@
-//! Test certificates (a CA made in the test with rcgen) and a blocking HTTPS/1.1 client over rustls,
-//! for the extender's TLS port. `#[path]`-included by tests/tls.rs and tests/apiserver_extender.rs.
+//! Test certificates (a CA made in the test with rcgen) and blocking HTTPS/1.1 and HTTP/2 clients
+//! over rustls, for the extender's TLS port. `#[path]`-included by tests/tls.rs and tests/apiserver_extender.rs.
 #![allow(dead_code)] // each including test uses part of it
 
 use std::io::{Read, Write};
@@ -85,25 +85,7 @@ pub fn https(
     path: &str,
     body: &[u8],
 ) -> std::io::Result<(u16, String)> {
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut roots = rustls::RootCertStore::empty();
-    for c in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
-        roots.add(c.map_err(std::io::Error::other)?).map_err(std::io::Error::other)?;
-    }
-    let builder = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(std::io::Error::other)?
-        .with_root_certificates(roots);
-    let config = match identity {
-        Some(id) => {
-            let certs = CertificateDer::pem_slice_iter(id.cert_pem.as_bytes())
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(std::io::Error::other)?;
-            let key = PrivateKeyDer::from_pem_slice(id.key_pem.as_bytes()).map_err(std::io::Error::other)?;
-            builder.with_client_auth_cert(certs, key).map_err(std::io::Error::other)?
-        }
-        None => builder.with_no_client_auth(),
-    };
+    let config = client_config(ca_pem, identity)?;
     let name = ServerName::try_from(server_name.to_string()).map_err(std::io::Error::other)?;
     let conn = rustls::ClientConnection::new(Arc::new(config), name).map_err(std::io::Error::other)?;
     let tcp = TcpStream::connect(addr)?;
@@ -133,6 +115,73 @@ pub fn https(
     let body =
         if head.to_ascii_lowercase().contains("transfer-encoding: chunked") { dechunk(body) } else { body.to_string() };
     Ok((status, body))
+}
+
+/// A client configuration that trusts `ca_pem` and presents `identity`, if given.
+fn client_config(ca_pem: &str, identity: Option<&Identity>) -> std::io::Result<rustls::ClientConfig> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
+        roots.add(c.map_err(std::io::Error::other)?).map_err(std::io::Error::other)?;
+    }
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(std::io::Error::other)?
+        .with_root_certificates(roots);
+    let config = match identity {
+        Some(id) => {
+            let certs = CertificateDer::pem_slice_iter(id.cert_pem.as_bytes())
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(std::io::Error::other)?;
+            let key = PrivateKeyDer::from_pem_slice(id.key_pem.as_bytes()).map_err(std::io::Error::other)?;
+            builder.with_client_auth_cert(certs, key).map_err(std::io::Error::other)?
+        }
+        None => builder.with_no_client_auth(),
+    };
+    Ok(config)
+}
+
+/// One request over HTTP/2, offered in the handshake as kube-scheduler's Go transport offers it
+/// (`h2`, then `http/1.1`): (status, body). An error for a refused handshake, or when the server
+/// did not take `h2`.
+pub fn https2(
+    addr: SocketAddr,
+    server_name: &str,
+    ca_pem: &str,
+    identity: Option<&Identity>,
+    method: &str,
+    path: &str,
+    body: &[u8],
+) -> std::io::Result<(u16, String)> {
+    use http_body_util::BodyExt;
+    let mut config = client_config(ca_pem, identity)?;
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    let name = ServerName::try_from(server_name.to_string()).map_err(std::io::Error::other)?;
+    let request = http::Request::builder()
+        .method(method)
+        .uri(format!("https://{server_name}{path}"))
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(bytes::Bytes::copy_from_slice(body)))
+        .map_err(std::io::Error::other)?;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(async move {
+        let tcp = tokio::net::TcpStream::connect(addr).await?;
+        let tls = tokio_rustls::TlsConnector::from(Arc::new(config)).connect(name, tcp).await?;
+        let taken = tls.get_ref().1.alpn_protocol().map(<[u8]>::to_vec);
+        if taken.as_deref() != Some(&b"h2"[..]) {
+            return Err(std::io::Error::other(format!("the server took {taken:?}, not h2")));
+        }
+        let io = hyper_util::rt::TokioIo::new(tls);
+        let (mut send, conn) = hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), io)
+            .await
+            .map_err(std::io::Error::other)?;
+        tokio::spawn(conn);
+        let answer = send.send_request(request).await.map_err(std::io::Error::other)?;
+        assert_eq!(answer.version(), http::Version::HTTP_2);
+        let status = answer.status().as_u16();
+        let body = answer.into_body().collect().await.map_err(std::io::Error::other)?.to_bytes();
+        Ok((status, String::from_utf8_lossy(&body).into_owned()))
+    })
 }
 
 /// A `Transfer-Encoding: chunked` HTTP/1.1 body, decoded (also the e2e suite's plain HTTP client's).
