@@ -244,6 +244,8 @@ pub struct ControlPlane {
     pub scheduler: Option<Proc>,
     pub apiserver: Proc,
     pub etcd: Proc,
+    /// etcd's client URL (plain HTTP on loopback; its `/metrics` too).
+    pub etcd_url: String,
     bin: PathBuf,
 }
 
@@ -310,7 +312,6 @@ impl ControlPlane {
                 .arg(format!("--service-account-signing-key-file={}", key.display()))
                 .arg("--service-account-issuer=https://kubernetes.default.svc")
                 .arg("--service-cluster-ip-range=10.96.0.0/16")
-                .arg("--enable-priority-and-fairness=false")
                 .args(
                     gates
                         .map(|g| [format!("--feature-gates={g}"), format!("--runtime-config={GANG_API}=true")])
@@ -336,6 +337,7 @@ impl ControlPlane {
             scheduler: None,
             apiserver,
             etcd,
+            etcd_url,
             bin,
         };
         for u in User::ALL {

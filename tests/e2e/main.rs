@@ -52,11 +52,15 @@ pub(crate) static SERIAL: Mutex<()> = Mutex::const_new(());
 const NODES: usize = 16;
 pub(crate) const NS: &str = "e2e";
 
-/// The project's manifests that a running install needs before the binaries start.
-const INSTALL: [&str; 6] = [
+/// The project's manifests that a running install needs before the binaries start. The FlowSchema
+/// too: the API server runs API Priority and Fairness (on by default since Kubernetes 1.20), and
+/// without it the extender's requests, its Bindings among them, would share `workload-low` with
+/// every other service account's where an install puts them at kube-scheduler's level.
+const INSTALL: [&str; 7] = [
     "scheduler-config/extender/namespace.yaml",
     "scheduler-config/device-plugin/namespace.yaml",
     "scheduler-config/extender/rbac.yaml",
+    "scheduler-config/extender/flowschema.yaml",
     "scheduler-config/device-plugin/rbac.yaml",
     "scheduler-config/extender/admission-policy.yaml",
     "scheduler-config/device-plugin/admission-policy.yaml",

@@ -15,9 +15,10 @@
 //! and audits skip). Later filters see those GPUs taken, exactly as kube-scheduler's own cache sees
 //! the assumed pod. The hold ends when the pod's bind arrives (any node, any outcome: a bind to the
 //! held node for the same request, with nothing else changed on the node since, counts the held
-//! GPUs as they are; any other places the pod itself), when the pod is filtered again (its previous attempt is over), deleted or
-//! counted bound from the watch, or after `OFFER_HOLD` (kube-scheduler gave the pod up without a
-//! bind). A hold never over-commits: it is made only where the pod still fits under the write lock.
+//! GPUs as they are; any other places the pod itself), when the pod is filtered again (its previous
+//! attempt is over), deleted or counted bound from the watch, or after `OFFER_HOLD` (kube-scheduler
+//! gave the pod up without a bind). A hold never over-commits: it is made only where the pod still
+//! fits under the write lock.
 
 use super::*;
 use crate::scheduler::offers::{hold_key, Offer, OFFER_HOLD};

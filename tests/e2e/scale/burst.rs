@@ -87,6 +87,8 @@ pub(super) async fn burst(
     let cpu_of = || ext.map_or(0.0, |e| usage(e.proc.pid()).2);
     let cpu_before = cpu_of();
     let api_before = binding_buckets(admin).await;
+    let storage_before = Storage::read(cp, admin).await;
+    let apf_before = apiserver_metrics(admin).await;
     let attempts_before = scheduler_attempts(cp);
     let api: Api<Pod> = Api::namespaced(admin.clone(), NS);
     let whole = Shape { gpu: Some("1"), kind: "whole-1", ..Shape::default() };
@@ -107,6 +109,8 @@ pub(super) async fn burst(
     let bound = binds.wait(n, Duration::from_secs(60), Duration::from_secs(900)).await;
     let cpu_after = cpu_of();
     let api_after = binding_buckets(admin).await;
+    let storage = Storage::read(cp, admin).await.since(&storage_before);
+    let apf = apf_waits(&apf_before, &apiserver_metrics(admin).await);
     assert_eq!(bound, n, "burst, {label}: only {bound} of {n} whole-GPU pods bound");
     let attempts = scheduler_attempts(cp) - attempts_before;
     let bound_at = binds.bound_at();
@@ -131,10 +135,7 @@ pub(super) async fn burst(
         format!("p50/p99/max {:.1}/{:.1}/{max:.1} ms", percentile(v, 0.5), percentile(v, 0.99))
     };
     // the API server's Binding histogram over the burst: after less before, bucket by bucket
-    let binding: Vec<(f64, f64)> = api_after
-        .iter()
-        .map(|&(le, cum)| (le, cum - api_before.iter().find(|b| b.0 == le).map_or(0.0, |b| b.1)))
-        .collect();
+    let binding = since(&api_after, &api_before);
     let extender = if ext.is_some() {
         format!(
             "; bind as the extender measured it {} over {} binds ({failed} failed); extender CPU {:.2} ms per pod",
@@ -148,7 +149,8 @@ pub(super) async fn burst(
     figure(&format!(
         "scale {}: burst of {n} whole-GPU pods created in {created_s:.1} s, {label} running (client limits raised): \
          all bound {last:.1} s after the first create, {attempts} scheduling attempts; created to bound {}; \
-         the API server's Binding p50/p99 {:.0}/{:.0} ms{extender}",
+         the API server's Binding p50/p99 {:.0}/{:.0} ms{extender}; {storage}; \
+         waits in the API server's priority and fairness queues p99: {apf}",
         s.name,
         q(&mut waited),
         quantile_ms(&binding, 0.5),
@@ -159,6 +161,111 @@ pub(super) async fn burst(
     while binds.pods() > 0 || ext.is_some_and(|e| counter(&e.metrics(), "gpuplace_pods_bound", "") > 0.0) {
         assert!(Instant::now() < until, "burst, {label}: pods not deleted, or still counted by the extender");
         tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// How long the requests executed during the burst waited in the API server's priority and fairness
+/// queues (`apiserver_flowcontrol_request_wait_duration_seconds`, the metrics text `before` and
+/// `after`), per priority level that executed any: `level n=… p99=… ms`. kube-scheduler's calls and,
+/// through the project's FlowSchema, the extender's go to `workload-high`; the test's own are
+/// `system:masters` (exempt, never queued).
+fn apf_waits(before: &str, after: &str) -> String {
+    const PREFIX: &str = "apiserver_flowcontrol_request_wait_duration_seconds_bucket{";
+    let mut levels: Vec<&str> = after
+        .lines()
+        .filter(|l| l.starts_with(PREFIX))
+        .filter_map(|l| l.split("priority_level=\"").nth(1)?.split('"').next())
+        .collect();
+    levels.sort_unstable();
+    levels.dedup();
+    let parts: Vec<String> = levels
+        .iter()
+        .filter_map(|level| {
+            let level_label = format!("priority_level=\"{level}\"");
+            let labels = [level_label.as_str(), "execute=\"true\""];
+            let diff = since(&buckets(after, PREFIX, &labels), &buckets(before, PREFIX, &labels));
+            let n = diff.last().map_or(0.0, |b| b.1);
+            (n > 0.0).then(|| format!("{level} {:.1} ms over {n:.0}", quantile_ms(&diff, 0.99)))
+        })
+        .collect();
+    if parts.is_empty() {
+        "none".into()
+    } else {
+        parts.join(", ")
+    }
+}
+
+/// A histogram's buckets over the time between two readings (`then`, `now`): bucket by bucket.
+fn since(now: &[(f64, f64)], then: &[(f64, f64)]) -> Vec<(f64, f64)> {
+    now.iter().map(|&(le, cum)| (le, cum - then.iter().find(|b| b.0 == le).map_or(0.0, |b| b.1))).collect()
+}
+
+/// Where a Binding's time goes below the API server, over the burst: the API server's writes of pods
+/// to etcd (`etcd_request_duration_seconds`, operation `update`, the Binding's storage update) and
+/// etcd's own WAL fsync and backend commit (its `/metrics`). Each field is a histogram's buckets.
+struct Storage {
+    pod_updates: Vec<(f64, f64)>,
+    fsync: Vec<(f64, f64)>,
+    commit: Vec<(f64, f64)>,
+}
+
+impl Storage {
+    async fn read(cp: &ControlPlane, admin: &Client) -> Storage {
+        let api = apiserver_metrics(admin).await;
+        let etcd = etcd_metrics(cp).await;
+        Storage {
+            pod_updates: buckets(
+                &api,
+                "etcd_request_duration_seconds_bucket{",
+                &["group=\"\"", "operation=\"update\"", "resource=\"pods\""],
+            ),
+            fsync: buckets(&etcd, "etcd_disk_wal_fsync_duration_seconds_bucket{", &[]),
+            commit: buckets(&etcd, "etcd_disk_backend_commit_duration_seconds_bucket{", &[]),
+        }
+    }
+
+    /// The histograms over the time between `before` and `self`.
+    fn since(&self, before: &Storage) -> Storage {
+        Storage {
+            pod_updates: since(&self.pod_updates, &before.pod_updates),
+            fsync: since(&self.fsync, &before.fsync),
+            commit: since(&self.commit, &before.commit),
+        }
+    }
+}
+
+impl std::fmt::Display for Storage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let p = |b: &[(f64, f64)]| {
+            let n = b.last().map_or(0.0, |x| x.1);
+            format!("p50/p99 {:.1}/{:.1} ms over {n:.0}", quantile_ms(b, 0.5), quantile_ms(b, 0.99))
+        };
+        write!(
+            f,
+            "the API server's pod updates in etcd {}; etcd's WAL fsync {}, backend commit {}",
+            p(&self.pod_updates),
+            p(&self.fsync),
+            p(&self.commit)
+        )
+    }
+}
+
+/// etcd's metrics text, from its client URL, over plain HTTP/1.0 (empty when it cannot be read).
+async fn etcd_metrics(cp: &ControlPlane) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Some(addr) = cp.etcd_url.strip_prefix("http://") else { return String::new() };
+    let read = async {
+        let mut conn = tokio::net::TcpStream::connect(addr).await?;
+        conn.write_all(format!("GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes()).await?;
+        let mut out = Vec::new();
+        conn.read_to_end(&mut out).await?;
+        std::io::Result::Ok(out)
+    };
+    match tokio::time::timeout(Duration::from_secs(5), read).await {
+        Ok(Ok(out)) => {
+            String::from_utf8_lossy(&out).split_once("\r\n\r\n").map(|(_, body)| body.to_string()).unwrap_or_default()
+        }
+        _ => String::new(),
     }
 }
 
