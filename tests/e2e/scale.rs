@@ -382,6 +382,15 @@ fn median_pace(mut runs: Vec<(f64, f64, f64)>) -> (f64, f64, f64) {
     runs[runs.len() / 2]
 }
 
+/// Waits until the extender has seen a run's pods deleted (the next run starts on idle GPUs).
+async fn wait_released(ext: &Extender) {
+    let until = Instant::now() + Duration::from_secs(60);
+    while counter(&ext.metrics(), "gpuplace_pods_bound", "") > 0.0 {
+        assert!(Instant::now() < until, "the extender still counts the deleted pods");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// CPU time so far of the machine (busy, idle and stolen, all cores) and of named processes, in
 /// seconds.
 struct CpuSplit {
@@ -465,9 +474,9 @@ pub async fn scale(s: Scale) {
         s.name, s.nodes, s.plugins
     ));
 
-    // 1. kube-scheduler alone first, before any extender runs: with the project's config (its
-    // client at the default 50 requests a second, burst 100, which its own Binding calls wait
-    // for), and with that limit raised, so that the scheduling itself is compared
+    // 1. the pace of kube-scheduler alone and with gpuplace: with the project's config (its client
+    // at the default 50 requests a second, burst 100, which its own Binding calls wait for), and
+    // with that limit raised, so that the scheduling itself is compared
     let project = scheduler_config();
     let unthrottled = cp.dir.join("kube-scheduler-config-unthrottled.yaml");
     let mut doc: serde_json::Value =
@@ -479,22 +488,43 @@ pub async fn scale(s: Scale) {
     if std::env::var("GPUPLACE_E2E_PACE_RAISED_ONLY").is_ok_and(|v| v == "1") {
         configs.remove(0);
     }
-    // GPUPLACE_E2E_PACE_RUNS: runs of each (the median is compared), for the acceptance's "median of 3"
+    // GPUPLACE_E2E_PACE_RUNS: runs of each (the median is compared), for the acceptance's "median of 3".
+    // Alone and with gpuplace take turns, run by run (alone with no extender process at all, then
+    // with a fresh extender; an untimed run to warm it up first made no difference), so that the
+    // machine's pace, which drifts over the minutes of a series (docs/performance-journal.md, "One
+    // watch of pods, and the machine's own pace"), weighs on both alike.
     let runs: usize = std::env::var("GPUPLACE_E2E_PACE_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(1).max(1);
+    let medians = if runs > 1 { format!(", medians of {runs} runs") } else { String::new() };
     let mut alone = Vec::new();
     for &(what, config) in configs.iter().filter(|_| s.pace_pods > 0) {
-        let mut each = Vec::new();
+        let (mut each_alone, mut each_with) = (Vec::new(), Vec::new());
         for _ in 0..runs {
-            each.push(pace(&mut cp, &admin, &format!("kube-scheduler alone, {what}"), config, None, s.pace_pods).await);
+            each_alone
+                .push(pace(&mut cp, &admin, &format!("kube-scheduler alone, {what}"), config, None, s.pace_pods).await);
+            let mut ext = Extender::start(&cp, "replica-a", 0, &[]);
+            ext.wait_ready(Duration::from_secs(600)).await;
+            let label = format!("kube-scheduler with gpuplace, {what}");
+            each_with.push(pace(&mut cp, &admin, &label, config, Some(&ext), s.pace_pods).await);
+            wait_released(&ext).await;
         }
-        alone.push(median_pace(each));
+        let pairs: Vec<String> = each_alone.iter().zip(&each_with).map(|(a, w)| format!("{:.2}", w.0 / a.0)).collect();
+        let (a, w) = (median_pace(each_alone), median_pace(each_with));
+        alone.push(a);
+        figure(&format!(
+            "scale {}: {what}: pods/s with gpuplace / alone = {:.2} (from leading to the last bind), \
+             {:.2} (first to last bind){medians}{}",
+            s.name,
+            w.0 / a.0,
+            w.1 / a.1,
+            if runs > 1 { format!("; run by run (from leading) {}", pairs.join(", ")) } else { String::new() },
+        ));
     }
 
     if s.burst > 0 {
         burst(&mut cp, &admin, &s, &unthrottled, None).await;
     }
 
-    // 2. the extender's first sync
+    // 2. the extender's first sync, on the cluster without pods
     let started = Instant::now();
     let mut ext = Extender::start(&cp, "replica-a", 0, &[]);
     ext.wait_ready(Duration::from_secs(600)).await;
@@ -505,40 +535,28 @@ pub async fn scale(s: Scale) {
         s.name
     ));
 
-    let mut variants = vec![("", &[][..])];
-    if s.every_node_too {
-        variants.push((", every node that fits named", &["--nodes-to-score", "0"][..]));
-    }
-    for (variant, flags) in variants.into_iter().filter(|_| s.pace_pods > 0) {
-        if !flags.is_empty() {
-            ext.proc.kill();
-            ext = Extender::start(&cp, "replica-a", ext.port, flags);
-            ext.wait_ready(Duration::from_secs(600)).await;
-        }
+    // every node that fits named in the answer, against the medians alone above
+    if s.every_node_too && s.pace_pods > 0 {
+        let variant = ", every node that fits named";
+        ext.proc.kill();
+        ext = Extender::start(&cp, "replica-a", ext.port, &["--nodes-to-score", "0"]);
+        ext.wait_ready(Duration::from_secs(600)).await;
         for (&(what, config), alone) in configs.iter().zip(&alone) {
             let label = format!("kube-scheduler with gpuplace{variant}, {what}");
             let mut each = Vec::new();
             for _ in 0..runs {
                 each.push(pace(&mut cp, &admin, &label, config, Some(&ext), s.pace_pods).await);
-                // the extender has seen the deletions: the next run starts on idle GPUs
-                let until = Instant::now() + Duration::from_secs(60);
-                while counter(&ext.metrics(), "gpuplace_pods_bound", "") > 0.0 {
-                    assert!(Instant::now() < until, "the extender still counts the deleted pods");
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
+                wait_released(&ext).await;
             }
             let with = median_pace(each);
             figure(&format!(
                 "scale {}: {what}{variant}: pods/s with gpuplace / alone = {:.2} (from leading to the last bind), \
-                 {:.2} (first to last bind){}",
+                 {:.2} (first to last bind){medians}",
                 s.name,
                 with.0 / alone.0,
                 with.1 / alone.1,
-                if runs > 1 { format!(", medians of {runs} runs") } else { String::new() }
             ));
         }
-    }
-    if s.every_node_too {
         ext.proc.kill();
         ext = Extender::start(&cp, "replica-a", ext.port, &[]);
         ext.wait_ready(Duration::from_secs(600)).await;
