@@ -244,8 +244,8 @@ pub struct ControlPlane {
     pub scheduler: Option<Proc>,
     pub apiserver: Proc,
     pub etcd: Proc,
-    /// etcd's client URL (plain HTTP on loopback; its `/metrics` too).
-    pub etcd_url: String,
+    /// etcd's client port (plain HTTP on loopback; its `/metrics` too).
+    pub etcd_port: u16,
     bin: PathBuf,
 }
 
@@ -337,7 +337,7 @@ impl ControlPlane {
             scheduler: None,
             apiserver,
             etcd,
-            etcd_url,
+            etcd_port: client_port,
             bin,
         };
         for u in User::ALL {

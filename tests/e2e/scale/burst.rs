@@ -13,7 +13,7 @@ use serde_json::Value;
 use super::{apiserver_metrics, buckets, quantile_ms, scheduler_attempts, Binds, Scale};
 use crate::audit::percentile;
 use crate::cluster::{figure, ControlPlane};
-use crate::fleet::{create_pods, Extender, Shape};
+use crate::fleet::{create_pods, http_get, Extender, Shape};
 use crate::proc_usage::usage;
 use crate::{counter, wait_scheduler_leading, NS};
 
@@ -86,9 +86,8 @@ pub(super) async fn burst(
     let log_from = ext.and_then(|e| std::fs::metadata(&e.placement_log).ok()).map_or(0, |m| m.len()) as usize;
     let cpu_of = || ext.map_or(0.0, |e| usage(e.proc.pid()).2);
     let cpu_before = cpu_of();
-    let api_before = binding_buckets(admin).await;
-    let storage_before = Storage::read(cp, admin).await;
-    let apf_before = apiserver_metrics(admin).await;
+    // the API server's and etcd's metrics before and after: histograms over the burst
+    let (api_before, etcd_before) = (apiserver_metrics(admin).await, etcd_metrics(cp));
     let attempts_before = scheduler_attempts(cp);
     let api: Api<Pod> = Api::namespaced(admin.clone(), NS);
     let whole = Shape { gpu: Some("1"), kind: "whole-1", ..Shape::default() };
@@ -108,9 +107,9 @@ pub(super) async fn burst(
     let created_s = started.elapsed().as_secs_f64();
     let bound = binds.wait(n, Duration::from_secs(60), Duration::from_secs(900)).await;
     let cpu_after = cpu_of();
-    let api_after = binding_buckets(admin).await;
-    let storage = Storage::read(cp, admin).await.since(&storage_before);
-    let apf = apf_waits(&apf_before, &apiserver_metrics(admin).await);
+    let (api_after, etcd_after) = (apiserver_metrics(admin).await, etcd_metrics(cp));
+    let storage = Storage::read(&api_after, &etcd_after).since(&Storage::read(&api_before, &etcd_before));
+    let apf = apf_waits(&api_before, &api_after);
     assert_eq!(bound, n, "burst, {label}: only {bound} of {n} whole-GPU pods bound");
     let attempts = scheduler_attempts(cp) - attempts_before;
     let bound_at = binds.bound_at();
@@ -135,7 +134,7 @@ pub(super) async fn burst(
         format!("p50/p99/max {:.1}/{:.1}/{max:.1} ms", percentile(v, 0.5), percentile(v, 0.99))
     };
     // the API server's Binding histogram over the burst: after less before, bucket by bucket
-    let binding = since(&api_after, &api_before);
+    let binding = since(&binding_buckets(&api_after), &binding_buckets(&api_before));
     let extender = if ext.is_some() {
         format!(
             "; bind as the extender measured it {} over {} binds ({failed} failed); extender CPU {:.2} ms per pod",
@@ -166,7 +165,7 @@ pub(super) async fn burst(
 
 /// How long the requests executed during the burst waited in the API server's priority and fairness
 /// queues (`apiserver_flowcontrol_request_wait_duration_seconds`, the metrics text `before` and
-/// `after`), per priority level that executed any: `level n=… p99=… ms`. kube-scheduler's calls and,
+/// `after`), per priority level that executed any: `level P99 ms over N`. kube-scheduler's calls and,
 /// through the project's FlowSchema, the extender's go to `workload-high`; the test's own are
 /// `system:masters` (exempt, never queued).
 fn apf_waits(before: &str, after: &str) -> String {
@@ -203,6 +202,7 @@ fn since(now: &[(f64, f64)], then: &[(f64, f64)]) -> Vec<(f64, f64)> {
 /// Where a Binding's time goes below the API server, over the burst: the API server's writes of pods
 /// to etcd (`etcd_request_duration_seconds`, operation `update`, the Binding's storage update) and
 /// etcd's own WAL fsync and backend commit (its `/metrics`). Each field is a histogram's buckets.
+/// Read from the metrics texts of the API server (`api`) and of etcd (`etcd`).
 struct Storage {
     pod_updates: Vec<(f64, f64)>,
     fsync: Vec<(f64, f64)>,
@@ -210,17 +210,15 @@ struct Storage {
 }
 
 impl Storage {
-    async fn read(cp: &ControlPlane, admin: &Client) -> Storage {
-        let api = apiserver_metrics(admin).await;
-        let etcd = etcd_metrics(cp).await;
+    fn read(api: &str, etcd: &str) -> Storage {
         Storage {
             pod_updates: buckets(
-                &api,
+                api,
                 "etcd_request_duration_seconds_bucket{",
                 &["group=\"\"", "operation=\"update\"", "resource=\"pods\""],
             ),
-            fsync: buckets(&etcd, "etcd_disk_wal_fsync_duration_seconds_bucket{", &[]),
-            commit: buckets(&etcd, "etcd_disk_backend_commit_duration_seconds_bucket{", &[]),
+            fsync: buckets(etcd, "etcd_disk_wal_fsync_duration_seconds_bucket{", &[]),
+            commit: buckets(etcd, "etcd_disk_backend_commit_duration_seconds_bucket{", &[]),
         }
     }
 
@@ -250,27 +248,14 @@ impl std::fmt::Display for Storage {
     }
 }
 
-/// etcd's metrics text, from its client URL, over plain HTTP/1.0 (empty when it cannot be read).
-async fn etcd_metrics(cp: &ControlPlane) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let Some(addr) = cp.etcd_url.strip_prefix("http://") else { return String::new() };
-    let read = async {
-        let mut conn = tokio::net::TcpStream::connect(addr).await?;
-        conn.write_all(format!("GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes()).await?;
-        let mut out = Vec::new();
-        conn.read_to_end(&mut out).await?;
-        std::io::Result::Ok(out)
-    };
-    match tokio::time::timeout(Duration::from_secs(5), read).await {
-        Ok(Ok(out)) => {
-            String::from_utf8_lossy(&out).split_once("\r\n\r\n").map(|(_, body)| body.to_string()).unwrap_or_default()
-        }
-        _ => String::new(),
-    }
+/// etcd's metrics text (empty when it cannot be read).
+fn etcd_metrics(cp: &ControlPlane) -> String {
+    http_get(cp.etcd_port, "/metrics").map(|(_, body)| body).unwrap_or_default()
 }
 
-/// The API server's latency histogram of Binding calls (`POST pods/binding`), from whichever client.
-async fn binding_buckets(admin: &Client) -> Vec<(f64, f64)> {
+/// The API server's latency histogram of Binding calls (`POST pods/binding`), from whichever client,
+/// in its metrics text.
+fn binding_buckets(metrics: &str) -> Vec<(f64, f64)> {
     let labels = ["verb=\"POST\"", "resource=\"pods\"", "subresource=\"binding\""];
-    buckets(&apiserver_metrics(admin).await, "apiserver_request_duration_seconds_bucket{", &labels)
+    buckets(metrics, "apiserver_request_duration_seconds_bucket{", &labels)
 }
