@@ -519,6 +519,8 @@ fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
             ..KeyOptions::default()
         },
         scheduler_tls: self_issued.as_ref().map(|s| s.scheduler.clone()),
+        // the books live beside the key Secret: the extender's own namespace, which tenants cannot write
+        books_namespace: Some(key_secret.namespace.clone()),
         dra: args.dra_driver.as_ref().map(|driver| DraOptions {
             driver: driver.clone(),
             class: args.dra_class.clone().unwrap_or_else(|| driver.clone()),

@@ -9,6 +9,7 @@
 //! Named `k8s`, not `kube`, so the `kube` crate stays visible.
 
 pub mod binder;
+pub mod books;
 pub mod certificates;
 pub mod dra;
 pub mod keys;

@@ -13,7 +13,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{ObjectReference, Pod};
+use k8s_openapi::api::core::v1::{ConfigMap, ObjectReference, Pod};
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
 use kube::{Api, Resource};
@@ -24,12 +24,15 @@ use crate::k8s::keys::KeyStatus;
 use crate::k8s::stale::UnboundAssignments;
 use crate::k8s::watch::next_event;
 use crate::k8s::watched_pod::WatchedPod;
+use crate::scheduler::books::KeptRecords;
 use crate::scheduler::metrics::Watched;
+use crate::scheduler::service::books::tampered_note;
 use crate::scheduler::service::observe::{ObservedPod, PodOutcome};
 use crate::scheduler::service::RestoredPod;
 use crate::scheduler::Scheduler;
-use gpuplace_core::api_client::events::{EventSink, REASON_ASSIGNMENT};
+use gpuplace_core::api_client::events::{EventSink, REASON_ASSIGNMENT, REASON_TAMPERED};
 use gpuplace_core::clock::now_unix_ms;
+use gpuplace_core::resources::PodRequest;
 
 /// What the DRA front end reads of a pod (its host use, and whether it holds claims), taken as the
 /// pod arrives; `None` without the DRA front end.
@@ -92,10 +95,32 @@ pub fn apply(ext: &Scheduler, pod: &Pod, events: Option<&EventSink>) -> PodOutco
         host.observe(ext, &p);
     }
     let outcome = ext.observe_pod(&p);
-    if let (PodOutcome::Refused(why), Some(ev)) = (&outcome, events) {
-        ev.warn(pod.object_ref(&()), REASON_ASSIGNMENT, "CountAssignment", why);
+    match (&outcome, events) {
+        (PodOutcome::Refused(why), Some(ev)) => ev.warn(pod.object_ref(&()), REASON_ASSIGNMENT, "CountAssignment", why),
+        (PodOutcome::Tampered(why), Some(ev)) => ev.warn(pod.object_ref(&()), REASON_TAMPERED, "CountAssignment", why),
+        _ => {}
     }
     outcome
+}
+
+/// The record a rebuild counts for a bound pod: its annotation while gpuplace trusts it, else the
+/// books' record of it on that node (then `true`: the annotation was erased or rewritten).
+fn record_of(
+    ext: &Scheduler,
+    p: &ObservedPod,
+    node: &str,
+    request: &PodRequest,
+    kept: &KeptRecords,
+) -> Option<(String, bool)> {
+    let book = kept.get(&p.uid, node).map(|e| e.assignment.as_str());
+    match (p.annotation.as_deref(), book) {
+        (Some(text), Some(b)) if text != b && !ext.assignment_trusted(text, &p.uid, node, request) => {
+            Some((b.to_string(), true))
+        }
+        (Some(text), _) => Some((text.to_string(), false)),
+        (None, Some(b)) => Some((b.to_string(), true)),
+        (None, None) => None,
+    }
 }
 
 /// Rebuilds every allocation from one complete list of pods (`listed` of them in all, the ones kept
@@ -103,27 +128,44 @@ pub fn apply(ext: &Scheduler, pod: &Pod, events: Option<&EventSink>) -> PodOutco
 /// [`Scheduler::restore`] together; the rest (unbound, unreadable request) are judged one by one
 /// afterwards ([`Scheduler::refuse_unbound`]); then the DRA host uses. Returns the number of pods
 /// refused.
-pub fn rebuild(ext: &Scheduler, pods: &[Listed], listed: usize, events: Option<&EventSink>) -> usize {
+pub fn rebuild(
+    ext: &Scheduler,
+    pods: &[Listed],
+    listed: usize,
+    kept: &KeptRecords,
+    events: Option<&EventSink>,
+) -> usize {
     let mut restored = Vec::new();
     let mut observed_restored = Vec::new();
+    let mut from_books = Vec::new();
     let mut later = Vec::new();
     for l in pods.iter().filter(|l| l.reference.is_some()) {
         let p = &l.pod;
-        match (&p.node, &p.annotation, &p.request) {
-            (Some(node), Some(annotation), Ok(request)) => {
-                restored.push(RestoredPod {
-                    uid: p.uid.clone(),
-                    request: request.clone(),
-                    node: node.clone(),
-                    annotation: annotation.clone(),
-                });
-                observed_restored.push(l);
-            }
-            _ => later.push(l),
+        let record = match (&p.node, &p.request) {
+            (Some(node), Ok(request)) => record_of(ext, p, node, request, kept).map(|r| (node, request, r)),
+            _ => None,
+        };
+        let Some((node, request, (annotation, tampered))) = record else {
+            later.push(l);
+            continue;
+        };
+        if tampered {
+            from_books.push((l, if p.annotation.is_some() { "rewritten" } else { "removed" }, node));
         }
+        restored.push(RestoredPod { uid: p.uid.clone(), request: request.clone(), node: node.clone(), annotation });
+        observed_restored.push(l);
     }
     let counted = restored.len();
     let conflicts = ext.restore(restored);
+    // counted from the books: reported, and the leader writes the record back on the pod
+    for (l, how, node) in &from_books {
+        if ext.note_tampered(&l.pod.uid, l.pod.annotation.as_deref()) {
+            tracing::warn!(pod = %l.pod.key, node = %node, how, "assignment annotation {how} after bind; counted from gpuplace's books");
+            if let (Some(ev), Some(r)) = (events, &l.reference) {
+                ev.warn(r.clone(), REASON_TAMPERED, "RebuildAssignments", &tampered_note(how, node));
+            }
+        }
+    }
     // the records restored await their admission until their device-plugin markers say otherwise
     for l in &observed_restored {
         ext.observe_pod(&l.pod);
@@ -154,6 +196,7 @@ pub fn rebuild(ext: &Scheduler, pods: &[Listed], listed: usize, events: Option<&
     tracing::info!(
         pods = listed,
         counted = counted - conflicts.len(),
+        from_books = from_books.len(),
         refused,
         "allocations rebuilt from pod assignments"
     );
@@ -161,11 +204,13 @@ pub fn rebuild(ext: &Scheduler, pods: &[Listed], listed: usize, events: Option<&
 }
 
 /// Watches every pod until the stream ends, which it does not: errors are retried with backoff.
-/// The first complete list waits for `nodes_synced` and for the key ring (`keys`: every assignment
-/// is verified with it), is rebuilt from, and then `rebuilt` is called. Every pod also goes to
+/// The first complete list waits for `nodes_synced`, for the key ring (`keys`: every assignment
+/// is verified with it) and for gpuplace's books (`books`, when kept: `k8s::books`), is rebuilt
+/// from, and then `rebuilt` is called. Every pod also goes to
 /// `unbound`, which tracks the assignments left on unbound pods (`stale`).
 pub async fn watch_pods(
     api: Api<WatchedPod>,
+    books: Option<Api<ConfigMap>>,
     ext: Arc<Scheduler>,
     unbound: Arc<UnboundAssignments>,
     events: Option<EventSink>,
@@ -212,7 +257,11 @@ pub async fn watch_pods(
                     tracing::error!("key watcher ended before loading the key ring; pods not rebuilt");
                     return;
                 }
-                rebuild(&ext, &buffer, listed_total, events.as_ref());
+                let kept = match &books {
+                    Some(api) => crate::k8s::books::load(api).await,
+                    None => KeptRecords::default(),
+                };
+                rebuild(&ext, &buffer, listed_total, &kept, events.as_ref());
                 buffer = Vec::new();
                 initial = false;
                 ext.metrics().watch_fresh(Watched::Pods, now_unix_ms());

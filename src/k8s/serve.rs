@@ -8,11 +8,12 @@
 //! replica finishes. Deciding is the leader's alone: the extender answers verbs itself only while
 //! synced *and* leading ([`Scheduler::set_ready`]), and a replica that does not lead forwards every
 //! verb to the leader at the URL the leader published on its Lease ([`Readiness`] is the forward's
-//! [`Role`]; `extender::forward`). The leader also re-signs records made with an old key (`resign`)
-//! and removes assignments left on unbound pods (`stale`), and with mTLS by default keeps
-//! kube-scheduler's client certificate in its Secret (`certificates`); pods just turned away from
-//! GPUs that are then freed are sent back to kube-scheduler's queue (`requeue`). The utilization watch is not part
-//! of readiness: samples are optional and age out by themselves. The standby keeps watching, so it is
+//! [`Role`]; `extender::forward`). The leader also re-signs records made with an old key (`resign`),
+//! removes assignments left on unbound pods (`stale`), keeps gpuplace's books of who holds what
+//! (`books`), and with mTLS by default keeps kube-scheduler's client certificate in its Secret
+//! (`certificates`); pods just turned away from GPUs that are then freed are sent back to
+//! kube-scheduler's queue (`requeue`). The utilization watch is not part of readiness: samples are
+//! optional and age out by themselves. The standby keeps watching, so it is
 //! current when it takes over.
 //!
 //! Runtimes: actix-web runs its own system (one current-thread tokio runtime per worker), and
@@ -42,7 +43,7 @@ use crate::k8s::dra::{self, DraOptions};
 use crate::k8s::keys::{self, KeyOptions, KeyStatus};
 use crate::k8s::leader::{self, LeaderConfig, Leadership};
 use crate::k8s::stale;
-use crate::k8s::{nodes, pod_groups, pods, requeue, resign, utilization};
+use crate::k8s::{books, nodes, pod_groups, pods, requeue, resign, utilization};
 use crate::scheduler::Scheduler;
 use gpuplace_core::api_client::connect::{connect, connect_with, ConnectError, Source, Transport};
 use gpuplace_core::api_client::events::EventSink;
@@ -70,6 +71,9 @@ pub struct ApiOptions {
     pub scheduler_tls: Option<SchedulerTls>,
     /// The DRA front end (`dra`): gpuplace allocates the claims of this driver's DeviceClass.
     pub dra: Option<DraOptions>,
+    /// Namespace of gpuplace's books (`books`: every pod's record per node, where tenants cannot
+    /// write; the extender's own); `None`: none kept, a rebuild trusts annotations alone.
+    pub books_namespace: Option<String>,
 }
 
 /// Whether this replica is synced (rebuilt, key ring loaded: `/readyz`), and whether it decides
@@ -242,8 +246,13 @@ pub fn start(client: Client, ext: Arc<Scheduler>, leadership: Arc<Leadership>, o
     }
     let r = readiness.clone();
     let unbound = Arc::new(stale::UnboundAssignments::default());
+    let books = opts.books_namespace.as_ref().map(|ns| Api::<ConfigMap>::namespaced(client.clone(), ns));
+    if let Some(api) = &books {
+        tasks.push(tokio::spawn(books::run(client.clone(), api.clone(), ext.clone(), leadership.clone())));
+    }
     tasks.push(tokio::spawn(pods::watch_pods(
         Api::<WatchedPod>::all(client.clone()),
+        books,
         ext.clone(),
         unbound.clone(),
         events,

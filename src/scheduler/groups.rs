@@ -96,6 +96,9 @@ pub struct Groups {
     member_of: HashMap<String, String>,
     pod_groups: HashMap<String, PodGroupInfo>,
     timeout: Duration,
+    /// Reservations only for members that exist (API-server mode, where the pod watcher sees every
+    /// pod): a `gpuplace.io/group-size` larger than the pods created reserves nothing for the rest.
+    only_existing: bool,
 }
 
 impl Default for Groups {
@@ -106,7 +109,20 @@ impl Default for Groups {
 
 impl Groups {
     pub fn new(timeout: Duration) -> Self {
-        Self { groups: HashMap::new(), member_of: HashMap::new(), pod_groups: HashMap::new(), timeout }
+        Self {
+            groups: HashMap::new(),
+            member_of: HashMap::new(),
+            pod_groups: HashMap::new(),
+            timeout,
+            only_existing: false,
+        }
+    }
+
+    /// Plans and reservations for the members that exist only: every pod is watched, so a group's
+    /// members are known before their filters (`observe_pending`). Without it (static mode, where
+    /// members are known only from their filters) a plan reserves for the group's whole size.
+    pub fn reserve_only_for_existing(&mut self) {
+        self.only_existing = true;
     }
 
     /// A PodGroup seen (or changed) on the API server, by `namespace/name`.
@@ -187,7 +203,8 @@ impl Groups {
         if let Some(off) = arrival.excluded {
             g.excluded = off.iter().cloned().collect();
         }
-        let ctx = Planning { cluster, engine, others: &self.groups, now, now_unix_ms };
+        let ctx =
+            Planning { cluster, engine, others: &self.groups, now, now_unix_ms, only_existing: self.only_existing };
         let verdict = if g.gang && info.is_none() && spec.size == 0 {
             MemberVerdict::NoPlan { reason: format!("PodGroup {} is not known to gpuplace yet; retry", spec.key) }
         } else if g.size <= 1 {
@@ -202,15 +219,30 @@ impl Groups {
 
     /// A member seen pending on the API server before any filter: a gang's size is every pod that
     /// names its PodGroup, so a plan is made for all of them, not only `minCount`.
-    pub fn observe_pending(&mut self, uid: &str, request: &PodRequest) {
-        let Some(spec) = &request.group else { return };
+    ///
+    /// Returns the group's other pending members (`namespace/name`, UID) when this one completes the
+    /// members it needs to start and it has no plan: those turned away while it waited for its pods
+    /// get no retry from kube-scheduler until a cluster event, so the caller requeues them.
+    pub fn observe_pending(&mut self, uid: &str, request: &PodRequest) -> Vec<(String, String)> {
+        let Some(spec) = &request.group else { return Vec::new() };
         if self.groups.get(&spec.key).and_then(|g| g.members.get(uid)).is_some_and(|m| m.request == *request) {
-            return;
+            return Vec::new();
         }
         let info = self.pod_groups.get(&spec.key).cloned();
         let g = self.groups.entry(spec.key.clone()).or_insert_with(|| Group::new(spec));
         g.settle_spec(spec, info.as_ref());
+        let before = g.members.len();
         g.register(&mut self.member_of, uid, request);
+        let completed = before < g.quorum() && g.members.len() >= g.quorum();
+        if !(self.only_existing && completed && g.plan.is_none() && g.size > 1) {
+            return Vec::new();
+        }
+        g.failure = None;
+        g.members
+            .iter()
+            .filter(|(u, m)| u.as_str() != uid && m.bound.is_none())
+            .map(|(u, m)| (m.key.clone(), u.clone()))
+            .collect()
     }
 
     /// Whether the pending pod is a member already registered with this request.

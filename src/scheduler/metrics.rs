@@ -113,17 +113,25 @@ pub enum ConflictKind {
     BadInventory,
     /// An assignment annotation was refused (forged, stale, or colliding with another pod).
     BadAssignment,
+    /// A counted pod's assignment annotation was removed or rewritten after gpuplace bound it (its
+    /// GPUs stay counted, from the books after a restart, and the record is written back).
+    TamperedAssignment,
 }
 
 impl ConflictKind {
-    pub const ALL: [ConflictKind; 3] =
-        [ConflictKind::StaleUid, ConflictKind::BadInventory, ConflictKind::BadAssignment];
+    pub const ALL: [ConflictKind; 4] = [
+        ConflictKind::StaleUid,
+        ConflictKind::BadInventory,
+        ConflictKind::BadAssignment,
+        ConflictKind::TamperedAssignment,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
             ConflictKind::StaleUid => "stale_uid",
             ConflictKind::BadInventory => "bad_inventory",
             ConflictKind::BadAssignment => "bad_assignment",
+            ConflictKind::TamperedAssignment => "tampered_assignment",
         }
     }
 }
@@ -208,7 +216,7 @@ pub struct Metrics {
     latency: [Histogram; 4],
     rejections: [AtomicU64; 4],
     binds: [AtomicU64; BindOutcome::ALL.len()],
-    conflicts: [AtomicU64; 3],
+    conflicts: [AtomicU64; 4],
     /// Preempt: nodes whose victims were kept (possibly fewer) and nodes dropped.
     preempt_nodes: [AtomicU64; 2],
     preempt_victims_dropped: AtomicU64,

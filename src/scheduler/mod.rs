@@ -11,6 +11,7 @@
 //! - [`verdict_cache`]: the shape cache of node verdicts per request shape, and the verdicts
 //!   ([`Answer`](verdict_cache::Answer)) each verb decides.
 //! - [`binder`]: the seam to the API server for binds ([`binder::RecordingBinder`] in static mode).
+//! - [`books`]: gpuplace's own record of who holds what per node, kept where tenants cannot write.
 //! - [`reasons`]: the texts kube-scheduler shows (reasons that group across nodes, never a `%`).
 //! - [`groups`]: groups placed whole (gangs and `gpuplace.io/group` jobs): their plans and the
 //!   reservations that hold the plans' GPUs.
@@ -23,6 +24,7 @@
 //!   [`room_gauges`]: the room jobs have, as gauges.
 
 pub mod binder;
+pub mod books;
 pub mod exposition;
 pub mod groups;
 pub mod input;

@@ -197,6 +197,8 @@ struct State {
     held: HashMap<String, Instant>,
     /// Pod UID → the GPUs a filter answer promised it, held until its bind (`offers`).
     offers: crate::scheduler::offers::Offers,
+    /// Nodes whose books are due a write, records to put back on pods (`scheduler::books`).
+    books: crate::scheduler::books::BooksState,
 }
 
 /// Options of the service.
@@ -346,6 +348,7 @@ impl Scheduler {
             host_uses: HashMap::new(),
             held: HashMap::new(),
             offers: Default::default(),
+            books: Default::default(),
         };
         Self {
             state: RwLock::new(state),
@@ -570,6 +573,7 @@ impl Scheduler {
     /// mode): see [`remember_pod`](Self::remember_pod).
     pub fn set_pods_watched(&self) {
         self.pods_watched.store(true, Ordering::Relaxed);
+        self.write().groups.reserve_only_for_existing();
     }
 
     pub fn pods_watched(&self) -> bool {
@@ -633,6 +637,7 @@ impl Scheduler {
                 tracing::warn!(pod = %pod, node = %name, error = %e, "allocation kept from the deleted node no longer fits; dropped");
                 if let Some(uid) = st.uid_of.remove(&pod) {
                     st.bound.remove(&uid);
+                    st.books.mark(&name);
                 }
             }
         }
@@ -704,6 +709,7 @@ impl Scheduler {
             }
         }
         st.bound.clear();
+        st.books.reset();
         st.uid_of.clear();
         st.parked.clear();
         st.withdrawn.clear();
@@ -733,9 +739,7 @@ impl Scheduler {
         conflicts
     }
 
-    // -----------------------------------------------------------------------------------------------
-    // filter and prioritize
-    // -----------------------------------------------------------------------------------------------
+    // ---- filter and prioritize ----
 
     /// In full-Nodes mode, takes each Node object's inventory (and utilization) annotation into the
     /// node cache when it changed. Refused annotations are treated as absent, logged and counted.
@@ -844,6 +848,7 @@ impl Scheduler {
 
 mod admission;
 mod bind;
+pub mod books;
 pub mod claims;
 mod eval_cache;
 mod filter;

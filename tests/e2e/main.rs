@@ -8,6 +8,7 @@
 //! figures as `e2e figure: …` lines. Where the Kubernetes binaries come from: `cluster.rs`.
 
 mod audit;
+mod books;
 mod cluster;
 mod dra;
 mod dra_compare;

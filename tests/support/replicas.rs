@@ -77,6 +77,7 @@ pub fn start_replica(
         keys,
         scheduler_tls: None,
         dra: None,
+        books_namespace: Some("gpuplace-system".into()),
     };
     let ctl = serve::start(client, ext.scheduler().clone(), leadership, opts);
     Replica { ext, binder, ctl }

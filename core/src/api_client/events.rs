@@ -11,6 +11,9 @@ use kube::Client;
 pub const CONTROLLER: &str = "gpuplace.io/extender";
 /// Reason of the Event on a pod whose assignment annotation is not trusted.
 pub const REASON_ASSIGNMENT: &str = "AssignmentNotTrusted";
+/// Reason of the Event on a pod whose assignment annotation was removed or rewritten after gpuplace
+/// bound it (its GPUs stay counted from gpuplace's books).
+pub const REASON_TAMPERED: &str = "AssignmentTampered";
 /// Reason of the Event on a node whose inventory annotation is refused.
 pub const REASON_INVENTORY: &str = "InventoryRefused";
 

@@ -46,6 +46,8 @@ pub(super) struct Planning<'a> {
     pub others: &'a HashMap<String, Group>,
     pub now: Instant,
     pub now_unix_ms: i64,
+    /// Reserve only for the members that exist (`Groups::reserve_only_for_existing`).
+    pub only_existing: bool,
 }
 
 /// Where a registered member may go: its slot, a slot made for it, or why it waits.
@@ -80,10 +82,11 @@ pub(super) fn decide(g: &mut Group, mut ctx: Planning<'_>, uid: &str, events: &m
             }
         };
     }
-    if g.expired && g.members.len() < g.quorum() {
+    if (g.expired || ctx.only_existing) && g.members.len() < g.quorum() {
         let all = if g.quorum() == g.size { "all " } else { "" };
+        let why = if g.expired { "after its reservation timed out" } else { "before it reserves room for them" };
         let reason = format!(
-            "group {} waits for {all}{} pods ({} exist) after its reservation timed out",
+            "group {} waits for {all}{} pods ({} exist) {why}",
             group_name(&g.key),
             g.quorum(),
             g.members.len()
@@ -232,7 +235,9 @@ fn kept_reason(g: &Group, placed: usize, waiting: &str) -> String {
 /// the most that fit, at least as many as it needs to start. `Err(reason)` when no plan exists.
 fn make_plan(g: &mut Group, ctx: &mut Planning<'_>) -> Result<GroupEvent, String> {
     let bound = g.bound();
-    let to_place = g.size.saturating_sub(bound);
+    // room only for pods that exist, where every pod is watched: a size no pods back holds nothing
+    let exist = if ctx.only_existing { g.members.len().min(g.size) } else { g.size };
+    let to_place = exist.saturating_sub(bound);
     if to_place == 0 {
         return Err(format!("group {} has every pod bound", group_name(&g.key)));
     }

@@ -47,6 +47,8 @@ impl Scheduler {
                         let mut st = self.write();
                         if let Some(b) = st.bound.get_mut(&order.uid) {
                             b.confirmed = true;
+                            let node = b.node.clone();
+                            st.books.mark(&node);
                             st.bound_at.insert(order.uid.clone(), Instant::now());
                         }
                         let done = st.groups.settle(&order.uid).into_iter().collect();
@@ -207,7 +209,9 @@ impl Scheduler {
             self.metrics.conflict(ConflictKind::StaleUid);
             tracing::warn!(pod = %key, old_uid = %old, new_uid = %order.uid, "pod name bound again under a new UID; releasing the old record");
             let _ = st.cluster.release(&key);
-            st.bound.remove(&old);
+            if let Some(b) = st.bound.remove(&old) {
+                st.books.mark(&b.node);
+            }
             st.uid_of.remove(&key);
         }
         let mut record = BoundPod {

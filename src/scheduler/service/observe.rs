@@ -29,6 +29,7 @@ use std::time::Instant;
 use super::{BoundPod, Scheduler, SeenPod, State};
 use crate::scheduler::input::PodView;
 use crate::scheduler::metrics::ConflictKind;
+use crate::scheduler::requeue::RequeuePod;
 use gpuplace_core::annotations::{
     NodeInventory, ANNOTATION_ALLOCATED, ANNOTATION_ASSIGNMENT, ANNOTATION_INVENTORY, ANNOTATION_UTILIZATION,
 };
@@ -96,6 +97,9 @@ pub enum PodOutcome {
     Released,
     /// An assignment that is not trusted (not counted), with why; reported once per annotation text.
     Refused(String),
+    /// A counted pod's assignment annotation was removed: its GPUs stay counted (and the leader
+    /// writes the record back), with what to tell; reported once until the record is back.
+    Tampered(String),
 }
 
 /// What [`Scheduler::observe_node`] did.
@@ -254,6 +258,10 @@ impl Scheduler {
             let st = self.read();
             let reported = Self::already_refused(&st, pod);
             if let Some(b) = st.bound.get(&pod.uid) {
+                if Self::erased(b, pod) && !st.books.tampered.contains(&pod.uid) {
+                    drop(st);
+                    return self.erased_after_bind(pod);
+                }
                 let differs = pod.annotation.is_some() && pod.annotation != b.annotation;
                 if !differs || reported {
                     return PodOutcome::Known;
@@ -276,7 +284,10 @@ impl Scheduler {
             if let Some(outcome) = self.resigned_copy(st, &pod.uid, text) {
                 return outcome;
             }
-            // someone rewrote the annotation after gpuplace bound the pod: the GPUs it counted stay
+            // someone rewrote the annotation after gpuplace bound the pod: the GPUs it counted stay,
+            // and the leader writes the record back
+            self.metrics.conflict(ConflictKind::TamperedAssignment);
+            st.books.tampered.insert(pod.uid.clone());
             let why =
                 "the assignment was changed after gpuplace bound the pod; the GPUs counted at bind stay as they were"
                     .to_string();
@@ -328,6 +339,7 @@ impl Scheduler {
             },
         );
         st.refused.remove(&pod.uid);
+        st.books.mark(node);
         st.groups.member_bound(&pod.uid, &pod.key, request, node);
         tracing::info!(pod = %pod.key, node, "assignment counted from the pod");
         PodOutcome::Counted
@@ -411,6 +423,8 @@ impl Scheduler {
         st.withdrawn.remove(uid);
         st.bound_at.remove(uid);
         let b = st.bound.remove(uid)?;
+        st.books.mark(&b.node);
+        st.books.tampered.remove(uid);
         Self::forget_awaiting(st, &b.node, uid);
         if st.uid_of.get(&b.key).is_some_and(|u| u == uid) {
             st.uid_of.remove(&b.key);
@@ -482,7 +496,19 @@ impl Scheduler {
     /// PodGroup, so its plan counts the members not placed yet.
     pub fn observe_pending_member(&self, uid: &str, req: &PodRequest) {
         if req.group.is_some() && !uid.is_empty() && !self.read().groups.knows_pending(uid, req) {
-            self.write().groups.observe_pending(uid, req);
+            let waiting = self.write().groups.observe_pending(uid, req);
+            // the group's pods all exist now: those turned away while it waited for them try again
+            if let (Some(requeuer), false) = (self.requeuer.get(), waiting.is_empty()) {
+                let group = req.group.as_ref().map(|g| g.key.clone()).unwrap_or_default();
+                let pods = waiting
+                    .into_iter()
+                    .filter_map(|(key, uid)| {
+                        let (namespace, name) = key.split_once('/')?;
+                        Some(RequeuePod { namespace: namespace.into(), name: name.into(), uid, node: group.clone() })
+                    })
+                    .collect();
+                requeuer.requeue(pods);
+            }
         }
     }
 }

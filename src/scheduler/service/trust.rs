@@ -133,6 +133,8 @@ impl Scheduler {
             Some(b) if b.annotation.as_deref() == Some(r.old.as_str()) => {
                 b.signed_by = Some(r.signed_by.clone());
                 b.annotation = Some(r.new.clone());
+                let node = b.node.clone();
+                st.books.mark(&node);
                 true
             }
             _ => false,
@@ -154,6 +156,8 @@ impl Scheduler {
             Ok(id) => {
                 b.annotation = Some(text.to_string());
                 b.signed_by = Some(id);
+                let node = b.node.clone();
+                st.books.mark(&node);
                 Some(PodOutcome::Known)
             }
             Err(AnnotationError::NotSigned(SignatureProblem::UnknownKey(id))) => {
