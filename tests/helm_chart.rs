@@ -37,6 +37,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use yaml_files::yaml_files;
 
+#[path = "support/packages.rs"]
+mod packages;
 #[path = "support/xz.rs"]
 mod xz;
 #[path = "support/yaml_files.rs"]

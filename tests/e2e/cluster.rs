@@ -274,6 +274,7 @@ impl ControlPlane {
         let _ = fs::remove_dir_all(&dir);
         fs::create_dir_all(dir.join("certs")).expect("create the scratch folder");
         let key = dir.join("sa.key");
+        crate::packages::require(&["openssl"]);
         let status = Command::new("openssl")
             .args(["genrsa", "-out"])
             .arg(&key)

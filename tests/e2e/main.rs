@@ -18,6 +18,8 @@ mod fleet;
 mod groups;
 mod netns;
 mod node;
+#[path = "../support/packages.rs"]
+mod packages;
 #[path = "../support/proc_usage.rs"]
 mod proc_usage;
 mod real_node;

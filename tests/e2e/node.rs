@@ -52,38 +52,15 @@ const KUBELET_ROOT_BASE: &str = "/var/lib/gpuplace-e2e";
 /// The most bytes a Unix socket path may have (`sun_path` is 108 with its NUL).
 const MAX_SOCKET_PATH: usize = 107;
 
-/// Packages the real node needs, by Debian name (`.ci/run` installs the missing ones).
-const PACKAGES: &str = "runc buildah containernetworking-plugins busybox-static iproute2 util-linux";
-
-/// Paths the node needs on this machine, each with the Debian package that has it.
-fn missing_prerequisites() -> Vec<String> {
-    let need = [
-        ("/usr/sbin/runc", "runc"),
-        ("/usr/bin/buildah", "buildah"),
-        ("/usr/lib/cni/bridge", "containernetworking-plugins"),
-        ("/usr/lib/cni/host-local", "containernetworking-plugins"),
-        ("/usr/lib/cni/loopback", "containernetworking-plugins"),
-        ("/bin/busybox", "busybox-static"),
-        ("/usr/bin/nsenter", "util-linux"),
-        ("/usr/bin/unshare", "util-linux"),
-    ];
-    let mut missing: Vec<String> = need
-        .iter()
-        .filter(|(p, _)| {
-            !Path::new(p).exists() && !on_path(Path::new(p).file_name().and_then(|n| n.to_str()).unwrap_or(""))
-        })
-        .map(|(p, pkg)| format!("{p} ({pkg})"))
-        .collect();
+/// What the real node needs on this machine: the Debian packages of `support/packages.rs` (installed
+/// there when missing, as root with apt-get), and root itself.
+fn require_prerequisites() {
+    crate::packages::require_all();
     // SAFETY: geteuid has no preconditions
-    if unsafe { libc::geteuid() } != 0 {
-        missing.push("root (the kubelet, containerd and network namespaces need it)".into());
-    }
-    missing
-}
-
-fn on_path(name: &str) -> bool {
-    !name.is_empty()
-        && std::env::var_os("PATH").map(|p| std::env::split_paths(&p).any(|d| d.join(name).is_file())).unwrap_or(false)
+    assert!(
+        unsafe { libc::geteuid() } == 0,
+        "e2e: the real node needs root (the kubelet, containerd and network namespaces)"
+    );
 }
 
 fn run(cmd: &mut Command) -> Result<String, String> {
@@ -136,6 +113,7 @@ pub struct Images {
 }
 
 pub fn build_images(bin_dir: &Path) -> Images {
+    require_prerequisites();
     let t = Instant::now();
     let work = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("e2e-images");
     let _ = fs::remove_dir_all(&work);
@@ -242,12 +220,7 @@ impl RealNode {
     /// and waits until the Node is Ready. The control plane must have its controller-manager
     /// running (it lifts the registration taint; pods need the `default` ServiceAccount).
     pub async fn start(cp: &ControlPlane, name: &str, images: &Images) -> RealNode {
-        let missing = missing_prerequisites();
-        assert!(
-            missing.is_empty(),
-            "e2e: the real node needs {}; install the Debian packages with `apt-get install {PACKAGES}` (.ci/run does)",
-            missing.join(", ")
-        );
+        require_prerequisites();
         // one kubelet per machine owns the device-plugin folder: refuse to share it, and clear what
         // a killed run left (its checkpoint names pods of another cluster)
         let kubelet_sock = Path::new(DEVICE_PLUGIN_DIR).join("kubelet.sock");

@@ -1,5 +1,6 @@
 //! Unpacking the xz-compressed binaries of `../shared/kube/` (Kubernetes, Helm) for the tests that
-//! run them (`#[path]`-included by tests/e2e and tests/helm_chart.rs). Never into the repository.
+//! run them (`#[path]`-included by tests/e2e and tests/helm_chart.rs, each with `support/packages.rs`).
+//! Never into the repository.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -13,6 +14,7 @@ pub fn unpack(xz: &Path, dir: &Path, name: &str) -> PathBuf {
         return out;
     }
     fs::create_dir_all(dir).unwrap_or_else(|e| panic!("create {}: {e}", dir.display()));
+    crate::packages::require(&["xz-utils"]);
     let partial = dir.join(format!("{name}.partial.{}", std::process::id()));
     let file = fs::File::create(&partial).expect("create the unpacked binary");
     let status = Command::new("xz")
