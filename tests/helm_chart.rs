@@ -744,7 +744,7 @@ fn every_option_renders_and_the_extender_arguments_parse() {
     assert_eq!(find(&docs, "Role", "gpuplace-device-plugin-public-keys")["metadata"]["namespace"], "gpuplace-keys");
     // the admission policy follows the key Secret's namespace and name
     let policy = find(&docs, "ValidatingAdmissionPolicy", "gpuplace-extender-scope").to_string();
-    assert!(policy.contains("request.namespace == 'gpuplace-keys' && object.metadata.name == 'keys'"), "{policy}");
+    assert!(policy.contains("request.namespace == 'gpuplace-keys' && variables.name == 'keys'"), "{policy}");
     let keys = find(&docs, "Role", "gpuplace-extender-assignment-keys");
     assert_eq!(keys["metadata"]["namespace"], "gpuplace-keys");
     assert!(keys["rules"].as_array().unwrap().iter().any(|r| strings(&r["resourceNames"]) == ["keys"]), "{keys}");
