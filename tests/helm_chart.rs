@@ -47,6 +47,7 @@ mod yaml_files;
 /// The plain files (under `scheduler-config/`) that the default rendering reproduces, and nothing else.
 const DEFAULT_FILES: &[&str] = &[
     "extender/admission-policy.yaml",
+    "extender/records-policy.yaml",
     "extender/deployment.yaml",
     "extender/flowschema.yaml",
     "extender/networkpolicy.yaml",
@@ -347,6 +348,23 @@ fn the_default_rendering_is_the_plain_manifests() {
         assert!(!k.contains("monitoring.coreos.com") && !other_namespace, "{k} in the default rendering");
     }
     assert_extender_args_parse(find(&render(&[]), "Deployment", "gpuplace-extender"));
+}
+
+/// The records policy (on by default, in the default rendering) names the release namespace's
+/// ServiceAccounts, and `recordsPolicy.enabled=false` leaves it out, and nothing else.
+#[test]
+fn the_records_policy_follows_the_namespace_and_can_be_left_out() {
+    let policy = find(&render_in("gpu-ops", &[]), "ValidatingAdmissionPolicy", "gpuplace-records").to_string();
+    for account in ["gpuplace-extender", "gpuplace-device-plugin"] {
+        assert!(policy.contains(&format!("'system:serviceaccount:gpu-ops:{account}'")), "{policy}");
+    }
+    assert!(!policy.contains("gpuplace-system"), "{policy}");
+    let without = by_key(render(&values(&["recordsPolicy.enabled=false"])), "helm template");
+    let mut default = by_key(render(&[]), "helm template");
+    let all = default.len();
+    default.retain(|k, _| !k.ends_with("/gpuplace-records"));
+    assert_eq!(default.len() + 2, all, "the policy and its binding");
+    assert_same_objects("recordsPolicy.enabled=false", &default, &without);
 }
 
 /// DRA mode: the DeviceClass and the resourceslices RBAC of `device-plugin/dra.yaml` beside the
@@ -746,7 +764,7 @@ fn every_option_renders_and_the_extender_arguments_parse() {
     assert_eq!(find(&docs, "Role", "gpuplace-device-plugin-public-keys")["metadata"]["namespace"], "gpuplace-keys");
     // the admission policy follows the key Secret's namespace and name
     let policy = find(&docs, "ValidatingAdmissionPolicy", "gpuplace-extender-scope").to_string();
-    assert!(policy.contains("request.namespace == 'gpuplace-keys' && object.metadata.name == 'keys'"), "{policy}");
+    assert!(policy.contains("request.namespace == 'gpuplace-keys' && variables.name == 'keys'"), "{policy}");
     let keys = find(&docs, "Role", "gpuplace-extender-assignment-keys");
     assert_eq!(keys["metadata"]["namespace"], "gpuplace-keys");
     assert!(keys["rules"].as_array().unwrap().iter().any(|r| strings(&r["resourceNames"]) == ["keys"]), "{keys}");

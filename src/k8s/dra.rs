@@ -16,7 +16,9 @@
 //! Every claim of the class is allocated here, never by kube-scheduler: its pods reach kube-scheduler
 //! only once their claims are allocated, and the device plugin can taint the devices
 //! (`--dra-allocator gpuplace`) so that a pod that got past the gate cannot have kube-scheduler
-//! allocate them beside gpuplace (nothing checks capacity across claims).
+//! allocate them beside gpuplace (nothing checks capacity across claims). The admission policy
+//! `gpuplace-dra-gate-holds` (scheduler-config/dra/gpuplace-allocates.yaml) keeps tenants from
+//! lifting the gate or tolerating the taint, and refuses any other writer's allocation of them.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};

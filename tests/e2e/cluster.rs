@@ -416,7 +416,12 @@ impl ControlPlane {
     /// (scheduler-config/device-plugin/admission-policy.yaml) judges it as it would there.
     pub async fn node_bound_kubeconfig(&self, node: &str) -> PathBuf {
         let token = self.node_bound_token("gpuplace-device-plugin", node).await;
-        let path = self.dir.join(format!("device-plugin-{node}.kubeconfig"));
+        self.token_kubeconfig(&format!("device-plugin-{node}"), &token)
+    }
+
+    /// A kubeconfig `<name>.kubeconfig` that authenticates with `token`.
+    pub fn token_kubeconfig(&self, name: &str, token: &str) -> PathBuf {
+        let path = self.dir.join(format!("{name}.kubeconfig"));
         let text = format!(
             "apiVersion: v1\nkind: Config\nclusters:\n- name: e2e\n  cluster:\n    server: {}\n    insecure-skip-tls-verify: true\n\
              users:\n- name: u\n  user:\n    token: {token}\ncontexts:\n- name: e2e\n  context: {{cluster: e2e, user: u}}\n\

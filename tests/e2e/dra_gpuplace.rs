@@ -8,6 +8,10 @@
 //! are. A pod whose claims are of another class is let go at once; one that also asks for gpuplace's
 //! own resources stays gated with an Event; one that got past the gate (policy unbound) is never
 //! allocated by kube-scheduler, because the devices are tainted. No device is over-committed.
+//!
+//! Issue 48, item 3: the gate holds against a tenant. Its ServiceAccount cannot lift the gate of its
+//! own pod, nor make a claim or template that tolerates the devices' taint; a tolerating claim from
+//! before the policy is never allocated by kube-scheduler (its write is refused).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -16,13 +20,18 @@ use gpuplace_core::dra::claims::{share_id, DELETE_PROTECTION_FINALIZER};
 use gpuplace_core::dra::device_index;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimTemplate, ResourceSlice};
-use kube::api::{DeleteParams, DynamicObject, ListParams, PostParams};
+use kube::api::{DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client, ResourceExt};
 use serde_json::{json, Value};
 
-use crate::cluster::{apply, figure, ControlPlane, User};
-use crate::dra::{claim, claim_pod, create_claim_pods, device_use, gpuplace_allocates_on, GpuplaceDra, DRIVER};
-use crate::{NS, SERIAL};
+use crate::cluster::{apply, figure, repo, yaml_objects, ControlPlane, User};
+use crate::dra::{
+    claim, claim_pod, create_claim_pods, device_names, device_use, gpuplace_allocates_on, wait_gate_policy, wait_slice,
+    GpuplaceDra, DRIVER,
+};
+use crate::fleet::{create_node, gpu_node_labels, start_plugin_with};
+use crate::security::{answer, refused_by, tenant};
+use crate::{install, scheduler_config, NS, SERIAL};
 
 const GATE: &str = "gpuplace.io/dra";
 
@@ -228,4 +237,145 @@ fn mutating_binding_resource() -> kube::api::ApiResource {
         kind: "MutatingAdmissionPolicyBinding".into(),
         plural: "mutatingadmissionpolicybindings".into(),
     }
+}
+
+/// A claim of one whole GPU whose request (`exactly`) carries `tolerations`.
+fn tolerating(name: &str, tolerations: Value) -> ResourceClaim {
+    let mut c = serde_json::to_value(claim(name, 1, Value::Null, false)).expect("json");
+    c["spec"]["devices"]["requests"][0]["exactly"]["tolerations"] = tolerations;
+    serde_json::from_value(c).expect("a claim")
+}
+
+const TAINT: &str = "gpu.gpuplace.io/allocator";
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_tenant_can_neither_lift_the_dra_gate_nor_tolerate_gpuplaces_taint() {
+    let _serial = SERIAL.lock().await;
+    let mut cp = ControlPlane::start("dra-gate-holds").await;
+    let admin = cp.client(User::Admin).await;
+    install(&admin).await;
+    for obj in yaml_objects(&repo().join("scheduler-config/device-plugin/dra.yaml")) {
+        apply(&admin, &obj, false).await.expect("device-plugin/dra.yaml");
+    }
+    create_node(&admin, "gpu-00", gpu_node_labels("gpu-00", 0, 0), Value::Null, 8).await;
+    let extra = ["--dra", "--dra-allocator", "gpuplace", "--node-sync-interval", "1s"];
+    let mut plugin = start_plugin_with(&cp, "gpu-00", "hgx-h100-8", &extra).await;
+    let slices: Api<ResourceSlice> = Api::all(admin.clone());
+    wait_slice(&slices, "gpu-00", "8 tainted devices", |s| device_names(s).len() == 8).await;
+
+    // from before the policies: a claim that tolerates the taint, and its pod (never gated)
+    let claims: Api<ResourceClaim> = Api::namespaced(admin.clone(), NS);
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), NS);
+    let pp = PostParams::default();
+    let exists = json!([{"key": TAINT, "operator": "Exists", "effect": "NoSchedule"}]);
+    claims.create(&pp, &tolerating("before", exists.clone())).await.expect("claim before");
+    pods.create(&pp, &claim_pod("before", "before")).await.expect("pod before");
+    for obj in yaml_objects(&repo().join("scheduler-config/dra/gpuplace-allocates.yaml")) {
+        apply(&admin, &obj, false).await.expect("dra/gpuplace-allocates.yaml");
+    }
+    wait_gate_policy(&admin, NS).await;
+    let dry = PostParams { dry_run: true, ..PostParams::default() };
+    let until = Instant::now() + Duration::from_secs(30);
+    while claims.create(&dry, &tolerating("probe", exists.clone())).await.is_ok() {
+        assert!(Instant::now() < until, "the gate-holds policy took no effect within 30 s");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    cp.start_scheduler(&scheduler_config(), None);
+
+    // the tenant: RBAC lets it write its pods, claims and templates
+    let rules = json!([{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "create", "update", "patch"]},
+        {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims", "resourceclaimtemplates"], "verbs": ["get", "create"]}]);
+    let tenant = tenant(&cp, &admin, "tenant", rules).await;
+    let t_claims: Api<ResourceClaim> = Api::namespaced(tenant.clone(), NS);
+    let t_pods: Api<Pod> = Api::namespaced(tenant.clone(), NS);
+    const HOLDS: &str = "gpuplace-dra-gate-holds";
+    t_claims.create(&pp, &claim("mine", 1, Value::Null, false)).await.expect("the tenant's claim");
+    let walker = t_pods.create(&pp, &claim_pod("walker", "mine")).await.expect("the tenant's pod");
+    assert_eq!(gates(&walker), [GATE], "the tenant's pod is gated");
+    let lift: json_patch::Patch =
+        serde_json::from_value(json!([{"op": "remove", "path": "/spec/schedulingGates/0"}])).expect("a JSON patch");
+    let patch = PatchParams::default();
+    refused_by(
+        "the tenant lifting the gate of its own pod",
+        HOLDS,
+        answer(t_pods.patch("walker", &patch, &Patch::<()>::Json(lift.clone())).await),
+    );
+    refused_by(
+        "the tenant clearing its pod's gates with a merge patch",
+        HOLDS,
+        answer(t_pods.patch("walker", &patch, &Patch::Merge(json!({"spec": {"schedulingGates": null}}))).await),
+    );
+
+    // claims that tolerate the taint, however they say it
+    let mut all = serde_json::to_value(tolerating("all", exists.clone())).expect("json");
+    all["spec"]["devices"]["requests"][0]["exactly"]["allocationMode"] = json!("All");
+    all["spec"]["devices"]["requests"][0]["exactly"].as_object_mut().expect("exactly").remove("count");
+    let mut first = serde_json::to_value(claim("first", 1, Value::Null, false)).expect("json");
+    first["spec"]["devices"]["requests"][0] = json!({"name": "gpu", "firstAvailable": [
+        {"name": "small", "deviceClassName": "nic.example.com"},
+        {"name": "any", "deviceClassName": DRIVER, "tolerations": [{"key": TAINT, "operator": "Exists"}]}]});
+    let cases = [
+        ("its key, Exists", tolerating("key", exists.clone())),
+        ("every taint (no key, Exists)", tolerating("every", json!([{"operator": "Exists"}]))),
+        (
+            "its key and value",
+            tolerating("value", json!([{"key": TAINT, "value": "gpuplace", "effect": "NoSchedule"}])),
+        ),
+        ("allocationMode All", serde_json::from_value(all).expect("a claim")),
+        ("a firstAvailable subrequest", serde_json::from_value(first).expect("a claim")),
+    ];
+    for (how, c) in &cases {
+        refused_by(
+            &format!("the tenant's claim tolerating the taint: {how}"),
+            HOLDS,
+            answer(t_claims.create(&pp, c).await),
+        );
+    }
+    let template: ResourceClaimTemplate = serde_json::from_value(json!({"metadata": {"name": "tolerant"},
+        "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER,
+            "tolerations": [{"key": TAINT, "operator": "Exists"}]}}]}}}}))
+    .expect("a template");
+    refused_by(
+        "the tenant's template tolerating the taint",
+        HOLDS,
+        answer(Api::<ResourceClaimTemplate>::namespaced(tenant, NS).create(&pp, &template).await),
+    );
+    // tolerations of other taints, or of another effect, are the tenant's business
+    let other = json!([{"key": "example.com/maintenance", "operator": "Exists"}, {"key": TAINT, "operator": "Exists", "effect": "NoExecute"}]);
+    t_claims.create(&pp, &tolerating("other", other)).await.expect("a claim tolerating other taints");
+
+    // the extender's credential lifts the gate (as the extender does once it has allocated)
+    let ext_pods: Api<Pod> = Api::namespaced(cp.client(User::Extender).await, NS);
+    let lifted = ext_pods.patch("walker", &patch, &Patch::<()>::Json(lift)).await.expect("the extender lifts the gate");
+    assert!(gates(&lifted).is_empty());
+
+    // the tolerating claim from before: kube-scheduler picks a tainted device, and its write is refused
+    let until = Instant::now() + Duration::from_secs(60);
+    let why = loop {
+        let p = pods.get("before").await.expect("pod before");
+        let msg = p
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .and_then(|c| c.iter().find(|c| c.type_ == "PodScheduled"))
+            .and_then(|c| c.message.clone())
+            .unwrap_or_default();
+        assert!(node_of(&p).is_none(), "kube-scheduler bound the pod of a tolerating claim");
+        if msg.contains(HOLDS) && msg.contains("only gpuplace's extender allocates devices of gpu.gpuplace.io") {
+            break msg;
+        }
+        assert!(
+            Instant::now() < until,
+            "kube-scheduler's allocation was not refused in 60 s ({msg}); kube-scheduler:\n{}",
+            cp.scheduler.as_ref().map(|s| s.tail(20)).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    figure(&format!("security: kube-scheduler allocating a tolerating claim from before the policy: refused: {why}"));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let c = claims.get("before").await.expect("claim before");
+    assert!(c.status.as_ref().and_then(|s| s.allocation.as_ref()).is_none(), "allocated: {:?}", c.status);
+    assert!(node_of(&pods.get("before").await.expect("pod")).is_none());
+    assert!(plugin.running(), "the plugin exited:\n{}", plugin.tail(30));
+    plugin.kill();
 }

@@ -58,7 +58,9 @@ pub(crate) const NS: &str = "e2e";
 /// The project's manifests that a running install needs before the binaries start. The FlowSchema
 /// too: the API server runs API Priority and Fairness (on by default since Kubernetes 1.20), and
 /// without it the extender's requests, its Bindings among them, would share `workload-low` with
-/// every other service account's where an install puts them at kube-scheduler's level.
+/// every other service account's where an install puts them at kube-scheduler's level. Not the
+/// records policy (extender/records-policy.yaml): scenarios here write and strip records as the
+/// admin, which it refuses; `security::only_gpuplaces_own_accounts_write_a_pods_gpu_records` applies it.
 const INSTALL: [&str; 7] = [
     "scheduler-config/extender/namespace.yaml",
     "scheduler-config/device-plugin/namespace.yaml",

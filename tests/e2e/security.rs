@@ -1,18 +1,26 @@
 //! Issue 29 on the real API server: what the admission policies of scheduler-config/ let the
 //! device plugins' and the extender's credentials write, and what they refuse (the API server's own
-//! answers are printed as `e2e figure:` lines).
+//! answers are printed as `e2e figure:` lines); issue 48: neither credential changes ownerReferences
+//! or finalizers, and only gpuplace's own accounts write a pod's GPU records (a tenant's
+//! ServiceAccount, a cluster admin and a Binding are refused).
 
 use std::path::PathBuf;
 
+use gpuplace_core::annotations::{ANNOTATION_ALLOCATED, ANNOTATION_ASSIGNMENT};
 use gpuplace_core::api_client::connect::{connect_with, Source, Transport};
-use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Secret};
-use kube::api::{Patch, PatchParams, PostParams};
+use k8s_openapi::api::authentication::v1::TokenRequest;
+use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Secret, ServiceAccount};
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde_json::{json, Value};
 
-use crate::cluster::{figure, ControlPlane, User};
+use crate::cluster::{apply, figure, repo, yaml_objects, ControlPlane, User};
 use crate::fleet::create_node;
 use crate::{install, NS, SERIAL};
+
+/// The records policy: not in [`crate::INSTALL`], since scenarios there write forged records as the
+/// admin (`forged_assignments_are_never_counted`) or strip one to see gpuplace survive it.
+const RECORDS_POLICY: &str = "scheduler-config/extender/records-policy.yaml";
 
 /// A client from a kubeconfig file.
 async fn client_of(path: PathBuf) -> Client {
@@ -20,7 +28,7 @@ async fn client_of(path: PathBuf) -> Client {
 }
 
 /// The API server's answer to a write: `Ok` or its status code and message.
-fn answer<T>(r: Result<T, kube::Error>) -> Result<(), (u16, String)> {
+pub(crate) fn answer<T>(r: Result<T, kube::Error>) -> Result<(), (u16, String)> {
     match r {
         Ok(_) => Ok(()),
         Err(kube::Error::Api(s)) => Err((s.code, s.message)),
@@ -29,7 +37,7 @@ fn answer<T>(r: Result<T, kube::Error>) -> Result<(), (u16, String)> {
 }
 
 /// Refused with 403 by the named admission policy; the message printed.
-fn refused_by(what: &str, policy: &str, r: Result<(), (u16, String)>) {
+pub(crate) fn refused_by(what: &str, policy: &str, r: Result<(), (u16, String)>) {
     match r {
         Err((403, msg)) if msg.contains(policy) => figure(&format!("security: {what}: refused, 403: {msg}")),
         other => panic!("{what}: expected a 403 from {policy}, got {other:?}"),
@@ -42,6 +50,47 @@ fn allowed(what: &str, r: Result<(), (u16, String)>) {
 
 fn merge(v: Value) -> Patch<Value> {
     Patch::Merge(v)
+}
+
+/// A JSON patch removing annotation `key`.
+fn strip(key: &str) -> Patch<Value> {
+    let path = format!("/metadata/annotations/{}", key.replace('~', "~0").replace('/', "~1"));
+    Patch::Json(serde_json::from_value(json!([{"op": "remove", "path": path}])).expect("a JSON patch"))
+}
+
+/// A tenant: ServiceAccount `NS/name` with `rules` (a Role in NS) and a client with a token of its
+/// own from the TokenRequest API, as its pods get one.
+pub(crate) async fn tenant(cp: &ControlPlane, admin: &Client, name: &str, rules: Value) -> Client {
+    let rbac = "rbac.authorization.k8s.io/v1";
+    for obj in [
+        json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name, "namespace": NS}}),
+        json!({"apiVersion": rbac, "kind": "Role", "metadata": {"name": name, "namespace": NS}, "rules": rules}),
+        json!({"apiVersion": rbac, "kind": "RoleBinding", "metadata": {"name": name, "namespace": NS},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": NS}],
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name}}),
+    ] {
+        apply(admin, &obj, false).await.unwrap_or_else(|e| panic!("the tenant's {obj}: {e}"));
+    }
+    let req: TokenRequest =
+        serde_json::from_value(json!({"spec": {"audiences": [], "expirationSeconds": 3600}})).expect("a TokenRequest");
+    let token = Api::<ServiceAccount>::namespaced(admin.clone(), NS)
+        .create_token_request(name, &Default::default(), &req)
+        .await
+        .unwrap_or_else(|e| panic!("a token for {NS}/{name}: {e}"))
+        .status
+        .and_then(|s| s.token)
+        .expect("the token");
+    client_of(cp.token_kubeconfig(&format!("tenant-{name}"), &token)).await
+}
+
+/// Waits until `probe` (a dry run the policy must refuse) is refused: the API server loads a new
+/// policy within a second or so.
+async fn until_refused<F: std::future::Future<Output = Result<(), (u16, String)>>>(what: &str, probe: impl Fn() -> F) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while probe().await.is_ok() {
+        assert!(std::time::Instant::now() < deadline, "{what}: the admission policy took no effect within 30 s");
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
 }
 
 /// A pod bound to `node` directly (nobody runs it).
@@ -170,6 +219,33 @@ async fn a_nodes_device_plugin_credential_changes_only_its_own_node_and_the_exte
         PLUGIN,
         answer(util.create(&PostParams::default(), &other).await),
     );
+    // issue 48: an owner that does not exist has the garbage collector delete the object, a finalizer
+    // pins it
+    let ghost = json!({"metadata": {"ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet",
+        "name": "gone", "uid": "00000000-0000-0000-0000-000000000048"}]}});
+    let pin = json!({"metadata": {"finalizers": ["example.com/pin"]}});
+    refused_by(
+        "node A's credential giving its own pod an owner that does not exist",
+        PLUGIN,
+        answer(pods.patch("on-a", &pp, &merge(ghost.clone())).await),
+    );
+    refused_by(
+        "node A's credential pinning its own pod with a finalizer",
+        PLUGIN,
+        answer(pods.patch("on-a", &pp, &merge(pin.clone())).await),
+    );
+    refused_by(
+        "node A's credential giving its own Node an owner",
+        PLUGIN,
+        answer(nodes.patch("node-a", &pp, &merge(ghost.clone())).await),
+    );
+    let b_owns = json!({"metadata": {"ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": "node-b",
+        "uid": "00000000-0000-0000-0000-000000000048"}]}});
+    refused_by(
+        "node A's credential making node B the owner of its utilization ConfigMap",
+        PLUGIN,
+        answer(util.patch("gpuplace-utilization-node-a", &pp, &merge(b_owns)).await),
+    );
     // a credential that names no node (a static token of the same ServiceAccount) changes nothing
     refused_by(
         "the plugin's ServiceAccount without a node-bound token",
@@ -231,6 +307,190 @@ async fn a_nodes_device_plugin_credential_changes_only_its_own_node_and_the_exte
         EXTENDER,
         answer(cms.create(&PostParams::default(), &cm).await),
     );
+    refused_by(
+        "the extender's credential giving a pod an owner that does not exist",
+        EXTENDER,
+        answer(ext_pods.patch("on-b", &pp, &merge(ghost)).await),
+    );
+    refused_by(
+        "the extender's credential pinning a pod with a finalizer",
+        EXTENDER,
+        answer(ext_pods.patch("on-b", &pp, &merge(pin)).await),
+    );
+    let pod = Api::<Pod>::namespaced(admin.clone(), NS).get("on-b").await.expect("pod on-b");
+    assert!(pod.metadata.owner_references.is_none() && pod.metadata.finalizers.is_none(), "{:?}", pod.metadata);
+
+    // the books: a ConfigMap per node in gpuplace-system, deleted once its node is gone. RBAC for the
+    // delete comes with the books (extender/rbac.yaml); granted here, so that the policy decides
+    let grant = [
+        json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+            "metadata": {"name": "e2e-extender-deletes-configmaps", "namespace": "gpuplace-system"},
+            "rules": [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["delete"]}]}),
+        json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+            "metadata": {"name": "e2e-extender-deletes-configmaps", "namespace": "gpuplace-system"},
+            "subjects": [{"kind": "ServiceAccount", "name": "gpuplace-extender", "namespace": "gpuplace-system"}],
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "e2e-extender-deletes-configmaps"}}),
+    ];
+    for obj in grant {
+        apply(&admin, &obj, false).await.expect("grant configmaps delete");
+    }
+    let cms: Api<ConfigMap> = Api::namespaced(cp.client(User::Extender).await, "gpuplace-system");
+    let configmap = |name: &str, meta: Value| -> ConfigMap {
+        let mut v = json!({"metadata": {"name": name}, "data": {"node": "node-a"}});
+        v["metadata"].as_object_mut().expect("metadata").extend(meta.as_object().cloned().unwrap_or_default());
+        serde_json::from_value(v).expect("a ConfigMap")
+    };
+    let post = PostParams::default();
+    allowed(
+        "the extender's books of node A",
+        answer(cms.create(&post, &configmap("gpuplace-books-node-a", json!({}))).await),
+    );
+    allowed(
+        "the extender's public keys",
+        answer(cms.create(&post, &configmap("gpuplace-assignment-public-keys", json!({}))).await),
+    );
+    refused_by(
+        "the extender's credential creating books with a finalizer",
+        EXTENDER,
+        answer(
+            cms.create(&post, &configmap("gpuplace-books-node-b", json!({"finalizers": ["example.com/pin"]}))).await,
+        ),
+    );
+    let dp = DeleteParams::default();
+    allowed("the extender deleting the books of a node gone", answer(cms.delete("gpuplace-books-node-a", &dp).await));
+    refused_by(
+        "the extender's credential deleting the public keys",
+        EXTENDER,
+        answer(cms.delete("gpuplace-assignment-public-keys", &dp).await),
+    );
+}
+
+/// Issue 48, item 1's first line, on the real API server: with the records policy
+/// (scheduler-config/extender/records-policy.yaml), a tenant's ServiceAccount that RBAC lets edit its
+/// pods cannot strip, change or plant `gpuplace.io/assignment` or `gpuplace.io/allocated`, nor can a
+/// cluster admin or a Binding carry one; the extender writes and removes the assignment, the node's
+/// device plugin writes the marker, and neither the other's record.
+#[tokio::test(flavor = "current_thread")]
+async fn only_gpuplaces_own_accounts_write_a_pods_gpu_records() {
+    let _serial = SERIAL.lock().await;
+    let cp = ControlPlane::start("records").await;
+    let admin = cp.client(User::Admin).await;
+    install(&admin).await;
+    for obj in yaml_objects(&repo().join(RECORDS_POLICY)) {
+        apply(&admin, &obj, false).await.unwrap_or_else(|e| panic!("{RECORDS_POLICY}: {e}"));
+    }
+    create_node(&admin, "node-a", json!({"kubernetes.io/hostname": "node-a"}), Value::Null, 8).await;
+    bound_pod(&admin, "held", "node-a").await;
+    let rules = json!([{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "create", "update", "patch"]},
+        {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]}]);
+    let tenant_pods: Api<Pod> = Api::namespaced(tenant(&cp, &admin, "tenant", rules).await, NS);
+    let admin_pods: Api<Pod> = Api::namespaced(admin.clone(), NS);
+    let pp = PatchParams::default();
+    let set = |key: &str, value: &str| merge(json!({"metadata": {"annotations": {key: value}}}));
+    const RECORDS: &str = "gpuplace-records";
+    let dry = PatchParams { dry_run: true, ..PatchParams::default() };
+    let probe = set(ANNOTATION_ASSIGNMENT, "{}");
+    until_refused("the records policy", || {
+        let (api, dry, probe) = (&admin_pods, &dry, &probe);
+        async move { answer(api.patch("held", dry, probe).await) }
+    })
+    .await;
+
+    // gpuplace's own accounts: the extender's assignment, node A's plugin's marker
+    let ext_pods: Api<Pod> = Api::namespaced(cp.client(User::Extender).await, NS);
+    let plugin_pods: Api<Pod> = Api::namespaced(client_of(cp.node_bound_kubeconfig("node-a").await).await, NS);
+    allowed(
+        "the extender writing an assignment",
+        answer(ext_pods.patch("held", &pp, &set(ANNOTATION_ASSIGNMENT, "{\"signed\":1}")).await),
+    );
+    allowed(
+        "node A's plugin writing its marker",
+        answer(plugin_pods.patch("held", &pp, &set(ANNOTATION_ALLOCATED, "{\"containers\":[]}")).await),
+    );
+
+    // the tenant: its pod's other metadata as it likes, the records not at all
+    allowed(
+        "the tenant annotating and labelling its pod",
+        answer(
+            tenant_pods
+                .patch(
+                    "held",
+                    &pp,
+                    &merge(json!({"metadata": {"annotations": {"example.com/note": "x"}, "labels": {"team": "a"}}})),
+                )
+                .await,
+        ),
+    );
+    for key in [ANNOTATION_ASSIGNMENT, ANNOTATION_ALLOCATED] {
+        refused_by(
+            &format!("the tenant stripping {key}"),
+            RECORDS,
+            answer(tenant_pods.patch("held", &pp, &strip(key)).await),
+        );
+        refused_by(
+            &format!("the tenant rewriting {key}"),
+            RECORDS,
+            answer(tenant_pods.patch("held", &pp, &set(key, "{}")).await),
+        );
+    }
+    // the API server takes a pod's annotations through its status too
+    refused_by(
+        "the tenant stripping the assignment through pods/status",
+        RECORDS,
+        answer(tenant_pods.patch_status("held", &pp, &strip(ANNOTATION_ASSIGNMENT)).await),
+    );
+    let mut copied: Value = json!({"metadata": {"name": "copy", "annotations": {ANNOTATION_ASSIGNMENT: "{\"signed\":1}"}},
+        "spec": {"containers": [{"name": "main", "image": "busybox"}]}});
+    refused_by(
+        "the tenant creating a pod that carries an assignment",
+        RECORDS,
+        answer(
+            tenant_pods.create(&PostParams::default(), &serde_json::from_value(copied.clone()).expect("a pod")).await,
+        ),
+    );
+
+    // a cluster admin is refused too (docs/deploy.md, "Security": the binding is the admin's switch)
+    refused_by(
+        "a cluster admin stripping the assignment",
+        RECORDS,
+        answer(admin_pods.patch("held", &pp, &strip(ANNOTATION_ASSIGNMENT)).await),
+    );
+    copied["metadata"]["annotations"] = json!({});
+    admin_pods.create(&PostParams::default(), &serde_json::from_value(copied).expect("a pod")).await.expect("pod copy");
+    let binding = json!({"apiVersion": "v1", "kind": "Binding",
+        "metadata": {"name": "copy", "annotations": {ANNOTATION_ASSIGNMENT: "{\"signed\":1}"}},
+        "target": {"apiVersion": "v1", "kind": "Node", "name": "node-a"}});
+    refused_by(
+        "a cluster admin's Binding carrying an assignment",
+        RECORDS,
+        answer(admin_pods.create_subresource::<_, Value>("binding", "copy", &PostParams::default(), &binding).await),
+    );
+
+    // each of gpuplace's accounts writes its own record only
+    refused_by(
+        "node A's plugin writing an assignment",
+        RECORDS,
+        answer(plugin_pods.patch("held", &pp, &set(ANNOTATION_ASSIGNMENT, "{}")).await),
+    );
+    refused_by(
+        "the extender writing the plugin's marker",
+        RECORDS,
+        answer(ext_pods.patch("held", &pp, &set(ANNOTATION_ALLOCATED, "{}")).await),
+    );
+    let held = admin_pods.get("held").await.expect("pod held");
+    let annotations = held.metadata.annotations.clone().unwrap_or_default();
+    assert_eq!(annotations.get(ANNOTATION_ASSIGNMENT).map(String::as_str), Some("{\"signed\":1}"), "{annotations:?}");
+    assert_eq!(
+        annotations.get(ANNOTATION_ALLOCATED).map(String::as_str),
+        Some("{\"containers\":[]}"),
+        "{annotations:?}"
+    );
+    // the extender removes a stale assignment (src/k8s/stale.rs) as before
+    allowed(
+        "the extender removing an assignment",
+        answer(ext_pods.patch("held", &pp, &strip(ANNOTATION_ASSIGNMENT)).await),
+    );
+    figure("security: the records are written by gpuplace's own accounts only; the tenant's other edits went through");
 }
 
 /// Issue 29's H1 probe on the real control plane: a pod whose nodeSelector matches no node, which

@@ -135,7 +135,8 @@ pub fn devices(
 /// The taint on every device when gpuplace allocates the driver's claims (`--dra-allocator
 /// gpuplace`): kube-scheduler's allocator then never picks a device for a claim that does not
 /// tolerate it, so a pod that got past gpuplace's scheduling gate stays pending instead of being
-/// allocated beside gpuplace's claims (nothing checks capacity across claims). gpuplace writes its
+/// allocated beside gpuplace's claims (nothing checks capacity across claims); a claim that tolerates
+/// it is refused at admission (scheduler-config/dra/gpuplace-allocates.yaml). gpuplace writes its
 /// allocations itself, and a taint with `NoSchedule` affects allocation only.
 pub const ALLOCATOR_TAINT_KEY: &str = "gpu.gpuplace.io/allocator";
 pub const ALLOCATOR_TAINT_VALUE: &str = "gpuplace";
