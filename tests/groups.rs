@@ -625,3 +625,52 @@ fn members_beyond_a_quorum_leave_the_room_a_whole_waiting_group_needs() {
     let nodes: BTreeSet<String> = job.iter().map(|m| place(&e, m)).collect();
     assert_eq!(nodes, BTreeSet::from(["gpu-00".to_string(), "gpu-01".to_string()]));
 }
+
+/// The pod watcher saw `pod` pending (API-server mode), as `k8s::pods` reports it.
+fn seen_pending(e: &Extender, pod: &Value) {
+    let w: gpuplace::extender::wire::Pod = serde_json::from_value(pod.clone()).expect("a wire pod");
+    e.observe_pod(&gpuplace::scheduler::service::observe::ObservedPod::of(&w));
+}
+
+/// Issue 48: where every pod is watched, a group reserves room only for the pods that exist. One pod
+/// claiming `gpuplace.io/group-size: 16` (two ToRs of whole nodes) holds nothing; the group is planned
+/// once its pods all exist, and the members turned away meanwhile are sent back to the queue then.
+#[test]
+fn where_pods_are_watched_a_group_reserves_only_for_the_pods_that_exist() {
+    let e = extender_with(cluster(16), Arc::new(RecordingBinder::new()), Duration::from_secs(300));
+    e.set_pods_watched();
+    let requeued = Arc::new(Requeued::default());
+    e.set_requeuer(requeued.clone());
+    // a lone pod naming a size no pods back
+    let greedy = member("greedy", 0, 16, whole(8));
+    seen_pending(&e, &greedy);
+    let r = filter(&e, &greedy);
+    assert!(passed(&r).is_empty(), "{r:?}");
+    assert!(
+        r.failed_and_unresolvable_nodes
+            .values()
+            .all(|v| v.contains("waits for all 16 pods (1 exist) before it reserves")),
+        "{r:?}"
+    );
+    assert_eq!(reserved_gpus(&e), 0.0, "a size no pods back reserved GPUs");
+    // a real job of 4: its first members wait, reserving nothing; the last one's arrival plans it and
+    // sends the ones turned away back to the queue
+    let job: Vec<Value> = (0..4).map(|i| member("job", i, 4, whole(8))).collect();
+    for (i, m) in job.iter().enumerate().take(3) {
+        seen_pending(&e, m);
+        assert!(passed(&filter(&e, m)).is_empty(), "member {i} passed before the group's pods all exist");
+    }
+    assert_eq!(reserved_gpus(&e), 0.0);
+    assert!(requeued.0.lock().unwrap().is_empty());
+    seen_pending(&e, &job[3]);
+    let mut woken = requeued.0.lock().unwrap().clone();
+    woken.sort();
+    assert_eq!(woken, ["job-0", "job-1", "job-2"], "the members turned away go back to the queue");
+    let nodes: BTreeSet<String> = job.iter().map(|m| place(&e, m)).collect();
+    assert_eq!(nodes.len(), 4, "one whole node each");
+    assert_eq!(nodes.iter().map(|n| tor_of(&e, n)).collect::<BTreeSet<_>>().len(), 1, "under one ToR");
+    // static mode (no watcher: members known from their filters) keeps reserving for the whole size
+    let s = extender_with(cluster(16), Arc::new(RecordingBinder::new()), Duration::from_secs(300));
+    assert_eq!(passed(&filter(&s, &member("job", 0, 4, whole(8)))).len(), 1);
+    assert_eq!(reserved_gpus(&s), 32.0);
+}

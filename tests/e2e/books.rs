@@ -93,7 +93,10 @@ async fn a_stripped_assignment_is_counted_from_the_books_across_restarts_and_fai
     })
     .await;
     let booked = books.get(&book_name).await.expect("book").data.unwrap_or_default();
-    assert_eq!(booked.get(w3.metadata.uid.as_deref().expect("uid")).map(|t| t.contains(&record)), Some(true));
+    let entry: serde_json::Value =
+        serde_json::from_str(booked.get(w3.metadata.uid.as_deref().expect("uid")).expect("w-3 in the book"))
+            .expect("json");
+    assert_eq!((entry["pod"].as_str(), entry["assignment"].as_str()), (Some("e2e/w-3"), Some(record.as_str())));
 
     // 1. stripped while the extender runs: reported, counted, written back
     strip(&pods, "w-3").await;
