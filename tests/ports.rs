@@ -156,6 +156,11 @@ fn floods_on_the_tenant_reachable_ports_never_starve_the_verbs_or_the_probes() {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     let mut ext = start();
     assert_eq!(flood::nofile_of(ext.pid), Some(CONTAINER_NOFILE), "the extender's open-file limit");
+    // the probe port serves the probes and nothing else
+    for (path, status) in [("/readyz", 200), ("/metrics", 404), ("/inspect", 404), ("/gpuplace/filter", 404)] {
+        let r = http_client::request(&ext.probes.to_string(), "GET", path, b"", PROBE_TIMEOUT).expect("probe port");
+        assert_eq!(r.status, status, "GET {path} on the probe port");
+    }
     let partial: &'static [u8] = b"GET /metr";
 
     // idle and slow connections are closed after the listener's timeout

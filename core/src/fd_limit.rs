@@ -55,16 +55,11 @@ pub fn raise_to_hard() -> Result<(FdLimit, FdLimit), FdLimitError> {
     if before.soft >= before.hard {
         return Ok((before, before));
     }
-    let lim = libc::rlimit { rlim_cur: before.hard, rlim_max: before.hard };
-    // SAFETY: setrlimit reads one rlimit through a valid pointer to a local.
-    let rc = unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) };
-    if rc != 0 {
-        return Err(FdLimitError::Raise {
-            from: before.soft,
-            to: before.hard,
-            source: std::io::Error::last_os_error(),
-        });
-    }
+    set(FdLimit { soft: before.hard, hard: before.hard }).map_err(|source| FdLimitError::Raise {
+        from: before.soft,
+        to: before.hard,
+        source,
+    })?;
     Ok((before, current()?))
 }
 
