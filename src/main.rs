@@ -212,10 +212,8 @@ struct ServeArgs {
     /// Address to listen on.
     #[arg(long, default_value = DEFAULT_LISTEN)]
     listen: String,
-    /// Also serve /metrics, /healthz and /readyz, and nothing else, on this address over plain
-    /// HTTP: scrapers and probes need no access to the verbs' port (the manifests: 0.0.0.0:9090).
-    #[arg(long, value_name = "ADDR")]
-    metrics_listen: Option<String>,
+    #[command(flatten)]
+    ports: gpuplace::extender::ports::Ports,
     /// URL path before the verbs: kube-scheduler's urlPrefix is http://HOST:PORT<prefix>.
     #[arg(long, default_value = DEFAULT_PREFIX)]
     prefix: String,
@@ -403,14 +401,11 @@ fn own_namespace() -> String {
     env_nonempty("POD_NAMESPACE").unwrap_or_else(|| gpuplace_core::DEFAULT_NAMESPACE.into())
 }
 
-fn client_auth(args: &ServeArgs) -> gpuplace::extender::tls::ClientAuth {
-    gpuplace::extender::tls::ClientAuth::with_metrics_port(args.metrics_listen.is_some())
-}
-
 /// The serving TLS of `--tls-cert`, `--tls-key`, `--tls-client-ca`, if asked.
 fn server_tls(args: &ServeArgs) -> Result<Option<gpuplace::extender::tls::ServerTls>, String> {
     let (Some(cert), Some(key)) = (&args.tls_cert, &args.tls_key) else { return Ok(None) };
-    let files = gpuplace::extender::tls::ServerFiles::new(cert, key, args.tls_client_ca.as_deref(), client_auth(args));
+    let files =
+        gpuplace::extender::tls::ServerFiles::new(cert, key, args.tls_client_ca.as_deref(), args.ports.client_auth());
     gpuplace::extender::tls::server_config(&files).map(Some).map_err(|e| format!("TLS: {e}"))
 }
 
@@ -468,7 +463,7 @@ fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
     let self_issued = self_issued_tls(args, &source, advertise.as_deref())?;
     let tls = match &self_issued {
         Some(s) => Some(
-            gpuplace::extender::tls::self_issued_server_config(s.identity.clone(), client_auth(args))
+            gpuplace::extender::tls::self_issued_server_config(s.identity.clone(), args.ports.client_auth())
                 .map_err(|e| format!("TLS: {e}"))?,
         ),
         None => server_tls(args)?,
@@ -530,7 +525,7 @@ fn serve_apiserver(args: &ServeArgs) -> Result<(), String> {
         prefix: args.prefix.clone(),
         max_body_bytes: args.max_body_bytes,
         max_request_nodes: args.max_request_nodes,
-        metrics_listen: args.metrics_listen.clone(),
+        ports: args.ports.clone(),
         ..HttpOptions::default()
     };
     let group_timeout = std::time::Duration::from_secs(args.group_timeout);
@@ -597,6 +592,7 @@ fn nodes_to_score_of(args: &ServeArgs) -> NodesToScore {
 }
 
 fn serve(args: &ServeArgs) -> Result<(), String> {
+    gpuplace_core::fd_limit::raise_and_log("gpuplace");
     let Some(cluster_file) = &args.cluster else {
         return serve_apiserver(args);
     };
@@ -622,7 +618,7 @@ fn serve(args: &ServeArgs) -> Result<(), String> {
         prefix: args.prefix.clone(),
         max_body_bytes: args.max_body_bytes,
         max_request_nodes: args.max_request_nodes,
-        metrics_listen: args.metrics_listen.clone(),
+        ports: args.ports.clone(),
         ..HttpOptions::default()
     };
     tracing::info!(cluster = %cluster_file.display(), nodes, "static mode");

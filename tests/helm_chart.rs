@@ -560,7 +560,7 @@ fn own_certificates_replace_the_ca_secret_with_the_commented_files() {
     assert_eq!(strings(&c["args"]), want);
     assert_extender_args_parse(dep);
 
-    // the volume and its mount, as commented out; the probes as they are (the metrics port)
+    // the volume and its mount, as commented out; the probes as they are (the probe port)
     assert_eq!(c["volumeMounts"], commented_block(&text, "volumeMounts"));
     assert_eq!(pod["volumes"], commented_block(&text, "volumes"));
     for probe in ["readinessProbe", "livenessProbe"] {
@@ -778,4 +778,54 @@ fn every_option_renders_and_the_extender_arguments_parse() {
         let o = docs.iter().find(|d| d["kind"] == kind).unwrap_or_else(|| panic!("{kind}"));
         assert_eq!(o["metadata"]["labels"]["release"], "kps", "{kind}: monitoring.additionalLabels");
     }
+}
+
+/// Issue 48: scrapers are admitted by the namespaces the operator names, matched on the label the
+/// API server sets (`kubernetes.io/metadata.name`), never on a label a tenant can set; per-pod
+/// series only when asked for. By default neither port admits a scraper and no series names a pod
+/// (`the_default_rendering_is_the_plain_manifests`, tests/scheduler_config.rs).
+#[test]
+fn scrapers_are_named_by_namespace_and_pod_series_are_asked_for() {
+    let set = |v: &str| ["--set".to_string(), v.to_string()];
+    let args: Vec<String> = [
+        "extender.networkPolicy.scrapeNamespaces={monitoring,obs}",
+        "devicePlugin.networkPolicy.scrapeNamespaces={monitoring}",
+        "extender.metricsPodSeries=true",
+        "devicePlugin.metricsPodSeries=true",
+    ]
+    .iter()
+    .flat_map(|v| set(v))
+    .collect();
+    let docs = render(&args);
+    for (name, port, namespaces) in
+        [("gpuplace-extender", 9090, vec!["monitoring", "obs"]), ("gpuplace-device-plugin", 9400, vec!["monitoring"])]
+    {
+        let np = find(&docs, "NetworkPolicy", name);
+        let ingress = np["spec"]["ingress"].as_array().expect("ingress");
+        let rule = ingress.iter().find(|r| r["ports"][0]["port"] == port).unwrap_or_else(|| panic!("{name}: {np}"));
+        assert_eq!(
+            rule["from"],
+            json!([{"namespaceSelector": {"matchExpressions": [
+                {"key": "kubernetes.io/metadata.name", "operator": "In", "values": namespaces}
+            ]}}]),
+            "{name}"
+        );
+        // no peer anywhere selects every namespace
+        for r in ingress {
+            for peer in r["from"].as_array().expect("from") {
+                assert_ne!(peer["namespaceSelector"], json!({}), "{name}: {peer}");
+            }
+        }
+    }
+    let dep = find(&docs, "Deployment", "gpuplace-extender");
+    assert_extender_args_parse(dep);
+    assert!(strings(&dep["spec"]["template"]["spec"]["containers"][0]["args"]).contains(&"--metrics-pod-series".into()));
+    let ds = find(&docs, "DaemonSet", "gpuplace-device-plugin");
+    assert!(strings(&ds["spec"]["template"]["spec"]["containers"][0]["args"]).contains(&"--metrics-pod-series".into()));
+    // a value that is no namespace name is refused
+    let mut all: Vec<String> = ["template", "gpuplace"].iter().map(|s| s.to_string()).collect();
+    all.push(chart().display().to_string());
+    all.extend(set("extender.networkPolicy.scrapeNamespaces={Not_A_Namespace}"));
+    let out = Command::new(helm()).args(&all).output().expect("helm");
+    assert!(!out.status.success(), "helm accepted a namespace name with capitals");
 }

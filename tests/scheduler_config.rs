@@ -177,7 +177,8 @@ fn the_plain_http_scheduler_config_is_the_reference_without_tls() {
 /// Rollouts finish and voluntary disruptions leave one replica: the Deployment surges one pod and
 /// keeps every replica available (both replicas are Ready, the standby forwards), the
 /// PodDisruptionBudget and the anti-affinity select its pods, and the NetworkPolicy admits the
-/// schedulers, the other replica and labelled scrapers to the container's port only.
+/// schedulers and the other replica to the verbs' port only, and no pod to the metrics and probe
+/// ports until the operator names the scrapers' namespaces (issue 48: no label a tenant can set).
 #[test]
 fn rollout_disruption_budget_and_network_policy_fit_the_deployment() {
     let docs = documents();
@@ -218,23 +219,25 @@ fn rollout_disruption_budget_and_network_policy_fit_the_deployment() {
     let ports_of = |r: &Value| -> Vec<u64> {
         r["ports"].as_sequence().unwrap().iter().map(|p| p["port"].as_u64().unwrap()).collect()
     };
-    // two rules: the verbs' port for the schedulers and the other replica; the metrics port, which
-    // serves no verb (--metrics-listen), for scrapers
-    assert_eq!(ingress.len(), 2, "{ingress:?}");
+    // one rule: the verbs' port for the schedulers and the other replica. The metrics port
+    // (--metrics-listen) admits the scrapers' namespaces the operator names, none by default; the
+    // probe port (--probe-listen) nobody: kubelet's probes come from the node, always admitted
+    assert_eq!(ingress.len(), 1, "{ingress:?}");
     assert_eq!(ports_of(&ingress[0]), [port_of("http")], "the verbs' port");
-    assert_eq!(ports_of(&ingress[1]), [port_of("metrics")], "the metrics port");
     let args: Vec<&str> = c["args"].as_sequence().unwrap().iter().filter_map(|a| a.as_str()).collect();
     assert!(args.contains(&format!("--metrics-listen=0.0.0.0:{}", port_of("metrics")).as_str()), "{args:?}");
-    let scrapers: Vec<&Value> = ingress[1]["from"].as_sequence().unwrap().iter().collect();
-    assert!(
-        scrapers.len() == 1
-            && scrapers[0]["podSelector"]["matchLabels"]["gpuplace.io/scrape-extender"].as_str() == Some("true"),
-        "scrapers are let in to the metrics port only: {scrapers:?}"
-    );
+    assert!(args.contains(&format!("--probe-listen=0.0.0.0:{}", port_of("probes")).as_str()), "{args:?}");
     let from: Vec<&Value> = ingress[0]["from"].as_sequence().unwrap().iter().collect();
+    // a peer in another namespace is named by the label the API server sets on the namespace
     assert!(
-        from.iter().all(|p| p["podSelector"]["matchLabels"]["gpuplace.io/scrape-extender"].is_null()),
-        "no scraper on the verbs' port"
+        from.iter().all(|p| p["namespaceSelector"].is_null()
+            || p["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"].is_string()),
+        "no namespace a tenant could label: {from:?}"
+    );
+    let dp_np = named(&docs, "NetworkPolicy", "gpuplace-device-plugin");
+    assert!(
+        dp_np["spec"]["ingress"].as_sequence().is_some_and(|i| i.is_empty()),
+        "the device plugin's /metrics admits nobody by default: {dp_np:?}"
     );
     // a peer without namespaceSelector is in the policy's own namespace
     let same_ns = |p: &&Value| p["namespaceSelector"].is_null();
@@ -281,10 +284,11 @@ fn extender_deployment_service_and_device_plugin_agree_with_the_code() {
         ["readinessProbe", "livenessProbe"].iter().map(|p| c[*p]["httpGet"]["path"].as_str().unwrap()).collect();
     assert_eq!(probes, ["/readyz", "/healthz"]);
     // secure by default: mTLS with the extender's own CA, so the verbs' port asks every client for
-    // a certificate and the probes go to the metrics port (plain HTTP, no verb there)
+    // a certificate and the probes go to the probe port (plain HTTP, no verb there, and no scraper:
+    // issue 48)
     assert!(args.contains(&"--tls-ca-secret=gpuplace-extender-ca"), "{args:?}");
     for p in ["readinessProbe", "livenessProbe"] {
-        assert_eq!(c[p]["httpGet"]["port"].as_str(), Some("metrics"), "{p}");
+        assert_eq!(c[p]["httpGet"]["port"].as_str(), Some("probes"), "{p}");
         assert!(c[p]["httpGet"]["scheme"].is_null(), "{p}: plain HTTP");
     }
 

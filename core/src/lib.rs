@@ -3,7 +3,7 @@
 //! - The cluster model and the resource contract: plain data, no I/O but reading inventory files
 //!   ([`inventory`]) and drawing keys ([`signing`]).
 //! - The small edges both binaries need: their log output ([`logging`]), the wall clock ([`clock`]),
-//!   and the Kubernetes client with its Events ([`api_client`]).
+//!   the open-file limit ([`fd_limit`]) and the Kubernetes client with its Events ([`api_client`]).
 //!
 //! A crate of its own so that the device plugin's build holds only what it uses (no HTTP server,
 //! charts or simulator: docs/architecture.md, "Module map").
@@ -19,6 +19,7 @@ pub mod assignment;
 pub mod clock;
 pub mod cluster;
 pub mod dra;
+pub mod fd_limit;
 pub mod inventory;
 pub mod logging;
 pub mod node_constraints;

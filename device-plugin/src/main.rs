@@ -25,7 +25,9 @@ use gpuplace_device_plugin::k8s::CALL_TIMEOUT;
 use gpuplace_device_plugin::kubelet_api::{
     DEFAULT_CDI_DIR, DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_PLUGINS_DIR, DEFAULT_PLUGINS_REGISTRY_DIR,
 };
-use gpuplace_device_plugin::metrics::{self, MetricsSource, DEFAULT_METRICS_LISTEN};
+use gpuplace_device_plugin::metrics::{
+    self, MetricsSource, ServeLimits, DEFAULT_METRICS_LISTEN, DEFAULT_METRICS_MAX_CONNECTIONS,
+};
 use gpuplace_device_plugin::nvml::fake::{FakeBackend, FakeScript};
 use gpuplace_device_plugin::nvml::real::NvmlBackend;
 use gpuplace_device_plugin::nvml::{BackendError, GpuBackend};
@@ -114,12 +116,23 @@ struct Cli {
     /// Where to serve Prometheus /metrics (DCGM-exporter names; dcgm-exporter's port by default).
     #[arg(long, value_name = "ADDR", default_value = DEFAULT_METRICS_LISTEN, global = true)]
     metrics_listen: SocketAddr,
+    /// Most connections the metrics port holds at once; further ones wait in the kernel's backlog
+    /// (no file descriptor of the plugin's). Idle connections and request heads not complete are
+    /// closed after 2 s, any connection after 30 s.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_METRICS_MAX_CONNECTIONS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..), global = true)]
+    metrics_max_connections: usize,
+    /// Label the DCGM series with the namespace, pod and container holding each GPU (from kubelet's
+    /// pod-resources). Off by default: whoever may scrape the port would read every pod's name on
+    /// the node.
+    #[arg(long, global = true)]
+    metrics_pod_series: bool,
     /// How often every GPU is sampled (utilization, memory, temperature, power, SM clock), e.g. 5s,
     /// 500ms, 1m.
     #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_duration, global = true)]
     sample_interval: Duration,
-    /// kubelet's pod-resources socket, for pod/namespace/container labels on the metrics. When it is
-    /// missing, metrics are served without pod labels.
+    /// kubelet's pod-resources socket: which containers hold each GPU (allocated memory and compute,
+    /// the allocation cross-check, and with --metrics-pod-series the pod labels). When it is missing,
+    /// metrics are served without them.
     #[arg(long, value_name = "PATH", default_value = DEFAULT_POD_RESOURCES_SOCKET, global = true)]
     pod_resources_socket: PathBuf,
     /// Publish utilization when a GPU's SM utilization or memory use moved by more than this many
@@ -250,6 +263,7 @@ async fn shutdown_signal() {
 }
 
 fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
+    gpuplace_core::fd_limit::raise_and_log("gpuplace-device-plugin");
     let inventory = backend.inventory().map_err(|e| e.to_string())?;
     if inventory.gpus.is_empty() {
         return Err("no GPUs found; nothing to advertise".into());
@@ -369,9 +383,15 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
         sampler.set_reporter(Arc::new(PluginEvents::new(client.clone(), node)));
     }
     let telemetry_for_claims = telemetry.clone();
-    let source = Arc::new(MetricsSource { hostname: hostname(cli), plugin: plugin.clone(), telemetry });
+    let source = Arc::new(MetricsSource {
+        hostname: hostname(cli),
+        plugin: plugin.clone(),
+        telemetry,
+        pod_labels: cli.metrics_pod_series,
+    });
     let sampling = rt.spawn(sampler.run(cli.sample_interval));
-    let metrics_server = rt.spawn(metrics::serve(listener, source, Box::pin(std::future::pending())));
+    let limits = ServeLimits { max_connections: cli.metrics_max_connections, ..ServeLimits::default() };
+    let metrics_server = rt.spawn(metrics::serve_limited(listener, source, limits, Box::pin(std::future::pending())));
     let result = match (&api, cli.dra) {
         // not a device plugin: kubelet finds the DRA driver in its plugins_registry folder instead
         (Some((client, node)), true) => {

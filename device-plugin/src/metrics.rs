@@ -3,13 +3,17 @@
 //! DCGM-exporter's names, help texts and units where they exist (its `default-counters.csv`), so
 //! existing dashboards and alerts work unchanged, and dcgm-exporter's labels: `gpu`, `UUID`,
 //! `pci_bus_id`, `device`, `modelName`, `Hostname`, plus `container`, `namespace`, `pod` when
-//! pod-resources names the container holding the GPU. A GPU shared by several containers gets one
-//! series per (GPU, container), each with the whole GPU's value: the driver measures the GPU, not the
-//! container, so `sum` over containers over-counts; aggregate with `max by (UUID)`.
+//! pod-resources names the container holding the GPU and the operator asks for them
+//! (`--metrics-pod-series`; off by default, since whoever may scrape would otherwise read every
+//! tenant's pod names, issue 48). A GPU shared by several containers then gets one series per (GPU,
+//! container), each with the whole GPU's value: the driver measures the GPU, not the container, so
+//! `sum` over containers over-counts; aggregate with `max by (UUID)`.
 //!
 //! Then gpuplace's own gauges per GPU (allocated vs used memory and compute, health, XIDs) and the
 //! sampler's counters. The HTTP side is hyper's HTTP/1 server, already in the build through tonic: a
 //! framework (actix-web) would bring its own runtime next to the plugin's tokio one for one route.
+//! It holds at most [`ServeLimits::max_connections`] connections (further ones wait in the kernel's
+//! backlog, holding no descriptor of the plugin's) and closes idle and slow ones ([`ServeLimits`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::convert::Infallible;
@@ -24,6 +28,7 @@ use hyper::header::{HeaderValue, CONTENT_TYPE};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
 
 use crate::nvml::GpuInfo;
 use crate::plugin::{GpuHealth, GrantKey, GrantedSlice, Plugin};
@@ -38,11 +43,17 @@ pub const CONTENT_TYPE_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
 /// dcgm-exporter's default port.
 pub const DEFAULT_METRICS_LISTEN: &str = "0.0.0.0:9400";
 
+/// Connections the metrics port holds at once (`--metrics-max-connections`): a scraper keeps one.
+pub const DEFAULT_METRICS_MAX_CONNECTIONS: usize = 64;
+
 /// What `/metrics` reads.
 pub struct MetricsSource {
     pub hostname: String,
     pub plugin: Arc<Plugin>,
     pub telemetry: Arc<Telemetry>,
+    /// The DCGM series carry the `namespace`, `pod` and `container` holding the GPU
+    /// (`--metrics-pod-series`).
+    pub pod_labels: bool,
 }
 
 impl MetricsSource {
@@ -53,7 +64,30 @@ impl MetricsSource {
             &self.plugin.health(),
             &self.plugin.grants(),
             &self.telemetry.snapshot(),
+            self.pod_labels,
         )
+    }
+}
+
+/// How the metrics port treats its connections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServeLimits {
+    /// Connections held at once; at the cap the port accepts none until one closes.
+    pub max_connections: usize,
+    /// A request head (the first, or the next on a kept-alive connection) must be complete within
+    /// this: an idle connection, or one sending half a request line, is closed after it.
+    pub header_timeout: Duration,
+    /// Any connection is closed after this, whatever it does (a client that never reads its answer).
+    pub max_age: Duration,
+}
+
+impl Default for ServeLimits {
+    fn default() -> Self {
+        Self {
+            max_connections: DEFAULT_METRICS_MAX_CONNECTIONS,
+            header_timeout: Duration::from_secs(2),
+            max_age: Duration::from_secs(30),
+        }
     }
 }
 
@@ -135,13 +169,15 @@ const DCGM_FIELDS: [(&str, &str, Field); 6] = [
     ("DCGM_FI_DEV_SM_CLOCK", "SM clock frequency (in MHz).", |s| f64::from(s.sm_clock_mhz)),
 ];
 
-/// The whole page. Pure: everything comes in as arguments.
+/// The whole page; `pod_labels`: the DCGM series name the container holding the GPU. Pure:
+/// everything comes in as arguments.
 pub fn render(
     hostname: &str,
     gpus: &[GpuInfo],
     health: &[GpuHealth],
     grants: &BTreeMap<GrantKey, BTreeMap<u32, GrantedSlice>>,
     t: &TelemetryState,
+    pod_labels: bool,
 ) -> String {
     let mut out = String::with_capacity(8192);
     let idx: Vec<String> = gpus.iter().map(|g| g.index.to_string()).collect();
@@ -169,7 +205,7 @@ pub fn render(
     let holders = |i: usize| t.attribution.as_ref().and_then(|a| a.by_gpu.get(&gpus[i].index));
     // one label set per (GPU, container holding it), or one without pod labels
     let dcgm_labels = |i: usize| -> Vec<String> {
-        match holders(i).filter(|h| !h.is_empty()) {
+        match holders(i).filter(|h| pod_labels && !h.is_empty()) {
             Some(h) => h
                 .iter()
                 .map(|c| {
@@ -409,12 +445,32 @@ fn respond(source: &MetricsSource, req: &Request<Incoming>) -> Response<Full<Byt
     resp
 }
 
-/// Serves `/metrics` on `listener` until `stop` resolves.
-pub async fn serve(listener: TcpListener, source: Arc<MetricsSource>, mut stop: StopSignal) {
+/// Serves `/metrics` on `listener` until `stop` resolves, with the default [`ServeLimits`].
+pub async fn serve(listener: TcpListener, source: Arc<MetricsSource>, stop: StopSignal) {
+    serve_limited(listener, source, ServeLimits::default(), stop).await
+}
+
+/// Serves `/metrics` on `listener` until `stop` resolves, holding at most `limits.max_connections`.
+pub async fn serve_limited(
+    listener: TcpListener,
+    source: Arc<MetricsSource>,
+    limits: ServeLimits,
+    mut stop: StopSignal,
+) {
     if let Ok(addr) = listener.local_addr() {
-        tracing::info!(%addr, "serving /metrics");
+        tracing::info!(%addr, max_connections = limits.max_connections, "serving /metrics");
     }
+    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     loop {
+        // at the cap, accept nothing: further connections wait in the kernel's backlog, where they
+        // cost the plugin no file descriptor (issue 48)
+        let slot = tokio::select! {
+            _ = stop.as_mut() => break,
+            s = slots.clone().acquire_owned() => match s {
+                Ok(s) => s,
+                Err(_) => break,
+            },
+        };
         let (stream, peer) = tokio::select! {
             _ = stop.as_mut() => break,
             r = listener.accept() => match r {
@@ -429,17 +485,21 @@ pub async fn serve(listener: TcpListener, source: Arc<MetricsSource>, mut stop: 
         };
         let source = source.clone();
         tokio::spawn(async move {
+            let _slot = slot;
             let service = hyper::service::service_fn(move |req: Request<Incoming>| {
                 let resp = respond(&source, &req);
                 async move { Ok::<_, Infallible>(resp) }
             });
-            // a client that never finishes its request headers does not hold the connection forever
+            // idle connections and ones that never finish their request head are closed (hyper arms
+            // this timer whenever it waits for a head, kept-alive connections included)
             let conn = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
-                .header_read_timeout(Duration::from_secs(10))
+                .header_read_timeout(limits.header_timeout)
                 .serve_connection(TokioIo::new(stream), service);
-            if let Err(e) = conn.await {
-                tracing::debug!(%peer, error = %e, "metrics connection ended with an error");
+            match tokio::time::timeout(limits.max_age, conn).await {
+                Ok(Err(e)) => tracing::debug!(%peer, error = %e, "metrics connection ended with an error"),
+                Err(_) => tracing::debug!(%peer, "metrics connection closed at its maximum age"),
+                Ok(Ok(())) => {}
             }
         });
     }
@@ -521,7 +581,13 @@ mod tests {
             pod_resources_enabled: true,
             ..TelemetryState::default()
         };
-        let page = render("node-a", &gpus, &health, &BTreeMap::new(), &t);
+        // without --metrics-pod-series: the same page, no pod named
+        let plain = render("node-a", &gpus, &health, &BTreeMap::new(), &t, false);
+        assert!(!plain.contains("pod=") && !plain.contains("train"), "{plain}");
+        assert!(plain.contains(
+            r#"gpuplace_gpu_containers{gpu="0",UUID="GPU-0",modelName="NVIDIA H100 80GB HBM3",Hostname="node-a"} 2"#
+        ));
+        let page = render("node-a", &gpus, &health, &BTreeMap::new(), &t, true);
         assert!(
             page.contains("# HELP DCGM_FI_DEV_GPU_UTIL GPU utilization (in %).\n# TYPE DCGM_FI_DEV_GPU_UTIL gauge\n")
         );

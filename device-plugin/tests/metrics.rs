@@ -80,7 +80,12 @@ impl Node {
         );
         let listener = metrics::bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let source = Arc::new(MetricsSource { hostname: "test-node".into(), plugin: plugin.clone(), telemetry });
+        let source = Arc::new(MetricsSource {
+            hostname: "test-node".into(),
+            plugin: plugin.clone(),
+            telemetry,
+            pod_labels: true,
+        });
         let (stop_tx, stop_rx) = oneshot::channel::<()>();
         tokio::spawn(metrics::serve(
             listener,

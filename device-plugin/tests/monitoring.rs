@@ -7,7 +7,9 @@
 //! recorded filter, prioritize, bind and preempt requests, so that per-pod and pending-pod series
 //! exist), `gpuplace serve` in API-server mode (watch, leader and requeue series), both against or
 //! beside the in-process fake API server, and `gpuplace-device-plugin` with its fake backend, that
-//! API server and a fake pod-resources server naming a pod on GPU 0.
+//! API server and a fake pod-resources server naming a pod on GPU 0. The static extender and the
+//! plugin run with `--metrics-pod-series` (off by default; issue 48), which the dashboard's per-pod
+//! panels need.
 
 mod common;
 
@@ -163,6 +165,8 @@ async fn scrape_all() -> Exported {
         .arg("--cluster")
         .arg(repo().join("examples/clusters/fixture-cluster.yaml"))
         .args(["--listen", &static_addr.to_string(), "--metrics-listen", &static_metrics.to_string()])
+        // the per-pod series the dashboard's per-pod panels query, off by default
+        .arg("--metrics-pod-series")
         .arg("--tls-cert")
         .arg(&server_cert)
         .arg("--tls-key")
@@ -188,7 +192,8 @@ async fn scrape_all() -> Exported {
         .arg(dir.path())
         .arg("--pod-resources-socket")
         .arg(&socket)
-        .args(["--metrics-listen", &plugin_addr.to_string(), "--sample-interval", "100ms"]);
+        .args(["--metrics-listen", &plugin_addr.to_string(), "--sample-interval", "100ms"])
+        .arg("--metrics-pod-series");
     quiet(&mut c);
     let _plugin = Proc(c.spawn().expect("gpuplace-device-plugin"));
 

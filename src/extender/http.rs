@@ -6,7 +6,9 @@
 //!   a body naming more than `max_request_nodes` nodes (refused while it is decoded); 404 for an unknown verb; 405 for a known verb with another method. While not ready, filter and
 //!   bind answer with `Error` set, prioritize and preempt with 503.
 //! - With `metrics_listen`, a second listener, plain HTTP, serves `/metrics`, `/healthz` and
-//!   `/readyz` and nothing else, so that scrapers and probes need no access to the verbs' port.
+//!   `/readyz` and nothing else, so that scrapers and probes need no access to the verbs' port; with
+//!   `probe_listen`, a third serves `/healthz` and `/readyz` alone, for kubelet's probes. Each
+//!   listener holds a capped number of connections and closes idle and slow ones ([`ports`]).
 //! - `GET /healthz` (the process answers), `/readyz` (503 until the state is complete),
 //!   `/metrics` (Prometheus text), `/inspect` and `/inspect/{node}` (JSON; 404 for an unknown node),
 //!   `/mix` (the learned mix's state as JSON, what `--mix-state` holds; 404 when the mix is fixed).
@@ -33,6 +35,7 @@ use serde::Serialize;
 
 use crate::extender::body::{read_body, Body, BodyLimits};
 use crate::extender::forward::{Forwarder, Route, FORWARDED_HEADER};
+use crate::extender::ports::{self, Limits, ListenerLimits, Ports};
 use crate::extender::tls::{self, ClientVerified, ServerTls};
 use crate::extender::wire::WireError;
 use crate::extender::Extender;
@@ -61,9 +64,9 @@ pub struct HttpOptions {
     /// Time before a body's pace is checked, and the slowest average rate accepted after it.
     pub body_grace: Duration,
     pub body_min_bytes_per_sec: u64,
-    /// A second, plain-HTTP listener with `/metrics`, `/healthz` and `/readyz` only: what scrapers and
-    /// probes reach without any access to the verbs (`serve --metrics-listen`).
-    pub metrics_listen: Option<String>,
+    /// The metrics and probe listeners, the connections each listener holds, and whether `/metrics`
+    /// names pods (`serve --metrics-listen`, `--probe-listen`, `--max-connections`, ...).
+    pub ports: Ports,
 }
 
 impl Default for HttpOptions {
@@ -74,7 +77,7 @@ impl Default for HttpOptions {
             max_request_nodes: DEFAULT_MAX_REQUEST_NODES,
             body_grace: crate::extender::body::DEFAULT_GRACE,
             body_min_bytes_per_sec: crate::extender::body::DEFAULT_MIN_BYTES_PER_SEC,
-            metrics_listen: None,
+            ports: Ports::default(),
         }
     }
 }
@@ -141,47 +144,128 @@ fn configure_with(
         .default_service(web::to(not_found));
 }
 
-/// The metrics listener's routes: `/metrics`, `/healthz`, `/readyz`; 404 for anything else.
-fn configure_probes(cfg: &mut web::ServiceConfig, ext: web::Data<Extender>, front: &Frontend) {
+/// A side listener's routes: `/healthz`, `/readyz`, and `/metrics` on the metrics port; 404 for
+/// anything else.
+fn configure_side(cfg: &mut web::ServiceConfig, ext: web::Data<Extender>, front: &Frontend, side: Side) {
     // the forward's readiness and metrics; the client-certificate marker is read by no route here
     configure_frontend(cfg, front);
-    cfg.app_data(ext)
-        .route("/healthz", web::get().to(healthz))
-        .route("/readyz", web::get().to(readyz))
-        .route("/metrics", web::get().to(metrics))
-        .default_service(web::to(not_found));
+    cfg.app_data(ext).route("/healthz", web::get().to(healthz)).route("/readyz", web::get().to(readyz));
+    if side == Side::Metrics {
+        cfg.route("/metrics", web::get().to(metrics));
+    }
+    cfg.default_service(web::to(not_found));
 }
 
-/// The metrics listener, bound and running (plain HTTP, one worker), and its address.
-fn metrics_server(
+/// The listeners beside the verbs' port.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Side {
+    Metrics,
+    Probes,
+}
+
+/// Applies a listener's [`Limits`] to an actix `HttpServer` with `$workers` workers (before
+/// `bind`: the backlog is the listening socket's).
+macro_rules! limited {
+    ($server:expr, $limits:expr, $workers:expr) => {{
+        let l: Limits = $limits;
+        $server
+            .workers($workers)
+            .max_connections(l.per_worker($workers))
+            .backlog(l.backlog)
+            .client_request_timeout(l.request_timeout)
+            .keep_alive(l.keep_alive)
+            .client_disconnect_timeout(l.disconnect_timeout)
+    }};
+}
+
+/// A side listener, bound and running (plain HTTP, one worker), and its address.
+fn side_server(
     ext: web::Data<Extender>,
     front: &Frontend,
     listen: &str,
+    side: Side,
+    limits: Limits,
 ) -> std::io::Result<(actix_web::dev::Server, Option<SocketAddr>)> {
     let front = front.clone();
     let server = actix_web::HttpServer::new(move || {
         let (ext, front) = (ext.clone(), front.clone());
-        actix_web::App::new().configure(move |cfg| configure_probes(cfg, ext, &front))
-    })
-    .workers(1)
-    .disable_signals()
-    .shutdown_timeout(1)
-    .bind(listen)?;
+        actix_web::App::new().configure(move |cfg| configure_side(cfg, ext, &front, side))
+    });
+    let server = limited!(server, limits, 1).disable_signals().shutdown_timeout(1).bind(listen)?;
     let addr = server.addrs().first().copied();
     for a in server.addrs() {
-        tracing::info!(addr = %a, "gpuplace metrics listening");
+        match side {
+            Side::Metrics => {
+                tracing::info!(addr = %a, max_connections = limits.max_connections, "gpuplace metrics listening")
+            }
+            Side::Probes => {
+                tracing::info!(addr = %a, max_connections = limits.max_connections, "gpuplace probes listening")
+            }
+        }
     }
     Ok((server.run(), addr))
 }
 
-/// Runs the verbs' server until it stops, then stops the metrics listener with it.
-async fn run_both(server: actix_web::dev::Server, probes: Option<actix_web::dev::Server>) -> std::io::Result<()> {
-    let Some(probes) = probes else { return server.await };
-    let handle = probes.handle();
-    let probes = actix_web::rt::spawn(probes);
+/// The side listeners `ports` asks for, bound and running: (metrics, probes), each with its address.
+type Sides = [Option<(actix_web::dev::Server, Option<SocketAddr>)>; 2];
+
+fn side_servers(
+    ext: &web::Data<Extender>,
+    front: &Frontend,
+    ports: &Ports,
+    limits: &ListenerLimits,
+) -> std::io::Result<Sides> {
+    let metrics = ports
+        .metrics_listen
+        .as_deref()
+        .map(|l| side_server(ext.clone(), front, l, Side::Metrics, limits.metrics))
+        .transpose()?;
+    let probes = ports
+        .probe_listen
+        .as_deref()
+        .map(|l| side_server(ext.clone(), front, l, Side::Probes, limits.probes))
+        .transpose()?;
+    Ok([metrics, probes])
+}
+
+/// The listeners' limits for `workers` verbs workers under the current open-file limit, logged; and
+/// whether `/metrics` names pods, set on the extender's metrics.
+fn prepare(ext: &Extender, ports: &Ports, workers: usize) -> ListenerLimits {
+    ext.metrics().set_pod_series(ports.metrics_pod_series);
+    let open_files = gpuplace_core::fd_limit::current().ok().map(|l| l.soft);
+    let limits = ports.limits(workers, open_files);
+    let log = |l: &Limits| l.max_connections;
+    if limits.cut {
+        tracing::warn!(
+            open_files,
+            verbs = log(&limits.verbs),
+            metrics = log(&limits.metrics),
+            probes = log(&limits.probes),
+            "connection caps cut to fit the open-file limit (raise the container's RLIMIT_NOFILE hard limit)"
+        );
+    } else {
+        tracing::info!(
+            open_files,
+            verbs = log(&limits.verbs),
+            metrics = log(&limits.metrics),
+            probes = log(&limits.probes),
+            "connection caps per listener"
+        );
+    }
+    limits
+}
+
+/// Runs the verbs' server until it stops, then stops the side listeners with it.
+async fn run_all(server: actix_web::dev::Server, sides: Vec<actix_web::dev::Server>) -> std::io::Result<()> {
+    let mut running = Vec::new();
+    for side in sides {
+        running.push((side.handle(), actix_web::rt::spawn(side)));
+    }
     let result = server.await;
-    handle.stop(true).await;
-    let _ = probes.await;
+    for (handle, task) in running {
+        handle.stop(true).await;
+        let _ = task.await;
+    }
     result
 }
 
@@ -222,6 +306,8 @@ pub struct Running {
     pub addr: SocketAddr,
     /// The metrics listener's address, with `metrics_listen`.
     pub metrics_addr: Option<SocketAddr>,
+    /// The probe listener's address, with `probe_listen`.
+    pub probe_addr: Option<SocketAddr>,
     pub handle: ServerHandle,
     pub thread: std::thread::JoinHandle<std::io::Result<()>>,
 }
@@ -246,9 +332,11 @@ pub fn spawn_with(
     let thread = std::thread::Builder::new().name("gpuplace-http".into()).spawn(move || {
         actix_web::rt::System::new().block_on(async move {
             let data = web::Data::from(ext);
+            let workers = workers.max(1);
+            let limits = prepare(&data, &opts.ports, workers);
+            let ports = opts.ports.clone();
             let large = Arc::new(tokio::sync::Semaphore::new(1));
             let app_front = front.clone();
-            let metrics_listen = opts.metrics_listen.clone();
             let app_data = data.clone();
             let server = actix_web::HttpServer::new(move || {
                 let (data, prefix, opts, large) = (app_data.clone(), prefix.clone(), opts.clone(), large.clone());
@@ -257,15 +345,11 @@ pub fn spawn_with(
                     configure_with(cfg, data, &prefix, &opts, large);
                     configure_frontend(cfg, &front);
                 })
-            })
-            .workers(workers.max(1))
-            .disable_signals()
-            .shutdown_timeout(1);
-            let bound = bind_frontend!(server, &listen, front).and_then(|server| {
-                let probes = metrics_listen.as_deref().map(|l| metrics_server(data.clone(), &front, l)).transpose()?;
-                Ok((server, probes))
             });
-            let (server, probes) = match bound {
+            let server = limited!(server, limits.verbs, workers).disable_signals().shutdown_timeout(1);
+            let bound = bind_frontend!(server, &listen, front)
+                .and_then(|server| Ok((server, side_servers(&data, &front, &ports, &limits)?)));
+            let (server, [metrics, probes]) = match bound {
                 Ok(s) => s,
                 Err(e) => {
                     let _ = tx.send(Err(std::io::Error::new(e.kind(), e.to_string())));
@@ -274,20 +358,18 @@ pub fn spawn_with(
             };
             let addr = server.addrs().first().copied();
             let server = server.run();
-            let (probes, metrics_addr) = match probes {
-                Some((p, a)) => (Some(p), a),
-                None => (None, None),
-            };
+            let (metrics, metrics_addr) = metrics.map_or((None, None), |(s, a)| (Some(s), a));
+            let (probes, probe_addr) = probes.map_or((None, None), |(s, a)| (Some(s), a));
             let _ = tx.send(
-                addr.map(|a| (a, metrics_addr, server.handle()))
+                addr.map(|a| (a, metrics_addr, probe_addr, server.handle()))
                     .ok_or_else(|| std::io::Error::other("no address bound")),
             );
-            run_both(server, probes).await
+            run_all(server, metrics.into_iter().chain(probes).collect()).await
         })
     })?;
-    let (addr, metrics_addr, handle) =
+    let (addr, metrics_addr, probe_addr, handle) =
         rx.recv().map_err(|_| std::io::Error::other("server thread ended before listening"))??;
-    Ok(Running { addr, metrics_addr, handle, thread })
+    Ok(Running { addr, metrics_addr, probe_addr, handle, thread })
 }
 
 /// Serves until SIGINT or SIGTERM (the `gpuplace serve` command).
@@ -306,31 +388,27 @@ pub fn serve_forever_with(
     let prefix = opts.normalized_prefix().map_err(std::io::Error::other)?;
     actix_web::rt::System::new().block_on(async move {
         let data = web::Data::from(ext);
-        let metrics_data = data.clone();
-        let metrics_listen = opts.metrics_listen.clone();
+        let workers = ports::worker_count(workers);
+        let limits = prepare(&data, &opts.ports, workers);
+        let ports = opts.ports.clone();
+        let app_data = data.clone();
         let large = Arc::new(tokio::sync::Semaphore::new(1));
         let app_front = front.clone();
-        let mut server = actix_web::HttpServer::new(move || {
-            let (data, prefix, opts, large) = (data.clone(), prefix.clone(), opts.clone(), large.clone());
+        let server = actix_web::HttpServer::new(move || {
+            let (data, prefix, opts, large) = (app_data.clone(), prefix.clone(), opts.clone(), large.clone());
             let front = app_front.clone();
             actix_web::App::new().configure(move |cfg| {
                 configure_with(cfg, data, &prefix, &opts, large);
                 configure_frontend(cfg, &front);
             })
-        })
-        .shutdown_timeout(5);
-        if workers > 0 {
-            server = server.workers(workers);
-        }
+        });
+        let server = limited!(server, limits.verbs, workers).shutdown_timeout(5);
         let server = bind_frontend!(server, listen, front)?;
         for a in server.addrs() {
-            tracing::info!(addr = %a, "gpuplace extender listening");
+            tracing::info!(addr = %a, workers, max_connections = limits.verbs.max_connections, "gpuplace extender listening");
         }
-        let probes = match &metrics_listen {
-            Some(l) => Some(metrics_server(metrics_data, &front, l)?.0),
-            None => None,
-        };
-        run_both(server.run(), probes).await
+        let sides = side_servers(&data, &front, &ports, &limits)?;
+        run_all(server.run(), sides.into_iter().flatten().map(|(s, _)| s).collect()).await
     })
 }
 

@@ -12,7 +12,8 @@
 //! - [`front`]: [`Extender`](front::Extender): each verb's body decoded into the scheduler's input,
 //!   and its decision encoded ([`answers`]: the filter and prioritize answers written as JSON
 //!   directly, the hot path).
-//! - [`http`]: actix-web routes, status codes; [`body`]: reading a body under its size, pace and
+//! - [`http`]: actix-web routes, status codes; [`ports`]: the listeners (verbs, metrics, probes) and
+//!   the connections each may hold; [`body`]: reading a body under its size, pace and
 //!   large-body limits; [`http_client`]: a small blocking HTTP/1.1 client (inspect, tests, the load generator).
 //! - [`forward`]: a replica that does not lead passes the verbs to the leader; [`tls`]: HTTPS and
 //!   client certificates on the extender's port; [`pki`]: the extender's own CA and the leaves it
@@ -27,6 +28,7 @@ pub mod front;
 pub mod http;
 pub mod http_client;
 pub mod pki;
+pub mod ports;
 pub mod tls;
 pub mod wire;
 

@@ -232,6 +232,8 @@ pub struct Metrics {
     signed_with_old_key: AtomicU64,
     /// `--accept-unsigned-assignments` is on: unsigned assignments are counted.
     accept_unsigned: std::sync::atomic::AtomicBool,
+    /// `serve --metrics-pod-series`: the `gpuplace_pod_gpu_*` series, which name every GPU pod.
+    pod_series: std::sync::atomic::AtomicBool,
     /// GPU pods counted into the learned mix, and entries of the mix in use: set at scrape time.
     mix_observed: AtomicU64,
     mix_entries: AtomicU64,
@@ -353,6 +355,12 @@ impl Metrics {
     /// Counted assignments not signed with the primary key (an old key can leave the Secret at 0).
     pub fn set_accept_unsigned(&self, on: bool) {
         self.accept_unsigned.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether the page has a series per pod and GPU held (off: whoever may scrape learns no pod's
+    /// namespace or name; issue 48).
+    pub fn set_pod_series(&self, on: bool) {
+        self.pod_series.store(on, Ordering::Relaxed);
     }
 
     pub fn set_signed_with_old_key(&self, n: u64) {
@@ -646,7 +654,9 @@ impl Metrics {
             let _ = writeln!(out, "gpuplace_gpu_free_capacity_gpus{{state=\"{state}\"}} {}", milli as f64 / 1000.0);
         }
         crate::scheduler::room_gauges::render(&mut out, &Room::of(cluster));
-        render_pod_gpus(&mut out, cluster);
+        if self.pod_series.load(Ordering::Relaxed) {
+            render_pod_gpus(&mut out, cluster);
+        }
         out
     }
 }
@@ -814,6 +824,10 @@ mod tests {
         .unwrap();
         let m = Metrics::new();
         m.pod_filtered("p", Some(RejectClass::Preemptable), Instant::now());
+        // off by default: no pod's name on the page
+        let page = m.render(&c, 2, true);
+        assert!(!page.contains("gpuplace_pod_gpu") && !page.contains("train"), "{page}");
+        m.set_pod_series(true);
         let page = m.render(&c, 2, true);
         let uuid = |g: usize| c.nodes()[0].gpus[g].uuid.clone();
         let mem: Vec<&str> = page.lines().filter(|l| l.starts_with("gpuplace_pod_gpu_memory_allocated_mib{")).collect();

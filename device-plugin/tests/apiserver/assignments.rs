@@ -580,7 +580,8 @@ async fn a_device_held_by_a_pod_without_an_assignment_is_a_mismatch_counted_acro
     // a restarted plugin: no series until the earlier count is read, then it goes on from there
     let restarted = Telemetry::new(8, true);
     restarted.enable_api();
-    let page = |t: &Arc<Telemetry>| render(NODE, h.plugin.gpus(), &h.plugin.health(), &BTreeMap::new(), &t.snapshot());
+    let page =
+        |t: &Arc<Telemetry>| render(NODE, h.plugin.gpus(), &h.plugin.health(), &BTreeMap::new(), &t.snapshot(), true);
     assert!(!page(&restarted).contains("gpuplace_allocation_mismatches_total"), "no 0 before the persisted count");
     let done = sync(&restarted).reconcile().await.unwrap();
     assert!(!done.counts_patched, "nothing new to write");

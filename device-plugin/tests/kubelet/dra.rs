@@ -219,7 +219,8 @@ async fn kubelet_registers_the_driver_and_prepares_claims_into_cdi_specs() {
     assert_eq!(again.claims["u-share"], resp.claims["u-share"]);
 
     // counted for /metrics: 2 prepared and 5 refused so far, then the repeat
-    let metrics = gpuplace_device_plugin::metrics::render("n1", &[], &[], &Default::default(), &telemetry.snapshot());
+    let metrics =
+        gpuplace_device_plugin::metrics::render("n1", &[], &[], &Default::default(), &telemetry.snapshot(), true);
     for line in [
         "gpuplace_dra_claims_total{Hostname=\"n1\",outcome=\"prepared\"} 3",
         "gpuplace_dra_claims_total{Hostname=\"n1\",outcome=\"refused\"} 5",
