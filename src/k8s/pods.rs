@@ -203,21 +203,29 @@ pub fn rebuild(
     refused
 }
 
+/// What the first rebuild waits for: the node cache complete (`nodes_synced`), the key ring loaded
+/// (`keys`: every assignment is verified with it), and gpuplace's books listed (`books`, when kept:
+/// `k8s::books`).
+#[derive(Debug)]
+pub struct RebuildWaits {
+    pub nodes_synced: watch::Receiver<bool>,
+    pub keys: watch::Receiver<KeyStatus>,
+    pub books: Option<Api<ConfigMap>>,
+}
+
 /// Watches every pod until the stream ends, which it does not: errors are retried with backoff.
-/// The first complete list waits for `nodes_synced`, for the key ring (`keys`: every assignment
-/// is verified with it) and for gpuplace's books (`books`, when kept: `k8s::books`), is rebuilt
-/// from, and then `rebuilt` is called. Every pod also goes to
-/// `unbound`, which tracks the assignments left on unbound pods (`stale`).
+/// The first complete list waits for what `waits` names, is rebuilt from, and then `rebuilt` is
+/// called. Every pod also goes to `unbound`, which tracks the assignments left on unbound pods
+/// (`stale`).
 pub async fn watch_pods(
     api: Api<WatchedPod>,
-    books: Option<Api<ConfigMap>>,
     ext: Arc<Scheduler>,
     unbound: Arc<UnboundAssignments>,
     events: Option<EventSink>,
-    mut nodes_synced: watch::Receiver<bool>,
-    mut keys: watch::Receiver<KeyStatus>,
+    waits: RebuildWaits,
     rebuilt: impl Fn(),
 ) {
+    let RebuildWaits { mut nodes_synced, mut keys, books } = waits;
     let mut stream = watcher::watcher(api, watcher::Config::default().page_size(500)).default_backoff().boxed();
     let mut initial = true;
     // the first list, as gpuplace reads it (not whole Pods), and how many pods it had

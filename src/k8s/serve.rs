@@ -252,12 +252,10 @@ pub fn start(client: Client, ext: Arc<Scheduler>, leadership: Arc<Leadership>, o
     }
     tasks.push(tokio::spawn(pods::watch_pods(
         Api::<WatchedPod>::all(client.clone()),
-        books,
         ext.clone(),
         unbound.clone(),
         events,
-        synced_rx,
-        keys_rx.clone(),
+        pods::RebuildWaits { nodes_synced: synced_rx, keys: keys_rx.clone(), books },
         move || r.set_rebuilt(),
     )));
     // optional: readiness does not wait on it (see `utilization`)
