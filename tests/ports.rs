@@ -17,7 +17,7 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use flood::{closed_by_server, open_fds, open_many, recycle, Answers, CONTAINER_NOFILE};
+use flood::{closed_by_server, open_fds, open_many, recycle, Answers, Reap, CONTAINER_NOFILE};
 use gpuplace::extender::http_client;
 
 #[path = "support/flood.rs"]
@@ -27,15 +27,6 @@ mod flood;
 const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 /// How long each flood is held while the probes and the verbs are watched.
 const WATCH: Duration = Duration::from_secs(5);
-
-struct Reap(std::process::Child);
-
-impl Drop for Reap {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 struct Extender {
     child: Reap,

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use common::kubelet::http_get;
 use common::{topology, FakeKubelet};
-use flood::{closed_by_server, open_fds, open_many, recycle, Answers, CONTAINER_NOFILE};
+use flood::{closed_by_server, open_fds, open_many, recycle, Answers, Reap, CONTAINER_NOFILE};
 use gpuplace_device_plugin::kubelet_api::v1beta1::device_plugin_client::DevicePluginClient;
 use gpuplace_device_plugin::kubelet_api::v1beta1::Empty;
 use gpuplace_device_plugin::unix_socket::connect_unix;
@@ -28,15 +28,6 @@ mod flood;
 
 const WATCH: Duration = Duration::from_secs(4);
 const ANSWER_WITHIN: Duration = Duration::from_secs(1);
-
-struct Child(std::process::Child);
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 type Client = DevicePluginClient<tonic::transport::Channel>;
 
@@ -114,7 +105,7 @@ async fn floods_on_the_metrics_port_never_starve_the_kubelets_calls() {
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&log).expect("log file"));
     flood::under_nofile(&mut cmd, CONTAINER_NOFILE, CONTAINER_NOFILE);
-    let mut child = Child(cmd.spawn().expect("run gpuplace-device-plugin"));
+    let mut child = Reap(cmd.spawn().expect("run gpuplace-device-plugin"));
     let pid = child.0.id();
     let reg = kubelet.next_registration().await;
     let socket = dir.path().join(&reg.endpoint);

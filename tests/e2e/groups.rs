@@ -7,9 +7,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::{Node, Pod, PodSchedulingGroup};
+use k8s_openapi::api::core::v1::{Node, Pod, PodSchedulingGate, PodSchedulingGroup};
 use k8s_openapi::api::scheduling::v1alpha2::PodGroup;
-use kube::api::{DeleteParams, PostParams};
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client, ResourceExt};
 use serde_json::{json, Value};
 
@@ -338,16 +338,25 @@ async fn jobs_and_fractional_trials_on_a_cluster_fragmented_by_shares() {
     }
 }
 
-/// A job of 4 x 8 GPUs whose last two pods come late: its plan holds two nodes for them. One of
-/// those nodes is deleted (the plan is made again), then the extender is killed (SIGKILL) and
-/// restarted (plans are in memory: rebuilt from the bound members); the last two pods then arrive.
-/// The job ends whole, nothing is over-committed, and a single pod never takes a reserved GPU.
+/// A job of 4 x 8 GPUs whose last two pods are held back by a scheduling gate of their own: they
+/// exist (a group reserves only for pods that exist, issue 48), so its plan holds two nodes for them.
+/// One of those nodes is deleted (the plan is made again), then the extender is killed (SIGKILL) and
+/// restarted (plans are in memory: rebuilt from the bound members); the last two pods are then
+/// released. The job ends whole, nothing is over-committed, and a single pod never takes a reserved
+/// GPU.
 #[tokio::test(flavor = "current_thread")]
 async fn a_planned_node_deleted_and_the_extender_killed_while_a_plan_waits() {
     let _serial = SERIAL.lock().await;
     let (mut st, mut ext) = h100_stage("replan", false).await;
     let mut first = job_pods("job", 4, &whole("8"), false);
-    let last = first.split_off(2);
+    let mut last = first.split_off(2);
+    for p in &mut last {
+        let spec = p.spec.get_or_insert_with(Default::default);
+        spec.scheduling_gates = Some(vec![PodSchedulingGate { name: "e2e.gpuplace.io/late".into() }]);
+    }
+    let late: Vec<String> = last.iter().map(|p| p.name_any()).collect();
+    // the late ones first, so the extender has seen all four when the first two are filtered
+    create(&st.admin, last).await;
     create(&st.admin, first).await;
     wait_stable(&st.admin, 2, Duration::from_secs(2), Duration::from_secs(60)).await;
     let report = crate::inspect(&ext);
@@ -377,7 +386,11 @@ async fn a_planned_node_deleted_and_the_extender_killed_while_a_plan_waits() {
     tokio::time::sleep(Duration::from_secs(1)).await;
     let mut ext2 = Extender::start(&st.cp, "replica-a", ext.port, &["--placement-log-every-call"]);
     ext2.wait_ready(Duration::from_secs(60)).await;
-    create(&st.admin, last).await;
+    let pods: Api<Pod> = Api::namespaced(st.admin.clone(), NS);
+    let ungate = json!({"spec": {"schedulingGates": null}});
+    for name in &late {
+        pods.patch(name, &PatchParams::default(), &Patch::Merge(&ungate)).await.expect("lift the late pod's gate");
+    }
     let bound = wait_stable(&st.admin, 4, Duration::from_secs(4), Duration::from_secs(120)).await;
     let s = snapshot(&st.admin, NS).await;
     let js = sound("replan", &s, &ext2);

@@ -14,6 +14,16 @@ use tokio::net::{TcpSocket, TcpStream};
 /// The open-file limit a container gets by default, which the processes under test run with.
 pub const CONTAINER_NOFILE: u64 = 1024;
 
+/// The process under attack, killed and reaped however the test ends.
+pub struct Reap(pub std::process::Child);
+
+impl Drop for Reap {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// What the test process itself needs: 2,000 flood sockets at once and its own files.
 pub fn raise_own_limit(need: u64) {
     let (_, now) = gpuplace_core::fd_limit::raise_to_hard().expect("raise the test's open-file limit");
