@@ -215,8 +215,8 @@ fn the_extender_image_is_what_the_deployment_runs() {
     assert_eq!(security(pod, c, "runAsUser").as_u64(), Some(uid));
     assert_eq!(security(pod, c, "runAsGroup").as_u64(), Some(gid));
 
-    // the exposed ports are the Deployment's container ports: `serve`'s default (the verbs), and the
-    // metrics port the probes use
+    // the exposed ports are the Deployment's container ports: `serve`'s default (the verbs), the
+    // metrics port, and the probe port the probes use (no tenant reaches it, issue 48)
     let port = exposed(s);
     let container_ports: Vec<u64> =
         c["ports"].as_sequence().unwrap().iter().map(|p| p["containerPort"].as_u64().unwrap()).collect();
@@ -224,7 +224,10 @@ fn the_extender_image_is_what_the_deployment_runs() {
     for probe in ["readinessProbe", "livenessProbe"] {
         let name = c[probe]["httpGet"]["port"].as_str().expect("a named port");
         let p = c["ports"].as_sequence().unwrap().iter().find(|p| p["name"].as_str() == Some(name)).unwrap();
-        assert_eq!(name, "metrics", "{probe}: the verbs' port asks for a client certificate");
+        assert_eq!(
+            name, "probes",
+            "{probe}: the verbs' port asks for a client certificate, the metrics port is scraped"
+        );
         assert!(port.contains(&p["containerPort"].as_u64().unwrap()), "{probe}");
     }
     assert_eq!(port[0].to_string(), DEFAULT_LISTEN.rsplit(':').next().unwrap());
