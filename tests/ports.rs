@@ -17,7 +17,7 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use flood::{closed_by_server, open_fds, open_many, recycle, Answers, Reap, CONTAINER_NOFILE};
+use flood::{closed_by_server, closes_after, open_fds, open_many, recycle, Answers, Reap, CONTAINER_NOFILE};
 use gpuplace::extender::http_client;
 
 #[path = "support/flood.rs"]
@@ -130,15 +130,6 @@ fn judge(phase: &str, flood: &str, w: &Watched, closed: Option<(usize, Duration)
         assert!(w.verbs.failures.is_empty(), "{phase}: filter failed: {:#?}", w.verbs.failures);
     }
     assert!((w.peak_fds as u64) < CONTAINER_NOFILE, "{phase}: the extender held {} descriptors", w.peak_fds);
-}
-
-/// Seconds until the server closes one connection that sends `first` and then nothing.
-async fn closes_after(addr: SocketAddr, first: &'static [u8]) -> Duration {
-    let t = Instant::now();
-    let f = open_many(addr, 1, first, Duration::from_secs(1)).await;
-    assert_eq!(f.held.len(), 1, "{addr} refused a connection");
-    assert_eq!(closed_by_server(&f.held, Duration::from_secs(10)).await, 1, "{addr} kept {first:?} open");
-    t.elapsed()
 }
 
 #[test]

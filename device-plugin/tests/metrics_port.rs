@@ -12,13 +12,12 @@
 
 mod common;
 
-use std::net::SocketAddr;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::kubelet::http_get;
 use common::{topology, FakeKubelet};
-use flood::{closed_by_server, open_fds, open_many, recycle, Answers, Reap, CONTAINER_NOFILE};
+use flood::{closes_after, open_fds, open_many, recycle, Answers, Reap, CONTAINER_NOFILE};
 use gpuplace_device_plugin::kubelet_api::v1beta1::device_plugin_client::DevicePluginClient;
 use gpuplace_device_plugin::kubelet_api::v1beta1::Empty;
 use gpuplace_device_plugin::unix_socket::connect_unix;
@@ -75,14 +74,6 @@ fn judge(phase: &str, flood: &str, w: &Watched) {
     assert!(w.fresh.failures.is_empty(), "{phase}: {:#?}", w.fresh.failures);
     assert!(w.kubelet.worst() < ANSWER_WITHIN && !w.kubelet.latencies.is_empty());
     assert!((w.peak_fds as u64) < CONTAINER_NOFILE, "{phase}: the plugin held {} descriptors", w.peak_fds);
-}
-
-async fn closes_after(addr: SocketAddr, first: &'static [u8]) -> Duration {
-    let t = Instant::now();
-    let f = open_many(addr, 1, first, Duration::from_secs(1)).await;
-    assert_eq!(f.held.len(), 1, "{addr} refused a connection");
-    assert_eq!(closed_by_server(&f.held, Duration::from_secs(10)).await, 1, "{addr} kept {first:?} open");
-    t.elapsed()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

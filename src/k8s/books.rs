@@ -11,7 +11,7 @@
 //!   whose records changed (an unconditional PUT of the whole book, created when absent), comparing
 //!   with what it last wrote or listed, so an unchanged book costs no request; a new leader lists
 //!   them first and compares all. It also writes back the record of every pod whose annotation was
-//!   erased or rewritten (a merge patch naming the pod's UID, as re-signing does).
+//!   erased or rewritten (`resign::write_assignment`, as re-signing does).
 //!
 //! A bind is in the pod's annotation at once and in the book within a tick: a record erased within
 //! that second, and followed by a restart before the tick, is the one the books cannot restore.
@@ -20,16 +20,15 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{ConfigMap, Pod};
-use kube::api::{ListParams, ObjectMeta, Patch, PatchParams, PostParams};
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::api::{ListParams, ObjectMeta, PostParams};
 use kube::{Api, Client};
-use serde_json::json;
 
 use crate::k8s::leader::Leadership;
+use crate::k8s::resign::{write_assignment, AssignmentWrite};
 use crate::scheduler::books::{books_name, decode, encode, KeptRecords, NodeBook, BOOKS_LABEL};
 use crate::scheduler::service::books::PutBack;
 use crate::scheduler::Scheduler;
-use gpuplace_core::annotations::ANNOTATION_ASSIGNMENT;
 
 /// How often the leader writes the books that changed.
 pub const TICK: Duration = Duration::from_secs(1);
@@ -112,16 +111,13 @@ async fn write(api: &Api<ConfigMap>, node: &str, book: &NodeBook) -> Result<(), 
 
 /// Writes one record back on its pod; whether it is done with (written, or the pod is gone).
 async fn put_back_one(client: &Client, p: &PutBack) -> bool {
-    let pods: Api<Pod> = Api::namespaced(client.clone(), &p.namespace);
-    let patch = json!({"metadata": {"uid": p.uid, "annotations": {ANNOTATION_ASSIGNMENT: p.assignment}}});
-    match pods.patch(&p.name, &PatchParams::default(), &Patch::Merge(&patch)).await {
-        Ok(_) => {
+    match write_assignment(client, &p.namespace, &p.name, &p.uid, &p.assignment).await {
+        AssignmentWrite::Written => {
             tracing::info!(pod = %p.name, namespace = %p.namespace, "assignment written back on the pod from gpuplace's books");
             true
         }
-        // gone, or another pod under that name now: its record is released by the watch
-        Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => true,
-        Err(e) => {
+        AssignmentWrite::Gone(_) => true,
+        AssignmentWrite::Failed(e) => {
             tracing::warn!(pod = %p.name, namespace = %p.namespace, error = %e, "writing the assignment back failed; retried next tick");
             false
         }

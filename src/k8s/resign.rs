@@ -28,21 +28,39 @@ use gpuplace_core::annotations::ANNOTATION_ASSIGNMENT;
 /// flood the API server.
 pub const RESIGN_BATCH: usize = 200;
 
+/// What writing an assignment on its pod came to.
+pub enum AssignmentWrite {
+    Written,
+    /// The pod is gone, or another pod has its name now (the UID precondition failed): its record is
+    /// released by the watch. The API status code.
+    Gone(u16),
+    Failed(kube::Error),
+}
+
+/// Writes `text` as the assignment of pod `namespace/name`: a merge patch of the annotation naming
+/// the pod's UID, which the registry checks as a precondition. Shared with the books' write-back.
+pub async fn write_assignment(client: &Client, namespace: &str, name: &str, uid: &str, text: &str) -> AssignmentWrite {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let patch = json!({"metadata": {"uid": uid, "annotations": {ANNOTATION_ASSIGNMENT: text}}});
+    match pods.patch(name, &PatchParams::default(), &Patch::Merge(&patch)).await {
+        Ok(_) => AssignmentWrite::Written,
+        Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => AssignmentWrite::Gone(s.code),
+        Err(e) => AssignmentWrite::Failed(e),
+    }
+}
+
 /// Signs one record again on its pod; whether it was written.
 async fn resign_one(client: &Client, ext: &Scheduler, r: &Resign) -> bool {
-    let pods: Api<Pod> = Api::namespaced(client.clone(), &r.namespace);
-    let patch = json!({"metadata": {"uid": r.uid, "annotations": {ANNOTATION_ASSIGNMENT: r.new}}});
-    match pods.patch(&r.name, &PatchParams::default(), &Patch::Merge(&patch)).await {
-        Ok(_) => {
+    match write_assignment(client, &r.namespace, &r.name, &r.uid, &r.new).await {
+        AssignmentWrite::Written => {
             ext.resigned(r);
             true
         }
-        // gone, or another pod under that name now: its record is released by the watch
-        Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {
-            tracing::debug!(pod = %r.name, namespace = %r.namespace, code = s.code, "pod changed before its assignment was re-signed");
+        AssignmentWrite::Gone(code) => {
+            tracing::debug!(pod = %r.name, namespace = %r.namespace, code, "pod changed before its assignment was re-signed");
             false
         }
-        Err(e) => {
+        AssignmentWrite::Failed(e) => {
             tracing::warn!(pod = %r.name, namespace = %r.namespace, error = %e, "re-signing the assignment failed; retried next pass");
             false
         }

@@ -192,3 +192,12 @@ impl Answers {
         format!("{} answered (median {median:?}, worst {:?}), {} failed", l.len(), self.worst(), self.failures.len())
     }
 }
+
+/// Seconds until the server closes one connection that sends `first` and then nothing.
+pub async fn closes_after(addr: SocketAddr, first: &'static [u8]) -> Duration {
+    let t = Instant::now();
+    let f = open_many(addr, 1, first, Duration::from_secs(1)).await;
+    assert_eq!(f.held.len(), 1, "{addr} refused a connection");
+    assert_eq!(closed_by_server(&f.held, Duration::from_secs(10)).await, 1, "{addr} kept {first:?} open");
+    t.elapsed()
+}

@@ -2,7 +2,7 @@
 //! what they hold, the records a rebuild takes from them, and the records to put back on pods whose
 //! annotation was erased or rewritten after gpuplace bound them.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use super::observe::{ObservedPod, PodOutcome};
 use super::{BoundPod, Scheduler};
@@ -134,11 +134,5 @@ impl Scheduler {
         st.books.tampered.remove(&p.uid);
         // the echo of the write is the record itself: not a change to refuse
         st.refused.remove(&p.uid);
-    }
-
-    /// The pods whose record is to be put back (for `/inspect` and tests).
-    pub fn tampered_pods(&self) -> HashSet<String> {
-        let st = self.read();
-        st.books.tampered.iter().filter_map(|u| st.bound.get(u).map(|b| b.key.clone())).collect()
     }
 }
