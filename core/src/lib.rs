@@ -21,6 +21,7 @@ pub mod cluster;
 pub mod dra;
 pub mod fd_limit;
 pub mod inventory;
+pub mod isolation;
 pub mod logging;
 pub mod node_constraints;
 pub mod quantity;

@@ -50,6 +50,11 @@ struct Cli {
     /// Utilization and fault script for the fake node (see docs/device-plugin.md).
     #[arg(long, global = true, value_name = "FILE", requires = "fake_topology")]
     fake_script: Option<PathBuf>,
+    /// Per-process GPU memory for the fake node, read again at every sample: JSON
+    /// `{"processes": [{"gpu": 0, "pid": 1234, "used_mib": 30000}]}` (host PIDs; those no longer alive
+    /// are left out, as NVML lists only live processes).
+    #[arg(long, global = true, value_name = "FILE", requires = "fake_topology")]
+    fake_processes: Option<PathBuf>,
     /// This node's name (default: $NODE_NAME, set from the downward API in the DaemonSet). Selects
     /// this node's pods and the Node object to write; seeds the fake GPUs' UUIDs ("fake-node" when
     /// unset).
@@ -240,6 +245,9 @@ fn backend(cli: &Cli) -> Result<Arc<dyn GpuBackend>, BackendError> {
             let mut fake = FakeBackend::load(path, node.as_deref().unwrap_or("fake-node"))?;
             if let Some(script) = &cli.fake_script {
                 fake = fake.with_script(FakeScript::load(script)?)?;
+            }
+            if let Some(file) = &cli.fake_processes {
+                fake = fake.with_processes_file(file.clone());
             }
             Ok(Arc::new(fake))
         }

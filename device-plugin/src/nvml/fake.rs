@@ -14,9 +14,17 @@
 //!   {"at_s": 30, "gpu": 3, "fault": "recover"}
 //! ]}
 //! ```
+//!
+//! Per-process memory (what the guard reads) comes from [`FakeBackend::set_processes`] or from a file
+//! re-read at every call (`--fake-processes FILE`), so a test can report the real PIDs of real
+//! containers; PIDs that no longer exist are left out, as NVML lists only live processes:
+//!
+//! ```json
+//! {"processes": [{"gpu": 0, "pid": 41234, "used_mib": 30000}]}
+//! ```
 
 use std::collections::VecDeque;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -24,7 +32,7 @@ use gpuplace_core::inventory::{load_topology_file, synthetic_uuid};
 use gpuplace_core::topology::TopologyFile;
 use serde::{Deserialize, Serialize};
 
-use super::{BackendError, GpuBackend, GpuEvent, GpuEventKind, GpuInfo, GpuSample, Inventory, PairLink};
+use super::{BackendError, GpuBackend, GpuEvent, GpuEventKind, GpuInfo, GpuProcess, GpuSample, Inventory, PairLink};
 
 /// A fault to inject into one GPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -123,6 +131,23 @@ impl FakeScript {
     }
 }
 
+/// One line of a processes file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FakeProcess {
+    pub gpu: u32,
+    pub pid: u32,
+    #[serde(default)]
+    pub used_mib: Option<u64>,
+}
+
+/// A processes file (see the module docs).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FakeProcesses {
+    pub processes: Vec<FakeProcess>,
+}
+
 #[derive(Debug)]
 struct FakeState {
     /// What is fixed per GPU; the rest follows the synthetic wave.
@@ -133,6 +158,8 @@ struct FakeState {
     applied: usize,
     /// Script time set by [`FakeBackend::advance_to`]; wall time since creation when `None`.
     clock: Option<Duration>,
+    /// Set by [`FakeBackend::set_processes`], per GPU.
+    processes: Vec<Vec<GpuProcess>>,
 }
 
 /// See the module docs.
@@ -140,6 +167,7 @@ struct FakeState {
 pub struct FakeBackend {
     inventory: Inventory,
     script: Vec<ScriptStep>,
+    processes_file: Option<PathBuf>,
     start: Instant,
     state: Mutex<FakeState>,
     wake: Condvar,
@@ -195,6 +223,7 @@ impl FakeBackend {
         Ok(Self {
             inventory,
             script: Vec::new(),
+            processes_file: None,
             start: Instant::now(),
             state: Mutex::new(FakeState {
                 fixed: vec![Fixed::default(); n],
@@ -202,6 +231,7 @@ impl FakeBackend {
                 events: VecDeque::new(),
                 applied: 0,
                 clock: None,
+                processes: vec![Vec::new(); n],
             }),
             wake: Condvar::new(),
         })
@@ -225,6 +255,36 @@ impl FakeBackend {
         script.steps.sort_by(|a, b| a.at_s.total_cmp(&b.at_s));
         self.script = script.steps;
         Ok(self)
+    }
+
+    /// Reports the processes of a file, read again at every call (a missing file lists none).
+    pub fn with_processes_file(mut self, path: PathBuf) -> Self {
+        self.processes_file = Some(path);
+        self
+    }
+
+    /// Fixes the processes of one GPU (added to those of the processes file).
+    pub fn set_processes(&self, index: u32, processes: Vec<GpuProcess>) -> Result<(), BackendError> {
+        let i = self.check(index)?;
+        self.lock().processes[i] = processes;
+        Ok(())
+    }
+
+    fn file_processes(&self, index: u32) -> Result<Vec<GpuProcess>, BackendError> {
+        let Some(path) = &self.processes_file else { return Ok(Vec::new()) };
+        let text = match std::fs::read_to_string(path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(BackendError::Fake(format!("reading processes {}: {e}", path.display()))),
+        };
+        let file: FakeProcesses = serde_json::from_str(&text)
+            .map_err(|e| BackendError::Fake(format!("parsing processes {}: {e}", path.display())))?;
+        Ok(file
+            .processes
+            .into_iter()
+            .filter(|p| p.gpu == index && Path::new(&format!("/proc/{}", p.pid)).exists())
+            .map(|p| GpuProcess { pid: p.pid, used_mib: p.used_mib })
+            .collect())
     }
 
     fn lock(&self) -> MutexGuard<'_, FakeState> {
@@ -346,6 +406,20 @@ impl GpuBackend for FakeBackend {
         })
     }
 
+    fn processes(&self, index: u32) -> Result<Vec<GpuProcess>, BackendError> {
+        let i = self.check(index)?;
+        let mut out = self.lock().processes[i].clone();
+        if self.lock().lost[i] {
+            return Err(BackendError::GpuLost(index));
+        }
+        for p in self.file_processes(index)? {
+            if !out.iter().any(|o| o.pid == p.pid) {
+                out.push(p);
+            }
+        }
+        Ok(out)
+    }
+
     fn wait_events(&self, timeout: Duration) -> Result<Vec<GpuEvent>, BackendError> {
         let mut st = self.lock();
         self.apply_due(&mut st);
@@ -389,6 +463,35 @@ mod tests {
         assert_ne!(other.gpus[0].uuid, inv.gpus[0].uuid);
         // the file round-trips through the topology schema
         assert_eq!(inv.topology().unwrap().pair_score(0, 1), 18 * 100 + 20);
+    }
+
+    #[test]
+    fn processes_come_from_the_test_and_from_a_file_of_live_pids() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("processes.json");
+        let b = h100().with_processes_file(path.clone());
+        // no file yet: none
+        assert_eq!(b.processes(0).unwrap(), vec![]);
+        let me = std::process::id();
+        let dead = u32::MAX - 7; // above pid_max: never a live process
+        std::fs::write(
+            &path,
+            format!(
+                r#"{{"processes": [{{"gpu": 0, "pid": {me}, "used_mib": 30000}}, {{"gpu": 0, "pid": {dead}, "used_mib": 5}},
+                   {{"gpu": 1, "pid": {me}}}]}}"#
+            ),
+        )
+        .unwrap();
+        assert_eq!(b.processes(0).unwrap(), vec![GpuProcess { pid: me, used_mib: Some(30000) }]);
+        assert_eq!(b.processes(1).unwrap(), vec![GpuProcess { pid: me, used_mib: None }]);
+        b.set_processes(2, vec![GpuProcess { pid: 7, used_mib: Some(1) }]).unwrap();
+        assert_eq!(b.processes(2).unwrap(), vec![GpuProcess { pid: 7, used_mib: Some(1) }]);
+        // a file that does not parse is an error the caller sees, not an empty GPU
+        std::fs::write(&path, "{").unwrap();
+        assert!(matches!(b.processes(0), Err(BackendError::Fake(m)) if m.contains("parsing processes")));
+        b.inject(3, Fault::FallOffBus).unwrap();
+        assert_eq!(b.processes(3), Err(BackendError::GpuLost(3)));
+        assert_eq!(b.processes(9), Err(BackendError::UnknownGpu(9)));
     }
 
     #[test]

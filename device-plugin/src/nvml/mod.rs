@@ -134,6 +134,16 @@ pub struct GpuSample {
     pub sm_clock_mhz: u32,
 }
 
+/// One process holding a CUDA context on a GPU, as NVML lists it (compute and MPS clients).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuProcess {
+    /// The host's PID (NVML answers in the host's PID namespace; the plugin runs with `hostPID`).
+    pub pid: u32,
+    /// Framebuffer memory the process holds; `None` where the driver does not say (under MPS on
+    /// some drivers, or without the privilege to read another user's processes).
+    pub used_mib: Option<u64>,
+}
+
 /// What happened to a GPU's health.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -193,6 +203,8 @@ pub trait GpuBackend: Send + Sync {
     /// Blocks for at most `timeout` and returns the health events that arrived (possibly none).
     /// Called in a loop from one blocking thread.
     fn wait_events(&self, timeout: Duration) -> Result<Vec<GpuEvent>, BackendError>;
+    /// The processes with a compute context on one GPU now, each PID once (the guard's input).
+    fn processes(&self, index: u32) -> Result<Vec<GpuProcess>, BackendError>;
 }
 
 /// Where one NVLink lane of a GPU ends.

@@ -9,13 +9,14 @@ use gpuplace_core::topology::PcieLevel;
 use nvml_wrapper::bitmasks::event::EventTypes;
 use nvml_wrapper::enum_wrappers::device::{Clock, TemperatureSensor, TopologyLevel};
 use nvml_wrapper::enum_wrappers::nv_link::IntDeviceType;
+use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper::enums::event::XidError;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{Device, EventSet, Nvml};
 
 use super::{
-    normalize_bus_id, pair_links, BackendError, GpuBackend, GpuEvent, GpuEventKind, GpuInfo, GpuSample, Inventory,
-    LaneEnd,
+    normalize_bus_id, pair_links, BackendError, GpuBackend, GpuEvent, GpuEventKind, GpuInfo, GpuProcess, GpuSample,
+    Inventory, LaneEnd,
 };
 
 /// Lane indices to ask about: `NVML_NVLINK_MAX_LINKS` (18, Hopper's count) in current NVML headers.
@@ -229,6 +230,31 @@ impl GpuBackend for NvmlBackend {
             power_mw: dev.power_usage().unwrap_or(0),
             sm_clock_mhz: dev.clock_info(Clock::SM).map_err(nvml_err("nvmlDeviceGetClockInfo", g))?,
         })
+    }
+
+    fn processes(&self, index: u32) -> Result<Vec<GpuProcess>, BackendError> {
+        let dev = self.device(index)?;
+        let mut list =
+            dev.running_compute_processes().map_err(nvml_err("nvmlDeviceGetComputeRunningProcesses", Some(index)))?;
+        // MPS clients are listed apart on drivers that know MPS; older ones answer NotSupported
+        match dev.mps_running_compute_processes() {
+            Ok(mps) => list.extend(mps),
+            Err(NvmlError::NotSupported | NvmlError::FunctionNotFound) => {}
+            Err(e) => return Err(nvml_err("nvmlDeviceGetMPSComputeRunningProcesses", Some(index))(e)),
+        }
+        let mut out: Vec<GpuProcess> = Vec::with_capacity(list.len());
+        for p in list {
+            let used_mib = match p.used_gpu_memory {
+                UsedGpuMemory::Used(bytes) => Some(bytes >> 20),
+                UsedGpuMemory::Unavailable => None,
+            };
+            match out.iter_mut().find(|o| o.pid == p.pid) {
+                // one PID listed twice (compute and MPS): the larger reading
+                Some(o) => o.used_mib = o.used_mib.max(used_mib),
+                None => out.push(GpuProcess { pid: p.pid, used_mib }),
+            }
+        }
+        Ok(out)
     }
 
     fn wait_events(&self, timeout: Duration) -> Result<Vec<GpuEvent>, BackendError> {
