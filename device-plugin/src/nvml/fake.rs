@@ -139,6 +139,8 @@ pub struct FakeProcess {
     pub pid: u32,
     #[serde(default)]
     pub used_mib: Option<u64>,
+    #[serde(default)]
+    pub sm_pct: Option<u32>,
 }
 
 /// A processes file (see the module docs).
@@ -283,7 +285,7 @@ impl FakeBackend {
             .processes
             .into_iter()
             .filter(|p| p.gpu == index && Path::new(&format!("/proc/{}", p.pid)).exists())
-            .map(|p| GpuProcess { pid: p.pid, used_mib: p.used_mib })
+            .map(|p| GpuProcess { pid: p.pid, used_mib: p.used_mib, sm_pct: p.sm_pct.map(|u| u.min(100)) })
             .collect())
     }
 
@@ -478,14 +480,14 @@ mod tests {
             &path,
             format!(
                 r#"{{"processes": [{{"gpu": 0, "pid": {me}, "used_mib": 30000}}, {{"gpu": 0, "pid": {dead}, "used_mib": 5}},
-                   {{"gpu": 1, "pid": {me}}}]}}"#
+                   {{"gpu": 1, "pid": {me}, "sm_pct": 40}}]}}"#
             ),
         )
         .unwrap();
-        assert_eq!(b.processes(0).unwrap(), vec![GpuProcess { pid: me, used_mib: Some(30000) }]);
-        assert_eq!(b.processes(1).unwrap(), vec![GpuProcess { pid: me, used_mib: None }]);
-        b.set_processes(2, vec![GpuProcess { pid: 7, used_mib: Some(1) }]).unwrap();
-        assert_eq!(b.processes(2).unwrap(), vec![GpuProcess { pid: 7, used_mib: Some(1) }]);
+        assert_eq!(b.processes(0).unwrap(), vec![GpuProcess { pid: me, used_mib: Some(30000), sm_pct: None }]);
+        assert_eq!(b.processes(1).unwrap(), vec![GpuProcess { pid: me, used_mib: None, sm_pct: Some(40) }]);
+        b.set_processes(2, vec![GpuProcess { pid: 7, used_mib: Some(1), sm_pct: None }]).unwrap();
+        assert_eq!(b.processes(2).unwrap(), vec![GpuProcess { pid: 7, used_mib: Some(1), sm_pct: None }]);
         // a file that does not parse is an error the caller sees, not an empty GPU
         std::fs::write(&path, "{").unwrap();
         assert!(matches!(b.processes(0), Err(BackendError::Fake(m)) if m.contains("parsing processes")));

@@ -142,6 +142,10 @@ pub struct GpuProcess {
     /// Framebuffer memory the process holds; `None` where the driver does not say (under MPS on
     /// some drivers, or without the privilege to read another user's processes).
     pub used_mib: Option<u64>,
+    /// Percent of the last sample period in which the process's kernels ran (NVML's process
+    /// utilization); `None` where the driver has no recent sample for it.
+    #[serde(default)]
+    pub sm_pct: Option<u32>,
 }
 
 /// What happened to a GPU's health.

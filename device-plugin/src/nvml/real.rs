@@ -167,6 +167,9 @@ impl NvmlBackend {
     }
 }
 
+/// How far back per-process utilization samples are read: a few of the driver's sample periods.
+const PROCESS_SAMPLE_WINDOW_US: u128 = 10_000_000;
+
 impl GpuBackend for NvmlBackend {
     fn inventory(&self) -> Result<Inventory, BackendError> {
         let n = self.count()?;
@@ -251,8 +254,29 @@ impl GpuBackend for NvmlBackend {
             match out.iter_mut().find(|o| o.pid == p.pid) {
                 // one PID listed twice (compute and MPS): the larger reading
                 Some(o) => o.used_mib = o.used_mib.max(used_mib),
-                None => out.push(GpuProcess { pid: p.pid, used_mib }),
+                None => out.push(GpuProcess { pid: p.pid, used_mib, sm_pct: None }),
             }
+        }
+        // per-process SM use over the last seconds (the driver's sample buffer); none is not an error
+        let since_us = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_micros().saturating_sub(PROCESS_SAMPLE_WINDOW_US) as u64)
+            .unwrap_or(0);
+        match dev.process_utilization_stats(since_us) {
+            Ok(samples) => {
+                let mut newest: std::collections::HashMap<u32, (u64, u32)> = std::collections::HashMap::new();
+                for s in samples {
+                    let e = newest.entry(s.pid).or_insert((0, 0));
+                    if s.timestamp >= e.0 {
+                        *e = (s.timestamp, s.sm_util.min(100));
+                    }
+                }
+                for o in &mut out {
+                    o.sm_pct = newest.get(&o.pid).map(|(_, u)| *u);
+                }
+            }
+            Err(NvmlError::NotFound | NvmlError::NotSupported | NvmlError::FunctionNotFound) => {}
+            Err(e) => tracing::debug!(gpu = index, error = %e, "nvmlDeviceGetProcessUtilization failed"),
         }
         Ok(out)
     }
