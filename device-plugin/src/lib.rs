@@ -36,6 +36,7 @@ pub mod discover;
 pub mod dra;
 pub mod exclusive;
 pub mod grpc_authority;
+pub mod guard;
 pub mod k8s;
 pub mod kubelet_api;
 pub mod metrics;

@@ -405,6 +405,49 @@ pub fn render(
         );
         f.series(name, &labels(&[("Hostname", hostname)]), t.dra_registrations);
     }
+    if let Some(g) = &t.guard {
+        {
+            let name = "gpuplace_guard_containers_over_memory";
+            let mut f = Family::new(
+                &mut out,
+                name,
+                "gauge",
+                "Containers (per GPU) holding more GPU memory than their grant plus one CUDA context per process, at the guard's last sample.",
+            );
+            f.series(name, &labels(&[("Hostname", hostname)]), g.over_memory);
+        }
+        {
+            let name = "gpuplace_guard_unattributed_processes";
+            let mut f = Family::new(
+                &mut out,
+                name,
+                "gauge",
+                "GPU processes of no container gpuplace granted (the MPS server, host daemons, pods gpuplace did not place): counted, never stopped.",
+            );
+            f.series(name, &labels(&[("Hostname", hostname)]), g.unattributed);
+        }
+        {
+            let name = "gpuplace_guard_unmeasured_containers";
+            let mut f = Family::new(
+                &mut out,
+                name,
+                "gauge",
+                "Granted containers (per GPU) whose processes' memory the driver did not report at the guard's last sample.",
+            );
+            f.series(name, &labels(&[("Hostname", hostname)]), g.unmeasured);
+        }
+        let name = "gpuplace_guard_actions_total";
+        let mut f = Family::new(
+            &mut out,
+            name,
+            "counter",
+            "What the guard did, by action (memory_over, killed, evicted, stop_failed, compute_over).",
+        );
+        for action in crate::sampler::GUARD_ACTIONS {
+            let n = g.actions.get(action).copied().unwrap_or(0);
+            f.series(name, &labels(&[("Hostname", hostname), ("action", action)]), n);
+        }
+    }
     if t.api_enabled {
         let name = "gpuplace_apiserver_errors_total";
         let mut f = Family::new(

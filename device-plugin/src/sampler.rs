@@ -59,6 +59,20 @@ pub struct TelemetryState {
     pub dra_claims: BTreeMap<&'static str, u64>,
     /// DRA mode: times kubelet said the driver's registration succeeded.
     pub dra_registrations: u64,
+    /// The guard's counts, when it runs ([`crate::guard`]).
+    pub guard: Option<GuardStats>,
+}
+
+/// Labels of `gpuplace_guard_actions_total`, all exported from the start.
+pub const GUARD_ACTIONS: [&str; 5] = ["memory_over", "killed", "evicted", "stop_failed", "compute_over"];
+
+/// What the guard saw at its last sample, and what it did since the start.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GuardStats {
+    pub over_memory: u64,
+    pub unattributed: u64,
+    pub unmeasured: u64,
+    pub actions: BTreeMap<&'static str, u64>,
 }
 
 /// Labels of `gpuplace_dra_claims_total`, all exported from the start: claims prepared, refused
@@ -143,6 +157,24 @@ impl Telemetry {
     /// Counts one successful registration with kubelet as the DRA driver.
     pub fn dra_registered(&self) {
         self.lock().dra_registrations += 1;
+    }
+
+    /// Exports the guard's series (zero until it acts).
+    pub fn enable_guard(&self) {
+        self.lock().guard.get_or_insert_with(GuardStats::default);
+    }
+
+    /// The guard's gauges after one sample.
+    pub fn guard_sampled(&self, over_memory: usize, unattributed: usize, unmeasured: usize) {
+        let mut st = self.lock();
+        let g = st.guard.get_or_insert_with(GuardStats::default);
+        (g.over_memory, g.unattributed, g.unmeasured) = (over_memory as u64, unattributed as u64, unmeasured as u64);
+    }
+
+    /// Counts one thing the guard did ([`GUARD_ACTIONS`]).
+    pub fn guard_action(&self, action: &'static str) {
+        let mut st = self.lock();
+        *st.guard.get_or_insert_with(GuardStats::default).actions.entry(action).or_insert(0) += 1;
     }
 
     /// Counts one failed API-server call.
