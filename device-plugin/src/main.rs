@@ -15,7 +15,10 @@ use gpuplace_device_plugin::dra::devices::{devices, slice_spec, DEFAULT_DRIVER};
 use gpuplace_device_plugin::dra::kubelet::{DraConfig, DraNode};
 use gpuplace_device_plugin::k8s::assignments::KubeAssignments;
 use gpuplace_device_plugin::k8s::claims::KubeClaims;
+use gpuplace_device_plugin::guard::run::GuardRunner;
+use gpuplace_device_plugin::guard::{ContainerDirectory, GuardConfig, OverrunAction};
 use gpuplace_device_plugin::k8s::events::PluginEvents;
+use gpuplace_device_plugin::k8s::guard::KubeGuardOutlet;
 use gpuplace_device_plugin::k8s::inventory::cluster_node;
 use gpuplace_device_plugin::k8s::keys::AssignmentKeys;
 use gpuplace_device_plugin::k8s::node::NodeSync;
@@ -37,6 +40,11 @@ use gpuplace_device_plugin::publish::{LogSink, PublishPolicy, Publisher, Utiliza
 use gpuplace_device_plugin::sampler::{Sampler, Telemetry};
 use gpuplace_device_plugin::server::{run, ServeConfig};
 use gpuplace_device_plugin::slots::DEFAULT_SLOTS_PER_GPU;
+
+/// A CUDA 12 context with lazy module loading holds a few hundred MiB on Ampere and Hopper; the
+/// guard allows this much per process over a container's grant (measured on a real GPU:
+/// docs/performance.md).
+const DEFAULT_CONTEXT_OVERHEAD_MIB: u64 = 512;
 use gpuplace_device_plugin::{discover, slots};
 
 /// Every option is global: it works before or after the subcommand (`serve --no-assignments` and
@@ -118,6 +126,22 @@ struct Cli {
     /// Host directory of the MPS control daemon's pipes, mounted into containers that get a share.
     #[arg(long, value_name = "DIR", global = true)]
     mps_pipe_dir: Option<PathBuf>,
+    /// Do not run the guard (docs/isolation.md): no process is ever stopped for its GPU memory, and
+    /// compute overuse is not reported. The guard runs with the API server in assignments mode.
+    #[arg(long, global = true)]
+    no_guard: bool,
+    /// How long a container may hold more GPU memory than its grant (plus one CUDA context per
+    /// process) before the guard stops it.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration, global = true)]
+    guard_grace: Duration,
+    /// What the guard does to a container still over its memory grant after the grace: kill its
+    /// largest process on that GPU, or evict its pod (needs pods/eviction create).
+    #[arg(long, value_enum, default_value_t = OverrunAction::Kill, global = true)]
+    guard_action: OverrunAction,
+    /// GPU memory one process's CUDA context holds beyond what it allocates: the guard allows each
+    /// process this much over its container's grant.
+    #[arg(long, value_name = "MIB", default_value_t = DEFAULT_CONTEXT_OVERHEAD_MIB, global = true)]
+    context_overhead_mib: u64,
     /// Where to serve Prometheus /metrics (DCGM-exporter names; dcgm-exporter's port by default).
     #[arg(long, value_name = "ADDR", default_value = DEFAULT_METRICS_LISTEN, global = true)]
     metrics_listen: SocketAddr,
@@ -310,6 +334,7 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
     if api.is_some() {
         telemetry.enable_api();
     }
+    let mut directory: Option<Arc<dyn ContainerDirectory>> = None;
     let source: Option<Arc<dyn AssignmentSource>> = match &api {
         // DRA: kubelet hands out what the claims' allocations say, not the extender's assignments
         Some(_) if cli.dra => None,
@@ -322,7 +347,9 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
                 .map_err(|e| format!("this node's GPUs as the extender sees them: {e}"))?;
             let (ns, name) = &cli.assignment_public_keys;
             let keys = AssignmentKeys::watch(client.clone(), ns, name, telemetry.clone(), CALL_TIMEOUT);
-            Some(KubeAssignments::start(client.clone(), node, model, keys, telemetry.clone()))
+            let assignments = KubeAssignments::start(client.clone(), node, model, keys, telemetry.clone());
+            directory = Some(assignments.clone());
+            Some(assignments)
         }
         None => None,
     };
@@ -386,6 +413,7 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
     // connect and call together, well inside a sample interval
     let pr_timeout = cli.sample_interval.clamp(Duration::from_millis(100), Duration::from_secs(2));
     let pod_resources = PodResourcesClient::new(&cli.pod_resources_socket, pr_timeout);
+    let guard_backend = backend.clone();
     let mut sampler = Sampler::new(backend, plugin.clone(), telemetry.clone(), Some(pod_resources), publisher);
     if let Some((client, node)) = &api {
         sampler.set_reporter(Arc::new(PluginEvents::new(client.clone(), node)));
@@ -398,6 +426,32 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
         pod_labels: cli.metrics_pod_series,
     });
     let sampling = rt.spawn(sampler.run(cli.sample_interval));
+    // the guard judges processes by their containers' verified assignments: assignments mode only
+    let guarding = match (&api, directory, cli.no_guard) {
+        (Some((client, node)), Some(directory), false) => {
+            let cfg = GuardConfig {
+                grace: cli.guard_grace,
+                context_overhead_mib: cli.context_overhead_mib,
+                action: cli.guard_action,
+                ..GuardConfig::default()
+            };
+            let outlet = Arc::new(KubeGuardOutlet::new(client.clone(), node, telemetry_for_claims.clone()));
+            let runner = GuardRunner::new(
+                guard_backend,
+                inventory.gpus.len() as u32,
+                directory,
+                telemetry_for_claims.clone(),
+                cfg,
+            )
+            .with_outlet(outlet);
+            tracing::info!(grace = ?cli.guard_grace, action = ?cli.guard_action, context_overhead_mib = cli.context_overhead_mib, "the guard watches each GPU's processes against their containers' grants");
+            Some(rt.spawn(runner.run(cli.sample_interval)))
+        }
+        _ => {
+            tracing::info!("the guard is off: GPU memory and compute limits are not enforced by the plugin");
+            None
+        }
+    };
     let limits = ServeLimits { max_connections: cli.metrics_max_connections, ..ServeLimits::default() };
     let metrics_server = rt.spawn(metrics::serve_limited(listener, source, limits, Box::pin(std::future::pending())));
     let result = match (&api, cli.dra) {
@@ -419,6 +473,9 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
         _ => rt.block_on(run(plugin, cfg, Box::pin(shutdown_signal()))),
     };
     sampling.abort();
+    if let Some(g) = guarding {
+        g.abort();
+    }
     metrics_server.abort();
     if let Some(t) = node_sync {
         t.abort();

@@ -275,6 +275,17 @@ impl KubeAssignments {
         })
     }
 
+    /// The pod of this node with that UID, from the watch's cache.
+    pub(crate) fn cached_pod(&self, uid: &str) -> Option<Arc<Pod>> {
+        self.store.state().into_iter().find(|p| p.metadata.uid.as_deref() == Some(uid))
+    }
+
+    /// The pod's assignment if it can be trusted (signed, valid for this pod and node); `Ok(None)`
+    /// when it has none or is finished.
+    pub(crate) fn trusted(&self, pod: &Pod) -> Result<Option<PendingPod>, PodProblem> {
+        pending_pod(pod, &self.node_name, &self.node, &self.keys.current())
+    }
+
     fn synced(&self) -> bool {
         use futures::FutureExt;
         matches!(self.store.wait_until_ready().now_or_never(), Some(Ok(())))

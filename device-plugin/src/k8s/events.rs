@@ -50,6 +50,13 @@ impl PluginEvents {
         Self { sink: EventSink::for_controller(client, CONTROLLER, node) }
     }
 
+    /// A Warning Event from the guard ([`crate::guard`]) on a pod named by namespace, name and UID.
+    pub fn guard_warn(&self, namespace: &str, name: &str, uid: &str, reason: &'static str, note: &str) {
+        let mut object = pod_ref(namespace, name);
+        object.uid = Some(uid.into());
+        self.sink.warn(object, reason, "Guard", note);
+    }
+
     /// `pod`'s assignment will not be applied, because of `problem`.
     pub fn assignment_skipped(&self, pod: &Pod, problem: &str) {
         let note = format!(

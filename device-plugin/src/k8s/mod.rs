@@ -13,11 +13,14 @@
 //! - [`keys::AssignmentKeys`]: the extender's public keys, which every assignment must verify with.
 //! - [`claims::KubeClaims`]: in DRA mode, the claims kubelet asks to prepare.
 //! - [`slices::SliceSync`]: in DRA mode, this node's ResourceSlice (its healthy GPUs as devices).
+//! - [`guard`]: the guard's pods (which container a process is in, and its grant), its Events and
+//!   evictions.
 //! - [`inventory`]: what the node publishes, computed from the discovered GPUs and their health (pure).
 //!
 //! The calls, and so the RBAC (scheduler-config/device-plugin/rbac.yaml): pods list and watch (field
 //! selector `spec.nodeName`) and patch; its node get and patch; `nodes/status` patch; events.k8s.io
-//! events create and patch (kube's `Recorder` patches a repeated Event); configmaps patch and create
+//! events create and patch (kube's `Recorder` patches a repeated Event); `pods/eviction` create (the
+//! guard, with `--guard-action evict`); configmaps patch and create
 //! in the utilization namespace (a Role there); in DRA mode, resourceslices list (field selector
 //! `spec.nodeName`, `spec.driver`), create, update and delete, and resourceclaims get
 //! (scheduler-config/device-plugin/dra.yaml),
@@ -28,6 +31,7 @@
 pub mod assignments;
 pub mod claims;
 pub mod events;
+pub mod guard;
 pub mod inventory;
 pub mod keys;
 pub mod node;
@@ -38,7 +42,7 @@ use std::future::Future;
 use std::time::Duration;
 
 /// Labels of `gpuplace_apiserver_errors_total`, all exported from the start.
-pub const API_OPS: [&str; 14] = [
+pub const API_OPS: [&str; 15] = [
     "pods_list",
     "pods_watch",
     "pod_patch",
@@ -53,6 +57,7 @@ pub const API_OPS: [&str; 14] = [
     "resourceslice_replace",
     "resourceslice_delete",
     "resourceclaim_get",
+    "pod_evict",
 ];
 
 /// How long one API call may take. kubelet waits on Allocate, so a hung API server must turn into a
