@@ -73,10 +73,11 @@ MPS_PIPES=()
 
 say() { printf '%s\n' "$*" | tee -a "$SUMMARY"; }
 log() { { printf '\n===== %s =====\n' "$1"; cat; } >>"$LOGS"; }
-# A step's timeout: its own limit, cut to what is left of the budget (0: no time left).
+# A step's timeout: its own limit, cut to what is left of the budget (1 when under 5 s are left:
+# never 0, which would mean no limit to timeout).
 left() {
   local want=$1 rest=$((DEADLINE - SECONDS))
-  if ((rest < 5)); then echo 0; elif ((want < rest)); then echo "$want"; else echo "$rest"; fi
+  if ((rest < 5)); then echo 1; elif ((want < rest)); then echo "$want"; else echo "$rest"; fi
 }
 # The last JSON object line of a file, or null.
 last_json() { local l; l=$(grep '^{' "$1" 2>/dev/null | tail -n 1 || true); printf '%s' "${l:-null}"; }
@@ -103,7 +104,7 @@ gc() {
   local name=$1 t=$2
   shift 2
   RC=0
-  if (($(left "$t") == 0)); then RC=124; LINE=null; echo "(skipped: out of time)" >"$WORK/$name.out"; return; fi
+  if (($(left "$t") <= 1)); then RC=124; LINE=null; echo "(skipped: out of time)" >"$WORK/$name.out"; return; fi
   timeout "$(left "$t")" "$@" >"$WORK/$name.out" 2>"$WORK/$name.err" || RC=$?
   LINE=$(last_json "$WORK/$name.out")
   sed "s/^/[$name] /" "$WORK/$name.err" >>"$LOGS" || true
@@ -149,7 +150,9 @@ DRIVER=$(printf '%s' "$SMI_Q" | head -n 1 | cut -d, -f4 | tr -d ' ')
 COMPUTE_MODE=$(printf '%s' "$SMI_Q" | head -n 1 | cut -d, -f6 | sed 's/^ *//')
 MIG=$(printf '%s' "$SMI_Q" | head -n 1 | cut -d, -f7 | tr -d ' ')
 MPS_CONTROL=$(command -v nvidia-cuda-mps-control || true)
-record gpu "\"nvidia_smi\":$(jstr "$SMI_Q"),\"driver\":$(jstr "$DRIVER"),\"compute_mode\":$(jstr "$COMPUTE_MODE"),\"mig\":$(jstr "$MIG"),\"mps_control\":$(jstr "$MPS_CONTROL")"
+MPS_BEFORE=$(pids_of nvidia-cuda-mps)
+record gpu "\"nvidia_smi\":$(jstr "$SMI_Q"),\"driver\":$(jstr "$DRIVER"),\"compute_mode\":$(jstr "$COMPUTE_MODE"),\"mig\":$(jstr "$MIG"),\"mps_control\":$(jstr "$MPS_CONTROL"),\"mps_running_before\":$(jstr "$MPS_BEFORE")"
+[ -n "$MPS_BEFORE" ] && say "WARNING: MPS processes were already running before this run: $MPS_BEFORE"
 [ "$MIG" = "Enabled" ] && say "WARNING: MIG is enabled; CUDA sees MIG instances only, the figures below are not the whole GPU's"
 say "driver $DRIVER, compute mode $COMPUTE_MODE (left as is), MPS control: ${MPS_CONTROL:-not found}"
 
@@ -196,6 +199,14 @@ done
 PLUGIN_ALIVE=false
 kill -0 "$PLUGIN_PID" 2>/dev/null && PLUGIN_ALIVE=true
 MPS_PIDS=$(pids_of nvidia-cuda-mps-control)
+if [ -z "$MPS_PIPE" ]; then
+  # A control daemon with its pipes elsewhere than under --mps-root: its environment says where.
+  for p in $MPS_PIDS; do
+    d=$(tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | sed -n 's/^CUDA_MPS_PIPE_DIRECTORY=//p' | head -n 1 || true)
+    d=${d:-/tmp/nvidia-mps}
+    if [ -e "$d/control" ]; then MPS_PIPE=$d; MPS_SOURCE="plugin (pipe outside --mps-root, from /proc)"; break; fi
+  done
+fi
 record plugin-mps "\"plugin_alive\":$PLUGIN_ALIVE,\"pipe_dir\":$(jstr "$MPS_PIPE"),\"waited_s\":$((SECONDS - T0)),\"mps_control_pids\":$(jstr "$MPS_PIDS"),\"plugin_log_tail\":$(jstr "$(tail -n 5 "$WORK/plugin.log")")"
 if [ -n "$MPS_PIPE" ]; then
   MPS_PIPES+=("$MPS_PIPE")

@@ -57,7 +57,12 @@ run "$tmp/out2" >"$tmp/run2.log" 2>&1 || { cat "$tmp/run2.log"; exit 1; }
 check "$tmp/out2/results.jsonl" guard '"wired":false'
 check "$tmp/out2/results.jsonl" guard '"killed_by_guard":false'
 
-# 3. The plugin without the MPS flag: the fallback daemon runs the MPS steps.
+# 3. The plugin's pipes outside --mps-root: found through the daemon's environment.
+run "$tmp/out4" FAKE_PIPE_OUTSIDE=1 GUARD_GRACE_S=1 >"$tmp/run4.log" 2>&1 || { cat "$tmp/run4.log"; exit 1; }
+check "$tmp/out4/results.jsonl" mps-servers-before '"mps_source":"plugin (pipe outside --mps-root, from /proc)"'
+check "$tmp/out4/results.jsonl" mem-limit-high '"pass":true'
+
+# 4. The plugin without the MPS flag: the fallback daemon runs the MPS steps.
 cat >"$tmp/bin/gpuplace-device-plugin" <<'EOS'
 #!/usr/bin/env bash
 [ "$1" = discover ] && { echo '{"gpus": [{"memory_mib": 81559}]}'; exit 0; }
