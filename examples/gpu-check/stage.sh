@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Builds gpu-check and the device plugin (release) on this machine and copies them, stripped, into
+# target/gpu-check/ of this checkout: the one ignored folder to carry to the GPU machine, where
+# examples/gpu-check/run.sh finds them. SKIP_PLUGIN=1: gpu-check only (the plugin copied before stays).
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+target=${CARGO_TARGET_DIR:-$repo/target}
+stage=$repo/target/gpu-check
+mkdir -p "$stage"
+cargo build --release --locked --manifest-path "$repo/examples/gpu-check/Cargo.toml"
+cp "$target/release/gpu-check" "$stage/gpu-check"
+if [ "${SKIP_PLUGIN:-0}" != 1 ]; then
+  cargo build --release --locked --manifest-path "$repo/Cargo.toml" -p gpuplace-device-plugin
+  cp "$target/release/gpuplace-device-plugin" "$stage/gpuplace-device-plugin"
+fi
+# the workspace's release profile keeps symbols (backtraces); the carried copies need none
+if command -v strip >/dev/null; then strip "$stage"/* 2>/dev/null || true; fi
+ls -l "$stage"
+du -sh "$stage"
