@@ -33,6 +33,7 @@ use crate::node::{build_images, RealNode, BUSYBOX_IMAGE};
 use crate::SERIAL;
 
 mod dra;
+mod guard;
 mod probes;
 
 use probes::*;
@@ -77,6 +78,10 @@ fn render_chart_with(images: &crate::node::Images, node: &RealNode, more: &[Stri
         .arg(format!("devicePlugin.fakeTopology={}", topology.display()));
     for s in sets.iter().chain(more) {
         cmd.args(["--set", s]);
+    }
+    // the guard's processes file and a fast sample (issue 49, guard.rs)
+    for (k, v) in guard::chart_values(&node.dir) {
+        cmd.args(["--set-json", &format!("{k}={v}")]);
     }
     let out = cmd.output().expect("e2e: running helm");
     assert!(out.status.success(), "helm template: {}", String::from_utf8_lossy(&out.stderr));
@@ -681,6 +686,9 @@ async fn gpuplace_from_its_chart_and_images_on_a_real_node() {
     assert!(problems.is_empty(), "after the extender's kill:\n{}", problems.join("\n"));
     assert!(a.over_commits.is_empty() && a.bad_assignments.is_empty(), "{:?} {:?}", a.over_commits, a.bad_assignments);
     inspect_agrees(&admin, &to_extender, &mtls).await;
+
+    // ---- issue 49: the guard holds a share to its grant, and never touches its neighbour
+    guard::shares_hold_on_the_real_node(&admin, &node.dir).await;
     figure(&format!("real node: scenario done in {:.1} s", t0.elapsed().as_secs_f64()));
     drop(to_extender);
     drop(node);

@@ -6,16 +6,18 @@
 //! - cgroupfs: `…/kubepods/besteffort/pod<uid>/<id>`
 //!
 //! Runtimes name the leaf `cri-containerd-<id>.scope`, `crio-<id>.scope`, `docker-<id>.scope` or
-//! just `<id>`. A process in no pod's cgroup (a host daemon, the plugin's own MPS server outside a
-//! pod) has none.
+//! just `<id>`. A kubelet with `cgroupsPerQOS: false` makes no pod cgroups: containerd then puts a
+//! container in `/k8s.io/<id>` or `/<id>`, and only the container ID is known (it is unique on the
+//! node; the pod is found from its status). A process in no container's cgroup (a host daemon) has
+//! none.
 
 use std::path::Path;
 
 /// A process's pod and container.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ContainerOfProcess {
-    /// The pod's UID with dashes, as in `metadata.uid`.
-    pub pod_uid: String,
+    /// The pod's UID with dashes, as in `metadata.uid`, where the cgroup path names it.
+    pub pod_uid: Option<String>,
     /// The runtime's container ID (64 hex digits), as in `containerStatuses[].containerID` after
     /// `<runtime>://`.
     pub container_id: String,
@@ -27,15 +29,16 @@ pub fn container_of(proc_root: &Path, pid: u32) -> Option<ContainerOfProcess> {
     parse(&text)
 }
 
-/// The pod and container of a `/proc/<pid>/cgroup` text: the first line naming both.
+/// The pod and container of a `/proc/<pid>/cgroup` text: the first line whose last segment is a
+/// container, with the pod's UID when the segment before it names one.
 pub fn parse(text: &str) -> Option<ContainerOfProcess> {
     text.lines().find_map(|line| {
         // `hierarchy-ID:controllers:path`; the path may itself hold colons on odd systems
         let path = line.splitn(3, ':').nth(2)?;
         let segments: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
-        let at = segments.iter().rposition(|s| pod_uid(s).is_some())?;
-        let pod_uid = pod_uid(segments[at])?;
-        let container_id = container_id(segments.get(at + 1)?)?;
+        let (last, before) = segments.split_last()?;
+        let container_id = container_id(last)?;
+        let pod_uid = before.last().and_then(|s| pod_uid(s));
         Some(ContainerOfProcess { pod_uid, container_id })
     })
 }
@@ -75,7 +78,7 @@ mod tests {
     const CID: &str = "4c1b5a9e0d2f3e4a5b6c7d8e9f0a1b2c3d4e5f6a7b8c9d0e1f2a3b4c5d6e7f80";
 
     fn want() -> Option<ContainerOfProcess> {
-        Some(ContainerOfProcess { pod_uid: UID.into(), container_id: CID.into() })
+        Some(ContainerOfProcess { pod_uid: Some(UID.into()), container_id: CID.into() })
     }
 
     #[test]
@@ -95,6 +98,10 @@ mod tests {
         // nested under a kubelet's own cgroup root (as the e2e node runs)
         let nested = format!("0::/e2e-node/kubepods/besteffort/pod{UID}/{CID}");
         assert_eq!(parse(&nested), want());
+        // no pod cgroups (cgroupsPerQOS: false): the container alone
+        let bare = Some(ContainerOfProcess { pod_uid: None, container_id: CID.into() });
+        assert_eq!(parse(&format!("4:memory:/k8s.io/{CID}\n")), bare);
+        assert_eq!(parse(&format!("0::/{CID}")), bare);
     }
 
     #[test]
@@ -103,9 +110,10 @@ mod tests {
         assert_eq!(parse("0::/user.slice/user-0.slice/session-1.scope"), None);
         // the pod's own cgroup (the pause process's parent) names no container
         assert_eq!(parse(&format!("0::/kubepods/besteffort/pod{UID}")), None);
-        // look-alikes are not pods
-        assert_eq!(parse(&format!("0::/ipod{UID}/{CID}")), None);
+        // look-alikes are not pods, and a leaf that is no container ID is nothing
+        assert_eq!(parse(&format!("0::/ipod{UID}/{CID}")).and_then(|c| c.pod_uid), None);
         assert_eq!(parse(&format!("0::/kubepods/pod{UID}/not-a-container")), None);
+        assert_eq!(parse("4:memory:/process_api/936fc985dacf96da625b1000668994b7"), None);
         assert_eq!(parse(""), None);
         assert_eq!(parse("garbage"), None);
     }

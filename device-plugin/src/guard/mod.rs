@@ -26,7 +26,7 @@ pub enum Lookup {
     Unknown,
 }
 
-/// Pods and their grants, by pod UID and container ID.
+/// Pods and their grants, by container ID (and pod UID where the cgroup names it).
 pub trait ContainerDirectory: Send + Sync {
-    fn lookup(&self, pod_uid: &str, container_id: &str) -> Lookup;
+    fn lookup(&self, pod_uid: Option<&str>, container_id: &str) -> Lookup;
 }

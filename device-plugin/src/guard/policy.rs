@@ -102,7 +102,16 @@ pub struct Seen {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
     /// A container went over its memory limit (an Event and the metric, at once).
-    MemoryOver { holder: Holder, gpu: u32, used_mib: u64, granted_mib: u64, limit_mib: u64, grace: Duration },
+    MemoryOver {
+        holder: Holder,
+        gpu: u32,
+        /// Its processes on that GPU, ascending.
+        pids: Vec<u32>,
+        used_mib: u64,
+        granted_mib: u64,
+        limit_mib: u64,
+        grace: Duration,
+    },
     /// Stop this process now.
     Kill { holder: Holder, gpu: u32, pid: u32, used_mib: u64, limit_mib: u64 },
     /// Evict the container's pod now.
@@ -228,9 +237,12 @@ impl Guard {
             let ep = match self.memory.get_mut(key) {
                 Some(ep) => ep,
                 None => {
+                    let mut pids: Vec<u32> = f.processes.iter().map(|(_, pid)| *pid).collect();
+                    pids.sort_unstable();
                     actions.push(Action::MemoryOver {
                         holder,
                         gpu,
+                        pids,
                         used_mib: f.used_mib,
                         granted_mib: f.grant.map_or(0, |g| g.mem_mib),
                         limit_mib: limit,
@@ -358,6 +370,7 @@ mod tests {
             vec![Action::MemoryOver {
                 holder: holder("small"),
                 gpu: 0,
+                pids: vec![100],
                 used_mib: 30_720,
                 granted_mib: 20_480,
                 limit_mib: 20_980,

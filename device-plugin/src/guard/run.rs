@@ -166,15 +166,14 @@ impl GuardRunner {
                 let owner = match container_of(&self.proc_root, p.pid) {
                     None => Owner::Other(format!("process {} is in no pod's cgroup", p.pid)),
                     Some(c) => {
-                        let owner = match self.directory.lookup(&c.pod_uid, &c.container_id) {
+                        let owner = match self.directory.lookup(c.pod_uid.as_deref(), &c.container_id) {
                             Lookup::Granted { holder, grants } => {
                                 Owner::Granted { grant: grants.get(&gpu).copied(), holder }
                             }
                             Lookup::NotGranted(why) => Owner::Other(why),
-                            Lookup::Unknown => Owner::Other(format!(
-                                "pod UID {} container {} is not (yet) known",
-                                c.pod_uid, c.container_id
-                            )),
+                            Lookup::Unknown => {
+                                Owner::Other(format!("container {} is in no known pod (yet)", c.container_id))
+                            }
                         };
                         owners.insert(p.pid, c);
                         owner
@@ -195,16 +194,18 @@ impl GuardRunner {
     async fn act(&self, action: &Action, owners: &HashMap<u32, ContainerOfProcess>) {
         let cfg = *self.guard.config();
         match action {
-            Action::MemoryOver { holder, gpu, used_mib, granted_mib, limit_mib, grace } => {
+            Action::MemoryOver { holder, gpu, pids, used_mib, granted_mib, limit_mib, grace } => {
                 self.telemetry.guard_action("memory_over");
                 let then = match cfg.action {
                     super::OverrunAction::Kill => "its largest process on that GPU is killed",
                     super::OverrunAction::Evict => "the pod is evicted",
                 };
+                let pids: Vec<String> = pids.iter().map(u32::to_string).collect();
                 let note = format!(
-                    "container {} holds {used_mib} MiB on GPU {gpu}, over its grant of {granted_mib} MiB \
+                    "container {} holds {used_mib} MiB on GPU {gpu} (process {}), over its grant of {granted_mib} MiB \
                      ({limit_mib} MiB with {} MiB of CUDA context per process): unless it frees memory within {} s, {then}",
                     holder.container,
+                    pids.join(", "),
                     cfg.context_overhead_mib,
                     grace.as_secs()
                 );
@@ -336,12 +337,13 @@ mod tests {
 
     struct Directory;
     impl ContainerDirectory for Directory {
-        fn lookup(&self, pod_uid: &str, container_id: &str) -> Lookup {
+        fn lookup(&self, pod_uid: Option<&str>, container_id: &str) -> Lookup {
             let (pod, mem) = match pod_uid {
-                UID_A => ("small", 20_480),
-                UID_B => ("big", 40_960),
+                Some(UID_A) => ("small", 20_480),
+                Some(UID_B) => ("big", 40_960),
                 _ => return Lookup::Unknown,
             };
+            let pod_uid = pod_uid.unwrap_or_default();
             let holder = Holder {
                 namespace: "ml".into(),
                 pod: pod.into(),
@@ -419,7 +421,7 @@ mod tests {
         let mut procs = Procs::new();
         let pid = procs.spawn(UID_A, &cid('a'));
         let root = procs.dir.path().to_path_buf();
-        let other = ContainerOfProcess { pod_uid: UID_A.into(), container_id: cid('c') };
+        let other = ContainerOfProcess { pod_uid: Some(UID_A.into()), container_id: cid('c') };
         assert_eq!(stop_process(&root, pid, &other), Err(StopError::Reused { pid, container_id: cid('c') }));
         assert!(!procs.exited(pid));
         assert_eq!(

@@ -275,9 +275,13 @@ impl KubeAssignments {
         })
     }
 
-    /// The pod of this node with that UID, from the watch's cache.
-    pub(crate) fn cached_pod(&self, uid: &str) -> Option<Arc<Pod>> {
-        self.store.state().into_iter().find(|p| p.metadata.uid.as_deref() == Some(uid))
+    /// This node's pods from the watch's cache: the one with that UID, or all.
+    pub(crate) fn cached_pods(&self, uid: Option<&str>) -> Vec<Arc<Pod>> {
+        let mut pods = self.store.state();
+        if let Some(uid) = uid {
+            pods.retain(|p| p.metadata.uid.as_deref() == Some(uid));
+        }
+        pods
     }
 
     /// The pod's assignment if it can be trusted (signed, valid for this pod and node); `Ok(None)`

@@ -29,9 +29,11 @@ fn container_name(pod: &Pod, container_id: &str) -> Option<String> {
 }
 
 impl ContainerDirectory for KubeAssignments {
-    fn lookup(&self, pod_uid: &str, container_id: &str) -> Lookup {
-        let Some(pod) = self.cached_pod(pod_uid) else { return Lookup::Unknown };
-        let Some(container) = container_name(&pod, container_id) else { return Lookup::Unknown };
+    fn lookup(&self, pod_uid: Option<&str>, container_id: &str) -> Lookup {
+        let found =
+            self.cached_pods(pod_uid).into_iter().find_map(|p| container_name(&p, container_id).map(|c| (p, c)));
+        let Some((pod, container)) = found else { return Lookup::Unknown };
+        let pod_uid = pod.metadata.uid.clone().unwrap_or_default();
         let name = format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any());
         let assigned = match self.trusted(&pod) {
             Ok(Some(p)) => p,
@@ -49,7 +51,7 @@ impl ContainerDirectory for KubeAssignments {
         let holder = Holder {
             namespace: pod.namespace().unwrap_or_default(),
             pod: pod.name_any(),
-            pod_uid: pod_uid.to_string(),
+            pod_uid,
             container,
             container_id: container_id.to_string(),
         };
@@ -81,7 +83,10 @@ impl GuardOutlet for KubeGuardOutlet {
             // the UID as precondition: a pod re-created under the same name is not evicted
             let mut params = EvictParams::default();
             params.delete_options = Some(kube::api::DeleteParams {
-                preconditions: Some(kube::api::Preconditions { uid: Some(holder.pod_uid.clone()), resource_version: None }),
+                preconditions: Some(kube::api::Preconditions {
+                    uid: Some(holder.pod_uid.clone()),
+                    resource_version: None,
+                }),
                 ..Default::default()
             });
             match call("pod_evict", CALL_TIMEOUT, api.evict(&holder.pod, &params)).await {

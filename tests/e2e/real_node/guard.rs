@@ -1,0 +1,210 @@
+//! Issue 49's guard on the real node: two share pods on one GPU, 20 GiB and 40 GiB. The fake NVML
+//! backend reports per-process memory from a file this test writes with the containers' real host
+//! PIDs (found from their cgroups, as the guard finds their containers); the chart's device plugin
+//! runs with `--fake-processes`, `--sample-interval=1s` and `--guard-grace=4s`.
+//!
+//! The 20 GiB pod goes to 30 GiB: within two sample intervals it gets `GpuMemoryOverGrant`, after
+//! the grace its process is killed (`GpuMemoryGuardKilled`; the kubelet restarts the container),
+//! and the 40 GiB pod keeps the same container, never restarted. Then the same with the device
+//! plugin's pod deleted while the 20 GiB pod is over: the DaemonSet's new plugin kills it.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use gpuplace_core::annotations::AssignmentAnnotation;
+use k8s_openapi::api::core::v1::{Event, Pod};
+use kube::api::{DeleteParams, ListParams};
+use kube::{Api, Client, ResourceExt};
+use serde_json::json;
+
+use super::probes::delete_all;
+use super::{create_and_time, figure, pending_report, pod, wait_for, ASSIGNMENT, NS, SYSTEM_NS};
+
+/// Where the test writes the processes file, on the host; the chart mounts the folder into the
+/// plugin's pod at [`MOUNT`].
+pub(super) fn host_dir(node_dir: &Path) -> PathBuf {
+    node_dir.join("guard")
+}
+/// The folder inside the plugin's pod.
+pub(super) const MOUNT: &str = "/var/run/gpuplace-e2e";
+pub(super) const SAMPLE: Duration = Duration::from_secs(1);
+pub(super) const GRACE: Duration = Duration::from_secs(4);
+
+/// The chart values of the guard's part: more device-plugin arguments and the folder's mount.
+pub(super) fn chart_values(node_dir: &Path) -> Vec<(String, String)> {
+    let dir = host_dir(node_dir);
+    std::fs::create_dir_all(&dir).expect("the guard's folder");
+    vec![
+        (
+            "devicePlugin.extraArgs".into(),
+            json!([
+                format!("--fake-processes={MOUNT}/processes.json"),
+                format!("--sample-interval={}s", SAMPLE.as_secs()),
+                format!("--guard-grace={}s", GRACE.as_secs()),
+            ])
+            .to_string(),
+        ),
+        (
+            "devicePlugin.extraVolumes".into(),
+            json!([{"name": "e2e-guard", "hostPath": {"path": dir, "type": "Directory"}}]).to_string(),
+        ),
+        (
+            "devicePlugin.extraVolumeMounts".into(),
+            json!([{"name": "e2e-guard", "mountPath": MOUNT, "readOnly": true}]).to_string(),
+        ),
+    ]
+}
+
+/// The host PIDs of the processes in a container, from every process's cgroup.
+fn pids_of(container_id: &str) -> Vec<u32> {
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let cgroup = std::fs::read_to_string(entry.path().join("cgroup")).unwrap_or_default();
+        if cgroup.contains(container_id) {
+            pids.push(pid);
+        }
+    }
+    pids.sort();
+    pids
+}
+
+/// (container ID, restart count) of the pod's first container.
+fn container(p: &Pod) -> (String, i32) {
+    let c = p.status.as_ref().and_then(|s| s.container_statuses.as_ref()).and_then(|c| c.first());
+    let id = c.and_then(|c| c.container_id.clone()).unwrap_or_default();
+    let bare = id.split_once("://").map_or(id.as_str(), |(_, b)| b).to_string();
+    (bare, c.map_or(0, |c| c.restart_count))
+}
+
+/// The GPU index of the pod's single-GPU assignment.
+fn gpu_of(p: &Pod) -> u32 {
+    let a = p.annotations().get(ASSIGNMENT).and_then(|t| AssignmentAnnotation::parse(t).ok()).expect("an assignment");
+    a.containers[0].gpus[0].index
+}
+
+/// Reason -> times, of the pod's Events.
+async fn events_of(client: &Client, pod: &str) -> BTreeMap<String, i32> {
+    let events: Api<Event> = Api::namespaced(client.clone(), NS);
+    let list = events.list(&ListParams::default()).await.expect("events").items;
+    let mut out = BTreeMap::new();
+    for e in list.into_iter().filter(|e| e.involved_object.name.as_deref() == Some(pod)) {
+        *out.entry(e.reason.unwrap_or_default()).or_insert(0) += e.count.unwrap_or(1).max(1);
+    }
+    out
+}
+
+fn write_processes(dir: &Path, entries: &[(u32, u32, u64)]) {
+    let processes: Vec<_> =
+        entries.iter().map(|(gpu, pid, mib)| json!({"gpu": gpu, "pid": pid, "used_mib": mib})).collect();
+    let tmp = dir.join("processes.json.tmp");
+    std::fs::write(&tmp, json!({"processes": processes}).to_string()).expect("write the processes");
+    // renamed into place: the plugin never reads half a file
+    std::fs::rename(&tmp, dir.join("processes.json")).expect("rename the processes");
+}
+
+/// The waiting of one round: the Event's delay and the kill's, in seconds.
+async fn round(
+    client: &Client,
+    dir: &Path,
+    gpu: u32,
+    small: &str,
+    big_pid: u32,
+    events_before: i32,
+    restart_plugin: bool,
+) -> (f64, f64) {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let p = pods.get(small).await.expect("the small share");
+    let (cid, restarts) = container(&p);
+    let pid = *pids_of(&cid).first().unwrap_or_else(|| panic!("no process in {small}'s container {cid}"));
+    write_processes(dir, &[(gpu, pid, 30 * 1024), (gpu, big_pid, 40 * 1024)]);
+    let t = Instant::now();
+    wait_for(&format!("{small}'s GpuMemoryOverGrant Event"), Duration::from_secs(30), || {
+        let client = client.clone();
+        async move {
+            let ev = events_of(&client, small).await;
+            let n = ev.get("GpuMemoryOverGrant").copied().unwrap_or(0);
+            if n > events_before {
+                Ok(())
+            } else {
+                Err(format!("events {ev:?}"))
+            }
+        }
+    })
+    .await;
+    let event_s = t.elapsed().as_secs_f64();
+    if restart_plugin {
+        let sys: Api<Pod> = Api::namespaced(client.clone(), SYSTEM_NS);
+        let lp = ListParams::default().labels("app.kubernetes.io/name=gpuplace-device-plugin");
+        for p in sys.list(&lp).await.expect("the plugin's pod").items {
+            sys.delete(&p.name_any(), &DeleteParams::default()).await.expect("delete the plugin's pod");
+        }
+    }
+    wait_for(
+        &format!("{small}'s process {pid} killed"),
+        Duration::from_secs(if restart_plugin { 120 } else { 30 }),
+        || {
+            let pods = pods.clone();
+            async move {
+                let alive = Path::new(&format!("/proc/{pid}")).exists();
+                let p = pods.get(small).await.map_err(|e| e.to_string())?;
+                let (_, now) = container(&p);
+                if !alive && now > restarts {
+                    Ok(())
+                } else {
+                    Err(format!("process alive {alive}, restarts {restarts} -> {now}"))
+                }
+            }
+        },
+    )
+    .await;
+    (event_s, t.elapsed().as_secs_f64())
+}
+
+pub(super) async fn shares_hold_on_the_real_node(client: &Client, node_dir: &Path) {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    delete_all(&pods).await;
+    let dir = host_dir(node_dir);
+    let share = |n: &str, mem: &str| pod(n, &[("gpu", "1"), ("gpu-mem", mem), ("gpu-core", "30")], &[], None);
+    let (small, big) = ("guard-20g", "guard-40g");
+    let up = create_and_time(client, vec![share(small, "20480"), share(big, "40960")], Duration::from_secs(60)).await;
+    assert_eq!(up.len(), 2, "the guard's shares Running: {up:?}\n{}", pending_report(client).await);
+    let (ps, pb) = (pods.get(small).await.expect("small"), pods.get(big).await.expect("big"));
+    let gpu = gpu_of(&ps);
+    assert_eq!(gpu_of(&pb), gpu, "the two shares are on different GPUs; binpacking puts them on one");
+    let (big_cid, big_restarts) = container(&pb);
+    let big_pid = *pids_of(&big_cid).first().expect("the big share's process");
+    // within their grants: nothing happens
+    let small_pid = *pids_of(&container(&ps).0).first().expect("the small share's process");
+    write_processes(&dir, &[(gpu, small_pid, 20 * 1024), (gpu, big_pid, 40 * 1024)]);
+    tokio::time::sleep(SAMPLE * 3).await;
+    assert!(events_of(client, small).await.get("GpuMemoryOverGrant").is_none(), "an Event within the grant");
+
+    let (event_s, kill_s) = round(client, &dir, gpu, small, big_pid, 0, false).await;
+    figure(&format!(
+        "real node: guard: the 20 GiB share at 30 GiB on GPU {gpu}: GpuMemoryOverGrant after {event_s:.1} s (sample {} s), its process killed after {kill_s:.1} s (grace {} s)",
+        SAMPLE.as_secs(),
+        GRACE.as_secs()
+    ));
+    assert!(event_s <= 2.0 * SAMPLE.as_secs_f64() + 2.0, "the Event came after {event_s:.1} s");
+    assert!(kill_s >= GRACE.as_secs_f64(), "killed before the grace: {kill_s:.1} s");
+    let ev = events_of(client, small).await;
+    assert!(ev.contains_key("GpuMemoryGuardKilled"), "{ev:?}");
+
+    // the same, with the plugin's pod deleted once the Event is out
+    let (event_s, kill_s) = round(client, &dir, gpu, small, big_pid, ev["GpuMemoryOverGrant"], true).await;
+    figure(&format!(
+        "real node: guard: again with the device plugin's pod deleted after the Event ({event_s:.1} s): the new plugin killed it {kill_s:.1} s after it went over"
+    ));
+    let pb = pods.get(big).await.expect("big");
+    assert_eq!(container(&pb), (big_cid.clone(), big_restarts), "the 40 GiB neighbour's container was touched");
+    assert!(Path::new(&format!("/proc/{big_pid}")).exists(), "the 40 GiB neighbour's process is gone");
+    assert!(events_of(client, big).await.keys().all(|r| !r.starts_with("GpuMemory")), "the neighbour got an Event");
+    figure(&format!(
+        "real node: guard: the 40 GiB neighbour kept container {} with {big_restarts} restarts through both",
+        &big_cid[..12]
+    ));
+    write_processes(&dir, &[]);
+    delete_all(&pods).await;
+}
