@@ -59,6 +59,8 @@ pub struct TelemetryState {
     pub dra_claims: BTreeMap<&'static str, u64>,
     /// DRA mode: times kubelet said the driver's registration succeeded.
     pub dra_registrations: u64,
+    /// Managed MPS (`--mps-daemon`): its series are exported only then.
+    pub mps: Option<crate::mps::daemon::MpsStatus>,
 }
 
 /// Labels of `gpuplace_dra_claims_total`, all exported from the start: claims prepared, refused
@@ -143,6 +145,11 @@ impl Telemetry {
     /// Counts one successful registration with kubelet as the DRA driver.
     pub fn dra_registered(&self) {
         self.lock().dra_registrations += 1;
+    }
+
+    /// Managed MPS's state now (exports its series from then on).
+    pub fn set_mps(&self, status: &crate::mps::daemon::MpsStatus) {
+        self.lock().mps = Some(status.clone());
     }
 
     /// Counts one failed API-server call.
