@@ -79,6 +79,9 @@ pub trait FaultReporter: Send + Sync {
     fn server_fault(&self, pods: &[String], detail: &str);
 }
 
+/// Called with every new status (the metrics' copy).
+pub type StatusHook = Box<dyn Fn(&MpsStatus) + Send + Sync>;
+
 /// Managed MPS as the rest of the plugin sees it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct MpsStatus {
@@ -155,7 +158,7 @@ pub fn start(
     gpus: Vec<NodeGpu>,
     source: Arc<dyn ShareSource>,
     reporter: Option<Arc<dyn FaultReporter>>,
-    on_status: Option<Box<dyn Fn(&MpsStatus) + Send + Sync>>,
+    on_status: Option<StatusHook>,
 ) -> Arc<MpsHandle> {
     let handle = Arc::new(MpsHandle {
         cfg: cfg.clone(),
@@ -324,7 +327,7 @@ struct Loop {
     gpus: Vec<NodeGpu>,
     source: Arc<dyn ShareSource>,
     reporter: Option<Arc<dyn FaultReporter>>,
-    on_status: Option<Box<dyn Fn(&MpsStatus) + Send + Sync>>,
+    on_status: Option<StatusHook>,
     handle: Arc<MpsHandle>,
     sup: Supervisor,
     applied: Applied,
