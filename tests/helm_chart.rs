@@ -701,6 +701,52 @@ fn a_fake_topology_is_mounted_and_passed_without_nvidia() {
     );
 }
 
+/// Managed MPS (issue 49): `--mps-daemon`, the MPS root at the host's path and its `shm/` as the
+/// plugin's `/dev/shm` (the daemon's, which share containers get too), the driver's compute
+/// binaries, and the capabilities to start servers as the clients' users; nothing else changes.
+#[test]
+fn managed_mps_adds_the_daemon_flag_its_directories_and_compute() {
+    for (sets, root) in [
+        (vec!["devicePlugin.mps.enabled=true"], "/run/gpuplace/mps"),
+        (vec!["devicePlugin.mps.enabled=true", "devicePlugin.mps.root=/var/run/mps"], "/var/run/mps"),
+    ] {
+        let docs = render(&values(&sets));
+        let ds = find(&docs, "DaemonSet", "gpuplace-device-plugin");
+        let pod = &ds["spec"]["template"]["spec"];
+        let c = &pod["containers"][0];
+        let args = strings(&c["args"]);
+        let mut want_args = vec!["serve".to_string(), "--mps-daemon".to_string()];
+        if root != "/run/gpuplace/mps" {
+            want_args.push(format!("--mps-root={root}"));
+        }
+        assert_eq!(args, want_args);
+        let env = c["env"].as_array().unwrap();
+        let caps = env.iter().find(|e| e["name"] == "NVIDIA_DRIVER_CAPABILITIES").expect("capabilities");
+        assert_eq!(caps["value"], "compute,utility");
+        assert_eq!(strings(&c["securityContext"]["capabilities"]["add"]), ["SETUID", "SETGID"]);
+        let mount = |path: &str| -> Value {
+            let m = c["volumeMounts"].as_array().unwrap().iter().find(|m| m["mountPath"] == path);
+            let m = m.unwrap_or_else(|| panic!("a mount at {path}"));
+            let v = pod["volumes"].as_array().unwrap().iter().find(|v| v["name"] == m["name"]);
+            v.unwrap_or_else(|| panic!("the volume of {path}"))["hostPath"].clone()
+        };
+        assert_eq!(mount(root), json!({"path": root, "type": "DirectoryOrCreate"}));
+        assert_eq!(mount("/dev/shm"), json!({"path": format!("{root}/shm"), "type": "DirectoryOrCreate"}));
+
+        // the rest is the default DaemonSet
+        let mut want = find(&render(&[]), "DaemonSet", "gpuplace-device-plugin").clone();
+        let wc = &mut want["spec"]["template"]["spec"]["containers"][0];
+        wc["args"] = c["args"].clone();
+        wc["env"] = c["env"].clone();
+        wc["securityContext"] = c["securityContext"].clone();
+        wc["volumeMounts"] = c["volumeMounts"].clone();
+        want["spec"]["template"]["spec"]["volumes"] = pod["volumes"].clone();
+        let mut d = Vec::new();
+        differences("", &want, ds, &mut d);
+        assert!(d.is_empty(), "managed MPS changes more than its own parts:\n{}", d.join("\n"));
+    }
+}
+
 /// Every optional value set at once: lint is clean, every extender argument parses with the binary,
 /// and the namespaces that follow values do.
 fn every_option() -> Vec<String> {
@@ -730,6 +776,8 @@ fn every_option() -> Vec<String> {
         "devicePlugin.noAssignments=true",
         "devicePlugin.slotsPerGpu=20",
         "devicePlugin.runtimeClassName=nvidia",
+        "devicePlugin.mps.enabled=true",
+        "devicePlugin.mps.root=/var/run/gpuplace-mps",
         "scheduler.verbosity=4",
         "monitoring.enabled=true",
         "monitoring.additionalLabels.release=kps",

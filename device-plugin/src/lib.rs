@@ -17,6 +17,8 @@
 //! - [`podresources`]: kubelet's pod-resources `List`: which container holds which GPU.
 //! - [`crosscheck`]: pod-resources against Allocate's grants: a container started on another pod's
 //!   assignment is reported.
+//! - [`mps`]: managed MPS: the control daemon run and supervised by the plugin, its server-side
+//!   limits, its faults and queued users (`--mps-daemon`).
 //! - [`metrics`]: `/metrics` with DCGM-exporter names and gpuplace's allocated-vs-used gauges.
 //! - [`publish`]: when to publish `gpuplace.io/utilization`, and the [`publish::UtilizationSink`] seam.
 //! - [`k8s`]: the API server: this node's pods and assignments, node status and annotations.
@@ -40,6 +42,7 @@ pub mod guard;
 pub mod k8s;
 pub mod kubelet_api;
 pub mod metrics;
+pub mod mps;
 pub mod nvml;
 pub mod plugin;
 pub mod podresources;

@@ -11,6 +11,7 @@ use clap::{Parser, Subcommand};
 use gpuplace_core::api_client::connect::{connect, ConnectArgs, ConnectError, Source};
 use gpuplace_core::logging::LogFormat;
 use gpuplace_device_plugin::assign::AssignmentSource;
+use gpuplace_device_plugin::dra::cdi::CdiShares;
 use gpuplace_device_plugin::dra::devices::{devices, slice_spec, DEFAULT_DRIVER};
 use gpuplace_device_plugin::dra::kubelet::{DraConfig, DraNode};
 use gpuplace_device_plugin::guard::run::GuardRunner;
@@ -31,6 +32,8 @@ use gpuplace_device_plugin::kubelet_api::{
 use gpuplace_device_plugin::metrics::{
     self, MetricsSource, ServeLimits, DEFAULT_METRICS_LISTEN, DEFAULT_METRICS_MAX_CONNECTIONS,
 };
+use gpuplace_device_plugin::mps::daemon::{FaultReporter, MpsConfig, MpsHandle, NodeGpu, ShareSource};
+use gpuplace_device_plugin::mps::{MpsLayout, DEFAULT_CONTROL_BINARY, DEFAULT_MPS_ROOT};
 use gpuplace_device_plugin::nvml::fake::{FakeBackend, FakeScript};
 use gpuplace_device_plugin::nvml::real::NvmlBackend;
 use gpuplace_device_plugin::nvml::{BackendError, GpuBackend};
@@ -123,8 +126,9 @@ struct Cli {
     /// How often to check that kubelet.sock and our socket are still the ones we registered with.
     #[arg(long, default_value_t = 1000, global = true)]
     poll_interval_ms: u64,
-    /// Host directory of the MPS control daemon's pipes, mounted into containers that get a share.
-    #[arg(long, value_name = "DIR", global = true)]
+    /// Host directory of the pipes of an MPS control daemon run by someone else, mounted into
+    /// containers that get a share (see --mps-daemon for one run by the plugin).
+    #[arg(long, value_name = "DIR", global = true, conflicts_with = "mps_daemon")]
     mps_pipe_dir: Option<PathBuf>,
     /// Do not run the guard (docs/isolation.md): no process is ever stopped for its GPU memory, and
     /// compute overuse is not reported. The guard runs with the API server in assignments mode.
@@ -142,6 +146,28 @@ struct Cli {
     /// process this much over its container's grant.
     #[arg(long, value_name = "MIB", default_value_t = DEFAULT_CONTEXT_OVERHEAD_MIB, global = true)]
     context_overhead_mib: u64,
+    /// With --mps-pipe-dir: the host directory that is that daemon's /dev/shm, mounted as /dev/shm
+    /// of containers that get a share (MPS clients and server exchange POSIX shared memory).
+    #[arg(long, value_name = "DIR", global = true, requires = "mps_pipe_dir")]
+    mps_shm_dir: Option<PathBuf>,
+    /// Managed MPS: run and supervise the MPS control daemon for the node's healthy GPUs (started
+    /// again after it dies, with backoff; told to quit at shutdown), connect every share container
+    /// to it (the pipe directory, its /dev/shm) and set its server-side limits from the shares on
+    /// each GPU. A missing binary or a daemon that will not start is logged and reported down
+    /// (gpuplace_mps_daemon_up); the plugin serves on.
+    #[arg(long, global = true)]
+    mps_daemon: bool,
+    /// Managed MPS: the control binary (found on PATH unless a path).
+    #[arg(long, value_name = "PATH", default_value = DEFAULT_CONTROL_BINARY, global = true)]
+    mps_control_binary: PathBuf,
+    /// Managed MPS: the host directory (mounted at the same path in the plugin's container) holding
+    /// the daemon's pipe/, log/ and shm/; shm/ must also be mounted as the plugin's /dev/shm.
+    #[arg(long, value_name = "DIR", default_value = DEFAULT_MPS_ROOT, global = true)]
+    mps_root: PathBuf,
+    /// Managed MPS: how often the daemon is health-checked (get_server_list), its log read and its
+    /// limits compared with the shares.
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_duration, global = true)]
+    mps_health_interval: Duration,
     /// Where to serve Prometheus /metrics (DCGM-exporter names; dcgm-exporter's port by default).
     #[arg(long, value_name = "ADDR", default_value = DEFAULT_METRICS_LISTEN, global = true)]
     metrics_listen: SocketAddr,
@@ -303,11 +329,21 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
     if !(1..=gpuplace_core::annotations::MAX_SLOTS_PER_GPU).contains(&cli.slots_per_gpu) {
         return Err(slots::SlotError::BadSlotCount(cli.slots_per_gpu).to_string());
     }
+    let layout = MpsLayout::new(&cli.mps_root);
+    let (mps_pipe_dir, mps_shm_dir) = if cli.mps_daemon {
+        (Some(layout.pipe_dir()), Some(layout.shm_dir()))
+    } else {
+        (cli.mps_pipe_dir.clone(), cli.mps_shm_dir.clone())
+    };
     let config = PluginConfig {
         resource_name: cli.resource_name.clone(),
         slots_per_gpu: cli.slots_per_gpu,
-        mps_pipe_dir: cli.mps_pipe_dir.clone(),
+        mps_pipe_dir: mps_pipe_dir.clone(),
+        mps_shm_dir: mps_shm_dir.clone(),
     };
+    if cli.mps_health_interval.is_zero() {
+        return Err("--mps-health-interval must be positive".into());
+    }
     if cli.sample_interval.is_zero() {
         return Err("--sample-interval must be positive".into());
     }
@@ -359,6 +395,7 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
     // timeout, since the kubelet waits on the answer
     plugin.set_pod_resources(PodResourcesClient::new(&cli.pod_resources_socket, Duration::from_secs(2)));
     tracing::info!(gpus = inventory.gpus.len(), backend = %inventory.backend, slots = cli.slots_per_gpu, apiserver = api.is_some(), "inventory");
+    let mps = cli.mps_daemon.then(|| start_mps(cli, &layout, &inventory, &plugin, api.as_ref(), &telemetry));
     let stop = Arc::new(AtomicBool::new(false));
     let monitor = spawn_health_monitor(plugin.clone(), backend.clone(), stop.clone())
         .map_err(|e| format!("health monitor: {e}"))?;
@@ -463,7 +500,8 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
                 registry_dir: cli.plugins_registry_dir.clone(),
                 plugins_dir: cli.plugins_dir.clone(),
                 cdi_dir: cli.cdi_dir.clone(),
-                mps_pipe_dir: cli.mps_pipe_dir.clone(),
+                mps_pipe_dir,
+                mps_shm_dir,
                 poll_interval: Duration::from_millis(cli.poll_interval_ms.max(10)),
             };
             let claims = Arc::new(KubeClaims::new(client.clone(), telemetry_for_claims.clone()));
@@ -472,6 +510,9 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
         }
         _ => rt.block_on(run(plugin, cfg, Box::pin(shutdown_signal()))),
     };
+    if let Some(m) = &mps {
+        rt.block_on(m.shutdown());
+    }
     sampling.abort();
     if let Some(g) = guarding {
         g.abort();
@@ -483,6 +524,46 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let _ = monitor.join();
     result.map_err(|e| e.to_string())
+}
+
+/// Managed MPS (`--mps-daemon`): supervises the control daemon for the node's GPUs, with the shares
+/// of matched Allocates (or, in DRA mode, of the prepared claims' CDI specs) as its limits.
+fn start_mps(
+    cli: &Cli,
+    layout: &MpsLayout,
+    inventory: &gpuplace_device_plugin::nvml::Inventory,
+    plugin: &Arc<Plugin>,
+    api: Option<&(kube::Client, String)>,
+    telemetry: &Arc<Telemetry>,
+) -> Arc<MpsHandle> {
+    match layout.create() {
+        // clients meet the daemon in its /dev/shm: the DaemonSet mounts shm/ there
+        Ok(()) if !gpuplace_device_plugin::mps::same_dir(std::path::Path::new("/dev/shm"), &layout.shm_dir()) => {
+            tracing::warn!(shm = %layout.shm_dir().display(), "this container's /dev/shm is not the MPS shm directory: share containers get that directory as /dev/shm and cannot reach the daemon's servers; mount it at /dev/shm in the plugin's container");
+        }
+        Ok(()) => {}
+        Err(e) => tracing::error!(root = %layout.root.display(), error = %e, "creating the MPS directories failed"),
+    }
+    let cfg = MpsConfig {
+        health_interval: cli.mps_health_interval,
+        ..MpsConfig::new(&cli.mps_root, &cli.mps_control_binary)
+    };
+    let gpus = inventory
+        .gpus
+        .iter()
+        .map(|g| NodeGpu { index: g.index, uuid: g.uuid.clone(), memory_mib: g.memory_mib })
+        .collect();
+    let source: Arc<dyn ShareSource> = if cli.dra {
+        Arc::new(CdiShares { dir: cli.cdi_dir.clone(), driver: cli.dra_driver.clone(), plugin: plugin.clone() })
+    } else {
+        plugin.clone()
+    };
+    let reporter =
+        api.map(|(client, node)| Arc::new(PluginEvents::new(client.clone(), node)) as Arc<dyn FaultReporter>);
+    let t = telemetry.clone();
+    t.set_mps(&Default::default());
+    tracing::info!(root = %layout.root.display(), binary = %cli.mps_control_binary.display(), "managed MPS: supervising the MPS control daemon");
+    gpuplace_device_plugin::mps::daemon::start(cfg, gpus, source, reporter, Some(Box::new(move |s| t.set_mps(s))))
 }
 
 /// The API client and this node's name, or `None` to run without the API server: with

@@ -461,7 +461,27 @@ pub fn render(
             f.series(name, &labels(&[("Hostname", hostname), ("op", op)]), n);
         }
     }
+    if let Some(m) = &t.mps {
+        render_mps(&mut out, hostname, m);
+    }
     out
+}
+
+/// Managed MPS's series (`--mps-daemon`; see [`crate::mps`]).
+fn render_mps(out: &mut String, hostname: &str, m: &crate::mps::daemon::MpsStatus) {
+    let host = labels(&[("Hostname", hostname)]);
+    let families: [(&str, &str, &str, u64); 7] = [
+        ("gpuplace_mps_daemon_up", "gauge", "Managed MPS: 1 when the MPS control daemon answered its last health check.", u64::from(m.up)),
+        ("gpuplace_mps_daemon_restarts_total", "counter", "Managed MPS: starts of the MPS control daemon after the first (it died, hung, or the GPUs serving shares changed).", m.restarts),
+        ("gpuplace_mps_servers", "gauge", "Managed MPS: MPS servers running (one per user ID at a time).", m.servers.len() as u64),
+        ("gpuplace_mps_server_faults_total", "counter", "Managed MPS: client faults that ended every client of an MPS server (control.log).", m.server_faults),
+        ("gpuplace_mps_uid_conflicts_total", "counter", "Managed MPS: clients that connected while another user's MPS server ran, and so waited for it to end.", m.uid_conflicts),
+        ("gpuplace_mps_clients_waiting", "gauge", "Managed MPS: clients waiting for another user's MPS server to end.", m.clients_waiting),
+        ("gpuplace_mps_limit_errors_total", "counter", "Managed MPS: server-side limit commands the daemon refused or did not answer.", m.limit_errors),
+    ];
+    for (name, kind, help, value) in families {
+        Family::new(out, name, kind, help).series(name, &host, value);
+    }
 }
 
 /// Why the endpoint could not start.

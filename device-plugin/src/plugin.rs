@@ -19,7 +19,7 @@ use crate::admitting::admitting;
 use crate::assign::{
     match_allocation, match_preference, AssignmentSource, Grant, MatchError, PendingPod, PodKey, SourceError,
 };
-use crate::container_env::{gpu_env, limit_env, GpuLimit};
+use crate::container_env::{gpu_env, limit_env, GpuLimit, MpsConnect};
 use crate::crosscheck::{check_grant, holder_container, sole_holder, Mismatch, Verdict};
 use crate::kubelet_api::podresources::ListPodResourcesResponse;
 use crate::kubelet_api::v1beta1::device_plugin_server::DevicePlugin;
@@ -30,6 +30,8 @@ use crate::kubelet_api::v1beta1::{
     PreferredAllocationRequest, PreferredAllocationResponse, TopologyInfo,
 };
 use crate::kubelet_api::{HEALTHY, UNHEALTHY};
+use crate::mps::daemon::ShareSource;
+use crate::mps::limits::ShareSlice;
 use crate::nvml::{xid_is_critical, GpuBackend, GpuEvent, GpuEventKind, GpuInfo, Inventory};
 use crate::podresources::{Attribution, PodResourcesClient};
 use crate::slots::{Slot, SlotError, SlotTable, DEFAULT_SLOTS_PER_GPU};
@@ -47,11 +49,26 @@ pub struct PluginConfig {
     pub slots_per_gpu: u32,
     /// Host directory of the MPS control daemon's pipes, mounted into containers with a share.
     pub mps_pipe_dir: Option<PathBuf>,
+    /// Host directory that is the MPS daemon's `/dev/shm`, mounted as a share container's
+    /// `/dev/shm` (with `mps_pipe_dir` only).
+    pub mps_shm_dir: Option<PathBuf>,
+}
+
+impl PluginConfig {
+    /// How share containers reach the MPS daemon, when there is one.
+    pub fn mps_connect(&self) -> Option<MpsConnect> {
+        self.mps_pipe_dir.clone().map(|pipe_dir| MpsConnect { pipe_dir, shm_dir: self.mps_shm_dir.clone() })
+    }
 }
 
 impl Default for PluginConfig {
     fn default() -> Self {
-        Self { resource_name: RESOURCE_NAME.into(), slots_per_gpu: DEFAULT_SLOTS_PER_GPU, mps_pipe_dir: None }
+        Self {
+            resource_name: RESOURCE_NAME.into(),
+            slots_per_gpu: DEFAULT_SLOTS_PER_GPU,
+            mps_pipe_dir: None,
+            mps_shm_dir: None,
+        }
     }
 }
 
@@ -142,6 +159,8 @@ pub struct Plugin {
     /// Slices of matched Allocates, for the allocated-vs-used metrics. Pruned by the sampler to the
     /// containers pod-resources still lists.
     grants: Mutex<BTreeMap<GrantKey, GrantRecord>>,
+    /// Bumped when grants come or go (or DRA prepares a claim), so the MPS daemon's limits follow.
+    share_changes: watch::Sender<u64>,
     /// The kubelet's pod-resources API: which pod it is admitting ([`crate::admitting`]).
     pod_resources: std::sync::OnceLock<PodResourcesClient>,
     /// Whether this kubelet's pod-resources `List` has shown a pod being admitted (one of ours,
@@ -200,6 +219,7 @@ impl Plugin {
             source,
             claims: tokio::sync::Mutex::new(Claims::default()),
             grants: Mutex::new(BTreeMap::new()),
+            share_changes: watch::Sender::new(0),
             pod_resources: std::sync::OnceLock::new(),
             lists_admitting: std::sync::atomic::AtomicBool::new(false),
         };
@@ -332,6 +352,32 @@ impl Plugin {
 
     fn lock_grants(&self) -> std::sync::MutexGuard<'_, BTreeMap<GrantKey, GrantRecord>> {
         self.grants.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The shares (not whole GPUs) granted by matched Allocates: what the MPS daemon's server-side
+    /// limits are computed from.
+    pub fn share_slices(&self) -> Vec<ShareSlice> {
+        self.lock_grants()
+            .values()
+            .flat_map(|r| {
+                r.limits.iter().filter(|s| !s.exclusive).map(|s| ShareSlice {
+                    gpu: s.gpu,
+                    mem_mib: s.mem_mib,
+                    core_pct: s.core_pct,
+                    pod: r.pod.pod.clone(),
+                })
+            })
+            .collect()
+    }
+
+    /// Tells the watchers of [`subscribe_shares`](Self::subscribe_shares) that the shares changed.
+    pub fn note_shares_changed(&self) {
+        self.share_changes.send_modify(|n| *n += 1);
+    }
+
+    /// Every change of the node's shares.
+    pub fn subscribe_shares(&self) -> watch::Receiver<u64> {
+        self.share_changes.subscribe()
     }
 
     /// The slices granted by matched Allocates, per container.
@@ -477,6 +523,7 @@ impl Plugin {
                 tracing::info!(pod = %r.pod, container = %r.container, "a match among pods with the same limits was never seen in pod-resources; taken back");
             }
             self.lock_grants().remove(&key);
+            self.note_shares_changed();
         }
     }
 
@@ -500,6 +547,9 @@ impl Plugin {
         }
         let list = self.device_list(&h);
         self.devices.send_replace(Arc::new(list));
+        drop(h);
+        // the GPUs that serve shares changed: managed MPS follows
+        self.note_shares_changed();
         true
     }
 
@@ -719,6 +769,7 @@ impl Plugin {
             guessed: grant.guessed,
         };
         self.lock_grants().insert((grant.pod.pod.clone(), grant.container.clone()), record);
+        self.note_shares_changed();
         claims.sticky = Some(grant.pod.clone());
         tracing::info!(pod = %grant.pod, container = %grant.container, gpus = ?gpus, guessed = grant.guessed, "allocated");
         Ok(grant)
@@ -744,11 +795,14 @@ impl Plugin {
                 .iter()
                 .map(|s| GpuLimit { mem_mib: s.mem_mib, core_pct: s.core_pct, exclusive: s.exclusive })
                 .collect();
-            let (limit_vars, pipe_dir) = limit_env(&limits, self.config.mps_pipe_dir.as_deref());
+            let uuids: Vec<&str> = ids.iter().map(|i| i.1).collect();
+            let (limit_vars, mps_mounts) = limit_env(&limits, &uuids, self.config.mps_connect().as_ref());
             envs.extend(limit_vars);
-            if let Some(d) = pipe_dir {
-                mounts.push(Mount { container_path: d.clone(), host_path: d, read_only: false });
-            }
+            mounts.extend(mps_mounts.into_iter().map(|m| Mount {
+                container_path: m.container_path,
+                host_path: m.host_path,
+                read_only: false,
+            }));
         }
         ContainerAllocateResponse {
             envs,
@@ -757,6 +811,22 @@ impl Plugin {
             annotations: HashMap::new(),
             cdi_devices: Vec::new(),
         }
+    }
+}
+
+/// The plugin as managed MPS's view of the node: the shares of matched Allocates, and the healthy
+/// GPUs as those that can serve shares.
+impl ShareSource for Plugin {
+    fn shares(&self) -> Vec<ShareSlice> {
+        self.share_slices()
+    }
+
+    fn serving(&self) -> Vec<u32> {
+        self.gpus.iter().map(|g| g.index).filter(|&g| self.is_healthy(g)).collect()
+    }
+
+    fn changes(&self) -> Option<watch::Receiver<u64>> {
+        Some(self.subscribe_shares())
     }
 }
 

@@ -61,6 +61,8 @@ pub struct TelemetryState {
     pub dra_registrations: u64,
     /// The guard's counts, when it runs ([`crate::guard`]).
     pub guard: Option<GuardStats>,
+    /// Managed MPS (`--mps-daemon`): its series are exported only then.
+    pub mps: Option<crate::mps::daemon::MpsStatus>,
 }
 
 /// Labels of `gpuplace_guard_actions_total`, all exported from the start.
@@ -175,6 +177,11 @@ impl Telemetry {
     pub fn guard_action(&self, action: &'static str) {
         let mut st = self.lock();
         *st.guard.get_or_insert_with(GuardStats::default).actions.entry(action).or_insert(0) += 1;
+    }
+
+    /// Managed MPS's state now (exports its series from then on).
+    pub fn set_mps(&self, status: &crate::mps::daemon::MpsStatus) {
+        self.lock().mps = Some(status.clone());
     }
 
     /// Counts one failed API-server call.

@@ -8,6 +8,11 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
+use tokio::sync::watch;
+
+use crate::mps::daemon::ShareSource;
+use crate::mps::limits::ShareSlice;
+use crate::plugin::Plugin;
 
 /// The spec file of claim `uid` of `driver`.
 pub fn spec_path(dir: &Path, driver: &str, uid: &str) -> PathBuf {
@@ -51,6 +56,67 @@ pub fn prepared_uids(dir: &Path, driver: &str) -> std::io::Result<Vec<String>> {
     Ok(uids)
 }
 
+/// The shares in one spec: each CDI device's environment names its GPUs
+/// (`GPUPLACE_GPU_INDICES`), their limits (`GPUPLACE_GPU_MEM_MIB`, `GPUPLACE_GPU_CORE_PCT`), whether
+/// they are whole (`GPUPLACE_EXCLUSIVE`) and the claim (`GPUPLACE_CLAIM`, as `claim:namespace/name`), as
+/// [`super::prepare`] wrote them. Whole GPUs are left out.
+pub fn spec_shares(spec: &Value) -> Vec<ShareSlice> {
+    let mut out = Vec::new();
+    for device in spec["devices"].as_array().into_iter().flatten() {
+        let env: std::collections::BTreeMap<&str, &str> = device["containerEdits"]["env"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|e| e.as_str()?.split_once('='))
+            .collect();
+        if env.get("GPUPLACE_EXCLUSIVE") != Some(&"false") {
+            continue;
+        }
+        let list = |k: &str| -> Vec<u64> {
+            env.get(k).map(|v| v.split(',').filter_map(|x| x.parse().ok()).collect()).unwrap_or_default()
+        };
+        let (gpus, mem, core) =
+            (list("GPUPLACE_GPU_INDICES"), list("GPUPLACE_GPU_MEM_MIB"), list("GPUPLACE_GPU_CORE_PCT"));
+        let pod = format!("claim:{}", env.get("GPUPLACE_CLAIM").copied().unwrap_or_default());
+        for (i, &gpu) in gpus.iter().enumerate() {
+            out.push(ShareSlice {
+                gpu: gpu as u32,
+                mem_mib: mem.get(i).copied().unwrap_or(0),
+                core_pct: core.get(i).copied().unwrap_or(0) as u32,
+                pod: pod.clone(),
+            });
+        }
+    }
+    out
+}
+
+/// Managed MPS's view of a DRA node: the shares of the prepared claims (their specs, which outlive
+/// a restart of the plugin), the healthy GPUs as those that serve shares.
+pub struct CdiShares {
+    pub dir: PathBuf,
+    pub driver: String,
+    pub plugin: std::sync::Arc<Plugin>,
+}
+
+impl ShareSource for CdiShares {
+    fn shares(&self) -> Vec<ShareSlice> {
+        let uids = prepared_uids(&self.dir, &self.driver).unwrap_or_default();
+        uids.iter()
+            .filter_map(|uid| std::fs::read_to_string(spec_path(&self.dir, &self.driver, uid)).ok())
+            .filter_map(|text| serde_json::from_str::<Value>(&text).ok())
+            .flat_map(|spec| spec_shares(&spec))
+            .collect()
+    }
+
+    fn serving(&self) -> Vec<u32> {
+        self.plugin.serving()
+    }
+
+    fn changes(&self) -> Option<watch::Receiver<u64>> {
+        self.plugin.changes()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -70,5 +136,18 @@ mod tests {
         assert!(remove_spec(&dir, "gpu.gpuplace.io", "u1").unwrap());
         assert!(!remove_spec(&dir, "gpu.gpuplace.io", "u1").unwrap());
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn shares_are_read_back_from_the_specs_and_whole_gpus_left_out() {
+        let env = |v: &[&str]| serde_json::json!({"env": v});
+        let spec = serde_json::json!({"devices": [
+            {"name": "u1-share", "containerEdits": env(&["GPUPLACE_CLAIM=ns/c", "GPUPLACE_EXCLUSIVE=false",
+                "GPUPLACE_GPU_INDICES=2,5", "GPUPLACE_GPU_MEM_MIB=20000,20000", "GPUPLACE_GPU_CORE_PCT=25,25"])},
+            {"name": "u1-whole", "containerEdits": env(&["GPUPLACE_CLAIM=ns/c", "GPUPLACE_EXCLUSIVE=true",
+                "GPUPLACE_GPU_INDICES=7", "GPUPLACE_GPU_MEM_MIB=81559", "GPUPLACE_GPU_CORE_PCT=100"])},
+        ]});
+        let share = |gpu| ShareSlice { gpu, mem_mib: 20000, core_pct: 25, pod: "claim:ns/c".into() };
+        assert_eq!(spec_shares(&spec), [share(2), share(5)]);
     }
 }

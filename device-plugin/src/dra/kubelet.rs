@@ -35,6 +35,7 @@ use tonic::{Request, Response, Status};
 use super::cdi::{prepared_uids, remove_spec, write_spec};
 use super::devices::device_name;
 use super::prepare::{prepare, NodeGpus};
+use crate::container_env::MpsConnect;
 use crate::grpc_authority::incoming;
 use crate::kubelet_api::dra::dra_plugin_server::{DraPlugin, DraPluginServer};
 use crate::kubelet_api::dra::{
@@ -73,6 +74,8 @@ pub struct DraConfig {
     /// The runtime's CDI folder.
     pub cdi_dir: PathBuf,
     pub mps_pipe_dir: Option<PathBuf>,
+    /// The MPS daemon's `/dev/shm` on the host, a share container's `/dev/shm` (with `mps_pipe_dir`).
+    pub mps_shm_dir: Option<PathBuf>,
     pub poll_interval: Duration,
 }
 
@@ -154,12 +157,17 @@ impl DraNode {
             .map_err(|e| format!("reading claim {namespace}/{name}: {e}"))?
             .ok_or_else(|| format!("claim {namespace}/{name} does not exist"))?;
         let health = self.plugin.health();
+        let mps = self
+            .cfg
+            .mps_pipe_dir
+            .clone()
+            .map(|pipe_dir| MpsConnect { pipe_dir, shm_dir: self.cfg.mps_shm_dir.clone() });
         let node = NodeGpus {
             driver: &self.cfg.driver,
             node: &self.cfg.node,
             inventory: &self.inventory,
             health: &health,
-            mps_pipe_dir: self.cfg.mps_pipe_dir.as_deref(),
+            mps: mps.as_ref(),
         };
         let prepared = prepare(&claim, uid, &node).map_err(|e| e.to_string())?;
         let path = write_spec(&self.cfg.cdi_dir, &self.cfg.driver, uid, &prepared.spec).map_err(|e| {
@@ -175,6 +183,8 @@ impl DraNode {
                 cdi_device_ids: d.cdi_ids,
             })
             .collect();
+        // managed MPS reads the shares from the specs: its limits follow this one now
+        self.plugin.note_shares_changed();
         let gpus: Vec<&str> = devices.iter().map(|d| d.device_name.as_str()).collect();
         tracing::info!(claim = %format!("{namespace}/{name}"), uid, gpus = ?gpus, spec = %path.display(), "claim prepared");
         Ok(devices)
@@ -227,6 +237,7 @@ impl DraPlugin for DraService {
             }
             claims.insert(c.uid, NodeUnprepareResourceResponse { error });
         }
+        node.plugin.note_shares_changed();
         Ok(Response::new(NodeUnprepareResourcesResponse { claims }))
     }
 }

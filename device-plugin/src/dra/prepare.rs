@@ -13,13 +13,12 @@
 //! node's GPUs, or a GPU that is unhealthy now.
 
 use std::collections::BTreeMap;
-use std::path::Path;
 
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde_json::{json, Value};
 
 use super::devices::{device_index, CAPACITY_CORES, CAPACITY_MEMORY};
-use crate::container_env::{gpu_env, limit_env, GpuLimit};
+use crate::container_env::{gpu_env, limit_env, GpuLimit, MpsConnect};
 use crate::nvml::Inventory;
 use crate::plugin::GpuHealth;
 
@@ -69,7 +68,8 @@ pub struct NodeGpus<'a> {
     pub inventory: &'a Inventory,
     /// By GPU index; a GPU without an entry counts as healthy.
     pub health: &'a [GpuHealth],
-    pub mps_pipe_dir: Option<&'a Path>,
+    /// How share containers reach the MPS daemon, when there is one.
+    pub mps: Option<&'a MpsConnect>,
 }
 
 /// The CDI kind of the claims' devices: `<driver>/claim`.
@@ -179,13 +179,20 @@ pub fn prepare(claim: &ResourceClaim, uid: &str, node: &NodeGpus) -> Result<Prep
             gpus.iter().map(|g| (g.0, node.inventory.gpus[g.0 as usize].uuid.as_str())).collect();
         let limits: Vec<GpuLimit> = gpus.iter().map(|g| g.1).collect();
         let mut env: BTreeMap<String, String> = gpu_env(&ids).into_iter().collect();
-        let (limit_vars, pipe_dir) = limit_env(&limits, node.mps_pipe_dir);
+        let uuids: Vec<&str> = ids.iter().map(|i| i.1).collect();
+        let (limit_vars, mounts) = limit_env(&limits, &uuids, node.mps);
         env.extend(limit_vars);
         env.insert("GPUPLACE_CLAIM".into(), name.clone());
         env.insert("GPUPLACE_CLAIM_REQUEST".into(), request.clone());
         let mut edits = json!({"env": env.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>()});
-        if let Some(d) = pipe_dir {
-            edits["mounts"] = json!([{"hostPath": d, "containerPath": d, "options": ["rbind", "rw"]}]);
+        if !mounts.is_empty() {
+            let mounts: Vec<Value> = mounts
+                .iter()
+                .map(
+                    |m| json!({"hostPath": m.host_path, "containerPath": m.container_path, "options": ["rbind", "rw"]}),
+                )
+                .collect();
+            edits["mounts"] = json!(mounts);
         }
         cdi_devices.push(json!({"name": cdi, "containerEdits": edits}));
     }
@@ -244,13 +251,8 @@ mod tests {
     #[test]
     fn a_share_and_a_pair_get_their_limits_and_one_cdi_device_per_request() {
         let inv = h100();
-        let node = NodeGpus {
-            driver: "gpu.gpuplace.io",
-            node: "n1",
-            inventory: &inv,
-            health: &[],
-            mps_pipe_dir: Some(Path::new("/run/mps")),
-        };
+        let mps = MpsConnect { pipe_dir: "/run/mps/pipe".into(), shm_dir: Some("/run/mps/shm".into()) };
+        let node = NodeGpus { driver: "gpu.gpuplace.io", node: "n1", inventory: &inv, health: &[], mps: Some(&mps) };
         let c = claim(
             "u1",
             &[
@@ -272,13 +274,21 @@ mod tests {
         assert_eq!((share["GPUPLACE_GPU_MEM_MIB"].as_str(), share["GPUPLACE_GPU_CORE_PCT"].as_str()), ("20000", "25"));
         assert_eq!(share["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "0=20000M");
         assert_eq!(share["GPUPLACE_CLAIM"], "ns/c");
-        assert_eq!(p.spec["devices"][0]["containerEdits"]["mounts"][0]["hostPath"], "/run/mps");
+        let mounts = &p.spec["devices"][0]["containerEdits"]["mounts"];
+        assert_eq!(
+            (&mounts[0]["hostPath"], &mounts[0]["containerPath"]),
+            (&json!("/run/mps/pipe"), &json!("/run/mps/pipe"))
+        );
+        assert_eq!((&mounts[1]["hostPath"], &mounts[1]["containerPath"]), (&json!("/run/mps/shm"), &json!("/dev/shm")));
+        assert_eq!(share["CUDA_MPS_PIPE_DIRECTORY"], "/run/mps/pipe");
+        assert_eq!(share["CUDA_VISIBLE_DEVICES"], inv.gpus[4].uuid);
         // the pair: GPU index order, whole GPUs (all consumed, or not shared at all)
         let pair = env_of(&p.spec, 1);
         assert_eq!(pair["GPUPLACE_GPU_INDICES"], "6,7");
         assert_eq!(pair["NVIDIA_VISIBLE_DEVICES"], format!("{},{}", inv.gpus[6].uuid, inv.gpus[7].uuid));
         assert_eq!(pair["GPUPLACE_EXCLUSIVE"], "true");
         assert!(!pair.contains_key("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"));
+        assert!(!pair.contains_key("CUDA_MPS_PIPE_DIRECTORY") && !pair.contains_key("CUDA_VISIBLE_DEVICES"));
         assert!(p.spec["devices"][1]["containerEdits"].get("mounts").is_none());
     }
 
@@ -287,8 +297,7 @@ mod tests {
         let inv = h100();
         let mut health = vec![GpuHealth { healthy: true, reason: String::new(), xid_count: 0, last_xid: None }; 8];
         health[2] = GpuHealth { healthy: false, reason: "fell off the bus".into(), xid_count: 0, last_xid: None };
-        let node =
-            NodeGpus { driver: "gpu.gpuplace.io", node: "n1", inventory: &inv, health: &health, mps_pipe_dir: None };
+        let node = NodeGpus { driver: "gpu.gpuplace.io", node: "n1", inventory: &inv, health: &health, mps: None };
         let ok = claim("u1", &[("g", "gpu.gpuplace.io", "n1", "gpu-1", false, None)]);
         assert!(matches!(prepare(&ok, "u2", &node), Err(PrepareError::OtherUid { .. })));
         let mut bare = ok.clone();

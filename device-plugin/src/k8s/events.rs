@@ -11,6 +11,9 @@
 //! - `AllocationCorrected` (Normal) on both pods when it was one of several pods with the same
 //!   limits: the container runs with its own limits, and only the record was corrected.
 //!
+//! - `MpsServerFault` (Warning) on each pod with an MPS share when a client's fatal fault ended
+//!   every client of the MPS server ([`crate::mps`]): their GPU work failed with it.
+//!
 //! Best effort, as the extender's Events: a failed write is logged, never retried, never fails a call.
 
 use gpuplace_core::api_client::events::EventSink;
@@ -18,6 +21,7 @@ use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use kube::{Client, Resource};
 
 use crate::crosscheck::{Limits, Mismatch, MismatchReporter};
+use crate::mps::daemon::FaultReporter;
 
 /// `reportingController` of the plugin's Events.
 pub const CONTROLLER: &str = "gpuplace.io/device-plugin";
@@ -27,6 +31,8 @@ pub const REASON_SKIPPED: &str = "AssignmentSkipped";
 pub const REASON_MISMATCH: &str = "AllocationMismatch";
 /// Reason of the (informational) Event on the pods whose record a cross-check corrected.
 pub const REASON_CORRECTED: &str = "AllocationCorrected";
+/// Reason of the Event on the pods with an MPS share when their server was torn down by a fault.
+pub const REASON_MPS_FAULT: &str = "MpsServerFault";
 
 /// Writes the plugin's Events. Its methods must be called inside a tokio runtime.
 #[derive(Debug, Clone)]
@@ -64,6 +70,29 @@ impl PluginEvents {
              start them on GPUs the extender did not assign"
         );
         self.sink.warn(pod.object_ref(&()), REASON_SKIPPED, "Allocate", &note);
+    }
+}
+
+impl FaultReporter for PluginEvents {
+    /// `pods`: `namespace/name` of each pod with a share, or `claim:namespace/name` of each DRA
+    /// claim (the Event goes on the claim then).
+    fn server_fault(&self, pods: &[String], detail: &str) {
+        let note = format!(
+            "a fatal GPU fault of one MPS client ended every client of the node's MPS server, this pod's included: \
+             its GPU work failed with it, not through a fault of its own ({detail})"
+        );
+        for p in pods {
+            let (claim, p) = match p.strip_prefix("claim:") {
+                Some(rest) => (true, rest),
+                None => (false, p.as_str()),
+            };
+            let Some((ns, name)) = p.split_once('/') else { continue };
+            let mut object = pod_ref(ns, name);
+            if claim {
+                (object.api_version, object.kind) = (Some("resource.k8s.io/v1".into()), Some("ResourceClaim".into()));
+            }
+            self.sink.warn(object, REASON_MPS_FAULT, "MpsServer", &note);
+        }
     }
 }
 

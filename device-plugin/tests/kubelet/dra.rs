@@ -98,6 +98,7 @@ async fn kubelet_registers_the_driver_and_prepares_claims_into_cdi_specs() {
         plugins_dir: tmp.path().join("plugins"),
         cdi_dir: tmp.path().join("cdi"),
         mps_pipe_dir: Some("/run/nvidia/mps".into()),
+        mps_shm_dir: None,
         poll_interval: Duration::from_millis(50),
     };
     let telemetry = Telemetry::new(inventory.gpus.len(), false);

@@ -199,7 +199,11 @@ async fn allocate_finds_the_pod_by_assignment_and_refuses_when_none_matches() {
         // bound after the others, admitted before share-b
         pending_pod("ns/late", 4, &[("main", false, vec![share(6, 4096, 0)])]),
     ]));
-    let cfg = PluginConfig { mps_pipe_dir: Some("/run/nvidia/mps".into()), ..config(k) };
+    let cfg = PluginConfig {
+        mps_pipe_dir: Some("/run/nvidia/mps".into()),
+        mps_shm_dir: Some("/run/gpuplace/mps/shm".into()),
+        ..config(k)
+    };
     let mut h = Harness::start("hgx-h100-8", cfg, Some(source.clone() as Arc<dyn AssignmentSource>)).await;
     let (_, mut c) = h.register_and_connect().await;
     let node = SlotIds::of(&h);
@@ -213,6 +217,8 @@ async fn allocate_finds_the_pod_by_assignment_and_refuses_when_none_matches() {
     assert_eq!(r.envs["GPUPLACE_EXCLUSIVE"], "true");
     assert_eq!(r.envs["NVIDIA_VISIBLE_DEVICES"], format!("{},{}", node.uuids[2], node.uuids[3]));
     assert!(!r.envs.contains_key("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"), "whole GPUs get no MPS limits");
+    // and stay off MPS: no pipe directory, no daemon's /dev/shm, no MPS variable
+    assert!(r.mounts.is_empty() && r.envs.keys().all(|k| !k.starts_with("CUDA_")), "{r:?}");
 
     // a one-GPU pod: the earliest bind (share-a) on GPU 1, with its MPS limits and the pipe mount
     let got = preferred(&mut c, all.clone(), vec![], 1).await.unwrap();
@@ -224,7 +230,11 @@ async fn allocate_finds_the_pod_by_assignment_and_refuses_when_none_matches() {
     assert_eq!(r.envs["GPUPLACE_GPU_MEM_MIB"], "20480");
     assert_eq!(r.envs["GPUPLACE_GPU_CORE_PCT"], "25");
     assert_eq!(r.envs["CUDA_MPS_PIPE_DIRECTORY"], "/run/nvidia/mps");
-    assert_eq!(r.mounts.len(), 1);
+    assert_eq!(r.envs["CUDA_VISIBLE_DEVICES"], node.uuids[1]);
+    // the pipe directory at its own path, the daemon's shm directory as /dev/shm
+    let mounts: Vec<(&str, &str, bool)> =
+        r.mounts.iter().map(|m| (m.host_path.as_str(), m.container_path.as_str(), m.read_only)).collect();
+    assert_eq!(mounts, [("/run/nvidia/mps", "/run/nvidia/mps", false), ("/run/gpuplace/mps/shm", "/dev/shm", false)]);
     // a share of GPU 1 with other limits, bound once share-a was allocated (as the extender binds
     // such pods on a node whose plugin confirms allocations)
     source.bind(pending_pod("ns/share-b", 5, &[("main", false, vec![share(1, 10240, 10)])]));
