@@ -723,7 +723,11 @@ fn managed_mps_adds_the_daemon_flag_its_directories_and_compute() {
         let env = c["env"].as_array().unwrap();
         let caps = env.iter().find(|e| e["name"] == "NVIDIA_DRIVER_CAPABILITIES").expect("capabilities");
         assert_eq!(caps["value"], "compute,utility");
-        assert_eq!(strings(&c["securityContext"]["capabilities"]["add"]), ["SETUID", "SETGID"]);
+        assert_eq!(
+            strings(&c["securityContext"]["capabilities"]["add"]),
+            ["KILL", "SETUID", "SETGID"],
+            "the guard's and the daemon's"
+        );
         let mount = |path: &str| -> Value {
             let m = c["volumeMounts"].as_array().unwrap().iter().find(|m| m["mountPath"] == path);
             let m = m.unwrap_or_else(|| panic!("a mount at {path}"));
