@@ -13,7 +13,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use gpuplace_core::annotations::AssignmentAnnotation;
-use k8s_openapi::api::core::v1::{Event, Pod};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::events::v1::Event;
 use kube::api::{DeleteParams, ListParams};
 use kube::{Api, Client, ResourceExt};
 use serde_json::json;
@@ -29,7 +30,9 @@ pub(super) fn host_dir(node_dir: &Path) -> PathBuf {
 /// The folder inside the plugin's pod.
 pub(super) const MOUNT: &str = "/var/run/gpuplace-e2e";
 pub(super) const SAMPLE: Duration = Duration::from_secs(1);
-pub(super) const GRACE: Duration = Duration::from_secs(4);
+/// Longer than the old plugin takes to stop after its pod is deleted, so that in the restart round
+/// the kill is the new plugin's.
+pub(super) const GRACE: Duration = Duration::from_secs(6);
 
 /// The chart values of the guard's part: more device-plugin arguments and the folder's mount.
 pub(super) fn chart_values(node_dir: &Path) -> Vec<(String, String)> {
@@ -84,13 +87,15 @@ fn gpu_of(p: &Pod) -> u32 {
     a.containers[0].gpus[0].index
 }
 
-/// Reason -> times, of the pod's Events.
+/// Reason -> times observed, of the pod's Events (events.k8s.io: a repeat of an Event is one more
+/// in its `series`, not a new object).
 async fn events_of(client: &Client, pod: &str) -> BTreeMap<String, i32> {
     let events: Api<Event> = Api::namespaced(client.clone(), NS);
     let list = events.list(&ListParams::default()).await.expect("events").items;
     let mut out = BTreeMap::new();
-    for e in list.into_iter().filter(|e| e.involved_object.name.as_deref() == Some(pod)) {
-        *out.entry(e.reason.unwrap_or_default()).or_insert(0) += e.count.unwrap_or(1).max(1);
+    for e in list.into_iter().filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(pod)) {
+        let times = e.series.as_ref().map_or(e.deprecated_count.unwrap_or(1), |s| s.count).max(1);
+        *out.entry(e.reason.unwrap_or_default()).or_insert(0) += times;
     }
     out
 }
@@ -137,9 +142,30 @@ async fn round(
     if restart_plugin {
         let sys: Api<Pod> = Api::namespaced(client.clone(), SYSTEM_NS);
         let lp = ListParams::default().labels("app.kubernetes.io/name=gpuplace-device-plugin");
-        for p in sys.list(&lp).await.expect("the plugin's pod").items {
-            sys.delete(&p.name_any(), &DeleteParams::default()).await.expect("delete the plugin's pod");
+        let old: Vec<String> = sys.list(&lp).await.expect("the plugin's pod").items.iter().map(|p| p.name_any()).collect();
+        for name in &old {
+            sys.delete(name, &DeleteParams::default()).await.expect("delete the plugin's pod");
         }
+        // the old plugin must be gone before its grace ran out: the kill is the new one's
+        wait_for("the DaemonSet's new plugin pod Running", Duration::from_secs(90), || {
+            let (sys, lp, old) = (sys.clone(), lp.clone(), old.clone());
+            async move {
+                let pods = sys.list(&lp).await.map_err(|e| e.to_string())?.items;
+                let fresh = pods.iter().any(|p| !old.contains(&p.name_any()) && super::running(p));
+                let old_left = pods.iter().any(|p| old.contains(&p.name_any()));
+                if fresh && !old_left {
+                    Ok(())
+                } else {
+                    Err(format!("new pod running {fresh}, old pod left {old_left}"))
+                }
+            }
+        })
+        .await;
+        assert!(
+            Path::new(&format!("/proc/{pid}")).exists(),
+            "the process was stopped before the new plugin was up ({:.1} s): the kill was not the restarted plugin's",
+            t.elapsed().as_secs_f64()
+        );
     }
     wait_for(
         &format!("{small}'s process {pid} killed"),
