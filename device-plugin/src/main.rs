@@ -11,7 +11,9 @@ use clap::{Parser, Subcommand};
 use gpuplace_core::api_client::connect::{connect, ConnectArgs, ConnectError, Source};
 use gpuplace_core::logging::LogFormat;
 use gpuplace_device_plugin::assign::AssignmentSource;
-use gpuplace_device_plugin::dra::devices::{devices, slice_spec, DEFAULT_DRIVER};
+use gpuplace_core::isolation::IsolationMode;
+use gpuplace_device_plugin::dra::devices::{devices, mark_isolation, slice_spec, DEFAULT_DRIVER};
+use gpuplace_device_plugin::isolation::{self, Capabilities, IsolationStatus};
 use gpuplace_device_plugin::dra::kubelet::{DraConfig, DraNode};
 use gpuplace_device_plugin::k8s::assignments::KubeAssignments;
 use gpuplace_device_plugin::k8s::claims::KubeClaims;
@@ -30,7 +32,7 @@ use gpuplace_device_plugin::metrics::{
 };
 use gpuplace_device_plugin::nvml::fake::{FakeBackend, FakeScript};
 use gpuplace_device_plugin::nvml::real::NvmlBackend;
-use gpuplace_device_plugin::nvml::{BackendError, GpuBackend};
+use gpuplace_device_plugin::nvml::{BackendError, GpuBackend, Inventory, DEFAULT_CONTEXT_OVERHEAD_MIB};
 use gpuplace_device_plugin::plugin::{spawn_health_monitor, Plugin, PluginConfig, RESOURCE_NAME};
 use gpuplace_device_plugin::podresources::{PodResourcesClient, DEFAULT_POD_RESOURCES_SOCKET};
 use gpuplace_device_plugin::publish::{LogSink, PublishPolicy, Publisher, UtilizationSink};
@@ -118,6 +120,19 @@ struct Cli {
     /// Host directory of the MPS control daemon's pipes, mounted into containers that get a share.
     #[arg(long, value_name = "DIR", global = true)]
     mps_pipe_dir: Option<PathBuf>,
+    /// What enforces shares' limits on this node: `auto` takes the strongest the node can do
+    /// (driver-limits, mps, guard, then advisory); a named mode the node cannot do stops the plugin
+    /// with the reason. Published with the node's inventory and DRA devices; pods may require an
+    /// enforced mode (`gpuplace.io/isolation`). See docs/device-plugin.md, "Isolation".
+    #[arg(long, value_name = "MODE", default_value = "auto", value_parser = parse_isolation, global = true)]
+    isolation: IsolationFlag,
+    /// GPU memory kept back per container slot for its CUDA context (MiB): each GPU advertises its
+    /// total less the driver's reserve and --slots-per-gpu times this, so that a grant of X MiB is X
+    /// MiB the container can allocate beside full neighbours. Default: 512 with NVML (a CUDA 12
+    /// context with lazy loading on an H100), 0 for a fake node (its topology file's memory is what
+    /// it advertises).
+    #[arg(long, value_name = "MIB", global = true)]
+    context_overhead_mib: Option<u64>,
     /// Where to serve Prometheus /metrics (DCGM-exporter names; dcgm-exporter's port by default).
     #[arg(long, value_name = "ADDR", default_value = DEFAULT_METRICS_LISTEN, global = true)]
     metrics_listen: SocketAddr,
@@ -179,6 +194,34 @@ enum Command {
     },
     /// Serve kubelet (the default).
     Serve,
+}
+
+/// `--isolation`: `auto` (`None`) or a mode.
+#[derive(Debug, Clone, Copy)]
+struct IsolationFlag(Option<IsolationMode>);
+
+fn parse_isolation(text: &str) -> Result<IsolationFlag, String> {
+    isolation::parse_flag(text).map(IsolationFlag)
+}
+
+/// `--context-overhead-mib`, or the backend's default.
+fn context_overhead_mib(cli: &Cli, inventory: &Inventory) -> u64 {
+    cli.context_overhead_mib.unwrap_or(if inventory.backend == "nvml" { DEFAULT_CONTEXT_OVERHEAD_MIB } else { 0 })
+}
+
+/// The isolation mode to run in, from what the node can enforce with (issue 49). The MPS
+/// supervisor and the guard report their readiness here when they are merged: until then MPS
+/// counts when a control daemon's pipe directory is given and its control socket exists, and the
+/// guard by its prerequisites.
+fn isolation_status(cli: &Cli, backend: &dyn GpuBackend, apiserver: bool) -> Result<IsolationStatus, String> {
+    let driver = backend.driver_memory_limits();
+    let caps = Capabilities::new(
+        isolation::driver_limits_usable(&driver),
+        isolation::mps_prerequisites(cli.mps_pipe_dir.as_deref()),
+        isolation::guard_prerequisites(apiserver, &cli.pod_resources_socket),
+    );
+    let mode = isolation::choose(cli.isolation.0, &caps).map_err(|e| e.to_string())?;
+    Ok(IsolationStatus { mode, capabilities: caps, driver_memory_limits: driver })
 }
 
 /// `500ms`, `5s`, `2m`, `1h`; a bare number is seconds.
@@ -272,18 +315,15 @@ async fn shutdown_signal() {
 
 fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
     gpuplace_core::fd_limit::raise_and_log("gpuplace-device-plugin");
-    let inventory = backend.inventory().map_err(|e| e.to_string())?;
+    let mut inventory = backend.inventory().map_err(|e| e.to_string())?;
     if inventory.gpus.is_empty() {
         return Err("no GPUs found; nothing to advertise".into());
     }
     if !(1..=gpuplace_core::annotations::MAX_SLOTS_PER_GPU).contains(&cli.slots_per_gpu) {
         return Err(slots::SlotError::BadSlotCount(cli.slots_per_gpu).to_string());
     }
-    let config = PluginConfig {
-        resource_name: cli.resource_name.clone(),
-        slots_per_gpu: cli.slots_per_gpu,
-        mps_pipe_dir: cli.mps_pipe_dir.clone(),
-    };
+    // what is advertised and placed against: what containers can allocate (issue 49, item 4)
+    inventory.reserve_contexts(cli.slots_per_gpu, context_overhead_mib(cli, &inventory));
     if cli.sample_interval.is_zero() {
         return Err("--sample-interval must be positive".into());
     }
@@ -306,6 +346,14 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
                     pass --kubeconfig or --apiserver, or run in a cluster"
             .into());
     }
+    let isolation = isolation_status(cli, backend.as_ref(), api.is_some())?;
+    tracing::info!(mode = %isolation.mode, driver_memory_limits = %isolation.driver_memory_limits.detail, "{}", isolation.summary());
+    let config = PluginConfig {
+        resource_name: cli.resource_name.clone(),
+        slots_per_gpu: cli.slots_per_gpu,
+        mps_pipe_dir: cli.mps_pipe_dir.clone(),
+        isolation: Some(isolation),
+    };
     let telemetry = Telemetry::new(inventory.gpus.len(), true);
     if api.is_some() {
         telemetry.enable_api();
@@ -477,18 +525,23 @@ fn main() -> ExitCode {
         }
     };
     let result = match cli.command {
-        Some(Command::Discover { json }) => backend.inventory().map_err(|e| e.to_string()).map(|inv| {
+        Some(Command::Discover { json }) => backend.inventory().map_err(|e| e.to_string()).and_then(|mut inv| {
+            inv.reserve_contexts(cli.slots_per_gpu, context_overhead_mib(&cli, &inv));
+            // discover does not connect: the API server counts as there unless --no-apiserver
+            let status = isolation_status(&cli, backend.as_ref(), !cli.no_apiserver)?;
             if cli.dra {
                 // what DRA mode would publish now: the node's network labels are added when serving
                 let node = node_name(&cli).unwrap_or_else(|| hostname(&cli));
-                let devices = devices(&inv, &[], &std::collections::BTreeMap::new(), cli.slots_per_gpu);
+                let mut devices = devices(&inv, &[], &std::collections::BTreeMap::new(), cli.slots_per_gpu);
+                mark_isolation(&mut devices, status.mode);
                 let spec = slice_spec(&cli.dra_driver, &node, devices, 0);
                 println!("{}", serde_json::to_string_pretty(&spec).unwrap_or_default());
             } else if json {
-                println!("{}", serde_json::to_string_pretty(&discover::to_json(&inv)).unwrap_or_default());
+                println!("{}", serde_json::to_string_pretty(&discover::to_json(&inv, Some(&status))).unwrap_or_default());
             } else {
-                print!("{}", discover::to_text(&inv));
+                print!("{}", discover::to_text(&inv, Some(&status)));
             }
+            Ok(())
         }),
         Some(Command::Serve) | None => serve(&cli, backend),
     };

@@ -47,11 +47,26 @@ pub struct PluginConfig {
     pub slots_per_gpu: u32,
     /// Host directory of the MPS control daemon's pipes, mounted into containers with a share.
     pub mps_pipe_dir: Option<PathBuf>,
+    /// The isolation mode chosen at start and what it was chosen from (published with the node's
+    /// inventory and DRA devices, on `/metrics`); `None`: not decided (tests), published as nothing.
+    pub isolation: Option<crate::isolation::IsolationStatus>,
 }
 
 impl Default for PluginConfig {
     fn default() -> Self {
-        Self { resource_name: RESOURCE_NAME.into(), slots_per_gpu: DEFAULT_SLOTS_PER_GPU, mps_pipe_dir: None }
+        Self {
+            resource_name: RESOURCE_NAME.into(),
+            slots_per_gpu: DEFAULT_SLOTS_PER_GPU,
+            mps_pipe_dir: None,
+            isolation: None,
+        }
+    }
+}
+
+impl PluginConfig {
+    /// The mode to publish.
+    pub fn isolation_mode(&self) -> Option<gpuplace_core::isolation::IsolationMode> {
+        self.isolation.as_ref().map(|s| s.mode)
     }
 }
 
