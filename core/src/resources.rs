@@ -609,7 +609,10 @@ mod tests {
         assert_eq!(pod_request(&pod).unwrap().isolation, vec![DriverLimits, Mps]);
         pod.annotations.insert(ANNOTATION_ISOLATION.into(), "strict".into());
         let err = pod_request(&pod).unwrap_err().to_string();
-        assert!(err.contains("gpuplace.io/isolation") && err.contains("\"strict\"") && err.contains("enforced"), "{err}");
+        assert!(
+            err.contains("gpuplace.io/isolation") && err.contains("\"strict\"") && err.contains("enforced"),
+            "{err}"
+        );
     }
 
     #[test]

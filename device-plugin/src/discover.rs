@@ -35,7 +35,8 @@ fn isolation_text(s: &mut String, status: &IsolationStatus) {
         let _ = writeln!(s, "  {:<13} {state}", m.name());
     }
     let d = &status.driver_memory_limits;
-    let _ = writeln!(s, "Driver memory limits: {} ({})", if d.supported { "supported" } else { "not supported" }, d.detail);
+    let _ =
+        writeln!(s, "Driver memory limits: {} ({})", if d.supported { "supported" } else { "not supported" }, d.detail);
 }
 
 /// nvidia-smi's cell for a pair: `NV#` when NVLinked, else the PCIe level.

@@ -27,7 +27,9 @@ impl Capabilities {
     /// From each enforcer's own report: `Ok(())` usable, `Err(why)` not.
     pub fn new(driver_limits: Result<(), String>, mps: Result<(), String>, guard: Result<(), String>) -> Self {
         let mut missing = BTreeMap::new();
-        for (mode, r) in [(IsolationMode::DriverLimits, &driver_limits), (IsolationMode::Mps, &mps), (IsolationMode::Guard, &guard)] {
+        for (mode, r) in
+            [(IsolationMode::DriverLimits, &driver_limits), (IsolationMode::Mps, &mps), (IsolationMode::Guard, &guard)]
+        {
             if let Err(why) = r {
                 missing.insert(mode, why.clone());
             }
@@ -155,7 +157,11 @@ mod tests {
 
     fn caps(d: bool, m: bool, g: bool) -> Capabilities {
         let r = |ok: bool, why: &str| if ok { Ok(()) } else { Err(why.to_string()) };
-        Capabilities::new(r(d, "driver 550 has no nvmlDeviceSetMemoryLimits_v1"), r(m, "no MPS daemon"), r(g, "no API server"))
+        Capabilities::new(
+            r(d, "driver 550 has no nvmlDeviceSetMemoryLimits_v1"),
+            r(m, "no MPS daemon"),
+            r(g, "no API server"),
+        )
     }
 
     #[test]

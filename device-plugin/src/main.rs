@@ -9,12 +9,12 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use gpuplace_core::api_client::connect::{connect, ConnectArgs, ConnectError, Source};
+use gpuplace_core::isolation::IsolationMode;
 use gpuplace_core::logging::LogFormat;
 use gpuplace_device_plugin::assign::AssignmentSource;
-use gpuplace_core::isolation::IsolationMode;
 use gpuplace_device_plugin::dra::devices::{devices, mark_isolation, slice_spec, DEFAULT_DRIVER};
-use gpuplace_device_plugin::isolation::{self, Capabilities, IsolationStatus};
 use gpuplace_device_plugin::dra::kubelet::{DraConfig, DraNode};
+use gpuplace_device_plugin::isolation::{self, Capabilities, IsolationStatus};
 use gpuplace_device_plugin::k8s::assignments::KubeAssignments;
 use gpuplace_device_plugin::k8s::claims::KubeClaims;
 use gpuplace_device_plugin::k8s::events::PluginEvents;
@@ -537,7 +537,10 @@ fn main() -> ExitCode {
                 let spec = slice_spec(&cli.dra_driver, &node, devices, 0);
                 println!("{}", serde_json::to_string_pretty(&spec).unwrap_or_default());
             } else if json {
-                println!("{}", serde_json::to_string_pretty(&discover::to_json(&inv, Some(&status))).unwrap_or_default());
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&discover::to_json(&inv, Some(&status))).unwrap_or_default()
+                );
             } else {
                 print!("{}", discover::to_text(&inv, Some(&status)));
             }

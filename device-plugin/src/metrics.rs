@@ -32,12 +32,12 @@ use tokio::sync::Semaphore;
 
 use crate::isolation::IsolationStatus;
 use crate::nvml::GpuInfo;
-use gpuplace_core::isolation::IsolationMode;
 use crate::plugin::{GpuHealth, GrantKey, GrantedSlice, Plugin};
 use crate::podresources::ContainerRef;
 use crate::publish::PublishReason;
 use crate::sampler::{Telemetry, TelemetryState, POD_RESOURCES_REASONS};
 use crate::server::StopSignal;
+use gpuplace_core::isolation::IsolationMode;
 
 /// The exposition format's content type.
 pub const CONTENT_TYPE_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -79,7 +79,8 @@ impl MetricsSource {
 /// whether the driver can cap a cgroup's GPU memory.
 pub fn render_isolation(out: &mut String, hostname: &str, status: &IsolationStatus) {
     let name = "gpuplace_isolation_mode";
-    let mut f = Family::new(out, name, "gauge", "The isolation mode the plugin runs in: 1 for its mode, 0 for the others.");
+    let mut f =
+        Family::new(out, name, "gauge", "The isolation mode the plugin runs in: 1 for its mode, 0 for the others.");
     for m in IsolationMode::ALL {
         f.series(name, &labels(&[("Hostname", hostname), ("mode", m.name())]), u8::from(m == status.mode));
     }

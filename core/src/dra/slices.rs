@@ -11,9 +11,9 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::resource::v1::{Device, ResourceSliceSpec};
 
 use super::{
-    device_index, fabric_of, topology_from_domains, topology_from_rows, LinkRowError, ATTR_INDEX, ATTR_LINKS,
-    ATTR_ISOLATION, ATTR_MODEL, ATTR_NUMA_NODE, ATTR_NVLINK_DOMAIN, ATTR_NVLINK_FABRIC, ATTR_PCIE_ROOT, ATTR_PCI_BUS_ID, ATTR_UUID,
-    CAPACITY_MEMORY, CAPACITY_SHARES,
+    device_index, fabric_of, topology_from_domains, topology_from_rows, LinkRowError, ATTR_INDEX, ATTR_ISOLATION,
+    ATTR_LINKS, ATTR_MODEL, ATTR_NUMA_NODE, ATTR_NVLINK_DOMAIN, ATTR_NVLINK_FABRIC, ATTR_PCIE_ROOT, ATTR_PCI_BUS_ID,
+    ATTR_UUID, CAPACITY_MEMORY, CAPACITY_SHARES,
 };
 use crate::cluster::Gpu;
 use crate::isolation::IsolationMode;

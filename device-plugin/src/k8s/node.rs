@@ -100,7 +100,10 @@ impl NodeSync {
         let health = self.plugin.health();
         let confirms = self.plugin.applies_assignments() && (self.plugin.registered() || confirmed_before);
         let mode = self.plugin.config().isolation_mode();
-        (capacity(&self.inventory, &health), node_inventory(&self.inventory, &health, self.slots_per_gpu, confirms, mode))
+        (
+            capacity(&self.inventory, &health),
+            node_inventory(&self.inventory, &health, self.slots_per_gpu, confirms, mode),
+        )
     }
 
     /// The cross-check's counts the node should carry, when they differ from what it carries (read

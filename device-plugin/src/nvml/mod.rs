@@ -184,7 +184,9 @@ impl DriverMemoryLimits {
             ));
         }
         if !cgroup_v2 {
-            return Self::absent(format!("driver {driver} has per-cgroup memory limits, but cgroup v2 is not mounted at /sys/fs/cgroup"));
+            return Self::absent(format!(
+                "driver {driver} has per-cgroup memory limits, but cgroup v2 is not mounted at /sys/fs/cgroup"
+            ));
         }
         Self { supported: true, detail: format!("driver {driver}: nvmlDeviceSetMemoryLimits_v1 with cgroup v2") }
     }

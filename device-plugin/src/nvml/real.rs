@@ -15,8 +15,8 @@ use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{Device, EventSet, Nvml};
 
 use super::{
-    normalize_bus_id, pair_links, BackendError, DriverMemoryLimits, GpuBackend, GpuEvent, GpuEventKind, GpuInfo, GpuProcess, GpuSample,
-    Inventory, LaneEnd,
+    normalize_bus_id, pair_links, BackendError, DriverMemoryLimits, GpuBackend, GpuEvent, GpuEventKind, GpuInfo,
+    GpuProcess, GpuSample, Inventory, LaneEnd,
 };
 
 /// Lane indices to ask about: `NVML_NVLINK_MAX_LINKS` (18, Hopper's count) in current NVML headers.

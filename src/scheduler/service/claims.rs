@@ -126,8 +126,9 @@ impl Scheduler {
         let g = st.dra_gpus.get(name)?;
         let labels = st.dra_labels.get(name)?.clone();
         let previous = st.cluster.node(name);
-        let same =
-            previous.is_some_and(|n| n.labels == labels && n.gpus == g.gpus && n.slots_per_gpu == g.slots_per_gpu && n.isolation == g.isolation);
+        let same = previous.is_some_and(|n| {
+            n.labels == labels && n.gpus == g.gpus && n.slots_per_gpu == g.slots_per_gpu && n.isolation == g.isolation
+        });
         if same {
             return None;
         }
