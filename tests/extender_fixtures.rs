@@ -283,6 +283,7 @@ fn whole(key: &str, gpus: u32, group: Option<GroupSpec>) -> PodRequest {
         numa: NumaPolicy::Preferred,
         allowed_models: vec![],
         group,
+        isolation: vec![],
     }
 }
 

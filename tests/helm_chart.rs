@@ -881,3 +881,32 @@ fn scrapers_are_named_by_namespace_and_pod_series_are_asked_for() {
     let out = Command::new(helm()).args(&all).output().expect("helm");
     assert!(!out.status.success(), "helm accepted a namespace name with capitals");
 }
+
+/// Issue 49: `devicePlugin.isolation` (default `auto`: no flag, so the default rendering stays the
+/// plain manifest) and `devicePlugin.contextOverheadMib` (default null: no flag) become the plugin's
+/// `--isolation` and `--context-overhead-mib`; a mode the plugin does not know is refused by the
+/// chart's schema.
+#[test]
+fn the_isolation_mode_and_the_context_overhead_are_flags_only_when_set() {
+    let args_of = |sets: &[&str]| {
+        let docs = render(&values(sets));
+        strings(
+            &find(&docs, "DaemonSet", "gpuplace-device-plugin")["spec"]["template"]["spec"]["containers"][0]["args"],
+        )
+    };
+    let plain = args_of(&[]);
+    assert!(
+        !plain.iter().any(|a| a.starts_with("--isolation") || a.starts_with("--context-overhead-mib")),
+        "{plain:?}"
+    );
+    assert_eq!(args_of(&["devicePlugin.isolation=auto"]), plain);
+    let set = args_of(&["devicePlugin.isolation=guard", "devicePlugin.contextOverheadMib=768"]);
+    assert!(set.contains(&"--isolation=guard".to_string()), "{set:?}");
+    assert!(set.contains(&"--context-overhead-mib=768".to_string()), "{set:?}");
+    assert_eq!(set.len(), plain.len() + 2);
+    let mut args = vec!["template".to_string(), "gpuplace".to_string(), chart().display().to_string()];
+    args.extend(values(&["devicePlugin.isolation=strict"]));
+    let out = Command::new(helm()).args(&args).output().unwrap();
+    assert!(!out.status.success(), "a mode the plugin does not know renders");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("isolation"), "{}", String::from_utf8_lossy(&out.stderr));
+}

@@ -531,3 +531,48 @@ fn debug_log_keeps_each_nodes_figures() {
     let h100 = rejected.iter().find(|l| l.contains("node=h100-3")).unwrap();
     assert!(h100.contains("most free is 12108 MiB"), "{h100}");
 }
+
+/// Issue 49, item 5: a pod that requires an enforced isolation mode (`gpuplace.io/isolation`) is
+/// turned down, with one reason that groups, on nodes whose published mode does not enforce memory
+/// (or that publish none: advisory), and placed where the mode does; a list names the modes
+/// accepted; a value that is neither is refused as a contract error that says what to write.
+#[test]
+fn a_pod_requiring_enforced_isolation_is_refused_on_advisory_nodes_and_placed_on_a_guard_node() {
+    use gpuplace_core::isolation::IsolationMode;
+    let nodes = vec![
+        board(2).node("advisory-0", BTreeMap::new(), 0, 0).with_isolation(Some(IsolationMode::Advisory)),
+        board(2).node("older-0", BTreeMap::new(), 0, 0),
+        board(2).node("guard-0", BTreeMap::new(), 0, 0).with_isolation(Some(IsolationMode::Guard)),
+        board(2).node("mps-0", BTreeMap::new(), 0, 0).with_isolation(Some(IsolationMode::Mps)),
+    ];
+    let cluster = Cluster::new(nodes);
+    let spec = PodSpec { containers: vec![(1, 1, 4096, 30)], init: None, model: None, numa_required: false };
+    let pod = |name: &str, requirement: Option<&str>| {
+        let mut p = pod_json(&spec, name);
+        if let Some(r) = requirement {
+            p["metadata"]["annotations"]["gpuplace.io/isolation"] = json!(r);
+        }
+        p
+    };
+    let refused = "gpuplace: node's isolation mode is not one gpuplace.io/isolation accepts";
+    for shape_cache in [0, 64] {
+        let ext = service(cluster.clone(), shape_cache, None);
+        let answer = |p: Value| ext.filter(&filter_body(&p, &cluster, &[], false)).unwrap();
+        let a = answer(pod("free", None));
+        assert_eq!(a.node_names.map(|n| n.len()), Some(4), "no requirement: every node");
+        let a = answer(pod("strict", Some("enforced")));
+        assert_eq!(a.node_names, Some(vec!["guard-0".to_string(), "mps-0".to_string()]));
+        let r = reasons(&a);
+        assert_eq!(r, BTreeMap::from([("advisory-0", (refused, true)), ("older-0", (refused, true))]));
+        assert!(!refused.contains('%'));
+        assert_eq!(scheduler_message(4, &a), format!("0/4 nodes are available: 2 {refused}."));
+        let a = answer(pod("mps-only", Some("mps,driver-limits")));
+        assert_eq!(a.node_names, Some(vec!["mps-0".to_string()]));
+        assert_eq!(reasons(&a)["guard-0"], (refused, true));
+        let a = answer(pod("typo", Some("strict")));
+        assert_eq!(a.node_names.clone().unwrap_or_default(), Vec::<String>::new());
+        let texts: BTreeSet<&str> = reasons(&a).values().map(|(r, _)| *r).collect();
+        let r = texts.first().unwrap();
+        assert!(texts.len() == 1 && r.contains("gpuplace.io/isolation") && r.contains("enforced"), "{texts:?}");
+    }
+}

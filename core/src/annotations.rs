@@ -30,6 +30,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
 use crate::cluster::{Gpu, Node, UtilSample};
+use crate::isolation::IsolationMode;
 use crate::resources::{ContainerDemand, PodRequest};
 use crate::topology::{GpuTopology, Link, NvlinkFabric, PcieLevel, TopologyError};
 
@@ -338,6 +339,17 @@ pub struct NodeInventory {
     /// Allocate, such as the e2e suite's nodes, and in inventories of older plugins.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub confirms_allocations: bool,
+    /// What enforces shares' limits on the node (`driver-limits`, `mps`, `guard`, `advisory`), as its
+    /// device plugin chose at start (docs/isolation.md). Absent in inventories of older plugins:
+    /// read as `advisory`, as is a mode this reader does not know (a newer plugin's): the node's
+    /// GPUs stay usable, only not for pods that require enforcement.
+    #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "known_or_advisory")]
+    pub isolation: Option<IsolationMode>,
+}
+
+fn known_or_advisory<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<IsolationMode>, D::Error> {
+    let name = Option::<String>::deserialize(d)?;
+    Ok(name.map(|n| n.parse().unwrap_or(IsolationMode::Advisory)))
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -413,6 +425,7 @@ impl NodeInventory {
                 .collect(),
             slots_per_gpu: node.slots_per_gpu,
             confirms_allocations: node.confirms_allocations,
+            isolation: node.isolation,
         }
     }
 
@@ -462,7 +475,8 @@ impl NodeInventory {
             .collect();
         Ok(Node::new(name, labels, gpus, Arc::new(topology), 0, 0)
             .with_slots_per_gpu(self.slots_per_gpu)
-            .with_confirms_allocations(self.confirms_allocations))
+            .with_confirms_allocations(self.confirms_allocations)
+            .with_isolation(self.isolation))
     }
 }
 
@@ -824,6 +838,25 @@ mod tests {
         assert_eq!(c.to_json(), r#"{"version":1,"mismatches":3,"corrections":7}"#);
         assert_eq!(AllocationCounts::parse(&c.to_json()).unwrap(), c);
         assert!(matches!(AllocationCounts::parse(r#"{"version":2}"#), Err(AnnotationError::UnsupportedVersion { .. })));
+    }
+
+    #[test]
+    fn isolation_is_written_only_when_known_and_reaches_the_model() {
+        let mut inv = NodeInventory::from_node(&h100_node("n1"));
+        let older = inv.to_json();
+        assert!(!older.contains("isolation"), "{older}");
+        assert_eq!(NodeInventory::parse(&older).unwrap().to_node("n1", BTreeMap::new()).unwrap().isolation, None);
+        for mode in IsolationMode::ALL {
+            inv.isolation = Some(mode);
+            let text = inv.to_json();
+            assert!(text.contains(&format!(r#""isolation":"{mode}""#)), "{text}");
+            let node = NodeInventory::parse(&text).unwrap().to_node("n1", BTreeMap::new()).unwrap();
+            assert_eq!(node.isolation, Some(mode));
+            assert_eq!(NodeInventory::from_node(&node), inv);
+        }
+        // a mode this reader does not know keeps the node, as advisory
+        let newer = inv.to_json().replace(r#""isolation":"advisory""#, r#""isolation":"magic""#);
+        assert_eq!(NodeInventory::parse(&newer).unwrap().isolation, Some(IsolationMode::Advisory));
     }
 
     #[test]

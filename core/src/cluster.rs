@@ -9,6 +9,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use crate::assignment::{share_fraction, share_milli, Footprint, PodAssignment};
+use crate::isolation::IsolationMode;
 use crate::topology::GpuTopology;
 
 /// One physical GPU.
@@ -158,6 +159,9 @@ pub struct Node {
     /// `confirmsAllocations`): bind then never leaves two pods it could confuse waiting for their
     /// Allocate on the node at once (`core::admission`).
     pub confirms_allocations: bool,
+    /// What enforces shares' limits on the node (its inventory's `isolation`); `None`: not published
+    /// (older plugins, the simulator), which counts as [`IsolationMode::Advisory`].
+    pub isolation: Option<IsolationMode>,
     cpu_used: u64,
     mem_used: u64,
     usage: PerGpu<GpuUsage>,
@@ -195,6 +199,7 @@ impl PartialEq for Node {
             && self.memory_mib == other.memory_mib
             && self.slots_per_gpu == other.slots_per_gpu
             && self.confirms_allocations == other.confirms_allocations
+            && self.isolation == other.isolation
             && self.cpu_used == other.cpu_used
             && self.mem_used == other.mem_used
             && self.usage == other.usage
@@ -263,6 +268,7 @@ impl Node {
             memory_mib,
             slots_per_gpu: None,
             confirms_allocations: false,
+            isolation: None,
             cpu_used: 0,
             mem_used: 0,
             usage: PerGpu::filled(n),
@@ -348,6 +354,13 @@ impl Node {
     /// [`confirms_allocations`](Self::confirms_allocations)).
     pub fn with_confirms_allocations(mut self, confirms: bool) -> Self {
         self.confirms_allocations = confirms;
+        self.generation = next_stamp();
+        self
+    }
+
+    /// The node with its published isolation mode (see [`isolation`](Self::isolation)).
+    pub fn with_isolation(mut self, mode: Option<IsolationMode>) -> Self {
+        self.isolation = mode;
         self.generation = next_stamp();
         self
     }
@@ -641,34 +654,20 @@ pub struct Cluster {
 #[derive(Debug, Clone, Copy)]
 struct Layout(u64);
 
-impl PartialEq for Layout {
-    fn eq(&self, _: &Self) -> bool {
-        true
-    }
-}
-
 /// Each node's position in name order, computed on first use: ranking breaks score ties by node name,
 /// and comparing integers instead of strings keeps that off the hot path. Derived data, so it takes
 /// no part in equality.
 #[derive(Debug, Clone, Default)]
 struct NameRank(std::sync::OnceLock<Vec<u32>>);
 
-impl PartialEq for NameRank {
-    fn eq(&self, _: &Self) -> bool {
-        true
-    }
-}
-
 /// The nodes' stamps in one array: a cache check per candidate node reads 8 bytes here rather than a
 /// cache line of each (scattered) node record. Derived data, so it takes no part in equality.
 #[derive(Debug, Clone, Default)]
 struct Stamps(Vec<u64>);
 
-impl PartialEq for Stamps {
-    fn eq(&self, _: &Self) -> bool {
-        true
-    }
-}
+// derived data and bookkeeping: no part in equality
+macro_rules! always_equal { ($($t:ty),*) => { $(impl PartialEq for $t { fn eq(&self, _: &Self) -> bool { true } })* } }
+always_equal!(Layout, NameRank, Stamps);
 
 /// The default network levels: spine, then top-of-rack switch.
 pub const DEFAULT_NETWORK_LEVELS: [&str; 2] = ["network.gpuplace.io/spine", "network.gpuplace.io/tor"];

@@ -48,6 +48,44 @@ impl fmt::Display for IsolationMode {
     }
 }
 
+/// The pod annotation that requires an isolation mode: `enforced` (any mode that enforces memory:
+/// driver-limits, mps or guard) or a comma list of accepted modes (`mps,driver-limits`). A node
+/// whose published mode is not accepted is turned down; one that publishes none counts as
+/// `advisory`.
+pub const ANNOTATION_ISOLATION: &str = "gpuplace.io/isolation";
+
+/// What [`ANNOTATION_ISOLATION`] accepts, as its error messages say it.
+pub const REQUIREMENT_SYNTAX: &str =
+    "enforced, or a comma-separated list of driver-limits, mps, guard, advisory (e.g. mps,driver-limits)";
+
+/// The modes a pod's [`ANNOTATION_ISOLATION`] value accepts, strongest first, each once; `Err` with
+/// the value for anything else (an empty list included).
+pub fn parse_requirement(value: &str) -> Result<Vec<IsolationMode>, UnknownMode> {
+    let v = value.trim().to_ascii_lowercase();
+    let mut modes: Vec<IsolationMode> = if v == "enforced" {
+        IsolationMode::ALL.into_iter().filter(|m| m.enforces_memory()).collect()
+    } else {
+        let mut out = Vec::new();
+        for part in v.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            out.push(part.parse().map_err(|_| UnknownMode(value.to_string()))?);
+        }
+        out
+    };
+    if modes.is_empty() {
+        return Err(UnknownMode(value.to_string()));
+    }
+    modes.sort();
+    modes.dedup();
+    Ok(modes)
+}
+
+/// Whether a node that publishes `node` (`None`: nothing, read as advisory) satisfies a pod that
+/// accepts `accepted` (empty: any mode).
+#[inline]
+pub fn satisfies(accepted: &[IsolationMode], node: Option<IsolationMode>) -> bool {
+    accepted.is_empty() || accepted.contains(&node.unwrap_or(IsolationMode::Advisory))
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0:?} is not an isolation mode (driver-limits, mps, guard or advisory)")]
 pub struct UnknownMode(pub String);
@@ -71,5 +109,22 @@ mod tests {
         }
         assert!("MPS".parse::<IsolationMode>().is_err());
         assert!(IsolationMode::Guard.enforces_memory() && !IsolationMode::Advisory.enforces_memory());
+    }
+
+    #[test]
+    fn requirements_parse_and_decide() {
+        use IsolationMode::*;
+        assert_eq!(parse_requirement("enforced"), Ok(vec![DriverLimits, Mps, Guard]));
+        assert_eq!(parse_requirement(" Enforced "), Ok(vec![DriverLimits, Mps, Guard]));
+        assert_eq!(parse_requirement("mps, driver-limits,mps"), Ok(vec![DriverLimits, Mps]));
+        assert_eq!(parse_requirement("advisory"), Ok(vec![Advisory]));
+        for bad in ["", " , ", "strict", "mps;guard", "mps,magic"] {
+            assert_eq!(parse_requirement(bad), Err(UnknownMode(bad.to_string())), "{bad:?}");
+        }
+        let enforced = parse_requirement("enforced").unwrap();
+        assert!(satisfies(&enforced, Some(Guard)) && satisfies(&enforced, Some(DriverLimits)));
+        assert!(!satisfies(&enforced, Some(Advisory)) && !satisfies(&enforced, None));
+        assert!(satisfies(&[], None) && satisfies(&[], Some(Advisory)));
+        assert!(!satisfies(&[Mps], Some(Guard)) && satisfies(&[Advisory], None));
     }
 }

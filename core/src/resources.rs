@@ -6,6 +6,7 @@
 
 use std::collections::BTreeMap;
 
+use crate::isolation::{self, IsolationMode, ANNOTATION_ISOLATION};
 use crate::quantity::{self, Quantity};
 
 pub const RESOURCE_GPU: &str = "gpuplace.io/gpu";
@@ -166,6 +167,10 @@ pub struct PodRequest {
     /// Allowed GPU models (exact, case-insensitive); empty means any.
     pub allowed_models: Vec<String>,
     pub group: Option<GroupSpec>,
+    /// Isolation modes the pod accepts on its node (`gpuplace.io/isolation`), strongest first;
+    /// empty means any (see [`isolation::satisfies`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub isolation: Vec<IsolationMode>,
 }
 
 impl PodRequest {
@@ -186,6 +191,7 @@ impl PodRequest {
             numa: NumaPolicy::default(),
             allowed_models: Vec::new(),
             group: None,
+            isolation: Vec::new(),
         }
     }
 
@@ -205,6 +211,13 @@ impl PodRequest {
     #[inline]
     pub fn allows_model(&self, model: &str) -> bool {
         self.allowed_models.is_empty() || self.allowed_models.iter().any(|m| m.eq_ignore_ascii_case(model))
+    }
+
+    /// Whether a node publishing `mode` (`None`: nothing, read as advisory) isolates this pod as it
+    /// asks.
+    #[inline]
+    pub fn accepts_isolation(&self, mode: Option<IsolationMode>) -> bool {
+        isolation::satisfies(&self.isolation, mode)
     }
 }
 
@@ -413,6 +426,13 @@ pub fn pod_request(pod: &PodSpecView) -> Result<PodRequest, RequestError> {
             })
         }
     };
+    if let Some(raw) = pod.annotations.get(ANNOTATION_ISOLATION) {
+        req.isolation = isolation::parse_requirement(raw).map_err(|_| RequestError::BadAnnotation {
+            key: ANNOTATION_ISOLATION,
+            value: raw.clone(),
+            allowed: isolation::REQUIREMENT_SYNTAX,
+        })?;
+    }
     if let Some(models) = pod.annotations.get(ANNOTATION_GPU_MODEL) {
         req.allowed_models =
             models.split([',', '|']).map(str::trim).filter(|m| !m.is_empty()).map(str::to_string).collect();
@@ -572,6 +592,27 @@ mod tests {
         assert!(matches!(pod_request(&pod), Err(RequestError::BadGroupSize { .. })));
         pod.annotations.remove(ANNOTATION_GROUP_SIZE);
         assert!(matches!(pod_request(&pod), Err(RequestError::MissingGroupSize { .. })));
+    }
+
+    #[test]
+    fn the_isolation_requirement_is_read_and_a_bad_one_refused() {
+        use crate::isolation::IsolationMode::*;
+        let mut pod = PodSpecView { namespace: "ml".into(), name: "p".into(), ..Default::default() };
+        pod.containers.push(container(&[(RESOURCE_GPU, "1"), (RESOURCE_GPU_MEM, "1000")]));
+        let any = pod_request(&pod).unwrap();
+        assert!(any.isolation.is_empty() && any.accepts_isolation(None));
+        pod.annotations.insert(ANNOTATION_ISOLATION.into(), "enforced".into());
+        let r = pod_request(&pod).unwrap();
+        assert_eq!(r.isolation, vec![DriverLimits, Mps, Guard]);
+        assert!(r.accepts_isolation(Some(Guard)) && !r.accepts_isolation(Some(Advisory)) && !r.accepts_isolation(None));
+        pod.annotations.insert(ANNOTATION_ISOLATION.into(), "mps,driver-limits".into());
+        assert_eq!(pod_request(&pod).unwrap().isolation, vec![DriverLimits, Mps]);
+        pod.annotations.insert(ANNOTATION_ISOLATION.into(), "strict".into());
+        let err = pod_request(&pod).unwrap_err().to_string();
+        assert!(
+            err.contains("gpuplace.io/isolation") && err.contains("\"strict\"") && err.contains("enforced"),
+            "{err}"
+        );
     }
 
     #[test]

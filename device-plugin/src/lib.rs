@@ -23,6 +23,7 @@
 //! - [`publish`]: when to publish `gpuplace.io/utilization`, and the [`publish::UtilizationSink`] seam.
 //! - [`k8s`]: the API server: this node's pods and assignments, node status and annotations.
 //! - [`discover`]: the `discover` command's output.
+//! - [`isolation`]: the node's isolation mode, chosen at start from what it can enforce with.
 //! - [`dra`]: the GPUs as DRA devices (DRA mode, `--dra`).
 //! - [`kubelet_api`]: the kubelet gRPC APIs (device plugin v1beta1, pod-resources v1), generated from device-plugin/proto by build.rs.
 //!
@@ -39,6 +40,7 @@ pub mod dra;
 pub mod exclusive;
 pub mod grpc_authority;
 pub mod guard;
+pub mod isolation;
 pub mod k8s;
 pub mod kubelet_api;
 pub mod metrics;

@@ -9,13 +9,15 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use gpuplace_core::api_client::connect::{connect, ConnectArgs, ConnectError, Source};
+use gpuplace_core::isolation::IsolationMode;
 use gpuplace_core::logging::LogFormat;
 use gpuplace_device_plugin::assign::AssignmentSource;
 use gpuplace_device_plugin::dra::cdi::CdiShares;
-use gpuplace_device_plugin::dra::devices::{devices, slice_spec, DEFAULT_DRIVER};
+use gpuplace_device_plugin::dra::devices::{devices, mark_isolation, slice_spec, DEFAULT_DRIVER};
 use gpuplace_device_plugin::dra::kubelet::{DraConfig, DraNode};
 use gpuplace_device_plugin::guard::run::GuardRunner;
 use gpuplace_device_plugin::guard::{ContainerDirectory, GuardConfig, OverrunAction};
+use gpuplace_device_plugin::isolation::{self, Capabilities, IsolationStatus};
 use gpuplace_device_plugin::k8s::assignments::KubeAssignments;
 use gpuplace_device_plugin::k8s::claims::KubeClaims;
 use gpuplace_device_plugin::k8s::events::PluginEvents;
@@ -36,7 +38,7 @@ use gpuplace_device_plugin::mps::daemon::{FaultReporter, MpsConfig, MpsHandle, N
 use gpuplace_device_plugin::mps::{MpsLayout, DEFAULT_CONTROL_BINARY, DEFAULT_MPS_ROOT};
 use gpuplace_device_plugin::nvml::fake::{FakeBackend, FakeScript};
 use gpuplace_device_plugin::nvml::real::NvmlBackend;
-use gpuplace_device_plugin::nvml::{BackendError, GpuBackend};
+use gpuplace_device_plugin::nvml::{BackendError, GpuBackend, Inventory, DEFAULT_CONTEXT_OVERHEAD_MIB};
 use gpuplace_device_plugin::plugin::{spawn_health_monitor, Plugin, PluginConfig, RESOURCE_NAME};
 use gpuplace_device_plugin::podresources::{PodResourcesClient, DEFAULT_POD_RESOURCES_SOCKET};
 use gpuplace_device_plugin::publish::{LogSink, PublishPolicy, Publisher, UtilizationSink};
@@ -44,10 +46,6 @@ use gpuplace_device_plugin::sampler::{Sampler, Telemetry};
 use gpuplace_device_plugin::server::{run, ServeConfig};
 use gpuplace_device_plugin::slots::DEFAULT_SLOTS_PER_GPU;
 
-/// A CUDA 12 context with lazy module loading holds a few hundred MiB on Ampere and Hopper; the
-/// guard allows this much per process over a container's grant (measured on a real GPU:
-/// docs/performance.md).
-const DEFAULT_CONTEXT_OVERHEAD_MIB: u64 = 512;
 use gpuplace_device_plugin::{discover, slots};
 
 /// Every option is global: it works before or after the subcommand (`serve --no-assignments` and
@@ -142,10 +140,6 @@ struct Cli {
     /// largest process on that GPU, or evict its pod (needs pods/eviction create).
     #[arg(long, value_enum, default_value_t = OverrunAction::Kill, global = true)]
     guard_action: OverrunAction,
-    /// GPU memory one process's CUDA context holds beyond what it allocates: the guard allows each
-    /// process this much over its container's grant.
-    #[arg(long, value_name = "MIB", default_value_t = DEFAULT_CONTEXT_OVERHEAD_MIB, global = true)]
-    context_overhead_mib: u64,
     /// With --mps-pipe-dir: the host directory that is that daemon's /dev/shm, mounted as /dev/shm
     /// of containers that get a share (MPS clients and server exchange POSIX shared memory).
     #[arg(long, value_name = "DIR", global = true, requires = "mps_pipe_dir")]
@@ -168,6 +162,19 @@ struct Cli {
     /// limits compared with the shares.
     #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_duration, global = true)]
     mps_health_interval: Duration,
+    /// What enforces shares' limits on this node: `auto` takes the strongest the node can do
+    /// (driver-limits, mps, guard, then advisory); a named mode the node cannot do stops the plugin
+    /// with the reason. Published with the node's inventory and DRA devices; pods may require an
+    /// enforced mode (`gpuplace.io/isolation`). See docs/device-plugin.md, "Isolation".
+    #[arg(long, value_name = "MODE", default_value = "auto", value_parser = parse_isolation, global = true)]
+    isolation: IsolationFlag,
+    /// GPU memory kept back per container slot for its CUDA context (MiB): each GPU advertises its
+    /// total less the driver's reserve and --slots-per-gpu times this, so that a grant of X MiB is X
+    /// MiB the container can allocate beside full neighbours. Default: 512 with NVML (a CUDA 12
+    /// context with lazy loading on an H100), 0 for a fake node (its topology file's memory is what
+    /// it advertises).
+    #[arg(long, value_name = "MIB", global = true)]
+    context_overhead_mib: Option<u64>,
     /// Where to serve Prometheus /metrics (DCGM-exporter names; dcgm-exporter's port by default).
     #[arg(long, value_name = "ADDR", default_value = DEFAULT_METRICS_LISTEN, global = true)]
     metrics_listen: SocketAddr,
@@ -229,6 +236,69 @@ enum Command {
     },
     /// Serve kubelet (the default).
     Serve,
+}
+
+/// `--isolation`: `auto` (`None`) or a mode.
+#[derive(Debug, Clone, Copy)]
+struct IsolationFlag(Option<IsolationMode>);
+
+fn parse_isolation(text: &str) -> Result<IsolationFlag, String> {
+    isolation::parse_flag(text).map(IsolationFlag)
+}
+
+/// `--context-overhead-mib`, or the backend's default.
+fn context_overhead_mib(cli: &Cli, inventory: &Inventory) -> u64 {
+    cli.context_overhead_mib.unwrap_or(if inventory.backend == "nvml" { DEFAULT_CONTEXT_OVERHEAD_MIB } else { 0 })
+}
+
+/// The isolation mode to run in, from what the node can enforce with (issue 49). The MPS
+/// supervisor and the guard report their readiness here when they are merged: until then MPS
+/// counts when a control daemon's pipe directory is given and its control socket exists, and the
+/// guard by its prerequisites.
+fn isolation_status(cli: &Cli, backend: &dyn GpuBackend, apiserver: bool) -> Result<IsolationStatus, String> {
+    let driver = backend.driver_memory_limits();
+    let caps = Capabilities::new(
+        isolation::driver_limits_usable(&driver),
+        if cli.mps_daemon {
+            managed_mps_prerequisites(&cli.mps_control_binary)
+        } else {
+            isolation::mps_prerequisites(cli.mps_pipe_dir.as_deref())
+        },
+        guard_prerequisites(cli, apiserver),
+    );
+    let mode = isolation::choose(cli.isolation.0, &caps).map_err(|e| e.to_string())?;
+    Ok(IsolationStatus { mode, capabilities: caps, driver_memory_limits: driver })
+}
+
+/// Managed MPS can serve when its control binary is there (a daemon that later fails to start or
+/// dies is reported on `/metrics` and restarted).
+fn managed_mps_prerequisites(binary: &std::path::Path) -> Result<(), String> {
+    let found = if binary.components().count() > 1 {
+        binary.is_file()
+    } else {
+        std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(binary).is_file()))
+    };
+    if found {
+        Ok(())
+    } else {
+        Err(format!(
+            "--mps-daemon: {} is not found (the NVIDIA container toolkit mounts it with the compute capability)",
+            binary.display()
+        ))
+    }
+}
+
+/// The guard runs where it can find each container's grant: assignments mode with the API server.
+fn guard_prerequisites(cli: &Cli, apiserver: bool) -> Result<(), String> {
+    if cli.no_guard {
+        Err("--no-guard".into())
+    } else if cli.dra {
+        Err("DRA mode: the guard reads grants from gpuplace assignments, not from claims".into())
+    } else if cli.no_assignments {
+        Err("--no-assignments: containers have no grants to hold them to".into())
+    } else {
+        isolation::guard_prerequisites(apiserver, &cli.pod_resources_socket)
+    }
 }
 
 /// `500ms`, `5s`, `2m`, `1h`; a bare number is seconds.
@@ -322,7 +392,7 @@ async fn shutdown_signal() {
 
 fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
     gpuplace_core::fd_limit::raise_and_log("gpuplace-device-plugin");
-    let inventory = backend.inventory().map_err(|e| e.to_string())?;
+    let mut inventory = backend.inventory().map_err(|e| e.to_string())?;
     if inventory.gpus.is_empty() {
         return Err("no GPUs found; nothing to advertise".into());
     }
@@ -335,15 +405,11 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
     } else {
         (cli.mps_pipe_dir.clone(), cli.mps_shm_dir.clone())
     };
-    let config = PluginConfig {
-        resource_name: cli.resource_name.clone(),
-        slots_per_gpu: cli.slots_per_gpu,
-        mps_pipe_dir: mps_pipe_dir.clone(),
-        mps_shm_dir: mps_shm_dir.clone(),
-    };
     if cli.mps_health_interval.is_zero() {
         return Err("--mps-health-interval must be positive".into());
     }
+    // what is advertised and placed against: what containers can allocate (issue 49, item 4)
+    inventory.reserve_contexts(cli.slots_per_gpu, context_overhead_mib(cli, &inventory));
     if cli.sample_interval.is_zero() {
         return Err("--sample-interval must be positive".into());
     }
@@ -366,6 +432,15 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
                     pass --kubeconfig or --apiserver, or run in a cluster"
             .into());
     }
+    let isolation = isolation_status(cli, backend.as_ref(), api.is_some())?;
+    tracing::info!(mode = %isolation.mode, driver_memory_limits = %isolation.driver_memory_limits.detail, "{}", isolation.summary());
+    let config = PluginConfig {
+        resource_name: cli.resource_name.clone(),
+        slots_per_gpu: cli.slots_per_gpu,
+        mps_pipe_dir: mps_pipe_dir.clone(),
+        mps_shm_dir: mps_shm_dir.clone(),
+        isolation: Some(isolation),
+    };
     let telemetry = Telemetry::new(inventory.gpus.len(), true);
     if api.is_some() {
         telemetry.enable_api();
@@ -468,7 +543,7 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
         (Some((client, node)), Some(directory), false) => {
             let cfg = GuardConfig {
                 grace: cli.guard_grace,
-                context_overhead_mib: cli.context_overhead_mib,
+                context_overhead_mib: context_overhead_mib(cli, &inventory),
                 action: cli.guard_action,
                 ..GuardConfig::default()
             };
@@ -481,7 +556,7 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
                 cfg,
             )
             .with_outlet(outlet);
-            tracing::info!(grace = ?cli.guard_grace, action = ?cli.guard_action, context_overhead_mib = cli.context_overhead_mib, "the guard watches each GPU's processes against their containers' grants");
+            tracing::info!(grace = ?cli.guard_grace, action = ?cli.guard_action, context_overhead_mib = context_overhead_mib(cli, &inventory), "the guard watches each GPU's processes against their containers' grants");
             Some(rt.spawn(runner.run(cli.sample_interval)))
         }
         _ => {
@@ -615,18 +690,26 @@ fn main() -> ExitCode {
         }
     };
     let result = match cli.command {
-        Some(Command::Discover { json }) => backend.inventory().map_err(|e| e.to_string()).map(|inv| {
+        Some(Command::Discover { json }) => backend.inventory().map_err(|e| e.to_string()).and_then(|mut inv| {
+            inv.reserve_contexts(cli.slots_per_gpu, context_overhead_mib(&cli, &inv));
+            // discover does not connect: the API server counts as there unless --no-apiserver
+            let status = isolation_status(&cli, backend.as_ref(), !cli.no_apiserver)?;
             if cli.dra {
                 // what DRA mode would publish now: the node's network labels are added when serving
                 let node = node_name(&cli).unwrap_or_else(|| hostname(&cli));
-                let devices = devices(&inv, &[], &std::collections::BTreeMap::new(), cli.slots_per_gpu);
+                let mut devices = devices(&inv, &[], &std::collections::BTreeMap::new(), cli.slots_per_gpu);
+                mark_isolation(&mut devices, status.mode);
                 let spec = slice_spec(&cli.dra_driver, &node, devices, 0);
                 println!("{}", serde_json::to_string_pretty(&spec).unwrap_or_default());
             } else if json {
-                println!("{}", serde_json::to_string_pretty(&discover::to_json(&inv)).unwrap_or_default());
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&discover::to_json(&inv, Some(&status))).unwrap_or_default()
+                );
             } else {
-                print!("{}", discover::to_text(&inv));
+                print!("{}", discover::to_text(&inv, Some(&status)));
             }
+            Ok(())
         }),
         Some(Command::Serve) | None => serve(&cli, backend),
     };

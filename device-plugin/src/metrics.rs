@@ -30,12 +30,14 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 
+use crate::isolation::IsolationStatus;
 use crate::nvml::GpuInfo;
 use crate::plugin::{GpuHealth, GrantKey, GrantedSlice, Plugin};
 use crate::podresources::ContainerRef;
 use crate::publish::PublishReason;
 use crate::sampler::{Telemetry, TelemetryState, POD_RESOURCES_REASONS};
 use crate::server::StopSignal;
+use gpuplace_core::isolation::IsolationMode;
 
 /// The exposition format's content type.
 pub const CONTENT_TYPE_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -58,15 +60,44 @@ pub struct MetricsSource {
 
 impl MetricsSource {
     pub fn render(&self) -> String {
-        render(
+        let mut page = render(
             &self.hostname,
             self.plugin.gpus(),
             &self.plugin.health(),
             &self.plugin.grants(),
             &self.telemetry.snapshot(),
             self.pod_labels,
-        )
+        );
+        if let Some(status) = &self.plugin.config().isolation {
+            render_isolation(&mut page, &self.hostname, status);
+        }
+        page
     }
+}
+
+/// The node's isolation mode (1 for the mode in use, 0 for the others), what it could run in, and
+/// whether the driver can cap a cgroup's GPU memory.
+pub fn render_isolation(out: &mut String, hostname: &str, status: &IsolationStatus) {
+    let name = "gpuplace_isolation_mode";
+    let mut f =
+        Family::new(out, name, "gauge", "The isolation mode the plugin runs in: 1 for its mode, 0 for the others.");
+    for m in IsolationMode::ALL {
+        f.series(name, &labels(&[("Hostname", hostname), ("mode", m.name())]), u8::from(m == status.mode));
+    }
+    let name = "gpuplace_isolation_available";
+    let mut f = Family::new(out, name, "gauge", "Whether the node could run in each isolation mode (found at start).");
+    for m in IsolationMode::ALL {
+        f.series(name, &labels(&[("Hostname", hostname), ("mode", m.name())]), u8::from(status.capabilities.has(m)));
+    }
+    let name = "gpuplace_driver_memory_limits";
+    let mut f = Family::new(
+        out,
+        name,
+        "gauge",
+        "Whether the driver can cap a cgroup's GPU memory (NVML nvmlDeviceSetMemoryLimits_v1 with cgroup v2): always 1, on the series of its answer.",
+    );
+    let supported = if status.driver_memory_limits.supported { "true" } else { "false" };
+    f.series(name, &labels(&[("Hostname", hostname), ("supported", supported)]), 1);
 }
 
 /// How the metrics port treats its connections.
@@ -580,6 +611,9 @@ mod tests {
             uuid: format!("GPU-{index}"),
             model: "NVIDIA H100 80GB HBM3".into(),
             memory_mib: 80_000,
+            total_mib: 80_000,
+            reserved_mib: Some(0),
+            context_reserve_mib: 0,
             numa_node: None,
             pci_bus_id: format!("0000:{:02x}:00.0", index + 0x18),
             nvswitch_links: 0,
@@ -604,6 +638,24 @@ mod tests {
 
     fn who(ns: &str, pod: &str, c: &str) -> ContainerRef {
         ContainerRef { namespace: ns.into(), pod: pod.into(), container: c.into() }
+    }
+
+    #[test]
+    fn the_isolation_mode_and_driver_limits_are_series() {
+        let caps = crate::isolation::Capabilities::new(Err("no".into()), Err("no".into()), Ok(()));
+        let status = IsolationStatus {
+            mode: IsolationMode::Guard,
+            capabilities: caps,
+            driver_memory_limits: crate::nvml::DriverMemoryLimits::absent("driver 550"),
+        };
+        let mut page = String::new();
+        render_isolation(&mut page, "node-a", &status);
+        assert!(page.contains(r#"gpuplace_isolation_mode{Hostname="node-a",mode="guard"} 1"#), "{page}");
+        assert!(page.contains(r#"gpuplace_isolation_mode{Hostname="node-a",mode="mps"} 0"#), "{page}");
+        assert!(page.contains(r#"gpuplace_isolation_available{Hostname="node-a",mode="advisory"} 1"#), "{page}");
+        assert!(page.contains(r#"gpuplace_isolation_available{Hostname="node-a",mode="driver-limits"} 0"#), "{page}");
+        assert!(page.contains(r#"gpuplace_driver_memory_limits{Hostname="node-a",supported="false"} 1"#), "{page}");
+        assert_eq!(page.matches("# TYPE").count(), 3);
     }
 
     #[test]

@@ -52,6 +52,9 @@ pub struct PluginConfig {
     /// Host directory that is the MPS daemon's `/dev/shm`, mounted as a share container's
     /// `/dev/shm` (with `mps_pipe_dir` only).
     pub mps_shm_dir: Option<PathBuf>,
+    /// The isolation mode chosen at start and what it was chosen from (published with the node's
+    /// inventory and DRA devices, on `/metrics`); `None`: not decided (tests), published as nothing.
+    pub isolation: Option<crate::isolation::IsolationStatus>,
 }
 
 impl PluginConfig {
@@ -68,7 +71,15 @@ impl Default for PluginConfig {
             slots_per_gpu: DEFAULT_SLOTS_PER_GPU,
             mps_pipe_dir: None,
             mps_shm_dir: None,
+            isolation: None,
         }
+    }
+}
+
+impl PluginConfig {
+    /// The mode to publish.
+    pub fn isolation_mode(&self) -> Option<gpuplace_core::isolation::IsolationMode> {
+        self.isolation.as_ref().map(|s| s.mode)
     }
 }
 

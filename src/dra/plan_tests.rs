@@ -74,6 +74,10 @@ fn each_claim_request_is_a_container_and_selectors_narrow_the_models() {
     assert_eq!(req.containers[1].demand, GpuDemand::Shared { gpus: 1, memory: MemoryDemand::Mib(10240), core_pct: 30 });
     assert_eq!(req.key, "ml/p");
     assert!(req.allowed_models.is_empty());
+    // the pod's gpuplace.io/isolation holds for its claims as for its extended resources
+    let mut strict = base();
+    strict.isolation = vec![gpuplace_core::isolation::IsolationMode::Guard];
+    assert_eq!(request(&strict, std::slice::from_ref(&a)).unwrap().isolation, strict.isolation);
 
     let mut h100 = a.clone();
     h100.demand.requests[0].models = vec!["H100".into(), "A100".into()];

@@ -90,10 +90,14 @@ impl Free {
         slotted: 0,
     };
 
-    /// Loads the node as it is now; false when no GPU is of an allowed model. One pass over the GPUs:
+    /// Loads the node as it is now; false when no GPU is of an allowed model (or the node's isolation
+    /// mode is not one the pod accepts). One pass over the GPUs:
     /// this is where a node's data is first touched. Free memory and compute are loaded only when some
     /// container asks for a share (`shares`): choices of whole GPUs never read them.
     fn load_current(&mut self, node: &Node, req: &PodRequest, shares: bool) -> bool {
+        if !req.accepts_isolation(node.isolation) {
+            return false;
+        }
         let any_model = req.allowed_models.is_empty();
         let mut model_seen = any_model;
         let (mut idle, mut eligible, mut slotted) = (0, 0, 0);

@@ -11,6 +11,7 @@ use std::fmt;
 use crate::placement::gpu_select::{choose_one, choose_set, FreeState, ShareChoice};
 use gpuplace_core::assignment::{ContainerAssignment, GpuSlice, PodAssignment};
 use gpuplace_core::cluster::Node;
+use gpuplace_core::isolation::ANNOTATION_ISOLATION;
 use gpuplace_core::resources::{
     ContainerDemand, GpuDemand, MemoryDemand, NumaPolicy, PackingPolicy, PodRequest, ANNOTATION_GPU_MODEL,
 };
@@ -72,6 +73,8 @@ pub enum Cause {
     UnknownNode,
     /// No GPU of a model the pod allows.
     Model,
+    /// The node's isolation mode is not one the pod accepts (`gpuplace.io/isolation`).
+    Isolation,
     /// No healthy GPU of an allowed model.
     NoUsableGpu,
     /// Fewer healthy GPUs of an allowed model than a container spans.
@@ -113,6 +116,7 @@ impl fmt::Display for Cause {
         match *self {
             Cause::UnknownNode => f.write_str("node not in gpuplace's node cache"),
             Cause::Model => write!(f, "no GPU of a model allowed by {ANNOTATION_GPU_MODEL}"),
+            Cause::Isolation => write!(f, "node's isolation mode is not one {ANNOTATION_ISOLATION} accepts"),
             Cause::NoUsableGpu => f.write_str("no healthy GPU of an allowed model"),
             Cause::TooFewGpus { gpus } => write!(f, "node has fewer than {gpus} usable GPUs"),
             Cause::Idle { gpus: 1 } => f.write_str("no idle GPU"),
@@ -360,7 +364,15 @@ fn host_check(node: &Node, req: &PodRequest, want: bool) -> Result<(), Infeasibl
     Ok(())
 }
 
+/// What the node is before its GPUs are looked at: of an isolation mode and a GPU model the pod
+/// accepts.
 fn model_check(node: &Node, req: &PodRequest, want: bool) -> Result<(), Infeasible> {
+    if !req.accepts_isolation(node.isolation) {
+        return Err(Infeasible::Unresolvable(why(Cause::Isolation, want, || {
+            let mode = node.isolation.map_or("none published, so advisory".to_string(), |m| m.to_string());
+            format!("node isolation {mode}; {ANNOTATION_ISOLATION} accepts {:?}", req.isolation)
+        })));
+    }
     if !req.allowed_models.is_empty() && !node.gpus.iter().any(|g| req.allows_model(&g.model)) {
         return Err(Infeasible::Unresolvable(why(Cause::Model, want, || {
             let mut have: Vec<&str> = node.gpus.iter().map(|g| g.model.as_str()).collect();
@@ -601,6 +613,7 @@ mod tests {
         let mut causes = vec![
             Cause::UnknownNode,
             Cause::Model,
+            Cause::Isolation,
             Cause::NoUsableGpu,
             Cause::Slots,
             Cause::Cpu { milli: 64_000 },

@@ -138,6 +138,9 @@ fn room(node: &Node) -> (u64, u64) {
 /// A quick necessary test before the engine's: host CPU and memory (where the node tracks them),
 /// the GPU model, and room by [`need`]'s bound.
 fn could_host(node: &Node, req: &PodRequest) -> bool {
+    if !req.accepts_isolation(node.isolation) {
+        return false;
+    }
     if (node.cpu_milli > 0 && node.cpu_free() < req.cpu_milli)
         || (node.memory_mib > 0 && node.mem_free() < req.memory_mib)
     {

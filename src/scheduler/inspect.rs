@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::scheduler::mix::MixReport;
 use gpuplace_core::cluster::{Cluster, Node};
+use gpuplace_core::isolation::IsolationMode;
 use gpuplace_core::room::Room;
 use gpuplace_core::summary::ClusterSummary;
 
@@ -36,6 +37,9 @@ pub struct NodeReport {
     pub labels: BTreeMap<String, String>,
     /// Pods holding GPUs here.
     pub pods: usize,
+    /// The isolation mode its device plugin published (`None`: none, so advisory).
+    #[serde(default)]
+    pub isolation: Option<IsolationMode>,
     pub gpus: Vec<GpuReport>,
 }
 
@@ -149,12 +153,13 @@ impl InspectReport {
             let model = n.gpus.first().map_or("", |g| g.model.as_str());
             let _ = writeln!(
                 out,
-                "\nNODE {}  {} x {}  {}  {} pod(s)",
+                "\nNODE {}  {} x {}  {}  {} pod(s)  isolation {}",
                 n.name,
                 n.gpus.len(),
                 model,
                 if net.is_empty() { String::new() } else { format!("[{}]", net.join(" ")) },
-                n.pods
+                n.pods,
+                n.isolation.map_or("advisory (none published)", IsolationMode::name)
             );
             let _ = writeln!(
                 out,
@@ -256,5 +261,29 @@ fn node_report(n: &Node) -> NodeReport {
             }
         })
         .collect();
-    NodeReport { name: n.name.clone(), labels: n.labels.clone(), pods: n.pods().count(), gpus }
+    NodeReport { name: n.name.clone(), labels: n.labels.clone(), pods: n.pods().count(), isolation: n.isolation, gpus }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpuplace_core::inventory::Board;
+
+    #[test]
+    fn each_nodes_isolation_mode_is_in_the_table_and_the_json() {
+        let board = Board::Flat { gpus: 2, model: "T4".into(), memory_mib: 15109 }.resolve(".".as_ref()).unwrap();
+        let cluster = Cluster::new(vec![
+            board.node("guarded", BTreeMap::new(), 0, 0).with_isolation(Some(IsolationMode::Guard)),
+            board.node("older", BTreeMap::new(), 0, 0),
+        ]);
+        let report = InspectReport::build(&cluster, None, true, 0).unwrap();
+        let table = report.table();
+        assert!(table.contains("NODE guarded  2 x T4    0 pod(s)  isolation guard"), "{table}");
+        assert!(table.contains("NODE older  2 x T4    0 pod(s)  isolation advisory (none published)"), "{table}");
+        let json = serde_json::to_value(&report).unwrap();
+        assert_eq!(json["nodes"][0]["isolation"], "guard");
+        assert!(json["nodes"][1]["isolation"].is_null());
+        let back: InspectReport = serde_json::from_value(json).unwrap();
+        assert_eq!(back, report);
+    }
 }

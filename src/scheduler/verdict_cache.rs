@@ -470,6 +470,7 @@ fn same_shape(a: &PodRequest, b: &PodRequest) -> bool {
         numa,
         allowed_models,
         group,
+        isolation,
     } = a;
     *containers == b.containers
         && *init_containers == b.init_containers
@@ -480,6 +481,7 @@ fn same_shape(a: &PodRequest, b: &PodRequest) -> bool {
         && *numa == b.numa
         && *allowed_models == b.allowed_models
         && *group == b.group
+        && *isolation == b.isolation
 }
 
 impl ShapeCache {

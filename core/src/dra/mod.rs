@@ -41,6 +41,9 @@ pub const ATTR_LINKS: &str = "links";
 /// `direct`, `nvswitch` or `none`: how the node's NVLink lanes end.
 pub const ATTR_NVLINK_FABRIC: &str = "nvlinkFabric";
 
+/// The node's isolation mode (`driver-limits`, `mps`, `guard`, `advisory`), on every device.
+pub const ATTR_ISOLATION: &str = "isolation";
+
 /// The longest string attribute value the API server accepts.
 pub const MAX_ATTRIBUTE_STRING: usize = 64;
 

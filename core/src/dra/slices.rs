@@ -11,11 +11,12 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::resource::v1::{Device, ResourceSliceSpec};
 
 use super::{
-    device_index, fabric_of, topology_from_domains, topology_from_rows, LinkRowError, ATTR_INDEX, ATTR_LINKS,
-    ATTR_MODEL, ATTR_NUMA_NODE, ATTR_NVLINK_DOMAIN, ATTR_NVLINK_FABRIC, ATTR_PCIE_ROOT, ATTR_PCI_BUS_ID, ATTR_UUID,
-    CAPACITY_MEMORY, CAPACITY_SHARES,
+    device_index, fabric_of, topology_from_domains, topology_from_rows, LinkRowError, ATTR_INDEX, ATTR_ISOLATION,
+    ATTR_LINKS, ATTR_MODEL, ATTR_NUMA_NODE, ATTR_NVLINK_DOMAIN, ATTR_NVLINK_FABRIC, ATTR_PCIE_ROOT, ATTR_PCI_BUS_ID,
+    ATTR_UUID, CAPACITY_MEMORY, CAPACITY_SHARES,
 };
 use crate::cluster::Gpu;
+use crate::isolation::IsolationMode;
 use crate::resources::MAX_GPUS_PER_CONTAINER;
 use crate::topology::{GpuTopology, TopologyError};
 
@@ -29,6 +30,8 @@ pub struct SliceGpus {
     pub slots_per_gpu: Option<u32>,
     /// The pool generation read.
     pub generation: i64,
+    /// The weakest isolation mode the devices carry; `None` when one carries none (older plugins).
+    pub isolation: Option<IsolationMode>,
 }
 
 /// Why a node's slices were not read. The node is then left out of DRA placement (its slices are
@@ -170,7 +173,13 @@ pub fn slice_gpus(slices: &[&ResourceSliceSpec], previous: Option<&[Gpu]>) -> Re
             .collect();
         topology_from_domains(fabric, &domains)?
     };
-    Ok(Some(SliceGpus { gpus, topology, slots_per_gpu: slots, generation }))
+    // a mode this reader does not know counts as advisory, as in the inventory annotation
+    let modes: Option<Vec<IsolationMode>> = devices
+        .iter()
+        .map(|d| string_attr(d, ATTR_ISOLATION).map(|m| m.parse().unwrap_or(IsolationMode::Advisory)))
+        .collect();
+    let isolation = modes.and_then(|m| m.into_iter().max());
+    Ok(Some(SliceGpus { gpus, topology, slots_per_gpu: slots, generation, isolation }))
 }
 
 #[cfg(test)]
@@ -211,6 +220,23 @@ mod tests {
     }
 
     #[test]
+    fn the_weakest_isolation_mode_of_the_devices_is_the_nodes() {
+        let with = |index, mode: Option<&str>| {
+            let mut d = device(index, "80Gi", None);
+            if let Some(m) = mode {
+                let a = DeviceAttribute { string: Some(m.into()), ..Default::default() };
+                d.attributes.as_mut().unwrap().insert(ATTR_ISOLATION.into(), a);
+            }
+            d
+        };
+        let read = |devices| slice_gpus(&[&slice(1, devices)], None).unwrap().unwrap().isolation;
+        assert_eq!(read(vec![with(0, Some("mps")), with(1, Some("mps"))]), Some(IsolationMode::Mps));
+        assert_eq!(read(vec![with(0, Some("mps")), with(1, Some("guard"))]), Some(IsolationMode::Guard));
+        assert_eq!(read(vec![with(0, Some("mps")), with(1, None)]), None);
+        assert_eq!(read(vec![with(0, Some("someday"))]), Some(IsolationMode::Advisory));
+    }
+
+    #[test]
     fn devices_become_gpus_with_their_graph_and_share_limit() {
         let s = slice(
             3,
@@ -226,6 +252,7 @@ mod tests {
         assert_eq!(g.gpus.len(), 3);
         assert!(g.gpus.iter().all(|g| g.memory_mib == 81920 && g.healthy && g.model == "H100"));
         assert_eq!(g.slots_per_gpu, Some(4));
+        assert_eq!(g.isolation, None);
         assert_eq!(g.topology.fabric(), NvlinkFabric::Nvswitch);
         assert_eq!(g.topology.link(0, 1), Some(Link { nvlinks: 4, pcie: PcieLevel::Phb }));
         assert_eq!(g.topology.link(1, 2), Some(Link { nvlinks: 2, pcie: PcieLevel::Sys }));

@@ -27,8 +27,8 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::resource::v1::{
-    CapacityRequestPolicy, CapacityRequestPolicyRange, Device, DeviceCapacity, DeviceTaint, ResourcePool,
-    ResourceSliceSpec,
+    CapacityRequestPolicy, CapacityRequestPolicyRange, Device, DeviceAttribute, DeviceCapacity, DeviceTaint,
+    ResourcePool, ResourceSliceSpec,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
@@ -38,10 +38,11 @@ use crate::plugin::GpuHealth;
 use gpuplace_core::cluster::Gpu;
 use gpuplace_core::dra::attributes::NodeAttributes;
 pub use gpuplace_core::dra::{
-    device_index, device_name, network_attribute, ATTR_INDEX, ATTR_LINKS, ATTR_MODEL, ATTR_NUMA_NODE,
+    device_index, device_name, network_attribute, ATTR_INDEX, ATTR_ISOLATION, ATTR_LINKS, ATTR_MODEL, ATTR_NUMA_NODE,
     ATTR_NVLINK_DOMAIN, ATTR_NVLINK_FABRIC, ATTR_PCIE_ROOT, ATTR_PCI_BUS_ID, ATTR_UUID, CAPACITY_CORES,
     CAPACITY_MEMORY, CAPACITY_SHARES, DEFAULT_DRIVER,
 };
+use gpuplace_core::isolation::IsolationMode;
 use gpuplace_core::topology::{GpuTopology, NvlinkFabric, PcieLevel};
 
 fn capacity(value: String, policy: CapacityRequestPolicy) -> DeviceCapacity {
@@ -140,6 +141,16 @@ pub fn devices(
 /// allocations itself, and a taint with `NoSchedule` affects allocation only.
 pub const ALLOCATOR_TAINT_KEY: &str = "gpu.gpuplace.io/allocator";
 pub const ALLOCATOR_TAINT_VALUE: &str = "gpuplace";
+
+/// Gives every device the node's isolation mode as its `isolation` attribute (gpuplace's DRA front
+/// end refuses nodes whose mode a pod's `gpuplace.io/isolation` does not accept; a CEL selector may
+/// read it too: `device.attributes["gpu.gpuplace.io"].isolation == "mps"`).
+pub fn mark_isolation(devices: &mut [Device], mode: IsolationMode) {
+    for d in devices {
+        let value = DeviceAttribute { string: Some(mode.name().into()), ..Default::default() };
+        d.attributes.get_or_insert_with(BTreeMap::new).insert(ATTR_ISOLATION.into(), value);
+    }
+}
 
 /// Taints every device for gpuplace's allocator (see [`ALLOCATOR_TAINT_KEY`]).
 pub fn taint_for_gpuplace(devices: &mut [Device]) {
@@ -379,5 +390,16 @@ mod tests {
         assert_eq!((spec.pool.name.as_str(), spec.pool.generation, spec.pool.resource_slice_count), ("n1", 7, 1));
         assert_eq!(spec.node_name.as_deref(), Some("n1"));
         assert_eq!(spec.devices.as_ref().unwrap().len(), 8);
+    }
+
+    #[test]
+    fn the_isolation_mode_is_every_devices_attribute_and_reads_back_as_the_nodes() {
+        let inv = board("hgx-h100-8");
+        let mut devs = devices(&inv, &[], &BTreeMap::new(), 10);
+        mark_isolation(&mut devs, IsolationMode::Mps);
+        assert!(devs.iter().all(|d| d.attributes.as_ref().unwrap()[ATTR_ISOLATION].string.as_deref() == Some("mps")));
+        let spec = slice_spec(DEFAULT_DRIVER, "n1", devs, 1);
+        let read = gpuplace_core::dra::slices::slice_gpus(&[&spec], None).unwrap().unwrap();
+        assert_eq!(read.isolation, Some(IsolationMode::Mps));
     }
 }

@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 
 use gpuplace_core::annotations::{AnnotationError, InventoryGpu, InventoryLink, NodeInventory, INVENTORY_VERSION};
 use gpuplace_core::cluster::Node;
+use gpuplace_core::isolation::IsolationMode;
 
 use crate::nvml::Inventory;
 use crate::plugin::GpuHealth;
@@ -25,12 +26,14 @@ pub struct NodeCapacity {
 
 /// The inventory annotation. `health` is by GPU index; a GPU without an entry counts as healthy.
 /// `confirms_allocations`: the plugin applies assignments in a kubelet's Allocate calls and marks
-/// each on the pod (see [`NodeInventory::confirms_allocations`]).
+/// each on the pod (see [`NodeInventory::confirms_allocations`]). `isolation`: the mode chosen at
+/// start (`None` publishes none: read as advisory).
 pub fn node_inventory(
     inventory: &Inventory,
     health: &[GpuHealth],
     slots_per_gpu: u32,
     confirms_allocations: bool,
+    isolation: Option<IsolationMode>,
 ) -> NodeInventory {
     NodeInventory {
         version: INVENTORY_VERSION,
@@ -55,6 +58,7 @@ pub fn node_inventory(
             .collect(),
         slots_per_gpu: Some(slots_per_gpu),
         confirms_allocations,
+        isolation,
     }
 }
 
@@ -69,7 +73,7 @@ pub fn capacity(inventory: &Inventory, health: &[GpuHealth]) -> NodeCapacity {
 /// this plugin publishes (all GPUs healthy, `slots_per_gpu` = K): what pod assignments are checked
 /// against.
 pub fn cluster_node(inventory: &Inventory, name: &str, slots_per_gpu: u32) -> Result<Node, AnnotationError> {
-    node_inventory(inventory, &[], slots_per_gpu, false).to_node(name, BTreeMap::new())
+    node_inventory(inventory, &[], slots_per_gpu, false, None).to_node(name, BTreeMap::new())
 }
 
 #[cfg(test)]
@@ -91,16 +95,16 @@ mod tests {
     fn inventory_capacity_and_model_follow_health() {
         let inv = h100();
         let mut health = healthy(8);
-        let ann = node_inventory(&inv, &health, 10, false);
+        let ann = node_inventory(&inv, &health, 10, false, None);
         assert_eq!(ann.slots_per_gpu, Some(10));
-        assert!(!ann.confirms_allocations && node_inventory(&inv, &health, 10, true).confirms_allocations);
+        assert!(!ann.confirms_allocations && node_inventory(&inv, &health, 10, true, None).confirms_allocations);
         assert_eq!(ann.gpus.len(), 8);
         assert_eq!(ann.links.len(), inv.links.len());
         let per_gpu = inv.gpus[0].memory_mib;
         assert_eq!(capacity(&inv, &health), NodeCapacity { gpu_mem_mib: 8 * per_gpu, gpu_core: 800 });
 
         health[3].healthy = false;
-        let ann = node_inventory(&inv, &health, 10, false);
+        let ann = node_inventory(&inv, &health, 10, false, None);
         assert!(!ann.gpus[3].healthy && ann.gpus[2].healthy);
         assert_eq!(capacity(&inv, &health), NodeCapacity { gpu_mem_mib: 7 * per_gpu, gpu_core: 700 });
         // the annotation reads back as the same node the extender will build
@@ -108,5 +112,11 @@ mod tests {
         assert_eq!((node.gpus.len(), node.slots_per_gpu), (8, Some(10)));
         assert_eq!(node.gpus[5].uuid, inv.gpus[5].uuid);
         assert!(NodeInventory::parse(&ann.to_json()).unwrap().to_node("n1", BTreeMap::new()).is_ok());
+        // the mode chosen at start is published, and reaches the extender's model
+        let ann = node_inventory(&inv, &health, 10, false, Some(IsolationMode::Guard));
+        let text = ann.to_json();
+        assert!(text.contains(r#""isolation":"guard""#), "{text}");
+        let node = NodeInventory::parse(&text).unwrap().to_node("n1", BTreeMap::new()).unwrap();
+        assert_eq!(node.isolation, Some(IsolationMode::Guard));
     }
 }

@@ -99,7 +99,11 @@ impl NodeSync {
     pub fn desired(&self, confirmed_before: bool) -> (NodeCapacity, NodeInventory) {
         let health = self.plugin.health();
         let confirms = self.plugin.applies_assignments() && (self.plugin.registered() || confirmed_before);
-        (capacity(&self.inventory, &health), node_inventory(&self.inventory, &health, self.slots_per_gpu, confirms))
+        let mode = self.plugin.config().isolation_mode();
+        (
+            capacity(&self.inventory, &health),
+            node_inventory(&self.inventory, &health, self.slots_per_gpu, confirms, mode),
+        )
     }
 
     /// The cross-check's counts the node should carry, when they differ from what it carries (read

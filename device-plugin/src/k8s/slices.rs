@@ -23,7 +23,7 @@ use kube::api::{DeleteParams, ListParams, PostParams};
 use kube::{Api, Client, ResourceExt};
 
 use super::{call, Backoff, CallError, CALL_TIMEOUT};
-use crate::dra::devices::{devices, same_devices, slice_spec, taint_for_gpuplace};
+use crate::dra::devices::{devices, mark_isolation, same_devices, slice_spec, taint_for_gpuplace};
 use crate::nvml::Inventory;
 use crate::plugin::Plugin;
 use crate::sampler::Telemetry;
@@ -131,6 +131,9 @@ impl SliceSync {
                 SliceSyncError::Missing(self.node.clone())
             })?;
         let mut want = devices(&self.inventory, &self.plugin.health(), node.labels(), self.slots_per_gpu);
+        if let Some(mode) = self.plugin.config().isolation_mode() {
+            mark_isolation(&mut want, mode);
+        }
         if self.gpuplace_allocates {
             taint_for_gpuplace(&mut want);
         }

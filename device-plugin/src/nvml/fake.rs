@@ -191,7 +191,11 @@ impl FakeBackend {
                 index: g.index,
                 uuid: g.uuid.clone().unwrap_or_else(|| synthetic_uuid(uuid_seed, g.index)),
                 model: g.model.clone(),
+                // a topology file's memory is the whole GPU, and the fake driver keeps none of it
                 memory_mib: g.memory_mib,
+                total_mib: g.memory_mib,
+                reserved_mib: Some(0),
+                context_reserve_mib: 0,
                 numa_node: g.numa_node,
                 pci_bus_id: g.pci_bus_id.clone(),
                 nvswitch_links: 0,

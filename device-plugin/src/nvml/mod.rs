@@ -24,7 +24,23 @@ pub struct GpuInfo {
     pub index: u32,
     pub uuid: String,
     pub model: String,
+    /// What the GPU's containers can allocate, what is advertised and placed against:
+    /// [`total_mib`](Self::total_mib) less the driver's reserve and [`context_reserve_mib`]
+    /// (Self::context_reserve_mib) (see [`Inventory::reserve_contexts`]).
     pub memory_mib: u64,
+    /// The framebuffer NVML reports (`nvmlDeviceGetMemoryInfo_v2`'s `total`); 0 in inventories
+    /// written before the field existed.
+    #[serde(default)]
+    pub total_mib: u64,
+    /// Memory the driver keeps for itself (`nvmlMemory_v2_t.reserved`); `None` where the driver
+    /// has no v2 call and the amount is unknown.
+    #[serde(default)]
+    pub reserved_mib: Option<u64>,
+    /// Kept back for the CUDA contexts of the GPU's containers: slots per GPU times the context
+    /// overhead (`--context-overhead-mib`), so that a grant of X MiB is X MiB the container can
+    /// allocate beside full neighbours.
+    #[serde(default)]
+    pub context_reserve_mib: u64,
     pub numa_node: Option<u32>,
     /// `DDDD:BB:DD.F` (NVML's 8-digit domain shortened to the sysfs form).
     pub pci_bus_id: String,
@@ -113,10 +129,66 @@ impl Inventory {
         self.to_topology_file().graph()
     }
 
+    /// Keeps `slots_per_gpu * overhead_mib` of every GPU back for its containers' CUDA contexts:
+    /// each GPU's `memory_mib` (what is advertised and placed against) becomes what is left of
+    /// its total after the driver's reserve and the contexts. Called once, after discovery.
+    pub fn reserve_contexts(&mut self, slots_per_gpu: u32, overhead_mib: u64) {
+        for g in &mut self.gpus {
+            g.context_reserve_mib = u64::from(slots_per_gpu).saturating_mul(overhead_mib);
+            g.memory_mib = allocatable_mib(g.total_mib.max(g.memory_mib), g.reserved_mib, g.context_reserve_mib);
+        }
+    }
+
     /// The link between two GPUs, if discovery reported one.
     pub fn link(&self, a: u32, b: u32) -> Option<&PairLink> {
         let (a, b) = (a.min(b), a.max(b));
         self.links.iter().find(|l| l.a == a && l.b == b)
+    }
+}
+
+/// What containers can allocate on a GPU of `total_mib` (at least 1 MiB: a GPU is never advertised
+/// as empty, which the inventory refuses).
+pub fn allocatable_mib(total_mib: u64, reserved_mib: Option<u64>, context_reserve_mib: u64) -> u64 {
+    total_mib.saturating_sub(reserved_mib.unwrap_or(0)).saturating_sub(context_reserve_mib).max(1)
+}
+
+/// A CUDA context's framebuffer, MiB, per process (`--context-overhead-mib`). With lazy module
+/// loading (the default since CUDA 12.2) a bare context is reported at about 300 MiB on A100-class
+/// GPUs and 400–560 MiB on large Ada/Blackwell boards (nvidia-smi per process, PyTorch and
+/// llama.cpp reports); it grows with the SM count. 512 MiB covers an H100's (132 SMs); an MPS
+/// client's context on the server is not larger. To be measured on real GPUs.
+pub const DEFAULT_CONTEXT_OVERHEAD_MIB: u64 = 512;
+
+/// Whether the driver can cap a cgroup's GPU memory (NVML 615's `nvmlDeviceSetMemoryLimits_v1`,
+/// "MPS v3 memory partitioning": cgroup v2, non-MIG), as found at start.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DriverMemoryLimits {
+    pub supported: bool,
+    /// What was found (driver version, symbols, cgroup v2), or why it is missing.
+    pub detail: String,
+}
+
+impl DriverMemoryLimits {
+    pub fn absent(why: impl Into<String>) -> Self {
+        Self { supported: false, detail: why.into() }
+    }
+
+    /// The verdict from what was found: `driver_version` (NVML's), whether libnvidia-ml exports
+    /// `nvmlDeviceSetMemoryLimits_v1` and `nvmlDeviceGetMemoryLimits_v1`, and whether cgroup v2 is
+    /// mounted at /sys/fs/cgroup.
+    pub fn judge(driver_version: Option<&str>, set: bool, get: bool, cgroup_v2: bool) -> Self {
+        let driver = driver_version.unwrap_or("unknown");
+        if !(set && get) {
+            return Self::absent(format!(
+                "driver {driver}: libnvidia-ml exports no nvmlDeviceSetMemoryLimits_v1/nvmlDeviceGetMemoryLimits_v1 (NVML 615 or newer has them)"
+            ));
+        }
+        if !cgroup_v2 {
+            return Self::absent(format!(
+                "driver {driver} has per-cgroup memory limits, but cgroup v2 is not mounted at /sys/fs/cgroup"
+            ));
+        }
+        Self { supported: true, detail: format!("driver {driver}: nvmlDeviceSetMemoryLimits_v1 with cgroup v2") }
     }
 }
 
@@ -209,6 +281,10 @@ pub trait GpuBackend: Send + Sync {
     fn wait_events(&self, timeout: Duration) -> Result<Vec<GpuEvent>, BackendError>;
     /// The processes with a compute context on one GPU now, each PID once (the guard's input).
     fn processes(&self, index: u32) -> Result<Vec<GpuProcess>, BackendError>;
+    /// Whether the driver can cap a cgroup's GPU memory (looked up once, at start).
+    fn driver_memory_limits(&self) -> DriverMemoryLimits {
+        DriverMemoryLimits::absent("this backend has no driver")
+    }
 }
 
 /// Where one NVLink lane of a GPU ends.
@@ -339,6 +415,32 @@ mod tests {
         assert_eq!(get(0, 1), 2);
         assert_eq!(get(1, 2), 0);
         assert_eq!(get(0, 2), 0);
+    }
+
+    #[test]
+    fn advertised_memory_is_total_less_the_reserve_and_the_contexts() {
+        assert_eq!(allocatable_mib(81559, Some(453), 10 * 512), 81559 - 453 - 5120);
+        assert_eq!(allocatable_mib(81559, None, 0), 81559);
+        assert_eq!(allocatable_mib(1000, Some(600), 5120), 1);
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/topologies/hgx-h100-8.json");
+        let mut inv = crate::nvml::fake::FakeBackend::load(&path, "n").unwrap().inventory().unwrap();
+        let (total, reserved) = (inv.gpus[0].total_mib, inv.gpus[0].reserved_mib);
+        inv.reserve_contexts(10, 512);
+        assert_eq!(inv.gpus[0].context_reserve_mib, 5120);
+        assert_eq!(inv.gpus[0].memory_mib, allocatable_mib(total, reserved, 5120));
+        // again with other figures: from the total, not from the last result
+        inv.reserve_contexts(4, 0);
+        assert_eq!(inv.gpus[0].memory_mib, allocatable_mib(total, reserved, 0));
+    }
+
+    #[test]
+    fn driver_memory_limits_need_the_symbols_and_cgroup_v2() {
+        let no = DriverMemoryLimits::judge(Some("550.54.15"), false, false, true);
+        assert!(!no.supported && no.detail.contains("550.54.15") && no.detail.contains("NVML 615"), "{no:?}");
+        assert!(!DriverMemoryLimits::judge(Some("615.1"), true, false, true).supported);
+        let v1 = DriverMemoryLimits::judge(Some("615.1"), true, true, false);
+        assert!(!v1.supported && v1.detail.contains("cgroup v2"), "{v1:?}");
+        assert!(DriverMemoryLimits::judge(Some("615.1"), true, true, true).supported);
     }
 
     #[test]

@@ -15,8 +15,8 @@ use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{Device, EventSet, Nvml};
 
 use super::{
-    normalize_bus_id, pair_links, BackendError, GpuBackend, GpuEvent, GpuEventKind, GpuInfo, GpuProcess, GpuSample,
-    Inventory, LaneEnd,
+    normalize_bus_id, pair_links, BackendError, DriverMemoryLimits, GpuBackend, GpuEvent, GpuEventKind, GpuInfo,
+    GpuProcess, GpuSample, Inventory, LaneEnd,
 };
 
 /// Lane indices to ask about: `NVML_NVLINK_MAX_LINKS` (18, Hopper's count) in current NVML headers.
@@ -153,6 +153,29 @@ impl NvmlBackend {
         Some(set)
     }
 
+    /// Total framebuffer and the driver's reserve, MiB: `nvmlDeviceGetMemoryInfo_v2` (which
+    /// nvml-wrapper's `memory_info` calls), else the v1 call with the reserve unknown (drivers
+    /// before R510 lack v2).
+    fn memory(&self, dev: &Device<'_>, i: u32) -> Result<(u64, Option<u64>), BackendError> {
+        match dev.memory_info() {
+            Ok(m) => Ok((m.total >> 20, Some(m.reserved >> 20))),
+            Err(NvmlError::FunctionNotFound | NvmlError::NotSupported) => {
+                let sym = self.nvml.lib().nvmlDeviceGetMemoryInfo.as_ref().map_err(|e| BackendError::Nvml {
+                    call: "nvmlDeviceGetMemoryInfo",
+                    gpu: Some(i),
+                    message: e.to_string(),
+                })?;
+                let mut m = nvml_wrapper_sys::bindings::nvmlMemory_t { total: 0, free: 0, used: 0 };
+                // SAFETY: the handle is live (NVML is never shut down) and `m` is the v1 struct the
+                // v1 call writes
+                let rc = unsafe { sym(dev.handle(), &mut m) };
+                nvml_wrapper::error::nvml_try(rc).map_err(nvml_err("nvmlDeviceGetMemoryInfo", Some(i)))?;
+                Ok((m.total >> 20, None))
+            }
+            Err(e) => Err(nvml_err("nvmlDeviceGetMemoryInfo_v2", Some(i))(e)),
+        }
+    }
+
     /// Asks every GPU for its UUID: the ones that fail with GPU_IS_LOST are reported lost.
     fn probe_lost(&self) -> Vec<GpuEvent> {
         (0..self.count().unwrap_or(0))
@@ -179,11 +202,23 @@ impl GpuBackend for NvmlBackend {
             let dev = self.device(i)?;
             let uuid = dev.uuid().map_err(nvml_err("nvmlDeviceGetUUID", Some(i)))?;
             let model = dev.name().map_err(nvml_err("nvmlDeviceGetName", Some(i)))?;
-            let memory_mib = dev.memory_info().map_err(nvml_err("nvmlDeviceGetMemoryInfo", Some(i)))?.total >> 20;
+            let (total_mib, reserved_mib) = self.memory(&dev, i)?;
             let pci_bus_id =
                 normalize_bus_id(&dev.pci_info().map_err(nvml_err("nvmlDeviceGetPciInfo", Some(i)))?.bus_id);
             let numa_node = Self::numa_node(&dev, &pci_bus_id);
-            gpus.push(GpuInfo { index: i, uuid, model, memory_mib, numa_node, pci_bus_id, nvswitch_links: 0 });
+            gpus.push(GpuInfo {
+                index: i,
+                uuid,
+                model,
+                // contexts are kept back later (`Inventory::reserve_contexts`), knowing the slots
+                memory_mib: super::allocatable_mib(total_mib, reserved_mib, 0),
+                total_mib,
+                reserved_mib,
+                context_reserve_mib: 0,
+                numa_node,
+                pci_bus_id,
+                nvswitch_links: 0,
+            });
             devices.push(dev);
         }
         let buses: Vec<String> = gpus.iter().map(|g| g.pci_bus_id.clone()).collect();
@@ -279,6 +314,22 @@ impl GpuBackend for NvmlBackend {
             Err(e) => tracing::debug!(gpu = index, error = %e, "nvmlDeviceGetProcessUtilization failed"),
         }
         Ok(out)
+    }
+
+    fn driver_memory_limits(&self) -> DriverMemoryLimits {
+        // nvml-wrapper binds no NVML newer than its headers, so look the symbols up in the library
+        // itself (already loaded: this only takes another reference)
+        let has = |lib: &libloading::Library, name: &[u8]| {
+            // SAFETY: only the symbol's presence is read; it is never called
+            unsafe { lib.get::<unsafe extern "C" fn()>(name) }.is_ok()
+        };
+        // SAFETY: libnvidia-ml is already loaded and initialised by this process
+        let (set, get) = match unsafe { libloading::Library::new("libnvidia-ml.so.1") } {
+            Ok(lib) => (has(&lib, b"nvmlDeviceSetMemoryLimits_v1\0"), has(&lib, b"nvmlDeviceGetMemoryLimits_v1\0")),
+            Err(_) => (false, false),
+        };
+        let cgroup_v2 = std::path::Path::new("/sys/fs/cgroup/cgroup.controllers").exists();
+        DriverMemoryLimits::judge(self.nvml.sys_driver_version().ok().as_deref(), set, get, cgroup_v2)
     }
 
     fn wait_events(&self, timeout: Duration) -> Result<Vec<GpuEvent>, BackendError> {

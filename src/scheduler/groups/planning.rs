@@ -18,6 +18,7 @@ fn same_shape(a: &PodRequest, b: &PodRequest) -> bool {
     a.containers == b.containers
         && a.init_containers == b.init_containers
         && a.allowed_models == b.allowed_models
+        && a.isolation == b.isolation
         && a.numa == b.numa
         && a.gpu_policy == b.gpu_policy
 }

@@ -126,14 +126,16 @@ impl Scheduler {
         let g = st.dra_gpus.get(name)?;
         let labels = st.dra_labels.get(name)?.clone();
         let previous = st.cluster.node(name);
-        let same =
-            previous.is_some_and(|n| n.labels == labels && n.gpus == g.gpus && n.slots_per_gpu == g.slots_per_gpu);
+        let same = previous.is_some_and(|n| {
+            n.labels == labels && n.gpus == g.gpus && n.slots_per_gpu == g.slots_per_gpu && n.isolation == g.isolation
+        });
         if same {
             return None;
         }
         let (cpu, mem) = st.dra_host.get(name).copied().unwrap_or((0, 0));
         let node = Node::new(name, labels, g.gpus.clone(), Arc::new(g.topology.clone()), cpu, mem)
-            .with_slots_per_gpu(g.slots_per_gpu);
+            .with_slots_per_gpu(g.slots_per_gpu)
+            .with_isolation(g.isolation);
         let gpus = node.gpus.len();
         let first = previous.is_none();
         tracing::info!(node = %name, gpus, generation = g.generation, "node GPUs taken from its ResourceSlices");

@@ -34,7 +34,7 @@ fn slices(n: usize, mib: u64) -> SliceGpus {
             healthy: true,
         })
         .collect();
-    SliceGpus { gpus, topology: GpuTopology::flat(n), slots_per_gpu: Some(4), generation: 1 }
+    SliceGpus { gpus, topology: GpuTopology::flat(n), slots_per_gpu: Some(4), generation: 1, isolation: None }
 }
 
 fn labels(tor: &str) -> BTreeMap<String, String> {

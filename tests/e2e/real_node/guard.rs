@@ -142,7 +142,8 @@ async fn round(
     if restart_plugin {
         let sys: Api<Pod> = Api::namespaced(client.clone(), SYSTEM_NS);
         let lp = ListParams::default().labels("app.kubernetes.io/name=gpuplace-device-plugin");
-        let old: Vec<String> = sys.list(&lp).await.expect("the plugin's pod").items.iter().map(|p| p.name_any()).collect();
+        let old: Vec<String> =
+            sys.list(&lp).await.expect("the plugin's pod").items.iter().map(|p| p.name_any()).collect();
         for name in &old {
             sys.delete(name, &DeleteParams::default()).await.expect("delete the plugin's pod");
         }
