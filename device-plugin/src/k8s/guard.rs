@@ -81,14 +81,16 @@ impl GuardOutlet for KubeGuardOutlet {
         Box::pin(async move {
             let api: Api<Pod> = Api::namespaced(self.client.clone(), &holder.namespace);
             // the UID as precondition: a pod re-created under the same name is not evicted
-            let mut params = EvictParams::default();
-            params.delete_options = Some(kube::api::DeleteParams {
-                preconditions: Some(kube::api::Preconditions {
-                    uid: Some(holder.pod_uid.clone()),
-                    resource_version: None,
+            let params = EvictParams {
+                delete_options: Some(kube::api::DeleteParams {
+                    preconditions: Some(kube::api::Preconditions {
+                        uid: Some(holder.pod_uid.clone()),
+                        resource_version: None,
+                    }),
+                    ..Default::default()
                 }),
-                ..Default::default()
-            });
+                ..EvictParams::default()
+            };
             match call("pod_evict", CALL_TIMEOUT, api.evict(&holder.pod, &params)).await {
                 Ok(_) => Ok(()),
                 Err(e) => {
