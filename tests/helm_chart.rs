@@ -910,3 +910,37 @@ fn the_isolation_mode_and_the_context_overhead_are_flags_only_when_set() {
     assert!(!out.status.success(), "a mode the plugin does not know renders");
     assert!(String::from_utf8_lossy(&out.stderr).contains("isolation"), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+/// The guard (issue 49): on by default with `hostPID` and the KILL capability and no API grant;
+/// disabled, `--no-guard` and neither; `evict` adds the flag and `pods/eviction` create.
+#[test]
+fn the_guard_is_on_by_default_and_evicting_needs_its_own_grant() {
+    let dp = |docs: &[Value]| find(docs, "DaemonSet", "gpuplace-device-plugin")["spec"]["template"]["spec"].clone();
+    let evicts = |docs: &[Value]| {
+        find(docs, "ClusterRole", "gpuplace-device-plugin")["rules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|r| strings(&r["resources"]).contains(&"pods/eviction".to_string()))
+    };
+    let on = render(&values(&[]));
+    let spec = dp(&on);
+    assert_eq!(spec["hostPID"], true);
+    assert_eq!(strings(&spec["containers"][0]["securityContext"]["capabilities"]["add"]), ["KILL"]);
+    assert!(!strings(&spec["containers"][0]["args"]).iter().any(|a| a.starts_with("--guard") || a == "--no-guard"));
+    assert!(!evicts(&on), "kill needs no eviction grant");
+
+    let off = render(&values(&["devicePlugin.guard.enabled=false"]));
+    let spec = dp(&off);
+    assert!(spec["hostPID"].is_null(), "{}", spec["hostPID"]);
+    assert!(spec["containers"][0]["securityContext"]["capabilities"]["add"].is_null());
+    assert!(strings(&spec["containers"][0]["args"]).contains(&"--no-guard".to_string()));
+
+    let evict = render(&values(&["devicePlugin.guard.action=evict", "devicePlugin.guard.grace=30s"]));
+    let args = strings(&dp(&evict)["containers"][0]["args"]);
+    assert!(
+        args.contains(&"--guard-action=evict".to_string()) && args.contains(&"--guard-grace=30s".to_string()),
+        "{args:?}"
+    );
+    assert!(evicts(&evict));
+}
