@@ -193,7 +193,13 @@ async fn scrape_all() -> Exported {
         .arg("--pod-resources-socket")
         .arg(&socket)
         .args(["--metrics-listen", &plugin_addr.to_string(), "--sample-interval", "100ms"])
-        .arg("--metrics-pod-series");
+        .arg("--metrics-pod-series")
+        // managed MPS exports its series (the daemon's binary is missing here: reported down)
+        .arg("--mps-daemon")
+        .arg("--mps-root")
+        .arg(dir.path().join("mps"))
+        .arg("--mps-control-binary")
+        .arg(dir.path().join("no-nvidia-cuda-mps-control"));
     quiet(&mut c);
     let _plugin = Proc(c.spawn().expect("gpuplace-device-plugin"));
 
