@@ -1,9 +1,8 @@
 //! Contract tests of the extender wire format against real kube-scheduler v1.36 requests
 //! (`shared/fixtures/kube-scheduler-v1.36/`, see its README), and of decoding malformed bodies.
 //!
-//! Expected values come from the fixtures' README and from reading the fixtures: the pods are
-//! `*-frac` (gpu-mem 20480 + gpu-core 30 without gpu: refused), `*-whole4` (gpu 4), `*-gang-0` (gpu 8,
-//! group of 2), `*-memonly` (gpu-mem alone: refused), `filler-*` (gpu 2) and `urgent` (gpu 8).
+//! Expected values (from the fixtures and their README): `*-frac` (gpu-mem 20480 + gpu-core 30, no gpu: refused),
+//! `*-whole4` (gpu 4), `*-gang-0` (gpu 8, group of 2), `*-memonly` (refused), `filler-*` (gpu 2), `urgent` (gpu 8).
 
 #[path = "support/fuzz.rs"]
 mod fuzz;

@@ -39,7 +39,8 @@ use gpuplace_device_plugin::mps::{MpsLayout, DEFAULT_CONTROL_BINARY, DEFAULT_MPS
 use gpuplace_device_plugin::nvml::fake::{FakeBackend, FakeScript};
 use gpuplace_device_plugin::nvml::real::NvmlBackend;
 use gpuplace_device_plugin::nvml::{BackendError, GpuBackend, Inventory, DEFAULT_CONTEXT_OVERHEAD_MIB};
-use gpuplace_device_plugin::plugin::{spawn_health_monitor, Plugin, PluginConfig, RESOURCE_NAME};
+use gpuplace_device_plugin::plugin::service::spawn_health_monitor;
+use gpuplace_device_plugin::plugin::{Plugin, PluginConfig, RESOURCE_NAME};
 use gpuplace_device_plugin::podresources::{PodResourcesClient, DEFAULT_POD_RESOURCES_SOCKET};
 use gpuplace_device_plugin::publish::{LogSink, PublishPolicy, Publisher, UtilizationSink};
 use gpuplace_device_plugin::sampler::{Sampler, Telemetry};

@@ -33,7 +33,8 @@ use crate::kubelet_api::v1beta1::device_plugin_server::DevicePluginServer;
 use crate::kubelet_api::v1beta1::registration_client::RegistrationClient;
 use crate::kubelet_api::v1beta1::RegisterRequest;
 use crate::kubelet_api::{DEFAULT_DEVICE_PLUGIN_DIR, KUBELET_SOCKET, VERSION};
-use crate::plugin::{DevicePluginService, Plugin};
+use crate::plugin::service::DevicePluginService;
+use crate::plugin::Plugin;
 use crate::unix_socket::connect_unix;
 
 /// The first wait after a failed registration; it doubles up to [`ServeConfig::retry_interval`]

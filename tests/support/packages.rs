@@ -2,7 +2,7 @@
 //! first need: `cargo test --workspace` (the README's command) passes on a fresh Debian machine as
 //! root, and `.ci/run` installs nothing itself, so no second list can drift from this one.
 //! `#[path]`-included by tests/e2e (the real node needs all of them, the control plane `openssl`)
-//! and tests/helm_chart.rs (`xz`, through `support/xz.rs`).
+//! and tests/helm_chart/main.rs (`xz`, through `support/xz.rs`).
 //!
 //! A missing package is installed with apt-get when the test runs as root on a machine that has it;
 //! otherwise the test fails with the packages named. Nothing is ever skipped.

@@ -1,5 +1,5 @@
 //! Unpacking the xz-compressed binaries of `../shared/kube/` (Kubernetes, Helm) for the tests that
-//! run them (`#[path]`-included by tests/e2e and tests/helm_chart.rs, each with `support/packages.rs`).
+//! run them (`#[path]`-included by tests/e2e and tests/helm_chart/main.rs, each with `support/packages.rs`).
 //! Never into the repository.
 
 use std::fs;

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 /// Every `.yaml` / `.yml` file under `dir`, recursively, in path order; not under a folder named
 /// `helm` (scheduler-config/helm/: the Helm chart, whose templates are not plain YAML until Helm
-/// renders them; tests/helm_chart.rs renders them and checks them against these files).
+/// renders them; tests/helm_chart/main.rs renders them and checks them against these files).
 pub fn yaml_files(dir: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
     walk(dir, &mut out);

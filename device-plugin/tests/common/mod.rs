@@ -18,7 +18,8 @@ use gpuplace_device_plugin::kubelet_api::v1beta1::{
 };
 use gpuplace_device_plugin::nvml::fake::FakeBackend;
 use gpuplace_device_plugin::nvml::GpuBackend;
-use gpuplace_device_plugin::plugin::{spawn_health_monitor, Plugin, PluginConfig};
+use gpuplace_device_plugin::plugin::service::spawn_health_monitor;
+use gpuplace_device_plugin::plugin::{Plugin, PluginConfig};
 use gpuplace_device_plugin::server::{run, ServeConfig};
 use gpuplace_device_plugin::slots::slot_id;
 use gpuplace_device_plugin::unix_socket::connect_unix;

@@ -16,7 +16,8 @@ use gpuplace_device_plugin::kubelet_api::pluginregistration::registration_client
 use gpuplace_device_plugin::kubelet_api::pluginregistration::{InfoRequest, RegistrationStatus};
 use gpuplace_device_plugin::nvml::fake::{FakeBackend, Fault};
 use gpuplace_device_plugin::nvml::GpuBackend;
-use gpuplace_device_plugin::plugin::{spawn_health_monitor, Plugin, PluginConfig};
+use gpuplace_device_plugin::plugin::service::spawn_health_monitor;
+use gpuplace_device_plugin::plugin::{Plugin, PluginConfig};
 use gpuplace_device_plugin::sampler::Telemetry;
 use gpuplace_device_plugin::unix_socket::connect_unix;
 use k8s_openapi::api::resource::v1::ResourceClaim;

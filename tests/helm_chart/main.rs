@@ -37,12 +37,15 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use yaml_files::yaml_files;
 
-#[path = "support/packages.rs"]
+#[path = "../support/packages.rs"]
 mod packages;
-#[path = "support/xz.rs"]
+#[path = "../support/xz.rs"]
 mod xz;
-#[path = "support/yaml_files.rs"]
+#[path = "../support/yaml_files.rs"]
 mod yaml_files;
+
+// issue 49: what enforces shares on the node (the guard, managed MPS, the isolation mode)
+mod node_isolation;
 
 /// The plain files (under `scheduler-config/`) that the default rendering reproduces, and nothing else.
 const DEFAULT_FILES: &[&str] = &[
@@ -330,10 +333,10 @@ fn every_plain_file_is_accounted_for() {
     known.extend([NAMESPACE_FILE, DRA_FILE, DRA_GPUPLACE_FILE]);
     for f in yaml_files(&root) {
         let rel = f.strip_prefix(&root).unwrap().display().to_string();
-        assert!(known.contains(&rel.as_str()), "scheduler-config/{rel}: not in tests/helm_chart.rs's lists");
+        assert!(known.contains(&rel.as_str()), "scheduler-config/{rel}: not in tests/helm_chart/main.rs's lists");
     }
     for k in &known {
-        assert!(root.join(k).is_file(), "scheduler-config/{k} is gone: update tests/helm_chart.rs");
+        assert!(root.join(k).is_file(), "scheduler-config/{k} is gone: update tests/helm_chart/main.rs");
     }
 }
 
@@ -701,56 +704,6 @@ fn a_fake_topology_is_mounted_and_passed_without_nvidia() {
     );
 }
 
-/// Managed MPS (issue 49): `--mps-daemon`, the MPS root at the host's path and its `shm/` as the
-/// plugin's `/dev/shm` (the daemon's, which share containers get too), the driver's compute
-/// binaries, and the capabilities to start servers as the clients' users; nothing else changes.
-#[test]
-fn managed_mps_adds_the_daemon_flag_its_directories_and_compute() {
-    for (sets, root) in [
-        (vec!["devicePlugin.mps.enabled=true"], "/run/gpuplace/mps"),
-        (vec!["devicePlugin.mps.enabled=true", "devicePlugin.mps.root=/var/run/mps"], "/var/run/mps"),
-    ] {
-        let docs = render(&values(&sets));
-        let ds = find(&docs, "DaemonSet", "gpuplace-device-plugin");
-        let pod = &ds["spec"]["template"]["spec"];
-        let c = &pod["containers"][0];
-        let args = strings(&c["args"]);
-        let mut want_args = vec!["serve".to_string(), "--mps-daemon".to_string()];
-        if root != "/run/gpuplace/mps" {
-            want_args.push(format!("--mps-root={root}"));
-        }
-        assert_eq!(args, want_args);
-        let env = c["env"].as_array().unwrap();
-        let caps = env.iter().find(|e| e["name"] == "NVIDIA_DRIVER_CAPABILITIES").expect("capabilities");
-        assert_eq!(caps["value"], "compute,utility");
-        assert_eq!(
-            strings(&c["securityContext"]["capabilities"]["add"]),
-            ["KILL", "SETUID", "SETGID"],
-            "the guard's and the daemon's"
-        );
-        let mount = |path: &str| -> Value {
-            let m = c["volumeMounts"].as_array().unwrap().iter().find(|m| m["mountPath"] == path);
-            let m = m.unwrap_or_else(|| panic!("a mount at {path}"));
-            let v = pod["volumes"].as_array().unwrap().iter().find(|v| v["name"] == m["name"]);
-            v.unwrap_or_else(|| panic!("the volume of {path}"))["hostPath"].clone()
-        };
-        assert_eq!(mount(root), json!({"path": root, "type": "DirectoryOrCreate"}));
-        assert_eq!(mount("/dev/shm"), json!({"path": format!("{root}/shm"), "type": "DirectoryOrCreate"}));
-
-        // the rest is the default DaemonSet
-        let mut want = find(&render(&[]), "DaemonSet", "gpuplace-device-plugin").clone();
-        let wc = &mut want["spec"]["template"]["spec"]["containers"][0];
-        wc["args"] = c["args"].clone();
-        wc["env"] = c["env"].clone();
-        wc["securityContext"] = c["securityContext"].clone();
-        wc["volumeMounts"] = c["volumeMounts"].clone();
-        want["spec"]["template"]["spec"]["volumes"] = pod["volumes"].clone();
-        let mut d = Vec::new();
-        differences("", &want, ds, &mut d);
-        assert!(d.is_empty(), "managed MPS changes more than its own parts:\n{}", d.join("\n"));
-    }
-}
-
 /// Every optional value set at once: lint is clean, every extender argument parses with the binary,
 /// and the namespaces that follow values do.
 fn every_option() -> Vec<String> {
@@ -880,67 +833,4 @@ fn scrapers_are_named_by_namespace_and_pod_series_are_asked_for() {
     all.extend(set("extender.networkPolicy.scrapeNamespaces={Not_A_Namespace}"));
     let out = Command::new(helm()).args(&all).output().expect("helm");
     assert!(!out.status.success(), "helm accepted a namespace name with capitals");
-}
-
-/// Issue 49: `devicePlugin.isolation` (default `auto`: no flag, so the default rendering stays the
-/// plain manifest) and `devicePlugin.contextOverheadMib` (default null: no flag) become the plugin's
-/// `--isolation` and `--context-overhead-mib`; a mode the plugin does not know is refused by the
-/// chart's schema.
-#[test]
-fn the_isolation_mode_and_the_context_overhead_are_flags_only_when_set() {
-    let args_of = |sets: &[&str]| {
-        let docs = render(&values(sets));
-        strings(
-            &find(&docs, "DaemonSet", "gpuplace-device-plugin")["spec"]["template"]["spec"]["containers"][0]["args"],
-        )
-    };
-    let plain = args_of(&[]);
-    assert!(
-        !plain.iter().any(|a| a.starts_with("--isolation") || a.starts_with("--context-overhead-mib")),
-        "{plain:?}"
-    );
-    assert_eq!(args_of(&["devicePlugin.isolation=auto"]), plain);
-    let set = args_of(&["devicePlugin.isolation=guard", "devicePlugin.contextOverheadMib=768"]);
-    assert!(set.contains(&"--isolation=guard".to_string()), "{set:?}");
-    assert!(set.contains(&"--context-overhead-mib=768".to_string()), "{set:?}");
-    assert_eq!(set.len(), plain.len() + 2);
-    let mut args = vec!["template".to_string(), "gpuplace".to_string(), chart().display().to_string()];
-    args.extend(values(&["devicePlugin.isolation=strict"]));
-    let out = Command::new(helm()).args(&args).output().unwrap();
-    assert!(!out.status.success(), "a mode the plugin does not know renders");
-    assert!(String::from_utf8_lossy(&out.stderr).contains("isolation"), "{}", String::from_utf8_lossy(&out.stderr));
-}
-
-/// The guard (issue 49): on by default with `hostPID` and the KILL capability and no API grant;
-/// disabled, `--no-guard` and neither; `evict` adds the flag and `pods/eviction` create.
-#[test]
-fn the_guard_is_on_by_default_and_evicting_needs_its_own_grant() {
-    let dp = |docs: &[Value]| find(docs, "DaemonSet", "gpuplace-device-plugin")["spec"]["template"]["spec"].clone();
-    let evicts = |docs: &[Value]| {
-        find(docs, "ClusterRole", "gpuplace-device-plugin")["rules"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|r| strings(&r["resources"]).contains(&"pods/eviction".to_string()))
-    };
-    let on = render(&values(&[]));
-    let spec = dp(&on);
-    assert_eq!(spec["hostPID"], true);
-    assert_eq!(strings(&spec["containers"][0]["securityContext"]["capabilities"]["add"]), ["KILL"]);
-    assert!(!strings(&spec["containers"][0]["args"]).iter().any(|a| a.starts_with("--guard") || a == "--no-guard"));
-    assert!(!evicts(&on), "kill needs no eviction grant");
-
-    let off = render(&values(&["devicePlugin.guard.enabled=false"]));
-    let spec = dp(&off);
-    assert!(spec["hostPID"].is_null(), "{}", spec["hostPID"]);
-    assert!(spec["containers"][0]["securityContext"]["capabilities"]["add"].is_null());
-    assert!(strings(&spec["containers"][0]["args"]).contains(&"--no-guard".to_string()));
-
-    let evict = render(&values(&["devicePlugin.guard.action=evict", "devicePlugin.guard.grace=30s"]));
-    let args = strings(&dp(&evict)["containers"][0]["args"]);
-    assert!(
-        args.contains(&"--guard-action=evict".to_string()) && args.contains(&"--guard-grace=30s".to_string()),
-        "{args:?}"
-    );
-    assert!(evicts(&evict));
 }
