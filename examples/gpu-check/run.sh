@@ -17,6 +17,8 @@ REPO=$(cd "$HERE/../.." && pwd)
 BIN_DIR=${BIN_DIR:-$REPO/target/gpu-check}
 PLUGIN=${PLUGIN:-$BIN_DIR/gpuplace-device-plugin}
 GPU_CHECK=${GPU_CHECK:-$BIN_DIR/gpu-check}
+# The guard's own loop on real NVML (device-plugin/examples/guard_check.rs; stage.sh builds it)
+GUARD_CHECK=${GUARD_CHECK:-$BIN_DIR/guard_check}
 OUT=${OUT:-$REPO/target/gpu-check-out}
 WORK=$(mktemp -d /tmp/gpu-check.XXXXXX)
 MPS_ROOT=$WORK/mps
@@ -48,6 +50,8 @@ GUARD_GRACE_S=${GUARD_GRACE_S:-30}
 # >>> LEAD: how the plugin is told that PID $1 is granted $2 MiB (run with GUARD_PID, GUARD_MIB and
 # MPS_PIPE set too). Empty: not wired; the step still runs and records whether the process was killed.
 GUARD_GRANT_CMD=${GUARD_GRANT_CMD:-}
+# The guard's grace in step 6 when guard_check runs it.
+GUARD_CHECK_GRACE_S=${GUARD_CHECK_GRACE_S:-10}
 # 1: the guard's process is an MPS client (then MPS's own limit would stop it first if one is set).
 GUARD_USE_MPS=${GUARD_USE_MPS:-0}
 # The whole run's budget in seconds (each step's timeout is cut to what is left).
@@ -296,12 +300,29 @@ if [ -n "$MPS_PIPE" ]; then
   unset CUDA_MPS_PIPE_DIRECTORY
 fi
 
-# --- 6. >>> GUARD (the lead wires the grant: GUARD_GRANT_CMD / PLUGIN_EXTRA_ARGS above) <<< -------
-# A process "granted" GUARD_GRANT_MIB allocates GUARD_ASK_MIB and holds it for GUARD_HOLD_S; the guard
-# must kill it within GUARD_GRACE_S (+5 s of slack). The process's own PID is read from its first line.
+# --- 6. Guard -------------------------------------------------------------------------------------
+# With guard_check (staged): the device plugin's guard loop on the real driver runs a process granted
+# GUARD_GRANT_MIB that allocates GUARD_ASK_MIB, and must kill it after GUARD_CHECK_GRACE_S. Without it
+# (or with GUARD_GRANT_CMD set): the process is started here and GUARD_GRANT_CMD tells a plugin.
 GUARD_OUT=$WORK/guard.out
 T=$(left $((GUARD_HOLD_S + 30)))
-if ((T > GUARD_GRACE_S)); then
+if ((T > GUARD_CHECK_GRACE_S)) && [ -x "$GUARD_CHECK" ] && [ -z "$GUARD_GRANT_CMD" ]; then
+  GRC=0
+  # shellcheck disable=SC2030 # the MPS pipe is for this subshell's process only
+  (
+    [ "$GUARD_USE_MPS" = 1 ] && [ -n "$MPS_PIPE" ] && export CUDA_MPS_PIPE_DIRECTORY=$MPS_PIPE
+    exec timeout "$T" "$GUARD_CHECK" --gpu 0 --grant-mib "$GUARD_GRANT_MIB" --grace-s "$GUARD_CHECK_GRACE_S" \
+      --timeout-s "$GUARD_HOLD_S" -- "$GPU_CHECK" alloc --mib "$GUARD_ASK_MIB" --hold-s "$GUARD_HOLD_S"
+  ) >"$GUARD_OUT" 2>"$WORK/guard.err" || GRC=$?
+  sed 's/^/[guard] /' "$GUARD_OUT" "$WORK/guard.err" >>"$LOGS" || true
+  VERDICT=$(grep -m 1 '"event":"verdict"' "$GUARD_OUT" || true)
+  KILLED=$(jget "$VERDICT" killed_by_guard)
+  [ "$KILLED" = true ] || KILLED=false
+  GALLOC=$(jget "$(grep '"allocated_mib"' "$GUARD_OUT" | tail -n 1 || true)" allocated_mib)
+  record guard "\"wired\":true,\"via\":\"guard_check\",\"granted_mib\":$GUARD_GRANT_MIB,\"ask_mib\":$GUARD_ASK_MIB,\"allocated_mib\":${GALLOC:-null},\"grace_s\":$GUARD_CHECK_GRACE_S,\"max_used_mib\":$(jget "$VERDICT" max_used_mib | sed 's/^$/null/'),\"over_reported_s\":$(jget "$VERDICT" over_reported_s | sed 's/^$/null/'),\"killed_s\":$(jget "$VERDICT" killed_s | sed 's/^$/null/'),\"exit\":$GRC,\"killed_by_guard\":$KILLED,\"expect\":\"killed after the grace\",\"pass\":$KILLED"
+  say "6. guard (guard_check on NVML): ${GUARD_ASK_MIB} MiB asked on a ${GUARD_GRANT_MIB} MiB grant; NVML showed $(jget "$VERDICT" max_used_mib) MiB; over reported at $(jget "$VERDICT" over_reported_s) s, killed at $(jget "$VERDICT" killed_s) s (grace ${GUARD_CHECK_GRACE_S} s) -> $([ "$KILLED" = true ] && echo "PASS (killed)" || echo "FAIL (not killed)")"
+elif ((T > GUARD_GRACE_S)); then
+  # shellcheck disable=SC2031 # as above
   (
     [ "$GUARD_USE_MPS" = 1 ] && [ -n "$MPS_PIPE" ] && export CUDA_MPS_PIPE_DIRECTORY=$MPS_PIPE
     exec timeout "$T" "$GPU_CHECK" alloc --mib "$GUARD_ASK_MIB" --hold-s "$GUARD_HOLD_S"

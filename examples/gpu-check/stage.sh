@@ -10,8 +10,11 @@ mkdir -p "$stage"
 cargo build --release --locked --manifest-path "$repo/examples/gpu-check/Cargo.toml"
 cp "$target/release/gpu-check" "$stage/gpu-check"
 if [ "${SKIP_PLUGIN:-0}" != 1 ]; then
-  cargo build --release --locked --manifest-path "$repo/Cargo.toml" -p gpuplace-device-plugin
+  cargo build --release --locked --manifest-path "$repo/Cargo.toml" -p gpuplace-device-plugin \
+    --bin gpuplace-device-plugin --example guard_check
   cp "$target/release/gpuplace-device-plugin" "$stage/gpuplace-device-plugin"
+  # the guard's loop against one process on the real driver (run.sh step 6)
+  cp "$target/release/examples/guard_check" "$stage/guard_check"
 fi
 # the workspace's release profile keeps symbols (backtraces); the carried copies need none
 if command -v strip >/dev/null; then strip "$stage"/* 2>/dev/null || true; fi

@@ -12,15 +12,16 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use gpuplace_core::annotations::AssignmentAnnotation;
-use k8s_openapi::api::core::v1::Pod;
+use gpuplace_core::annotations::{AssignmentAnnotation, NodeInventory, ANNOTATION_INVENTORY};
+use gpuplace_core::isolation::IsolationMode;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::events::v1::Event;
-use kube::api::{DeleteParams, ListParams};
+use kube::api::{DeleteParams, ListParams, PostParams};
 use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 
 use super::probes::delete_all;
-use super::{create_and_time, figure, pending_report, pod, wait_for, ASSIGNMENT, NS, SYSTEM_NS};
+use super::{create_and_time, figure, pending_report, pod, wait_for, ASSIGNMENT, NODE, NS, SYSTEM_NS};
 
 /// Where the test writes the processes file, on the host; the chart mounts the folder into the
 /// plugin's pod at [`MOUNT`].
@@ -189,9 +190,52 @@ async fn round(
     (event_s, t.elapsed().as_secs_f64())
 }
 
+/// The node publishes the mode its plugin runs in (`guard`: the guard runs, no MPS daemon, no driver
+/// limits), and a pod that requires `mps` is refused there with the reason.
+async fn the_mode_is_published_and_required(client: &Client) {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let n = nodes.get(NODE).await.expect("the node");
+    let inventory = n.annotations().get(ANNOTATION_INVENTORY).map(|t| NodeInventory::parse(t).expect("the inventory"));
+    let mode = inventory.and_then(|i| i.isolation);
+    assert_eq!(mode, Some(IsolationMode::Guard), "the node's published isolation mode");
+    let mut needs_mps = pod("needs-mps", &[("gpu", "1"), ("gpu-mem", "1000"), ("gpu-core", "10")], &[], None);
+    needs_mps.metadata.annotations = Some([("gpuplace.io/isolation".to_string(), "mps".to_string())].into());
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    pods.create(&PostParams::default(), &needs_mps).await.expect("create needs-mps");
+    let events: Api<Event> = Api::namespaced(client.clone(), NS);
+    let mut said = String::new();
+    wait_for("needs-mps refused for its isolation mode", Duration::from_secs(30), || {
+        let events = events.clone();
+        async move {
+            let list = events.list(&ListParams::default()).await.map_err(|e| e.to_string())?.items;
+            let notes: Vec<String> = list
+                .into_iter()
+                .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("needs-mps"))
+                .filter(|e| e.reason.as_deref() == Some("FailedScheduling"))
+                .filter_map(|e| e.note)
+                .collect();
+            match notes.iter().find(|n| n.contains("isolation mode")) {
+                Some(_) => Ok(()),
+                None => Err(format!("its FailedScheduling notes: {notes:?}")),
+            }
+        }
+    })
+    .await;
+    let p = pods.get("needs-mps").await.expect("needs-mps");
+    assert!(p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_none(), "needs-mps was bound");
+    for e in events.list(&ListParams::default()).await.expect("events").items {
+        if e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("needs-mps") {
+            said = e.note.unwrap_or_default();
+        }
+    }
+    figure(&format!("real node: isolation mode guard published; a pod requiring mps: {said}"));
+    pods.delete("needs-mps", &DeleteParams::default().grace_period(0)).await.expect("delete needs-mps");
+}
+
 pub(super) async fn shares_hold_on_the_real_node(client: &Client, node_dir: &Path) {
     let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
     delete_all(&pods).await;
+    the_mode_is_published_and_required(client).await;
     let dir = host_dir(node_dir);
     let share = |n: &str, mem: &str| pod(n, &[("gpu", "1"), ("gpu-mem", mem), ("gpu-core", "30")], &[], None);
     let (small, big) = ("guard-20g", "guard-40g");
