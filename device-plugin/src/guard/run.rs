@@ -84,6 +84,8 @@ pub struct GuardRunner {
     proc_root: PathBuf,
     /// GPUs whose last listing failed, so the failure is logged once per change.
     failing: HashSet<u32>,
+    /// Processes not judged, with why, as logged: each is logged once while it is listed.
+    unjudged: HashMap<u32, String>,
 }
 
 impl GuardRunner {
@@ -104,6 +106,7 @@ impl GuardRunner {
             guard: Guard::new(cfg),
             proc_root: PathBuf::from("/proc"),
             failing: HashSet::new(),
+            unjudged: HashMap::new(),
         }
     }
 
@@ -131,6 +134,7 @@ impl GuardRunner {
     /// One sample and what it led to (returned for tests).
     pub async fn tick(&mut self, now: Instant) -> Vec<Action> {
         let (seen, util, owners) = self.observe();
+        self.log_unjudged(&seen);
         let (actions, summary) = self.guard.step(now, &util, &seen);
         self.telemetry.guard_sampled(summary.over_memory, summary.unattributed, summary.unmeasured);
         for a in &actions {
@@ -183,6 +187,21 @@ impl GuardRunner {
             }
         }
         (seen, util, owners)
+    }
+
+    /// Says once per process why the guard does not judge it (no pod, no trusted grant), so an
+    /// operator can tell a guarded GPU from one whose processes nobody holds to a grant.
+    fn log_unjudged(&mut self, seen: &[Seen]) {
+        let mut now: HashMap<u32, String> = HashMap::new();
+        for s in seen {
+            if let Owner::Other(why) = &s.owner {
+                if self.unjudged.get(&s.pid) != Some(why) {
+                    tracing::info!(pid = s.pid, gpu = s.gpu, used_mib = ?s.used_mib, why = %why, "the guard does not judge this process");
+                }
+                now.insert(s.pid, why.clone());
+            }
+        }
+        self.unjudged = now;
     }
 
     fn warn(&self, holder: &Holder, reason: &'static str, note: &str) {

@@ -71,7 +71,7 @@ pub enum PodProblem {
 
 impl PodProblem {
     /// A signature by a key this plugin has not loaded (yet): worth one reload of the keys.
-    fn unknown_key(&self) -> bool {
+    pub(crate) fn unknown_key(&self) -> bool {
         matches!(self, PodProblem::Annotation(AnnotationError::NotSigned(SignatureProblem::UnknownKey(_))))
     }
 }
@@ -195,6 +195,8 @@ pub struct KubeAssignments {
     /// Per API call: Allocate waits on it.
     timeout: Duration,
     watch: JoinHandle<()>,
+    /// When the guard last asked for the keys to be read again ([`Self::reload_keys_soon`]).
+    key_reload_asked: Mutex<Option<Instant>>,
 }
 
 impl Drop for KubeAssignments {
@@ -272,6 +274,7 @@ impl KubeAssignments {
             client,
             timeout,
             watch,
+            key_reload_asked: Mutex::new(None),
         })
     }
 
@@ -288,6 +291,21 @@ impl KubeAssignments {
     /// when it has none or is finished.
     pub(crate) fn trusted(&self, pod: &Pod) -> Result<Option<PendingPod>, PodProblem> {
         pending_pod(pod, &self.node_name, &self.node, &self.keys.current())
+    }
+
+    /// Reads the keys again in the background, at most every 5 s: the guard found an assignment
+    /// signed by a key not loaded (it cannot wait on the API server the way Allocate does). Needs a
+    /// tokio runtime.
+    pub(crate) fn reload_keys_soon(&self) {
+        let mut asked = lock(&self.key_reload_asked);
+        if asked.is_some_and(|t| t.elapsed() < Duration::from_secs(5)) {
+            return;
+        }
+        *asked = Some(Instant::now());
+        let keys = self.keys.clone();
+        tokio::spawn(async move {
+            keys.reload().await;
+        });
     }
 
     fn synced(&self) -> bool {

@@ -38,7 +38,14 @@ impl ContainerDirectory for KubeAssignments {
         let assigned = match self.trusted(&pod) {
             Ok(Some(p)) => p,
             Ok(None) => return Lookup::NotGranted(format!("pod {name} has no gpuplace assignment")),
-            Err(e) => return Lookup::NotGranted(format!("pod {name}: its assignment is not trusted: {e}")),
+            Err(e) => {
+                // a key this plugin has not loaded yet (a restarted plugin before its first
+                // Allocate): read the keys again, the next sample judges the process
+                if e.unknown_key() {
+                    self.reload_keys_soon();
+                }
+                return Lookup::NotGranted(format!("pod {name}: its assignment is not trusted: {e}"));
+            }
         };
         let grants: BTreeMap<u32, Grant> = assigned
             .assignment

@@ -101,6 +101,23 @@ async fn events_of(client: &Client, pod: &str) -> BTreeMap<String, i32> {
     out
 }
 
+/// The device plugins' log lines about the guard (every plugin pod the node ran), for a failure's
+/// message.
+fn guard_log(node_dir: &Path) -> String {
+    let mut lines = Vec::new();
+    for pod in std::fs::read_dir(node_dir.join("pod-logs")).into_iter().flatten().flatten() {
+        if !pod.file_name().to_string_lossy().starts_with("gpuplace-system_gpuplace-device-plugin-") {
+            continue;
+        }
+        for log in std::fs::read_dir(pod.path().join("device-plugin")).into_iter().flatten().flatten() {
+            let text = std::fs::read_to_string(log.path()).unwrap_or_default();
+            lines.extend(text.lines().filter(|l| l.contains("guard")).map(str::to_string));
+        }
+    }
+    lines.sort();
+    lines[lines.len().saturating_sub(12)..].join("\n")
+}
+
 fn write_processes(dir: &Path, entries: &[(u32, u32, u64)]) {
     let processes: Vec<_> =
         entries.iter().map(|(gpu, pid, mib)| json!({"gpu": gpu, "pid": pid, "used_mib": mib})).collect();
@@ -113,7 +130,7 @@ fn write_processes(dir: &Path, entries: &[(u32, u32, u64)]) {
 /// The waiting of one round: the Event's delay and the kill's, in seconds.
 async fn round(
     client: &Client,
-    dir: &Path,
+    node_dir: &Path,
     gpu: u32,
     small: &str,
     big_pid: u32,
@@ -124,7 +141,7 @@ async fn round(
     let p = pods.get(small).await.expect("the small share");
     let (cid, restarts) = container(&p);
     let pid = *pids_of(&cid).first().unwrap_or_else(|| panic!("no process in {small}'s container {cid}"));
-    write_processes(dir, &[(gpu, pid, 30 * 1024), (gpu, big_pid, 40 * 1024)]);
+    write_processes(&host_dir(node_dir), &[(gpu, pid, 30 * 1024), (gpu, big_pid, 40 * 1024)]);
     let t = Instant::now();
     wait_for(&format!("{small}'s GpuMemoryOverGrant Event"), Duration::from_secs(30), || {
         let client = client.clone();
@@ -181,7 +198,10 @@ async fn round(
                 if !alive && now > restarts {
                     Ok(())
                 } else {
-                    Err(format!("process alive {alive}, restarts {restarts} -> {now}"))
+                    Err(format!(
+                        "process alive {alive}, restarts {restarts} -> {now}; the plugins' guard log:\n{}",
+                        guard_log(node_dir)
+                    ))
                 }
             }
         },
@@ -252,7 +272,7 @@ pub(super) async fn shares_hold_on_the_real_node(client: &Client, node_dir: &Pat
     tokio::time::sleep(SAMPLE * 3).await;
     assert!(!events_of(client, small).await.contains_key("GpuMemoryOverGrant"), "an Event within the grant");
 
-    let (event_s, kill_s) = round(client, &dir, gpu, small, big_pid, 0, false).await;
+    let (event_s, kill_s) = round(client, node_dir, gpu, small, big_pid, 0, false).await;
     figure(&format!(
         "real node: guard: the 20 GiB share at 30 GiB on GPU {gpu}: GpuMemoryOverGrant after {event_s:.1} s (sample {} s), its process killed after {kill_s:.1} s (grace {} s)",
         SAMPLE.as_secs(),
@@ -264,7 +284,7 @@ pub(super) async fn shares_hold_on_the_real_node(client: &Client, node_dir: &Pat
     assert!(ev.contains_key("GpuMemoryGuardKilled"), "{ev:?}");
 
     // the same, with the plugin's pod deleted once the Event is out
-    let (event_s, kill_s) = round(client, &dir, gpu, small, big_pid, ev["GpuMemoryOverGrant"], true).await;
+    let (event_s, kill_s) = round(client, node_dir, gpu, small, big_pid, ev["GpuMemoryOverGrant"], true).await;
     figure(&format!(
         "real node: guard: again with the device plugin's pod deleted after the Event ({event_s:.1} s): the new plugin killed it {kill_s:.1} s after it went over"
     ));
