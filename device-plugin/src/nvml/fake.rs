@@ -414,10 +414,13 @@ impl GpuBackend for FakeBackend {
 
     fn processes(&self, index: u32) -> Result<Vec<GpuProcess>, BackendError> {
         let i = self.check(index)?;
-        let mut out = self.lock().processes[i].clone();
-        if self.lock().lost[i] {
-            return Err(BackendError::GpuLost(index));
-        }
+        let mut out = {
+            let st = self.lock();
+            if st.lost[i] {
+                return Err(BackendError::GpuLost(index));
+            }
+            st.processes[i].clone()
+        };
         for p in self.file_processes(index)? {
             if !out.iter().any(|o| o.pid == p.pid) {
                 out.push(p);
