@@ -100,16 +100,17 @@ pub fn guard_prerequisites(apiserver: bool, pod_resources_socket: &Path) -> Resu
     Ok(())
 }
 
-/// The driver-limits capability from what the driver offers. The driver's per-cgroup caps need
-/// each container's cgroup found after it starts and capped before its work does; nothing in the
-/// plugin applies them yet, so even a driver that has them does not make the mode available (a
-/// node must not say it enforces what nothing enforces).
-pub fn driver_limits_usable(driver: &crate::nvml::DriverMemoryLimits) -> Result<(), String> {
-    if driver.supported {
-        Err(format!("{}, but the plugin does not apply per-container driver limits yet", driver.detail))
-    } else {
-        Err(driver.detail.clone())
+/// The driver-limits capability: the driver has per-cgroup memory caps, and the plugin may set them
+/// (`enabled`: `--driver-limits` with the host's cgroup v2 tree mounted, in assignments mode with
+/// the API server, where each share's grant is known; the reason otherwise).
+pub fn driver_limits_usable(
+    driver: &crate::nvml::DriverMemoryLimits,
+    enabled: Result<(), String>,
+) -> Result<(), String> {
+    if !driver.supported {
+        return Err(driver.detail.clone());
     }
+    enabled.map_err(|why| format!("{}, but {why}", driver.detail))
 }
 
 /// MPS as the node runs it today: a control daemon whose pipe directory is given
@@ -199,9 +200,15 @@ mod tests {
     fn driver_limits_and_mps_say_why_they_are_missing() {
         use crate::nvml::DriverMemoryLimits;
         let old = DriverMemoryLimits::judge(Some("550.54.15"), false, false, true);
-        assert_eq!(driver_limits_usable(&old), Err(old.detail.clone()));
+        assert_eq!(driver_limits_usable(&old, Ok(())), Err(old.detail.clone()));
         let new = DriverMemoryLimits::judge(Some("615.1"), true, true, true);
-        assert!(driver_limits_usable(&new).unwrap_err().contains("does not apply per-container driver limits yet"));
+        assert_eq!(driver_limits_usable(&new, Ok(())), Ok(()));
+        let off = driver_limits_usable(&new, Err("--driver-limits is not set".into())).unwrap_err();
+        assert!(
+            off.starts_with("driver 615.1: nvmlDeviceSetMemoryLimits_v1")
+                && off.ends_with("but --driver-limits is not set"),
+            "{off}"
+        );
         assert!(mps_prerequisites(None).unwrap_err().contains("--mps-pipe-dir"));
         let dir = std::env::temp_dir().join(format!("gpuplace-mps-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();

@@ -24,6 +24,8 @@
 //! - [`k8s`]: the API server: this node's pods and assignments, node status and annotations.
 //! - [`discover`]: the `discover` command's output.
 //! - [`isolation`]: the node's isolation mode, chosen at start from what it can enforce with.
+//! - [`guard`]: each GPU's processes against their containers' grants; over memory, stopped.
+//! - [`driver_limits`]: shares' GPU memory capped by the driver per cgroup (`--driver-limits`).
 //! - [`dra`]: the GPUs as DRA devices (DRA mode, `--dra`).
 //! - [`kubelet_api`]: the kubelet gRPC APIs (device plugin v1beta1, pod-resources v1), generated from device-plugin/proto by build.rs.
 //!
@@ -37,6 +39,7 @@ pub mod container_env;
 pub mod crosscheck;
 pub mod discover;
 pub mod dra;
+pub mod driver_limits;
 pub mod exclusive;
 pub mod grpc_authority;
 pub mod guard;

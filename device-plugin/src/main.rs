@@ -15,6 +15,8 @@ use gpuplace_device_plugin::assign::AssignmentSource;
 use gpuplace_device_plugin::dra::cdi::CdiShares;
 use gpuplace_device_plugin::dra::devices::{devices, mark_isolation, slice_spec, DEFAULT_DRIVER};
 use gpuplace_device_plugin::dra::kubelet::{DraConfig, DraNode};
+use gpuplace_device_plugin::driver_limits::run::DriverLimiter;
+use gpuplace_device_plugin::driver_limits::GrantedPods;
 use gpuplace_device_plugin::guard::run::GuardRunner;
 use gpuplace_device_plugin::guard::{ContainerDirectory, GuardConfig, OverrunAction};
 use gpuplace_device_plugin::isolation::{self, Capabilities, IsolationStatus};
@@ -65,6 +67,10 @@ struct Cli {
     /// are left out, as NVML lists only live processes).
     #[arg(long, global = true, value_name = "FILE", requires = "fake_topology")]
     fake_processes: Option<PathBuf>,
+    /// Give the fake node's driver per-cgroup memory limits; each limit set is written to FILE as
+    /// JSON `{"limits": [{"gpu": 0, "cgroup": "/sys/fs/cgroup/…", "limit_mib": 20992}]}`.
+    #[arg(long, global = true, value_name = "FILE", requires = "fake_topology")]
+    fake_driver_limits: Option<PathBuf>,
     /// This node's name (default: $NODE_NAME, set from the downward API in the DaemonSet). Selects
     /// this node's pods and the Node object to write; seeds the fake GPUs' UUIDs ("fake-node" when
     /// unset).
@@ -163,6 +169,17 @@ struct Cli {
     /// limits compared with the shares.
     #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_duration, global = true)]
     mps_health_interval: Duration,
+    /// Let the driver cap each share's GPU memory per cgroup where it can (NVML 615's
+    /// nvmlDeviceSetMemoryLimits_v1 with cgroup v2; docs/isolation.md, driver-limits): the plugin
+    /// finds each share pod's cgroup under --cgroup-root (the host's cgroup v2 tree, mounted at the
+    /// same path) and caps it at the grant. Needs assignments mode with the API server. The guard
+    /// stays the backstop.
+    #[arg(long, global = true)]
+    driver_limits: bool,
+    /// The host's cgroup tree, where --driver-limits finds pod and container cgroups (the path the
+    /// driver is given).
+    #[arg(long, value_name = "DIR", default_value = "/sys/fs/cgroup", global = true)]
+    cgroup_root: PathBuf,
     /// What enforces shares' limits on this node: `auto` takes the strongest the node can do
     /// (driver-limits, mps, guard, then advisory); a named mode the node cannot do stops the plugin
     /// with the reason. Published with the node's inventory and DRA devices; pods may require an
@@ -259,7 +276,7 @@ fn context_overhead_mib(cli: &Cli, inventory: &Inventory) -> u64 {
 fn isolation_status(cli: &Cli, backend: &dyn GpuBackend, apiserver: bool) -> Result<IsolationStatus, String> {
     let driver = backend.driver_memory_limits();
     let caps = Capabilities::new(
-        isolation::driver_limits_usable(&driver),
+        isolation::driver_limits_usable(&driver, driver_limits_prerequisites(cli, apiserver)),
         if cli.mps_daemon {
             managed_mps_prerequisites(&cli.mps_control_binary)
         } else {
@@ -286,6 +303,22 @@ fn managed_mps_prerequisites(binary: &std::path::Path) -> Result<(), String> {
             "--mps-daemon: {} is not found (the NVIDIA container toolkit mounts it with the compute capability)",
             binary.display()
         ))
+    }
+}
+
+/// The driver's caps are set where each share's grant and cgroup are known: `--driver-limits`, in
+/// assignments mode with the API server, with a cgroup tree to find the pods in.
+fn driver_limits_prerequisites(cli: &Cli, apiserver: bool) -> Result<(), String> {
+    if !cli.driver_limits {
+        Err("--driver-limits is not set (chart: devicePlugin.driverLimits.enabled)".into())
+    } else if cli.dra {
+        Err("DRA mode: driver limits are set from gpuplace assignments, not from claims".into())
+    } else if cli.no_assignments || !apiserver {
+        Err("driver limits need each share's grant: assignments mode with the API server".into())
+    } else if !cli.cgroup_root.is_dir() {
+        Err(format!("--cgroup-root {} is not a directory", cli.cgroup_root.display()))
+    } else {
+        Ok(())
     }
 }
 
@@ -370,6 +403,9 @@ fn backend(cli: &Cli) -> Result<Arc<dyn GpuBackend>, BackendError> {
             if let Some(file) = &cli.fake_processes {
                 fake = fake.with_processes_file(file.clone());
             }
+            if let Some(file) = &cli.fake_driver_limits {
+                fake = fake.with_driver_limits_file(file.clone());
+            }
             Ok(Arc::new(fake))
         }
         None => Ok(Arc::new(NvmlBackend::new()?)),
@@ -434,6 +470,7 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
             .into());
     }
     let isolation = isolation_status(cli, backend.as_ref(), api.is_some())?;
+    let driver_capping = isolation.mode == IsolationMode::DriverLimits;
     tracing::info!(mode = %isolation.mode, driver_memory_limits = %isolation.driver_memory_limits.detail, "{}", isolation.summary());
     let config = PluginConfig {
         resource_name: cli.resource_name.clone(),
@@ -447,6 +484,7 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
         telemetry.enable_api();
     }
     let mut directory: Option<Arc<dyn ContainerDirectory>> = None;
+    let mut granted_pods: Option<Arc<dyn GrantedPods>> = None;
     let source: Option<Arc<dyn AssignmentSource>> = match &api {
         // DRA: kubelet hands out what the claims' allocations say, not the extender's assignments
         Some(_) if cli.dra => None,
@@ -461,6 +499,7 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
             let keys = AssignmentKeys::watch(client.clone(), ns, name, telemetry.clone(), CALL_TIMEOUT);
             let assignments = KubeAssignments::start(client.clone(), node, model, keys, telemetry.clone());
             directory = Some(assignments.clone());
+            granted_pods = Some(assignments.clone());
             Some(assignments)
         }
         None => None,
@@ -527,6 +566,7 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
     let pr_timeout = cli.sample_interval.clamp(Duration::from_millis(100), Duration::from_secs(2));
     let pod_resources = PodResourcesClient::new(&cli.pod_resources_socket, pr_timeout);
     let guard_backend = backend.clone();
+    let driver_limits_backend = backend.clone();
     let mut sampler = Sampler::new(backend, plugin.clone(), telemetry.clone(), Some(pod_resources), publisher);
     if let Some((client, node)) = &api {
         sampler.set_reporter(Arc::new(PluginEvents::new(client.clone(), node)));
@@ -565,6 +605,22 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
             None
         }
     };
+    // the driver caps each share's memory where the node runs in driver-limits mode
+    let capping = match (driver_capping, granted_pods) {
+        (true, Some(pods)) => {
+            let limiter = DriverLimiter::new(
+                driver_limits_backend,
+                pods,
+                telemetry_for_claims.clone(),
+                cli.cgroup_root.clone(),
+                context_overhead_mib(cli, &inventory),
+            );
+            tracing::info!(cgroup_root = %cli.cgroup_root.display(), "the driver caps each share pod's GPU memory at its grant");
+            // a new pod's cgroup is capped within a second of appearing, before its work usually starts
+            Some(rt.spawn(limiter.run(cli.sample_interval.min(Duration::from_secs(1)))))
+        }
+        _ => None,
+    };
     let limits = ServeLimits { max_connections: cli.metrics_max_connections, ..ServeLimits::default() };
     let metrics_server = rt.spawn(metrics::serve_limited(listener, source, limits, Box::pin(std::future::pending())));
     let result = match (&api, cli.dra) {
@@ -592,6 +648,9 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
     sampling.abort();
     if let Some(g) = guarding {
         g.abort();
+    }
+    if let Some(c) = capping {
+        c.abort();
     }
     metrics_server.abort();
     if let Some(t) = node_sync {

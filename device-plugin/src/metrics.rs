@@ -479,6 +479,26 @@ pub fn render(
             f.series(name, &labels(&[("Hostname", hostname), ("action", action)]), n);
         }
     }
+    if let Some(d) = &t.driver_limits {
+        {
+            let name = "gpuplace_driver_limits_applied";
+            let mut f = Family::new(
+                &mut out,
+                name,
+                "gauge",
+                "GPU memory caps the driver holds now for shares (one per cgroup and GPU; isolation mode driver-limits).",
+            );
+            f.series(name, &labels(&[("Hostname", hostname)]), d.applied);
+        }
+        let name = "gpuplace_driver_limit_errors_total";
+        let mut f = Family::new(
+            &mut out,
+            name,
+            "counter",
+            "GPU memory caps the driver refused (retried at every pass; the guard holds those shares meanwhile).",
+        );
+        f.series(name, &labels(&[("Hostname", hostname)]), d.errors);
+    }
     if t.api_enabled {
         let name = "gpuplace_apiserver_errors_total";
         let mut f = Family::new(

@@ -63,6 +63,15 @@ pub struct TelemetryState {
     pub guard: Option<GuardStats>,
     /// Managed MPS (`--mps-daemon`): its series are exported only then.
     pub mps: Option<crate::mps::daemon::MpsStatus>,
+    /// Driver memory caps ([`crate::driver_limits`]), when they are kept.
+    pub driver_limits: Option<DriverLimitStats>,
+}
+
+/// The driver's memory caps: how many are set now, and how often the driver refused one.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DriverLimitStats {
+    pub applied: u64,
+    pub errors: u64,
 }
 
 /// Labels of `gpuplace_guard_actions_total`, all exported from the start.
@@ -177,6 +186,32 @@ impl Telemetry {
     pub fn guard_action(&self, action: &'static str) {
         let mut st = self.lock();
         *st.guard.get_or_insert_with(GuardStats::default).actions.entry(action).or_insert(0) += 1;
+    }
+
+    /// A GPU's utilization at the sampler's last sweep (`None` before the first or where that
+    /// sample failed): the guard judges compute on it rather than sampling the GPU a second time.
+    pub fn last_util(&self, gpu: u32) -> Option<u32> {
+        self.lock().samples.get(gpu as usize).copied().flatten().map(|s| s.util_pct)
+    }
+
+    /// Records a sweep's samples as the sampler does (tests of their readers).
+    pub fn record_samples(&self, samples: Vec<Option<GpuSample>>) {
+        self.lock().samples = samples;
+    }
+
+    /// Exports the driver-limits series (zero until a cap is set).
+    pub fn enable_driver_limits(&self) {
+        self.lock().driver_limits.get_or_insert_with(DriverLimitStats::default);
+    }
+
+    /// Caps set now (cgroup and GPU pairs).
+    pub fn driver_limits_applied(&self, n: usize) {
+        self.lock().driver_limits.get_or_insert_with(DriverLimitStats::default).applied = n as u64;
+    }
+
+    /// One cap the driver refused.
+    pub fn driver_limit_error(&self) {
+        self.lock().driver_limits.get_or_insert_with(DriverLimitStats::default).errors += 1;
     }
 
     /// Managed MPS's state now (exports its series from then on).

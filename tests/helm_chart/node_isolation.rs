@@ -118,3 +118,31 @@ fn the_guard_is_on_by_default_and_evicting_needs_its_own_grant() {
     );
     assert!(evicts(&evict));
 }
+
+/// Driver limits (issue 49, item 3): off by default (the default rendering stays the plain
+/// manifest); on, `--driver-limits` and the host's `/sys/fs/cgroup` at its own path, read-write,
+/// and nothing else.
+#[test]
+fn driver_limits_add_their_flag_and_the_hosts_cgroup_tree() {
+    let docs = render(&values(&["devicePlugin.driverLimits.enabled=true"]));
+    let ds = find(&docs, "DaemonSet", "gpuplace-device-plugin");
+    let pod = &ds["spec"]["template"]["spec"];
+    let c = &pod["containers"][0];
+    assert_eq!(strings(&c["args"]), ["serve", "--driver-limits"]);
+    let m = c["volumeMounts"].as_array().unwrap().iter().find(|m| m["mountPath"] == "/sys/fs/cgroup").expect("mount");
+    assert_ne!(m["readOnly"], json!(true), "the driver's limits are cgroup files");
+    let v = pod["volumes"].as_array().unwrap().iter().find(|v| v["name"] == m["name"]).expect("volume");
+    assert_eq!(v["hostPath"], json!({"path": "/sys/fs/cgroup", "type": "Directory"}));
+
+    let mut want = find(&render(&[]), "DaemonSet", "gpuplace-device-plugin").clone();
+    let wc = &mut want["spec"]["template"]["spec"]["containers"][0];
+    wc["args"] = c["args"].clone();
+    wc["volumeMounts"] = c["volumeMounts"].clone();
+    want["spec"]["template"]["spec"]["volumes"] = pod["volumes"].clone();
+    let mut d = Vec::new();
+    differences("", &want, ds, &mut d);
+    assert!(d.is_empty(), "driver limits change more than their own parts:\n{}", d.join("\n"));
+    let default = find(&render(&[]), "DaemonSet", "gpuplace-device-plugin").clone();
+    assert!(!strings(&default["spec"]["template"]["spec"]["containers"][0]["args"])
+        .contains(&"--driver-limits".to_string()));
+}

@@ -37,14 +37,14 @@ pub fn parse(text: &str) -> Option<ContainerOfProcess> {
         let path = line.splitn(3, ':').nth(2)?;
         let segments: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
         let (last, before) = segments.split_last()?;
-        let container_id = container_id(last)?;
-        let pod_uid = before.last().and_then(|s| pod_uid(s));
+        let container_id = container_id_of_segment(last)?;
+        let pod_uid = before.last().and_then(|s| pod_uid_of_segment(s));
         Some(ContainerOfProcess { pod_uid, container_id })
     })
 }
 
 /// `pod<uid>` (cgroupfs) or `kubepods[-qos]-pod<uid_with_underscores>.slice` (systemd).
-fn pod_uid(segment: &str) -> Option<String> {
+pub(crate) fn pod_uid_of_segment(segment: &str) -> Option<String> {
     let s = segment.strip_suffix(".slice").unwrap_or(segment);
     let start = s.rfind("pod")?;
     let before = &s[..start];
@@ -59,7 +59,7 @@ fn pod_uid(segment: &str) -> Option<String> {
     ok.then_some(uid)
 }
 
-fn container_id(segment: &str) -> Option<String> {
+pub(crate) fn container_id_of_segment(segment: &str) -> Option<String> {
     let s = segment.strip_suffix(".scope").unwrap_or(segment);
     let id = ["cri-containerd-", "crio-", "docker-", "containerd-"].iter().find_map(|p| s.strip_prefix(p)).unwrap_or(s);
     (id.len() == 64 && id.bytes().all(|b| b.is_ascii_hexdigit())).then(|| id.to_ascii_lowercase())

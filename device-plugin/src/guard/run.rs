@@ -163,8 +163,9 @@ impl GuardRunner {
                     continue;
                 }
             };
-            if let Ok(s) = self.backend.sample(gpu) {
-                util.insert(gpu, s.util_pct);
+            // the sampler's last sweep, at most one interval old: no second NVML reading per GPU
+            if let Some(u) = self.telemetry.last_util(gpu) {
+                util.insert(gpu, u);
             }
             for p in listed {
                 let owner = match container_of(&self.proc_root, p.pid) {
@@ -433,6 +434,48 @@ mod tests {
         let a = runner.tick(t0 + Duration::from_secs(15)).await;
         assert!(a.is_empty(), "{a:?}");
         assert_eq!(telemetry.snapshot().guard.unwrap().over_memory, 0);
+    }
+
+    /// Compute is judged on the sampler's last sweep: no sweep, no verdict; a busy GPU where the
+    /// small share runs far over its 30 percent while the big one gets less than its own 30 is
+    /// reported after `compute_samples` samples.
+    #[tokio::test]
+    async fn compute_is_judged_on_the_samplers_last_utilization() {
+        let mut procs = Procs::new();
+        let small = procs.spawn(UID_A, &cid('a'));
+        let big = procs.spawn(UID_B, &cid('b'));
+        let fake = Arc::new(FakeBackend::load(&topo(), "n").unwrap());
+        fake.set_processes(
+            0,
+            vec![
+                GpuProcess { pid: small, used_mib: Some(1_000), sm_pct: Some(90) },
+                GpuProcess { pid: big, used_mib: Some(1_000), sm_pct: Some(5) },
+            ],
+        )
+        .unwrap();
+        let telemetry = Telemetry::new(8, false);
+        let outlet = Arc::new(Recorder::default());
+        let cfg = GuardConfig::default();
+        let mut runner = GuardRunner::new(fake.clone(), 8, Arc::new(Directory), telemetry.clone(), cfg)
+            .with_outlet(outlet.clone())
+            .with_proc_root(procs.dir.path().to_path_buf());
+        let t0 = Instant::now();
+        for i in 0..cfg.compute_samples + 1 {
+            let a = runner.tick(t0 + Duration::from_secs(u64::from(i))).await;
+            assert!(a.is_empty(), "no sweep yet, so no utilization to judge by: {a:?}");
+        }
+        let busy = crate::nvml::GpuSample { util_pct: 100, ..fake.sample(0).unwrap() };
+        let mut sweep = vec![None; 8];
+        sweep[0] = Some(busy);
+        telemetry.record_samples(sweep);
+        let mut said = Vec::new();
+        for i in 0..cfg.compute_samples {
+            said.extend(runner.tick(t0 + Duration::from_secs(10 + u64::from(i))).await);
+        }
+        assert!(
+            said.iter().any(|a| matches!(a, Action::ComputeOver { holder, .. } if holder.pod == "small")),
+            "{said:?}"
+        );
     }
 
     #[tokio::test]

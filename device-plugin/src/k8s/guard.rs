@@ -1,6 +1,7 @@
 //! The guard's view of this node's pods and its way out to the API server: which container of which
 //! pod a process is in and what that container was granted (from the pod watch of
-//! [`KubeAssignments`], trusting only verified assignments), Events on the pods, and evictions.
+//! [`KubeAssignments`], trusting only verified assignments), Events on the pods, and evictions. The
+//! driver's memory caps read the same grants ([`GrantedPods`]).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -13,6 +14,7 @@ use kube::{Api, Client, ResourceExt};
 use super::assignments::KubeAssignments;
 use super::events::PluginEvents;
 use super::{call, CALL_TIMEOUT};
+use crate::driver_limits::{ContainerGrants, GrantedPods, PodGrants};
 use crate::guard::cgroup::bare_container_id;
 use crate::guard::run::GuardOutlet;
 use crate::guard::{ContainerDirectory, Grant, Holder, Lookup};
@@ -53,7 +55,7 @@ impl ContainerDirectory for KubeAssignments {
             .iter()
             .filter(|c| c.name == container)
             .flat_map(|c| &c.slices)
-            .map(|s| (s.gpu, Grant { mem_mib: s.mem_mib, core_pct: s.core_pct, exclusive: s.exclusive }))
+            .map(|s| (s.gpu, grant(s)))
             .collect();
         let holder = Holder {
             namespace: pod.namespace().unwrap_or_default(),
@@ -63,6 +65,64 @@ impl ContainerDirectory for KubeAssignments {
             container_id: container_id.to_string(),
         };
         Lookup::Granted { holder, grants }
+    }
+}
+
+/// A slice of an assignment as the guard's grant.
+fn grant(s: &gpuplace_core::assignment::GpuSlice) -> Grant {
+    Grant { mem_mib: s.mem_mib, core_pct: s.core_pct, exclusive: s.exclusive }
+}
+
+impl GrantedPods for KubeAssignments {
+    fn granted_pods(&self) -> Vec<PodGrants> {
+        self.cached_pods(None)
+            .into_iter()
+            .filter_map(|pod| {
+                let assigned = match self.trusted(&pod) {
+                    Ok(Some(p)) => p,
+                    Ok(None) => return None,
+                    Err(e) => {
+                        if e.unknown_key() {
+                            self.reload_keys_soon();
+                        }
+                        return None;
+                    }
+                };
+                let uid = pod.metadata.uid.clone()?;
+                let spec = pod.spec.as_ref();
+                let init: Vec<&str> = spec
+                    .into_iter()
+                    .flat_map(|s| s.init_containers.iter().flatten())
+                    .map(|c| c.name.as_str())
+                    .collect();
+                let status = pod.status.as_ref();
+                let id_of = |name: &str| {
+                    let lists = status.into_iter().flat_map(|s| [&s.container_statuses, &s.init_container_statuses]);
+                    lists
+                        .flatten()
+                        .flatten()
+                        .find(|c| c.name == name)
+                        .and_then(|c| c.container_id.as_deref())
+                        .map(|id| bare_container_id(id).to_ascii_lowercase())
+                };
+                let containers = assigned
+                    .assignment
+                    .containers
+                    .iter()
+                    .map(|c| ContainerGrants {
+                        name: c.name.clone(),
+                        container_id: id_of(&c.name),
+                        init: init.contains(&c.name.as_str()),
+                        grants: c.slices.iter().map(|s| (s.gpu, grant(s))).collect(),
+                    })
+                    .collect();
+                Some(PodGrants {
+                    pod: format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any()),
+                    uid,
+                    containers,
+                })
+            })
+            .collect()
     }
 }
 

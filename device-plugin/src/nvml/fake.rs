@@ -22,6 +22,14 @@
 //! ```json
 //! {"processes": [{"gpu": 0, "pid": 41234, "used_mib": 30000}]}
 //! ```
+//!
+//! With a driver-limits file (`--fake-driver-limits FILE`) the fake driver has per-cgroup memory
+//! limits (docs/isolation.md, `driver-limits`): each limit the plugin sets is written there, so a
+//! test can read which cgroup got which cap:
+//!
+//! ```json
+//! {"limits": [{"gpu": 0, "cgroup": "/sys/fs/cgroup/kubepods.slice/…/cri-containerd-<id>.scope", "limit_mib": 20992}]}
+//! ```
 
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
@@ -150,6 +158,20 @@ pub struct FakeProcesses {
     pub processes: Vec<FakeProcess>,
 }
 
+/// One memory limit the fake driver holds (`--fake-driver-limits FILE`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FakeLimit {
+    pub gpu: u32,
+    pub cgroup: PathBuf,
+    pub limit_mib: u64,
+}
+
+/// The driver-limits file.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FakeLimits {
+    pub limits: Vec<FakeLimit>,
+}
+
 #[derive(Debug)]
 struct FakeState {
     /// What is fixed per GPU; the rest follows the synthetic wave.
@@ -162,6 +184,8 @@ struct FakeState {
     clock: Option<Duration>,
     /// Set by [`FakeBackend::set_processes`], per GPU.
     processes: Vec<Vec<GpuProcess>>,
+    /// The memory limits set, by GPU and cgroup.
+    limits: std::collections::BTreeMap<(u32, PathBuf), u64>,
 }
 
 /// See the module docs.
@@ -170,6 +194,7 @@ pub struct FakeBackend {
     inventory: Inventory,
     script: Vec<ScriptStep>,
     processes_file: Option<PathBuf>,
+    limits_file: Option<PathBuf>,
     start: Instant,
     state: Mutex<FakeState>,
     wake: Condvar,
@@ -230,6 +255,7 @@ impl FakeBackend {
             inventory,
             script: Vec::new(),
             processes_file: None,
+            limits_file: None,
             start: Instant::now(),
             state: Mutex::new(FakeState {
                 fixed: vec![Fixed::default(); n],
@@ -238,6 +264,7 @@ impl FakeBackend {
                 applied: 0,
                 clock: None,
                 processes: vec![Vec::new(); n],
+                limits: Default::default(),
             }),
             wake: Condvar::new(),
         })
@@ -267,6 +294,21 @@ impl FakeBackend {
     pub fn with_processes_file(mut self, path: PathBuf) -> Self {
         self.processes_file = Some(path);
         self
+    }
+
+    /// A driver with per-cgroup memory limits, which it writes to `path` as they are set.
+    pub fn with_driver_limits_file(mut self, path: PathBuf) -> Self {
+        self.limits_file = Some(path);
+        self
+    }
+
+    /// The memory limits set, by GPU and cgroup.
+    pub fn memory_limits(&self) -> Vec<FakeLimit> {
+        let st = self.lock();
+        st.limits
+            .iter()
+            .map(|((gpu, cgroup), mib)| FakeLimit { gpu: *gpu, cgroup: cgroup.clone(), limit_mib: *mib })
+            .collect()
     }
 
     /// Fixes the processes of one GPU (added to those of the processes file).
@@ -382,6 +424,52 @@ impl FakeBackend {
 impl GpuBackend for FakeBackend {
     fn inventory(&self) -> Result<Inventory, BackendError> {
         Ok(self.inventory.clone())
+    }
+
+    fn driver_memory_limits(&self) -> super::DriverMemoryLimits {
+        match &self.limits_file {
+            Some(f) => super::DriverMemoryLimits {
+                supported: true,
+                detail: format!("fake driver: per-cgroup memory limits, written to {}", f.display()),
+            },
+            None => {
+                super::DriverMemoryLimits::absent("fake driver: no per-cgroup memory limits (--fake-driver-limits)")
+            }
+        }
+    }
+
+    fn set_memory_limit(&self, index: u32, cgroup: &Path, limit_mib: Option<u64>) -> Result<(), BackendError> {
+        let i = self.check(index)?;
+        let Some(file) = &self.limits_file else {
+            return Err(BackendError::Fake("no per-cgroup memory limits (--fake-driver-limits)".into()));
+        };
+        let mut st = self.lock();
+        if st.lost[i] {
+            return Err(BackendError::GpuLost(index));
+        }
+        // as the driver: a cgroup that does not exist cannot be limited
+        if !cgroup.is_dir() {
+            return Err(BackendError::Fake(format!("cgroup {} does not exist", cgroup.display())));
+        }
+        match limit_mib {
+            Some(mib) => st.limits.insert((index, cgroup.to_path_buf()), mib),
+            None => st.limits.remove(&(index, cgroup.to_path_buf())),
+        };
+        // as the driver: a removed cgroup took its limits with it
+        st.limits.retain(|(_, cg), _| cg.is_dir());
+        let all = FakeLimits {
+            limits: st
+                .limits
+                .iter()
+                .map(|((gpu, cgroup), mib)| FakeLimit { gpu: *gpu, cgroup: cgroup.clone(), limit_mib: *mib })
+                .collect(),
+        };
+        let text = serde_json::to_string_pretty(&all).map_err(|e| BackendError::Fake(e.to_string()))?;
+        // whole or not at all, for a reader polling the file
+        let tmp = file.with_extension("tmp");
+        std::fs::write(&tmp, text)
+            .and_then(|()| std::fs::rename(&tmp, file))
+            .map_err(|e| BackendError::Fake(format!("writing driver limits {}: {e}", file.display())))
     }
 
     fn sample(&self, index: u32) -> Result<GpuSample, BackendError> {

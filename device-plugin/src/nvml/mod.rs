@@ -285,6 +285,22 @@ pub trait GpuBackend: Send + Sync {
     fn driver_memory_limits(&self) -> DriverMemoryLimits {
         DriverMemoryLimits::absent("this backend has no driver")
     }
+    /// Caps the GPU memory that the processes of one cgroup (a full path under the cgroup v2 mount)
+    /// may allocate on one GPU, hard and soft at `limit_mib` (`None`: no limit). Only where
+    /// [`Self::driver_memory_limits`] said supported.
+    fn set_memory_limit(
+        &self,
+        index: u32,
+        cgroup: &std::path::Path,
+        limit_mib: Option<u64>,
+    ) -> Result<(), BackendError> {
+        let _ = (index, cgroup, limit_mib);
+        Err(BackendError::Nvml {
+            call: "nvmlDeviceSetMemoryLimits_v1",
+            gpu: Some(index),
+            message: "this backend has no driver memory limits".into(),
+        })
+    }
 }
 
 /// Where one NVLink lane of a GPU ends.

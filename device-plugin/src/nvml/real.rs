@@ -22,6 +22,20 @@ use super::{
 /// Lane indices to ask about: `NVML_NVLINK_MAX_LINKS` (18, Hopper's count) in current NVML headers.
 const MAX_NVLINKS: u32 = 18;
 
+/// NVML 615's `nvmlSetMemoryLimits_v1_t` (unversioned): the cgroup's full path under the cgroup v2
+/// mount, and the soft and hard limits in bytes.
+#[repr(C)]
+struct SetMemoryLimitsV1 {
+    name_space: *const std::ffi::c_char,
+    soft_limit: u64,
+    hard_limit: u64,
+}
+
+type SetMemoryLimitsFn = unsafe extern "C" fn(
+    nvml_wrapper_sys::bindings::nvmlDevice_t,
+    *mut SetMemoryLimitsV1,
+) -> nvml_wrapper_sys::bindings::nvmlReturn_t;
+
 /// The real driver.
 pub struct NvmlBackend {
     // NVML is initialised once and never shut down: the plugin lives as long as the process, and a
@@ -330,6 +344,36 @@ impl GpuBackend for NvmlBackend {
         };
         let cgroup_v2 = std::path::Path::new("/sys/fs/cgroup/cgroup.controllers").exists();
         DriverMemoryLimits::judge(self.nvml.sys_driver_version().ok().as_deref(), set, get, cgroup_v2)
+    }
+
+    fn set_memory_limit(
+        &self,
+        index: u32,
+        cgroup: &std::path::Path,
+        limit_mib: Option<u64>,
+    ) -> Result<(), BackendError> {
+        use std::os::unix::ffi::OsStrExt;
+        const CALL: &str = "nvmlDeviceSetMemoryLimits_v1";
+        let err = |message: String| BackendError::Nvml { call: CALL, gpu: Some(index), message };
+        let dev = self.device(index)?;
+        let path = std::ffi::CString::new(cgroup.as_os_str().as_bytes())
+            .map_err(|_| err(format!("{}: a cgroup path with a NUL byte", cgroup.display())))?;
+        // soft = hard: the whole grant is guaranteed and nothing above it is lent; no limit is
+        // soft 0 and hard NVML_DEVICE_MEMORY_LIMIT_MAX
+        let (soft, hard) = match limit_mib {
+            Some(mib) => (mib << 20, mib << 20),
+            None => (0, u64::MAX),
+        };
+        let mut limits = SetMemoryLimitsV1 { name_space: path.as_ptr(), soft_limit: soft, hard_limit: hard };
+        // SAFETY: libnvidia-ml is already loaded and initialised by this process; this takes another
+        // reference for as long as the call
+        let lib = unsafe { libloading::Library::new("libnvidia-ml.so.1") }.map_err(|e| err(e.to_string()))?;
+        // SAFETY: the signature of NVML 615's nvmlDeviceSetMemoryLimits_v1
+        let set = unsafe { lib.get::<SetMemoryLimitsFn>(b"nvmlDeviceSetMemoryLimits_v1\0") }
+            .map_err(|e| err(format!("libnvidia-ml has no {CALL} ({e})")))?;
+        // SAFETY: a live device handle and a struct whose path outlives the call
+        let rc = unsafe { set(dev.handle(), &mut limits) };
+        nvml_wrapper::error::nvml_try(rc).map_err(nvml_err(CALL, Some(index)))
     }
 
     fn wait_events(&self, timeout: Duration) -> Result<Vec<GpuEvent>, BackendError> {

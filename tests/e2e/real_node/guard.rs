@@ -44,18 +44,23 @@ pub(super) fn chart_values(node_dir: &Path) -> Vec<(String, String)> {
             "devicePlugin.extraArgs".into(),
             json!([
                 format!("--fake-processes={MOUNT}/processes.json"),
+                format!("--fake-driver-limits={MOUNT}/limits.json"),
                 format!("--sample-interval={}s", SAMPLE.as_secs()),
                 format!("--guard-grace={}s", GRACE.as_secs()),
             ])
             .to_string(),
         ),
+        // the fake driver has per-cgroup memory limits: the node runs in driver-limits mode, the
+        // guard as its backstop
+        ("devicePlugin.driverLimits.enabled".into(), "true".into()),
         (
             "devicePlugin.extraVolumes".into(),
             json!([{"name": "e2e-guard", "hostPath": {"path": dir, "type": "Directory"}}]).to_string(),
         ),
         (
             "devicePlugin.extraVolumeMounts".into(),
-            json!([{"name": "e2e-guard", "mountPath": MOUNT, "readOnly": true}]).to_string(),
+            // read-write: the fake driver writes its limits there
+            json!([{"name": "e2e-guard", "mountPath": MOUNT}]).to_string(),
         ),
     ]
 }
@@ -125,6 +130,35 @@ fn write_processes(dir: &Path, entries: &[(u32, u32, u64)]) {
     std::fs::write(&tmp, json!({"processes": processes}).to_string()).expect("write the processes");
     // renamed into place: the plugin never reads half a file
     std::fs::rename(&tmp, dir.join("processes.json")).expect("rename the processes");
+}
+
+/// The fake driver's cap on the cgroup of container `cid` (its cgroup's last segment names it).
+fn cap_of(dir: &Path, cid: &str) -> Option<(PathBuf, u64)> {
+    let text = std::fs::read_to_string(dir.join("limits.json")).ok()?;
+    let limits: serde_json::Value = serde_json::from_str(&text).ok()?;
+    limits["limits"].as_array()?.iter().find_map(|l| {
+        let cgroup = PathBuf::from(l["cgroup"].as_str()?);
+        let named = cgroup.file_name().is_some_and(|n| n.to_string_lossy().contains(cid));
+        named.then(|| (cgroup, l["limit_mib"].as_u64().unwrap_or(0)))
+    })
+}
+
+/// Waits until the driver caps container `cid`'s cgroup at `mib`; the seconds it took.
+async fn capped(node_dir: &Path, who: &str, cid: &str, mib: u64) -> f64 {
+    let t = Instant::now();
+    let dir = host_dir(node_dir);
+    wait_for(&format!("{who}'s container capped at {mib} MiB by the driver"), Duration::from_secs(30), || {
+        let got = cap_of(&dir, cid);
+        let text = std::fs::read_to_string(dir.join("limits.json")).unwrap_or_default();
+        async move {
+            match got {
+                Some((cgroup, m)) if m == mib && cgroup.is_dir() => Ok(()),
+                other => Err(format!("its cap {other:?}; the driver's limits: {text}")),
+            }
+        }
+    })
+    .await;
+    t.elapsed().as_secs_f64()
 }
 
 /// The waiting of one round: the Event's delay and the kill's, in seconds.
@@ -210,14 +244,15 @@ async fn round(
     (event_s, t.elapsed().as_secs_f64())
 }
 
-/// The node publishes the mode its plugin runs in (`guard`: the guard runs, no MPS daemon, no driver
-/// limits), and a pod that requires `mps` is refused there with the reason.
+/// The node publishes the mode its plugin runs in (`driver-limits`: the fake driver has per-cgroup
+/// limits and the chart lets the plugin set them; the guard runs behind them), and a pod that
+/// requires `mps` is refused there with the reason.
 async fn the_mode_is_published_and_required(client: &Client) {
     let nodes: Api<Node> = Api::all(client.clone());
     let n = nodes.get(NODE).await.expect("the node");
     let inventory = n.annotations().get(ANNOTATION_INVENTORY).map(|t| NodeInventory::parse(t).expect("the inventory"));
     let mode = inventory.and_then(|i| i.isolation);
-    assert_eq!(mode, Some(IsolationMode::Guard), "the node's published isolation mode");
+    assert_eq!(mode, Some(IsolationMode::DriverLimits), "the node's published isolation mode");
     let mut needs_mps = pod("needs-mps", &[("gpu", "1"), ("gpu-mem", "1000"), ("gpu-core", "10")], &[], None);
     needs_mps.metadata.annotations = Some([("gpuplace.io/isolation".to_string(), "mps".to_string())].into());
     let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
@@ -248,7 +283,7 @@ async fn the_mode_is_published_and_required(client: &Client) {
             said = e.note.unwrap_or_default();
         }
     }
-    figure(&format!("real node: isolation mode guard published; a pod requiring mps: {said}"));
+    figure(&format!("real node: isolation mode driver-limits published; a pod requiring mps: {said}"));
     pods.delete("needs-mps", &DeleteParams::default().grace_period(0)).await.expect("delete needs-mps");
 }
 
@@ -266,6 +301,14 @@ pub(super) async fn shares_hold_on_the_real_node(client: &Client, node_dir: &Pat
     assert_eq!(gpu_of(&pb), gpu, "the two shares are on different GPUs; binpacking puts them on one");
     let (big_cid, big_restarts) = container(&pb);
     let big_pid = *pids_of(&big_cid).first().expect("the big share's process");
+    // driver-limits: each share's cgroup capped at its grant (the kubelet makes no pod cgroups here,
+    // so the containers' own; a fake node keeps no context overhead)
+    let small_cap_s = capped(node_dir, small, &container(&ps).0, 20 * 1024).await;
+    let big_cap_s = capped(node_dir, big, &big_cid, 40 * 1024).await;
+    figure(&format!(
+        "real node: driver-limits: the 20 GiB and 40 GiB shares' container cgroups capped at 20480 and 40960 MiB \
+         ({small_cap_s:.1} s and {big_cap_s:.1} s after both were Running)"
+    ));
     // within their grants: nothing happens
     let small_pid = *pids_of(&container(&ps).0).first().expect("the small share's process");
     write_processes(&dir, &[(gpu, small_pid, 20 * 1024), (gpu, big_pid, 40 * 1024)]);
@@ -282,6 +325,10 @@ pub(super) async fn shares_hold_on_the_real_node(client: &Client, node_dir: &Pat
     assert!(kill_s >= GRACE.as_secs_f64(), "killed before the grace: {kill_s:.1} s");
     let ev = events_of(client, small).await;
     assert!(ev.contains_key("GpuMemoryGuardKilled"), "{ev:?}");
+    // the restarted container is a new cgroup: capped in turn
+    let restarted = container(&pods.get(small).await.expect("small")).0;
+    let recap_s = capped(node_dir, small, &restarted, 20 * 1024).await;
+    figure(&format!("real node: driver-limits: the small share's restarted container capped {recap_s:.1} s after its restart was seen"));
 
     // the same, with the plugin's pod deleted once the Event is out
     let (event_s, kill_s) = round(client, node_dir, gpu, small, big_pid, ev["GpuMemoryOverGrant"], true).await;
