@@ -22,6 +22,7 @@ use gpuplace_device_plugin::guard::{ContainerDirectory, GuardConfig, OverrunActi
 use gpuplace_device_plugin::isolation::{self, Capabilities, IsolationStatus};
 use gpuplace_device_plugin::k8s::assignments::KubeAssignments;
 use gpuplace_device_plugin::k8s::claims::KubeClaims;
+use gpuplace_device_plugin::k8s::dra_guard::DraDirectory;
 use gpuplace_device_plugin::k8s::events::PluginEvents;
 use gpuplace_device_plugin::k8s::guard::KubeGuardOutlet;
 use gpuplace_device_plugin::k8s::inventory::cluster_node;
@@ -322,13 +323,12 @@ fn driver_limits_prerequisites(cli: &Cli, apiserver: bool) -> Result<(), String>
     }
 }
 
-/// The guard runs where it can find each container's grant: assignments mode with the API server.
+/// The guard runs where it can find each container's grant, with the API server: in assignments mode
+/// from the pods' assignments, in DRA mode from their claims' prepared specs.
 fn guard_prerequisites(cli: &Cli, apiserver: bool) -> Result<(), String> {
     if cli.no_guard {
         Err("--no-guard".into())
-    } else if cli.dra {
-        Err("DRA mode: the guard reads grants from gpuplace assignments, not from claims".into())
-    } else if cli.no_assignments {
+    } else if cli.no_assignments && !cli.dra {
         Err("--no-assignments: containers have no grants to hold them to".into())
     } else {
         isolation::guard_prerequisites(apiserver, &cli.pod_resources_socket)
@@ -486,8 +486,16 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
     let mut directory: Option<Arc<dyn ContainerDirectory>> = None;
     let mut granted_pods: Option<Arc<dyn GrantedPods>> = None;
     let source: Option<Arc<dyn AssignmentSource>> = match &api {
-        // DRA: kubelet hands out what the claims' allocations say, not the extender's assignments
-        Some(_) if cli.dra => None,
+        // DRA: kubelet hands out what the claims' allocations say, not the extender's assignments;
+        // the guard finds each container's grant in its claims' prepared specs
+        Some((client, node)) if cli.dra => {
+            if !cli.no_guard {
+                let dra =
+                    DraDirectory::start(client.clone(), node, cli.cdi_dir.clone(), &cli.dra_driver, telemetry.clone());
+                directory = Some(dra);
+            }
+            None
+        }
         Some(_) if cli.no_assignments => {
             tracing::warn!("--no-assignments: kubelet's slots decide the GPUs; extender assignments are not applied");
             None

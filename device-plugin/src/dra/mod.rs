@@ -6,6 +6,7 @@
 //! - [`prepare`]: NodePrepareResources for one claim: its allocation to a CDI spec with gpuplace's
 //!   container environment (pure).
 //! - [`cdi`]: the claims' CDI spec files.
+//! - [`grants`]: what each container was granted through its claims, for the guard (pure).
 //! - [`kubelet`]: registration with kubelet as a DRA driver, and the `v1.DRAPlugin` service.
 //!
 //! The slice is written by [`crate::k8s::slices::SliceSync`]. docs/deploy.md "DRA" has the
@@ -14,5 +15,6 @@
 
 pub mod cdi;
 pub mod devices;
+pub mod grants;
 pub mod kubelet;
 pub mod prepare;

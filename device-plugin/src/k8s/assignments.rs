@@ -24,7 +24,6 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
 use gpuplace_core::admission::admission_order;
 use gpuplace_core::annotations::SignatureProblem;
 use gpuplace_core::annotations::{
@@ -35,8 +34,7 @@ use gpuplace_core::resources::{pod_request, ContainerResources, PodSpecView, Req
 use gpuplace_core::signing::PublicKeys;
 use k8s_openapi::api::core::v1::{Container, Pod};
 use kube::api::{ListParams, Patch, PatchParams};
-use kube::runtime::reflector::{self, Store};
-use kube::runtime::{watcher, WatchStreamExt};
+use kube::runtime::reflector::Store;
 use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 use tokio::task::JoinHandle;
@@ -233,34 +231,7 @@ impl KubeAssignments {
         telemetry: Arc<Telemetry>,
         timeout: Duration,
     ) -> Arc<Self> {
-        let (store, writer) = reflector::store();
-        let config = watcher::Config::default().fields(&format!("spec.nodeName={node_name}"));
-        let stream = watcher(Api::<Pod>::all(client.clone()), config).default_backoff().reflect(writer);
-        let watch = tokio::spawn({
-            let telemetry = telemetry.clone();
-            let node = node_name.to_string();
-            async move {
-                let mut failing = false;
-                let mut stream = std::pin::pin!(stream);
-                while let Some(event) = stream.next().await {
-                    match event {
-                        Ok(_) if failing => {
-                            failing = false;
-                            tracing::info!(%node, "watching this node's pods again");
-                        }
-                        Ok(_) => {}
-                        Err(e) => {
-                            telemetry.api_error("pods_watch");
-                            // once per outage; the backoff retries
-                            if !failing {
-                                tracing::warn!(%node, error = %e, "watching this node's pods failed; retrying");
-                            }
-                            failing = true;
-                        }
-                    }
-                }
-            }
-        });
+        let (store, watch) = super::pods::watch_node_pods(client.clone(), node_name, telemetry.clone());
         Arc::new(Self {
             node_name: node_name.to_string(),
             node,

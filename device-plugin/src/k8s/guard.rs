@@ -21,7 +21,7 @@ use crate::guard::{ContainerDirectory, Grant, Holder, Lookup};
 use crate::sampler::Telemetry;
 
 /// The container of `pod` whose runtime ID is `container_id` (app, init or ephemeral).
-fn container_name(pod: &Pod, container_id: &str) -> Option<String> {
+pub(crate) fn container_name(pod: &Pod, container_id: &str) -> Option<String> {
     let status = pod.status.as_ref()?;
     let lists = [&status.container_statuses, &status.init_container_statuses, &status.ephemeral_container_statuses];
     lists.into_iter().flatten().flatten().find_map(|c| {

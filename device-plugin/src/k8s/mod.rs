@@ -13,6 +13,8 @@
 //! - [`keys::AssignmentKeys`]: the extender's public keys, which every assignment must verify with.
 //! - [`claims::KubeClaims`]: in DRA mode, the claims kubelet asks to prepare.
 //! - [`slices::SliceSync`]: in DRA mode, this node's ResourceSlice (its healthy GPUs as devices).
+//! - [`pods`]: this node's pods, watched into a cache (the assignments mode's and the DRA guard's).
+//! - [`dra_guard`]: in DRA mode, the guard's directory: a container's grants from its claims.
 //! - [`guard`]: the guard's pods (which container a process is in, and its grant), its Events and
 //!   evictions.
 //! - [`inventory`]: what the node publishes, computed from the discovered GPUs and their health (pure).
@@ -30,11 +32,13 @@
 
 pub mod assignments;
 pub mod claims;
+pub mod dra_guard;
 pub mod events;
 pub mod guard;
 pub mod inventory;
 pub mod keys;
 pub mod node;
+pub mod pods;
 pub mod slices;
 pub mod utilization;
 

@@ -287,6 +287,10 @@ async fn claim_pods_run_on_the_real_node(gpuplace: bool) {
     }
     assert!(problems.is_empty(), "containers without their claim's environment:\n{}", problems.join("\n"));
 
+    if !gpuplace {
+        the_guard_holds_claim_shares(&admin, &node, &api).await;
+    }
+
     // ---- the kubelet's side: its DRA checkpoint holds each claim with the plugin's CDI device
     let checkpoint =
         std::fs::read_to_string(node.root_dir.join("dra_manager_state")).expect("the kubelet's DRA checkpoint");
@@ -358,4 +362,60 @@ async fn claim_pods_run_on_the_real_node(gpuplace: bool) {
     ));
     drop(ext);
     drop(node);
+}
+
+/// Issue 49's guard in DRA mode: a share's grant is its claim's allocation (the prepared CDI spec);
+/// share-a at 10 GiB over its 20000Mi gets `GpuMemoryOverGrant` and, after the grace, its process is
+/// killed; share-b within its own is untouched.
+async fn the_guard_holds_claim_shares(admin: &kube::Client, node: &RealNode, api: &Api<Pod>) {
+    use super::guard::{container, events_of, pids_of, write_processes, GRACE};
+    let dir = super::guard::host_dir(&node.dir);
+    let (a, b) = (api.get("share-a").await.expect("share-a"), api.get("share-b").await.expect("share-b"));
+    let gpu_of = |p: &Pod| -> u32 {
+        let env = env_of(node, p);
+        env.get("GPUPLACE_GPU_INDICES").and_then(|g| g.parse().ok()).expect("a share's one GPU")
+    };
+    let (ga, gb) = (gpu_of(&a), gpu_of(&b));
+    let ((a_cid, a_restarts), (b_cid, b_restarts)) = (container(&a), container(&b));
+    let a_pid = *pids_of(&a_cid).first().expect("share-a's process");
+    let b_pid = *pids_of(&b_cid).first().expect("share-b's process");
+    write_processes(&dir, &[(ga, a_pid, 30_000), (gb, b_pid, 20_000)]);
+    let t = Instant::now();
+    wait_for("share-a's GpuMemoryOverGrant Event in DRA mode", Duration::from_secs(30), || {
+        let admin = admin.clone();
+        async move {
+            let ev = events_of(&admin, "share-a").await;
+            if ev.contains_key("GpuMemoryOverGrant") {
+                Ok(())
+            } else {
+                Err(format!("its events {ev:?}"))
+            }
+        }
+    })
+    .await;
+    let event_s = t.elapsed().as_secs_f64();
+    wait_for("share-a's process killed in DRA mode", Duration::from_secs(60), || {
+        let api = api.clone();
+        async move {
+            let alive = std::path::Path::new(&format!("/proc/{a_pid}")).exists();
+            let now = container(&api.get("share-a").await.map_err(|e| e.to_string())?).1;
+            if !alive && now > a_restarts {
+                Ok(())
+            } else {
+                Err(format!("process alive {alive}, restarts {a_restarts} -> {now}"))
+            }
+        }
+    })
+    .await;
+    let kill_s = t.elapsed().as_secs_f64();
+    assert!(kill_s >= GRACE.as_secs_f64(), "killed before the grace: {kill_s:.1} s");
+    let b_now = api.get("share-b").await.expect("share-b");
+    assert_eq!(container(&b_now), (b_cid.clone(), b_restarts), "share-b, within its claim, was touched");
+    assert!(std::path::Path::new(&format!("/proc/{b_pid}")).exists(), "share-b's process is gone");
+    assert!(events_of(admin, "share-b").await.keys().all(|r| !r.starts_with("GpuMemory")), "share-b got an Event");
+    write_processes(&dir, &[]);
+    figure(&format!(
+        "real node (DRA): guard: share-a (claim of 20000Mi on GPU {ga}) at 30000 MiB: GpuMemoryOverGrant after {event_s:.1} s, its process killed after {kill_s:.1} s (grace {} s); share-b (GPU {gb}) within its claim untouched",
+        GRACE.as_secs()
+    ));
 }

@@ -66,7 +66,7 @@ pub(super) fn chart_values(node_dir: &Path) -> Vec<(String, String)> {
 }
 
 /// The host PIDs of the processes in a container, from every process's cgroup.
-fn pids_of(container_id: &str) -> Vec<u32> {
+pub(super) fn pids_of(container_id: &str) -> Vec<u32> {
     let mut pids = Vec::new();
     for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
         let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
@@ -80,7 +80,7 @@ fn pids_of(container_id: &str) -> Vec<u32> {
 }
 
 /// (container ID, restart count) of the pod's first container.
-fn container(p: &Pod) -> (String, i32) {
+pub(super) fn container(p: &Pod) -> (String, i32) {
     let c = p.status.as_ref().and_then(|s| s.container_statuses.as_ref()).and_then(|c| c.first());
     let id = c.and_then(|c| c.container_id.clone()).unwrap_or_default();
     let bare = id.split_once("://").map_or(id.as_str(), |(_, b)| b).to_string();
@@ -95,7 +95,7 @@ fn gpu_of(p: &Pod) -> u32 {
 
 /// Reason -> times observed, of the pod's Events (events.k8s.io: a repeat of an Event is one more
 /// in its `series`, not a new object).
-async fn events_of(client: &Client, pod: &str) -> BTreeMap<String, i32> {
+pub(super) async fn events_of(client: &Client, pod: &str) -> BTreeMap<String, i32> {
     let events: Api<Event> = Api::namespaced(client.clone(), NS);
     let list = events.list(&ListParams::default()).await.expect("events").items;
     let mut out = BTreeMap::new();
@@ -123,7 +123,7 @@ fn guard_log(node_dir: &Path) -> String {
     lines[lines.len().saturating_sub(12)..].join("\n")
 }
 
-fn write_processes(dir: &Path, entries: &[(u32, u32, u64)]) {
+pub(super) fn write_processes(dir: &Path, entries: &[(u32, u32, u64)]) {
     let processes: Vec<_> =
         entries.iter().map(|(gpu, pid, mib)| json!({"gpu": gpu, "pid": pid, "used_mib": mib})).collect();
     let tmp = dir.join("processes.json.tmp");
