@@ -308,14 +308,14 @@ fn managed_mps_prerequisites(binary: &std::path::Path) -> Result<(), String> {
 }
 
 /// The driver's caps are set where each share's grant and cgroup are known: `--driver-limits`, in
-/// assignments mode with the API server, with a cgroup tree to find the pods in.
+/// assignments or DRA mode with the API server, with a cgroup tree to find the pods in.
 fn driver_limits_prerequisites(cli: &Cli, apiserver: bool) -> Result<(), String> {
     if !cli.driver_limits {
         Err("--driver-limits is not set (chart: devicePlugin.driverLimits.enabled)".into())
-    } else if cli.dra {
-        Err("DRA mode: driver limits are set from gpuplace assignments, not from claims".into())
-    } else if cli.no_assignments || !apiserver {
-        Err("driver limits need each share's grant: assignments mode with the API server".into())
+    } else if cli.no_guard && cli.dra {
+        Err("--no-guard: in DRA mode the claims' grants are read by the guard's pod watch".into())
+    } else if (cli.no_assignments && !cli.dra) || !apiserver {
+        Err("driver limits need each share's grant: assignments or DRA mode with the API server".into())
     } else if !cli.cgroup_root.is_dir() {
         Err(format!("--cgroup-root {} is not a directory", cli.cgroup_root.display()))
     } else {
@@ -492,7 +492,8 @@ fn serve(cli: &Cli, backend: Arc<dyn GpuBackend>) -> Result<(), String> {
             if !cli.no_guard {
                 let dra =
                     DraDirectory::start(client.clone(), node, cli.cdi_dir.clone(), &cli.dra_driver, telemetry.clone());
-                directory = Some(dra);
+                directory = Some(dra.clone());
+                granted_pods = Some(dra);
             }
             None
         }

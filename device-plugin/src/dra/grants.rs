@@ -8,6 +8,8 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::Value;
 
+use crate::driver_limits::{ContainerGrants, PodGrants};
+use crate::guard::cgroup::bare_container_id;
 use crate::guard::Grant;
 
 /// One request of a prepared claim: its GPUs and their limits.
@@ -96,6 +98,45 @@ pub fn container_grants(pod: &Pod, container: &str, prepared: &[ClaimGrant]) -> 
     found.then_some(out)
 }
 
+/// A running pod's containers with claims prepared here, for the driver's memory caps; `None` for
+/// a finished pod or one with none.
+pub fn pod_grants(pod: &Pod, prepared: &[ClaimGrant]) -> Option<PodGrants> {
+    let status = pod.status.as_ref();
+    if matches!(status.and_then(|s| s.phase.as_deref()), Some("Succeeded" | "Failed")) {
+        return None;
+    }
+    let spec = pod.spec.as_ref()?;
+    let id_of = |name: &str| {
+        let lists = status.into_iter().flat_map(|s| [&s.container_statuses, &s.init_container_statuses]);
+        lists
+            .flatten()
+            .flatten()
+            .find(|c| c.name == name)
+            .and_then(|c| c.container_id.as_deref())
+            .map(|id| bare_container_id(id).to_ascii_lowercase())
+    };
+    let names = spec
+        .containers
+        .iter()
+        .map(|c| (c.name.as_str(), false))
+        .chain(spec.init_containers.iter().flatten().map(|c| (c.name.as_str(), true)));
+    let containers: Vec<ContainerGrants> = names
+        .filter_map(|(name, init)| {
+            let grants = container_grants(pod, name, prepared)?;
+            Some(ContainerGrants { name: name.to_string(), container_id: id_of(name), init, grants })
+        })
+        .collect();
+    (!containers.is_empty()).then(|| PodGrants {
+        pod: format!(
+            "{}/{}",
+            pod.metadata.namespace.as_deref().unwrap_or(""),
+            pod.metadata.name.as_deref().unwrap_or("")
+        ),
+        uid: pod.metadata.uid.clone().unwrap_or_default(),
+        containers,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use serde_json::json;
@@ -173,5 +214,32 @@ mod tests {
         assert_eq!(container_grants(&pod(), "nobody", &prepared), None);
         // claims named but none prepared here (another driver's)
         assert_eq!(container_grants(&pod(), "main", &[]), None);
+    }
+
+    #[test]
+    fn a_running_pods_claimed_containers_are_its_grants_for_the_driver_caps() {
+        let prepared = vec![ClaimGrant {
+            claim: "ml/p-own-x7k2q".into(),
+            request: "gpu".into(),
+            grants: [(2, share(10_000, 20))].into(),
+        }];
+        let mut p = pod();
+        let id = "A".repeat(64);
+        p.status.as_mut().unwrap().container_statuses = Some(vec![serde_json::from_value(json!({
+            "name": "main", "containerID": format!("containerd://{id}"), "image": "", "imageID": "", "ready": true, "restartCount": 0
+        }))
+        .unwrap()]);
+        let g = pod_grants(&p, &prepared).unwrap();
+        assert_eq!((g.pod.as_str(), g.uid.as_str()), ("ml/p", "u"));
+        assert_eq!(g.containers.len(), 1, "the sidecar names no claim");
+        let c = &g.containers[0];
+        assert_eq!(
+            (c.name.as_str(), c.container_id.as_deref(), c.init),
+            ("main", Some("a".repeat(64).as_str()), false)
+        );
+        assert_eq!(c.grants, BTreeMap::from([(2, share(10_000, 20))]));
+        assert_eq!(pod_grants(&p, &[]), None, "no claim prepared here");
+        p.status.as_mut().unwrap().phase = Some("Succeeded".into());
+        assert_eq!(pod_grants(&p, &prepared), None, "finished");
     }
 }

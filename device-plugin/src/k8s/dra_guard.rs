@@ -1,7 +1,8 @@
 //! The guard's directory in DRA mode: a process's container is found in this node's pods (the
 //! watch of [`super::pods`]), and its grant in the CDI specs of the claims this plugin prepared
 //! ([`crate::dra::grants`]): what the allocation gave each request of each claim, per GPU. Events
-//! and evictions go through the same [`super::guard::KubeGuardOutlet`] as in assignments mode.
+//! and evictions go through the same [`super::guard::KubeGuardOutlet`] as in assignments mode. The
+//! driver's memory caps read the same grants ([`GrantedPods`]).
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -14,7 +15,8 @@ use tokio::task::JoinHandle;
 
 use super::guard::container_name;
 use crate::dra::cdi::{prepared_uids, spec_path};
-use crate::dra::grants::{container_grants, spec_grants, ClaimGrant};
+use crate::dra::grants::{container_grants, pod_grants, spec_grants, ClaimGrant};
+use crate::driver_limits::{GrantedPods, PodGrants};
 use crate::guard::{ContainerDirectory, Holder, Lookup};
 use crate::sampler::Telemetry;
 
@@ -90,5 +92,12 @@ impl ContainerDirectory for DraDirectory {
                 grants,
             },
         }
+    }
+}
+
+impl GrantedPods for DraDirectory {
+    fn granted_pods(&self) -> Vec<PodGrants> {
+        let prepared = self.prepared();
+        self.store.state().iter().filter_map(|pod| pod_grants(pod, &prepared)).collect()
     }
 }

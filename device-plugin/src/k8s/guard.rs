@@ -68,6 +68,11 @@ impl ContainerDirectory for KubeAssignments {
     }
 }
 
+/// A status's `containerd://<id>` as the bare, lowercase ID cgroups name.
+pub(crate) fn bare_id(status_id: &str) -> String {
+    bare_container_id(status_id).to_ascii_lowercase()
+}
+
 /// A slice of an assignment as the guard's grant.
 fn grant(s: &gpuplace_core::assignment::GpuSlice) -> Grant {
     Grant { mem_mib: s.mem_mib, core_pct: s.core_pct, exclusive: s.exclusive }
@@ -103,7 +108,7 @@ impl GrantedPods for KubeAssignments {
                         .flatten()
                         .find(|c| c.name == name)
                         .and_then(|c| c.container_id.as_deref())
-                        .map(|id| bare_container_id(id).to_ascii_lowercase())
+                        .map(bare_id)
                 };
                 let containers = assigned
                     .assignment

@@ -364,11 +364,12 @@ async fn claim_pods_run_on_the_real_node(gpuplace: bool) {
     drop(node);
 }
 
-/// Issue 49's guard in DRA mode: a share's grant is its claim's allocation (the prepared CDI spec);
-/// share-a at 10 GiB over its 20000Mi gets `GpuMemoryOverGrant` and, after the grace, its process is
-/// killed; share-b within its own is untouched.
+/// Issue 49 in DRA mode: a share's grant is its claim's allocation (the prepared CDI spec). The fake
+/// driver has per-cgroup limits: each share's cgroup is capped at its claim, the whole-GPU pair's
+/// not. The guard behind them: share-a at 10000 MiB over its 20000Mi gets `GpuMemoryOverGrant` and,
+/// after the grace, its process is killed; share-b within its own is untouched.
 async fn the_guard_holds_claim_shares(admin: &kube::Client, node: &RealNode, api: &Api<Pod>) {
-    use super::guard::{container, events_of, pids_of, write_processes, GRACE};
+    use super::guard::{cap_of, capped, container, events_of, pids_of, write_processes, GRACE};
     let dir = super::guard::host_dir(&node.dir);
     let (a, b) = (api.get("share-a").await.expect("share-a"), api.get("share-b").await.expect("share-b"));
     let gpu_of = |p: &Pod| -> u32 {
@@ -377,6 +378,15 @@ async fn the_guard_holds_claim_shares(admin: &kube::Client, node: &RealNode, api
     };
     let (ga, gb) = (gpu_of(&a), gpu_of(&b));
     let ((a_cid, a_restarts), (b_cid, b_restarts)) = (container(&a), container(&b));
+    // driver-limits (the fake driver has them): each claim share's cgroup capped at its claim, the
+    // whole-GPU pair not at all
+    let a_cap_s = capped(&node.dir, "share-a", &a_cid, 20_000).await;
+    let b_cap_s = capped(&node.dir, "share-b", &b_cid, 20_000).await;
+    let pair = api.get("pair").await.expect("pair");
+    assert_eq!(cap_of(&dir, &container(&pair).0), None, "the whole-GPU pair was capped");
+    figure(&format!(
+        "real node (DRA): driver-limits: the two claim shares' cgroups capped at 20000 MiB ({a_cap_s:.1} s, {b_cap_s:.1} s after Running), the whole-GPU pair not capped"
+    ));
     let a_pid = *pids_of(&a_cid).first().expect("share-a's process");
     let b_pid = *pids_of(&b_cid).first().expect("share-b's process");
     write_processes(&dir, &[(ga, a_pid, 30_000), (gb, b_pid, 20_000)]);

@@ -133,7 +133,7 @@ pub(super) fn write_processes(dir: &Path, entries: &[(u32, u32, u64)]) {
 }
 
 /// The fake driver's cap on the cgroup of container `cid` (its cgroup's last segment names it).
-fn cap_of(dir: &Path, cid: &str) -> Option<(PathBuf, u64)> {
+pub(super) fn cap_of(dir: &Path, cid: &str) -> Option<(PathBuf, u64)> {
     let text = std::fs::read_to_string(dir.join("limits.json")).ok()?;
     let limits: serde_json::Value = serde_json::from_str(&text).ok()?;
     limits["limits"].as_array()?.iter().find_map(|l| {
@@ -144,7 +144,7 @@ fn cap_of(dir: &Path, cid: &str) -> Option<(PathBuf, u64)> {
 }
 
 /// Waits until the driver caps container `cid`'s cgroup at `mib`; the seconds it took.
-async fn capped(node_dir: &Path, who: &str, cid: &str, mib: u64) -> f64 {
+pub(super) async fn capped(node_dir: &Path, who: &str, cid: &str, mib: u64) -> f64 {
     let t = Instant::now();
     let dir = host_dir(node_dir);
     wait_for(&format!("{who}'s container capped at {mib} MiB by the driver"), Duration::from_secs(30), || {
