@@ -19,6 +19,8 @@ PLUGIN=${PLUGIN:-$BIN_DIR/gpuplace-device-plugin}
 GPU_CHECK=${GPU_CHECK:-$BIN_DIR/gpu-check}
 # The guard's own loop on real NVML (device-plugin/examples/guard_check.rs; stage.sh builds it)
 GUARD_CHECK=${GUARD_CHECK:-$BIN_DIR/guard_check}
+# The plugin's driver memory cap on one cgroup (device-plugin/examples/driver_limit_check.rs)
+DRIVER_LIMIT_CHECK=${DRIVER_LIMIT_CHECK:-$BIN_DIR/driver_limit_check}
 OUT=${OUT:-$REPO/target/gpu-check-out}
 WORK=$(mktemp -d /tmp/gpu-check.XXXXXX)
 MPS_ROOT=$WORK/mps
@@ -363,7 +365,47 @@ else
   say "6. guard: skipped (out of time)"
 fi
 
-# --- 7. Results for docs/performance.md -----------------------------------------------------------
+# --- 7. Driver limits (R615+, cgroup v2) ----------------------------------------------------------
+# With driver_limit_check (staged) and a driver that has per-cgroup memory limits: a cgroup of this
+# run's own, capped at MEM_LOW_MIB through the plugin's backend call; a process in it asking
+# MEM_LOW_ASK_MIB must fail, one asking DL_FITS_MIB must get it; the cap is cleared and the cgroup
+# removed after.
+DL_FITS_MIB=${DL_FITS_MIB:-9216}
+DL_RESULT=skipped
+if [ -x "$DRIVER_LIMIT_CHECK" ] && (($(left 60) > 30)); then
+  DL_OFFER=$(timeout 20 "$DRIVER_LIMIT_CHECK" 2>>"$LOGS" || true)
+  CG_FS=$(stat -fc %T /sys/fs/cgroup 2>/dev/null || echo unknown)
+  if [ "$(jget "$DL_OFFER" supported)" = true ] && [ "$CG_FS" = cgroup2fs ]; then
+    DL_CG=/sys/fs/cgroup/gpuplace-check-$$
+    if mkdir "$DL_CG" 2>>"$LOGS"; then
+      DL_SET=$(timeout 20 "$DRIVER_LIMIT_CHECK" --gpu 0 --cgroup "$DL_CG" --limit-mib "$MEM_LOW_MIB" 2>>"$LOGS" || true)
+      # the process joins the capped cgroup, then becomes gpu-check ($0 is the cgroup)
+      # shellcheck disable=SC2016 # expanded by that inner shell
+      IN_CG=(bash -c 'echo $$ >"$0/cgroup.procs" && exec "$@"' "$DL_CG")
+      gc dl-over 60 "${IN_CG[@]}" "$GPU_CHECK" alloc --mib "$MEM_LOW_ASK_MIB"
+      DL_OVER=$LINE; DL_OVER_RC=$RC
+      gc dl-fits 60 "${IN_CG[@]}" "$GPU_CHECK" alloc --mib "$DL_FITS_MIB"
+      DL_FITS=$LINE
+      timeout 20 "$DRIVER_LIMIT_CHECK" --gpu 0 --cgroup "$DL_CG" --clear >>"$LOGS" 2>&1 || true
+      rmdir "$DL_CG" 2>>"$LOGS" || true
+      DL_OVER_GOT=$(jget "$DL_OVER" allocated_mib)
+      DL_PASS=false
+      [ "$(jget "$DL_SET" ok)" = true ] && [ "$DL_OVER_RC" = 1 ] && [ -n "$DL_OVER_GOT" ] && ((DL_OVER_GOT <= MEM_LOW_MIB)) &&
+        [ "$(jget "$DL_FITS" allocated_mib)" = "$DL_FITS_MIB" ] && DL_PASS=true
+      DL_RESULT="cap ${MEM_LOW_MIB} MiB: asked ${MEM_LOW_ASK_MIB}, got ${DL_OVER_GOT:-?} then $(jget "$DL_OVER" error); asked ${DL_FITS_MIB}, got $(jget "$DL_FITS" allocated_mib) ($DL_PASS)"
+      record driver-limits "\"offer\":${DL_OFFER:-null},\"set\":${DL_SET:-null},\"over\":${DL_OVER:-null},\"fits\":${DL_FITS:-null},\"pass\":$DL_PASS"
+    else
+      DL_RESULT="no cgroup of our own under /sys/fs/cgroup (read-only?)"
+      record driver-limits "\"offer\":$DL_OFFER,\"skipped\":\"cannot create a cgroup\""
+    fi
+  else
+    DL_RESULT="not offered: $(jget "$DL_OFFER" detail) (cgroup fs $CG_FS)"
+    record driver-limits "\"offer\":${DL_OFFER:-null},\"cgroup_fs\":$(jstr "$CG_FS"),\"skipped\":\"driver or cgroup v2 without limits\""
+  fi
+fi
+say "7. driver limits: $DL_RESULT"
+
+# --- 8. Results for docs/performance.md -----------------------------------------------------------
 {
   echo "GPU acceptance (issue 49), $(date -u +%F), ${SMI_Q%%$'\n'*} (driver $DRIVER, compute mode $COMPUTE_MODE), MPS from the $MPS_SOURCE:"
   echo
@@ -376,6 +418,7 @@ fi
   echo "| ${MEM_HIGH_MIB}M limit, asks ${MEM_HIGH_ASK_MIB} MiB, concurrently | ${HIGH_GOT:-?} MiB (${HIGH_PASS:-?}) |"
   echo "| spin, 100 % / ${SPIN_LOW_PCT} % threads | ${M100:-?} / ${MLOW:-?} ms, ${RATIO:-?}x (${SPIN_PASS:-?}) |"
   echo "| guard, ${GUARD_ASK_MIB} MiB on a ${GUARD_GRANT_MIB} MiB grant | killed: ${KILLED:-?} (wired: ${WIRED:-?}) |"
+  echo "| driver limits (nvmlDeviceSetMemoryLimits_v1 on a cgroup) | $DL_RESULT |"
 } >"$SNIPPET"
 say ""
 tee -a "$SUMMARY" <"$SNIPPET"
