@@ -31,6 +31,15 @@ pub struct PolicyReport {
     /// NaN (`null` in JSON) when the arrivals never reached 80 %.
     #[serde(deserialize_with = "nan_when_null")]
     pub frag_rate_pct_at_80: f64,
+    /// Where each seed first turned a pod away (arrived workload, % of GPU capacity; `null`: never),
+    /// and the mean over the seeds that did.
+    #[serde(default)]
+    pub first_refusal_pct_per_seed: Vec<Option<f64>>,
+    #[serde(default)]
+    pub first_refusal_pct: Option<f64>,
+    /// Mean over seeds of the pods turned away while 75 to 100 % of the capacity had arrived.
+    #[serde(default)]
+    pub refused_75_to_100: f64,
     /// Mean over seeds of pods that could not be placed.
     pub failed_pods: f64,
     pub failed_pods_per_seed: Vec<usize>,
@@ -166,6 +175,12 @@ impl PolicyReport {
             seeds: results.iter().map(|r| r.seed).collect(),
             unallocated_gpu_pct: unallocated,
             frag_rate_pct_at_80: round2(mean(results.iter().filter_map(|r| r.frag_rate_pct[80]))),
+            first_refusal_pct_per_seed: results.iter().map(|r| r.first_refusal_pct.map(round2)).collect(),
+            first_refusal_pct: {
+                let m = mean(results.iter().filter_map(|r| r.first_refusal_pct));
+                m.is_finite().then(|| round2(m))
+            },
+            refused_75_to_100: round2(mean(results.iter().map(|r| r.refused_75_to_100 as f64))),
             failed_pods: mean(results.iter().map(|r| r.failed_pods as f64)),
             failed_pods_per_seed: results.iter().map(|r| r.failed_pods).collect(),
             pods_per_seed: mean(results.iter().map(|r| r.pods as f64)),
@@ -217,7 +232,10 @@ pub fn table(reports: &[PolicyReport]) -> String {
     for c in cols {
         out.push_str(&format!(" {:>6}", format!("@{c}")));
     }
-    out.push_str(&format!(" {:>7} {:>9} {:>8} {:>7} {:>9}\n", "paper", "frag@80", "failed", "wall_s", "pods/s"));
+    out.push_str(&format!(
+        " {:>7} {:>9} {:>9} {:>10} {:>8} {:>7} {:>9}\n",
+        "paper", "frag@80", "1st out@", "out 75-100", "failed", "wall_s", "pods/s"
+    ));
     for r in reports {
         out.push_str(&format!("{:<pw$} {:<ww$}", r.policy, r.workload));
         for c in cols {
@@ -230,9 +248,18 @@ pub fn table(reports: &[PolicyReport]) -> String {
         // no figure at 80 % (the arrivals stopped short of it): a dash, as for the columns
         let frag =
             if r.frag_rate_pct_at_80.is_finite() { format!("{:.2}", r.frag_rate_pct_at_80) } else { "-".to_string() };
+        // the mean over the seeds that turned a pod away, with how many did where not all
+        let refused = r.first_refusal_pct_per_seed.iter().filter(|f| f.is_some()).count();
+        let first = match r.first_refusal_pct {
+            None => "-".to_string(),
+            Some(f) if refused < r.first_refusal_pct_per_seed.len() => {
+                format!("{f:.1}({refused}/{})", r.first_refusal_pct_per_seed.len())
+            }
+            Some(f) => format!("{f:.1}"),
+        };
         out.push_str(&format!(
-            " {paper:>7} {frag:>9} {:>8.1} {:>7.2} {:>9.0}\n",
-            r.failed_pods, r.wall_s, r.pods_per_s
+            " {paper:>7} {frag:>9} {first:>9} {:>10.1} {:>8.1} {:>7.2} {:>9.0}\n",
+            r.refused_75_to_100, r.failed_pods, r.wall_s, r.pods_per_s
         ));
     }
     if reports.iter().any(|r| r.groups.is_some()) {
@@ -285,6 +312,9 @@ mod tests {
             seeds: vec![1],
             unallocated_gpu_pct: columns.iter().map(|c| (c.to_string(), 1.5)).collect(),
             frag_rate_pct_at_80: frag,
+            first_refusal_pct_per_seed: vec![None],
+            first_refusal_pct: None,
+            refused_75_to_100: 0.0,
             failed_pods: 0.0,
             failed_pods_per_seed: vec![0],
             pods_per_seed: 10.0,
@@ -294,6 +324,24 @@ mod tests {
             groups: None,
             jobs: None,
         }
+    }
+
+    #[test]
+    fn the_first_refusal_and_the_refusals_from_75_to_100_are_columns() {
+        let mut never = report(&[75, 100], 10.0);
+        never.policy = "never".into();
+        let mut some = report(&[75, 100], 10.0);
+        some.policy = "some".into();
+        some.first_refusal_pct_per_seed = vec![Some(88.0), None];
+        some.first_refusal_pct = Some(88.0);
+        some.refused_75_to_100 = 12.5;
+        let t = table(&[never, some]);
+        let header = t.lines().nth(1).unwrap();
+        assert!(header.contains("1st out@") && header.contains("out 75-100"), "{t}");
+        let line = |p: &str| t.lines().find(|l| l.starts_with(p)).unwrap().split_whitespace().collect::<Vec<_>>();
+        // policy workload @75 @90 @100 @110 @130 paper frag@80 1st-out out-75-100 failed ...
+        assert_eq!(line("never")[9..11], ["-", "0.0"], "{t}");
+        assert_eq!(line("some")[9..11], ["88.0(1/2)", "12.5"], "{t}");
     }
 
     #[test]
@@ -323,6 +371,10 @@ mod tests {
         let t = table(&[r]);
         assert!(!t.contains("NaN"), "{t}");
         let row = t.lines().last().unwrap();
-        assert_eq!(row.split_whitespace().filter(|w| *w == "-").count(), 7, "5 columns, paper, frag: {row}");
+        assert_eq!(
+            row.split_whitespace().filter(|w| *w == "-").count(),
+            8,
+            "5 columns, paper, frag, first refusal: {row}"
+        );
     }
 }

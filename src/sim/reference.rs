@@ -73,6 +73,9 @@ pub fn offline_best_fit_decreasing(
         wall_s: start.elapsed().as_secs_f64(),
         groups: Default::default(),
         jobs: Default::default(),
+        // packed offline, largest first: no arrival point to speak of
+        first_refusal_pct: None,
+        refused_75_to_100: 0,
     }
 }
 

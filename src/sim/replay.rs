@@ -343,6 +343,10 @@ mod tests {
             // 12 GPUs arrived on 8: the 150 % column is past the last one reported
             assert_eq!(r.unallocated_gpu_pct.get("100"), Some(&0.0), "{:?}", r.unallocated_gpu_pct);
             assert_eq!(r.unallocated_gpu_pct.get("50"), Some(&50.0));
+            // turned away when 12 of 8 GPUs had arrived, past the 75-100 % stretch
+            assert_eq!(r.first_refusal_pct, Some(150.0));
+            assert_eq!(r.first_refusal_pct_per_seed, vec![Some(150.0), Some(150.0)]);
+            assert_eq!(r.refused_75_to_100, 0.0);
         }
         let t = table(&reports, 3, 8);
         assert!(t.lines().any(|l| l.starts_with("bestfit") && l.contains("2.0") && l.contains("1.0")), "{t}");

@@ -41,6 +41,12 @@ pub struct SeedResult {
     pub groups: GroupOutcome,
     /// Jobs of the replay: groups, and pods of two or more GPUs (`sim::arrivals`).
     pub jobs: JobOutcome,
+    /// Where the first pod was turned away: the workload arrived so far, % of GPU capacity (`None`:
+    /// none was).
+    pub first_refusal_pct: Option<f64>,
+    /// Pods turned away while 75 to 100 % of the capacity had arrived: the part of the curve a
+    /// cluster lives in.
+    pub refused_75_to_100: usize,
 }
 
 /// How a replay's jobs fared: groups and pods of two or more GPUs, each counted once.
@@ -164,6 +170,7 @@ fn place_in_order(
     let mut events = Vec::with_capacity(order.len());
     let mut arrived = 0u64;
     let mut failed = 0usize;
+    let (mut first_refusal_pct, mut refused_75_to_100) = (None, 0usize);
     let mut groups = GroupOutcome::default();
     let mut jobs = JobOutcome::default();
     // the job arriving now: its last pod's index, whether it had room on arrival, its pods placed
@@ -241,6 +248,9 @@ fn place_in_order(
         }
         failed += usize::from(!placed);
         if !placed {
+            let arrived_pct = arrived as f64 / state.capacity_milli.max(1) as f64 * 100.0;
+            first_refusal_pct.get_or_insert(arrived_pct);
+            refused_75_to_100 += usize::from((75.0..=100.0).contains(&arrived_pct));
             // which pods a policy turns away, and how full the cluster was (RUST_LOG=gpuplace::sim=debug)
             tracing::debug!(
                 policy = %kind,
@@ -274,6 +284,8 @@ fn place_in_order(
         wall_s: start.elapsed().as_secs_f64(),
         groups,
         jobs,
+        first_refusal_pct,
+        refused_75_to_100,
     }
 }
 
