@@ -190,3 +190,37 @@ fn hgx_boards_are_a_labelled_what_if_the_baselines_ignore() {
     assert!(serde_json::to_value(&flat[1]).unwrap().get("boards").is_none(), "flat is the default, not written");
     assert!(gpuplace::sim::figures::table(&hgx).lines().next().unwrap().contains("boards hgx (what-if)"));
 }
+
+/// Issue 50's regression slice of the quality matrix (examples/quality-matrix/run.sh, docs/
+/// performance.md): three cells of other families, orders and boards, where gpuplace leads today,
+/// on three seeds. gpuplace must stay at or below FGD (+0.05) at 75, 90, 100 and 130 % arrival and
+/// at or below bestfit at 100 %.
+#[test]
+fn the_quality_matrix_slice_holds_against_fgd_and_bestfit() {
+    use gpuplace::sim::arrivals::Arrival;
+    use gpuplace::sim::state::Boards;
+    let dir = root().join("../shared/traces/alibaba-openb");
+    let cells = [
+        ("default+gpuspec=10", Arrival::JobsLate, Boards::Flat),
+        ("default+multigpu=50", Arrival::SharesFirst, Boards::Hgx),
+        ("default+sharing=100", Arrival::Bursts, Boards::Flat),
+    ];
+    for (workload, arrival, boards) in cells {
+        let mut c = cfg(vec![PolicyKind::Fgd, PolicyKind::BestFit, PolicyKind::Gpuplace], vec![42, 43, 44]);
+        c.workload = workload.into();
+        c.arrival = arrival;
+        c.boards = boards;
+        let reports = simulate(&dir, &c).unwrap();
+        let at = |p: &str, col: &str| {
+            let r = reports.iter().find(|r| r.policy == p).unwrap_or_else(|| panic!("{p}"));
+            r.unallocated_gpu_pct[col]
+        };
+        let cell = format!("{workload} {} {}", arrival.name(), boards.name());
+        for col in ["75", "90", "100", "130"] {
+            let (g, f) = (at("gpuplace", col), at("fgd", col));
+            assert!(g <= f + 0.05, "{cell} @{col}: gpuplace {g:.2}, FGD {f:.2}");
+        }
+        let (g, b) = (at("gpuplace", "100"), at("bestfit", "100"));
+        assert!(g <= b, "{cell} @100: gpuplace {g:.2}, bestfit {b:.2}");
+    }
+}
