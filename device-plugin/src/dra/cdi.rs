@@ -56,6 +56,31 @@ pub fn prepared_uids(dir: &Path, driver: &str) -> std::io::Result<Vec<String>> {
     Ok(uids)
 }
 
+/// The specs of every claim of `driver` prepared in `dir` (unreadable or malformed ones left out).
+pub fn prepared_specs(dir: &Path, driver: &str) -> Vec<Value> {
+    let uids = prepared_uids(dir, driver).unwrap_or_default();
+    uids.iter()
+        .filter_map(|uid| std::fs::read_to_string(spec_path(dir, driver, uid)).ok())
+        .filter_map(|text| serde_json::from_str::<Value>(&text).ok())
+        .collect()
+}
+
+/// A CDI device's environment (`containerEdits.env`), by variable.
+pub fn device_env(device: &Value) -> std::collections::BTreeMap<&str, &str> {
+    device["containerEdits"]["env"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.as_str()?.split_once('='))
+        .collect()
+}
+
+/// A comma-separated list of numbers in `env[key]` (none when absent; entries that are not numbers
+/// left out).
+pub fn env_numbers(env: &std::collections::BTreeMap<&str, &str>, key: &str) -> Vec<u64> {
+    env.get(key).map(|v| v.split(',').filter_map(|x| x.parse().ok()).collect()).unwrap_or_default()
+}
+
 /// The shares in one spec: each CDI device's environment names its GPUs
 /// (`GPUPLACE_GPU_INDICES`), their limits (`GPUPLACE_GPU_MEM_MIB`, `GPUPLACE_GPU_CORE_PCT`), whether
 /// they are whole (`GPUPLACE_EXCLUSIVE`) and the claim (`GPUPLACE_CLAIM`, as `claim:namespace/name`), as
@@ -63,18 +88,11 @@ pub fn prepared_uids(dir: &Path, driver: &str) -> std::io::Result<Vec<String>> {
 pub fn spec_shares(spec: &Value) -> Vec<ShareSlice> {
     let mut out = Vec::new();
     for device in spec["devices"].as_array().into_iter().flatten() {
-        let env: std::collections::BTreeMap<&str, &str> = device["containerEdits"]["env"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|e| e.as_str()?.split_once('='))
-            .collect();
+        let env = device_env(device);
         if env.get("GPUPLACE_EXCLUSIVE") != Some(&"false") {
             continue;
         }
-        let list = |k: &str| -> Vec<u64> {
-            env.get(k).map(|v| v.split(',').filter_map(|x| x.parse().ok()).collect()).unwrap_or_default()
-        };
+        let list = |k: &str| env_numbers(&env, k);
         let (gpus, mem, core) =
             (list("GPUPLACE_GPU_INDICES"), list("GPUPLACE_GPU_MEM_MIB"), list("GPUPLACE_GPU_CORE_PCT"));
         let pod = format!("claim:{}", env.get("GPUPLACE_CLAIM").copied().unwrap_or_default());
@@ -100,12 +118,7 @@ pub struct CdiShares {
 
 impl ShareSource for CdiShares {
     fn shares(&self) -> Vec<ShareSlice> {
-        let uids = prepared_uids(&self.dir, &self.driver).unwrap_or_default();
-        uids.iter()
-            .filter_map(|uid| std::fs::read_to_string(spec_path(&self.dir, &self.driver, uid)).ok())
-            .filter_map(|text| serde_json::from_str::<Value>(&text).ok())
-            .flat_map(|spec| spec_shares(&spec))
-            .collect()
+        prepared_specs(&self.dir, &self.driver).iter().flat_map(spec_shares).collect()
     }
 
     fn serving(&self) -> Vec<u32> {

@@ -8,8 +8,8 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::Value;
 
-use crate::driver_limits::{ContainerGrants, PodGrants};
-use crate::guard::cgroup::bare_container_id;
+use crate::dra::cdi::{device_env, env_numbers};
+use crate::driver_limits::{status_container_id, ContainerGrants, PodGrants};
 use crate::guard::Grant;
 
 /// One request of a prepared claim: its GPUs and their limits.
@@ -27,18 +27,11 @@ pub struct ClaimGrant {
 pub fn spec_grants(spec: &Value) -> Vec<ClaimGrant> {
     let mut out = Vec::new();
     for device in spec["devices"].as_array().into_iter().flatten() {
-        let env: BTreeMap<&str, &str> = device["containerEdits"]["env"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|e| e.as_str()?.split_once('='))
-            .collect();
+        let env = device_env(device);
         let (Some(claim), Some(request)) = (env.get("GPUPLACE_CLAIM"), env.get("GPUPLACE_CLAIM_REQUEST")) else {
             continue;
         };
-        let list = |k: &str| -> Vec<u64> {
-            env.get(k).map(|v| v.split(',').filter_map(|x| x.parse().ok()).collect()).unwrap_or_default()
-        };
+        let list = |k: &str| env_numbers(&env, k);
         let (gpus, mem, core) =
             (list("GPUPLACE_GPU_INDICES"), list("GPUPLACE_GPU_MEM_MIB"), list("GPUPLACE_GPU_CORE_PCT"));
         let exclusive = env.get("GPUPLACE_EXCLUSIVE") != Some(&"false");
@@ -106,15 +99,6 @@ pub fn pod_grants(pod: &Pod, prepared: &[ClaimGrant]) -> Option<PodGrants> {
         return None;
     }
     let spec = pod.spec.as_ref()?;
-    let id_of = |name: &str| {
-        let lists = status.into_iter().flat_map(|s| [&s.container_statuses, &s.init_container_statuses]);
-        lists
-            .flatten()
-            .flatten()
-            .find(|c| c.name == name)
-            .and_then(|c| c.container_id.as_deref())
-            .map(|id| bare_container_id(id).to_ascii_lowercase())
-    };
     let names = spec
         .containers
         .iter()
@@ -123,7 +107,7 @@ pub fn pod_grants(pod: &Pod, prepared: &[ClaimGrant]) -> Option<PodGrants> {
     let containers: Vec<ContainerGrants> = names
         .filter_map(|(name, init)| {
             let grants = container_grants(pod, name, prepared)?;
-            Some(ContainerGrants { name: name.to_string(), container_id: id_of(name), init, grants })
+            Some(ContainerGrants { name: name.to_string(), container_id: status_container_id(pod, name), init, grants })
         })
         .collect();
     (!containers.is_empty()).then(|| PodGrants {

@@ -40,6 +40,19 @@ pub struct ContainerGrants {
     pub grants: BTreeMap<u32, Grant>,
 }
 
+/// The runtime's ID of container `name` (app or init) from the pod's status, bare and lowercase as
+/// cgroups name it; `None` until the container has started.
+pub fn status_container_id(pod: &k8s_openapi::api::core::v1::Pod, name: &str) -> Option<String> {
+    let status = pod.status.as_ref()?;
+    [&status.container_statuses, &status.init_container_statuses]
+        .into_iter()
+        .flatten()
+        .flatten()
+        .find(|c| c.name == name)
+        .and_then(|c| c.container_id.as_deref())
+        .map(|id| crate::guard::cgroup::bare_container_id(id).to_ascii_lowercase())
+}
+
 /// This node's pods and their grants (the pod watch of the assignments mode).
 pub trait GrantedPods: Send + Sync {
     fn granted_pods(&self) -> Vec<PodGrants>;

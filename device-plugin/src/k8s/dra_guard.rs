@@ -14,7 +14,7 @@ use kube::{Client, ResourceExt};
 use tokio::task::JoinHandle;
 
 use super::guard::container_name;
-use crate::dra::cdi::{prepared_uids, spec_path};
+use crate::dra::cdi::prepared_specs;
 use crate::dra::grants::{container_grants, pod_grants, spec_grants, ClaimGrant};
 use crate::driver_limits::{GrantedPods, PodGrants};
 use crate::guard::{ContainerDirectory, Holder, Lookup};
@@ -54,13 +54,8 @@ impl DraDirectory {
                 return grants.clone();
             }
         }
-        let uids = prepared_uids(&self.cdi_dir, &self.driver).unwrap_or_default();
-        let grants: Vec<ClaimGrant> = uids
-            .iter()
-            .filter_map(|uid| std::fs::read_to_string(spec_path(&self.cdi_dir, &self.driver, uid)).ok())
-            .filter_map(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
-            .flat_map(|spec| spec_grants(&spec))
-            .collect();
+        let grants: Vec<ClaimGrant> =
+            prepared_specs(&self.cdi_dir, &self.driver).iter().flat_map(spec_grants).collect();
         let grants = Arc::new(grants);
         *cached = Some((Instant::now(), grants.clone()));
         grants

@@ -14,7 +14,7 @@ use kube::{Api, Client, ResourceExt};
 use super::assignments::KubeAssignments;
 use super::events::PluginEvents;
 use super::{call, CALL_TIMEOUT};
-use crate::driver_limits::{ContainerGrants, GrantedPods, PodGrants};
+use crate::driver_limits::{status_container_id, ContainerGrants, GrantedPods, PodGrants};
 use crate::guard::cgroup::bare_container_id;
 use crate::guard::run::GuardOutlet;
 use crate::guard::{ContainerDirectory, Grant, Holder, Lookup};
@@ -68,11 +68,6 @@ impl ContainerDirectory for KubeAssignments {
     }
 }
 
-/// A status's `containerd://<id>` as the bare, lowercase ID cgroups name.
-pub(crate) fn bare_id(status_id: &str) -> String {
-    bare_container_id(status_id).to_ascii_lowercase()
-}
-
 /// A slice of an assignment as the guard's grant.
 fn grant(s: &gpuplace_core::assignment::GpuSlice) -> Grant {
     Grant { mem_mib: s.mem_mib, core_pct: s.core_pct, exclusive: s.exclusive }
@@ -100,23 +95,13 @@ impl GrantedPods for KubeAssignments {
                     .flat_map(|s| s.init_containers.iter().flatten())
                     .map(|c| c.name.as_str())
                     .collect();
-                let status = pod.status.as_ref();
-                let id_of = |name: &str| {
-                    let lists = status.into_iter().flat_map(|s| [&s.container_statuses, &s.init_container_statuses]);
-                    lists
-                        .flatten()
-                        .flatten()
-                        .find(|c| c.name == name)
-                        .and_then(|c| c.container_id.as_deref())
-                        .map(bare_id)
-                };
                 let containers = assigned
                     .assignment
                     .containers
                     .iter()
                     .map(|c| ContainerGrants {
                         name: c.name.clone(),
-                        container_id: id_of(&c.name),
+                        container_id: status_container_id(&pod, &c.name),
                         init: init.contains(&c.name.as_str()),
                         grants: c.slices.iter().map(|s| (s.gpu, grant(s))).collect(),
                     })
